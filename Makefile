@@ -1,0 +1,50 @@
+# weightsync: make demo | make test | make lint | make proto | make run | make bench
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+BUF := .tools/node_modules/.bin/buf
+PROTOS := $(wildcard protos/weightsync/v1/*.proto) $(wildcard protos/weightsync/worker/v1/*.proto)
+
+.PHONY: install test lint proto run demo bench bench-quick clean
+
+# torch first, with an exact pin: on this machine it is a CPU build on local
+# disk; a looser requirement could pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(BUF):
+	mkdir -p .tools
+	cd .tools && npm install --no-audit --no-fund --silent @bufbuild/buf@1.75.0
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install $(BUF)
+	cd protos && ../$(BUF) lint
+	$(PY) -m ruff check .
+
+proto: install
+	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --pyi_out=protos \
+	  --grpc_python_out=protos $(PROTOS)
+
+run: install
+	$(VENV)/bin/weightsync-server --listen 127.0.0.1:50051 --workers 2 --device cpu
+
+demo: install
+	$(PY) -m weightsync.client.demo
+
+bench: install
+	$(PY) -m bench
+
+bench-quick: install
+	$(PY) -m bench --quick
+
+clean:
+	rm -rf $(VENV) .tools .pytest_cache

@@ -1,0 +1,183 @@
+"""Structural validation of a WeightPlan, before any byte moves.
+
+Checks only what the plan says about itself and the server's limits; checks
+against the weight store (existing names, dtypes, shapes) happen in the worker,
+which owns the store. Every failure is an InvalidArgument naming the offending
+bucket and tensor in its metadata.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from weightsync.common import dtypes
+from weightsync.common.errors import InvalidArgument
+from weightsync.v1 import tensor_pb2
+
+MAX_NAME_BYTES = 1024
+# Sizes are int64 on the wire; anything near 2^63 is nonsense for a tensor.
+MAX_TENSOR_BYTES = 1 << 50
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanLimits:
+    """Bounds applied to every plan."""
+
+    max_tensors: int
+    """Most tensors one plan may list."""
+    max_plan_bytes: int
+    """Most bytes (sum of bucket sizes) one plan may move."""
+    max_bucket_bytes: int
+    """Most bytes in one bucket."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSummary:
+    """Totals of a valid plan."""
+
+    tensor_count: int
+    total_bytes: int
+    max_bucket_bytes: int
+
+
+def validate_plan(plan: tensor_pb2.WeightPlan, limits: PlanLimits) -> PlanSummary:
+    """Raise InvalidArgument for the first problem found; return totals otherwise."""
+    if not plan.buckets:
+        raise InvalidArgument("PLAN_EMPTY", "the plan has no buckets")
+    names: set[str] = set()
+    tensor_count = 0
+    total_bytes = 0
+    largest = 0
+    for index, bucket in enumerate(plan.buckets):
+        _validate_bucket(index, bucket, limits, names)
+        tensor_count += len(bucket.tensors)
+        total_bytes += bucket.size_bytes
+        largest = max(largest, bucket.size_bytes)
+        if tensor_count > limits.max_tensors:
+            raise InvalidArgument(
+                "PLAN_TOO_MANY_TENSORS",
+                f"the plan lists more than {limits.max_tensors} tensors (server limit max_tensors)",
+                limit=limits.max_tensors,
+            )
+        if total_bytes > limits.max_plan_bytes:
+            raise InvalidArgument(
+                "PLAN_TOO_MANY_BYTES",
+                f"the plan moves more than {limits.max_plan_bytes} bytes "
+                "(server limit max_plan_bytes)",
+                limit=limits.max_plan_bytes,
+                bucket=index,
+            )
+    return PlanSummary(tensor_count, total_bytes, largest)
+
+
+def _validate_bucket(
+    index: int, bucket: tensor_pb2.BucketSpec, limits: PlanLimits, names: set[str]
+) -> None:
+    if bucket.size_bytes < 0:
+        raise InvalidArgument(
+            "BUCKET_SIZE_NEGATIVE", f"bucket {index} has size_bytes {bucket.size_bytes}", bucket=index
+        )
+    if bucket.size_bytes > limits.max_bucket_bytes:
+        raise InvalidArgument(
+            "BUCKET_TOO_LARGE",
+            f"bucket {index} is {bucket.size_bytes} bytes; the server accepts at most "
+            f"{limits.max_bucket_bytes} (max_bucket_bytes): split it",
+            bucket=index,
+            size_bytes=bucket.size_bytes,
+            limit=limits.max_bucket_bytes,
+        )
+    if not bucket.tensors:
+        raise InvalidArgument("BUCKET_EMPTY", f"bucket {index} lists no tensors", bucket=index)
+    previous_end = 0
+    previous_name = ""
+    for spec in bucket.tensors:
+        _validate_tensor(index, spec, names)
+        if spec.offset_bytes < previous_end:
+            raise InvalidArgument(
+                "TENSOR_OVERLAP",
+                f"tensor {spec.name!r} at offset {spec.offset_bytes} in bucket {index} overlaps "
+                f"{previous_name!r}, which ends at {previous_end} (tensors must be in increasing, "
+                "non-overlapping offset order)",
+                bucket=index,
+                tensor=spec.name,
+                offset_bytes=spec.offset_bytes,
+            )
+        end = spec.offset_bytes + spec.size_bytes
+        if end > bucket.size_bytes:
+            raise InvalidArgument(
+                "TENSOR_OUT_OF_BOUNDS",
+                f"tensor {spec.name!r} ends at byte {end}, past the end of bucket {index} "
+                f"({bucket.size_bytes} bytes)",
+                bucket=index,
+                tensor=spec.name,
+                offset_bytes=spec.offset_bytes,
+                size_bytes=spec.size_bytes,
+            )
+        previous_end, previous_name = end, spec.name
+
+
+def _validate_tensor(index: int, spec: tensor_pb2.TensorSpec, names: set[str]) -> None:
+    name = spec.name
+    if not name:
+        raise InvalidArgument("TENSOR_NAME_EMPTY", f"bucket {index} has a tensor with no name", bucket=index)
+    if len(name.encode("utf-8")) > MAX_NAME_BYTES:
+        raise InvalidArgument(
+            "TENSOR_NAME_TOO_LONG",
+            f"a tensor name in bucket {index} is {len(name.encode())} bytes; at most {MAX_NAME_BYTES}",
+            bucket=index,
+            tensor=name[:64],
+        )
+    if name in names:
+        raise InvalidArgument(
+            "TENSOR_NAME_DUPLICATE", f"tensor {name!r} appears twice in the plan", bucket=index, tensor=name
+        )
+    names.add(name)
+    itemsize = dtypes.itemsize(spec.dtype, tensor=name)
+    for dim in spec.shape:
+        if dim < 0:
+            raise InvalidArgument(
+                "TENSOR_SHAPE_NEGATIVE",
+                f"tensor {name!r} has a negative dimension in shape {list(spec.shape)}",
+                bucket=index,
+                tensor=name,
+            )
+    numel = math.prod(spec.shape)
+    expected = numel * itemsize
+    if expected > MAX_TENSOR_BYTES:
+        raise InvalidArgument(
+            "TENSOR_SHAPE_TOO_LARGE",
+            f"tensor {name!r} with shape {list(spec.shape)} would be {expected} bytes",
+            bucket=index,
+            tensor=name,
+        )
+    if spec.size_bytes != expected:
+        raise InvalidArgument(
+            "TENSOR_SIZE_MISMATCH",
+            f"tensor {name!r}: size_bytes is {spec.size_bytes}, but shape {list(spec.shape)} of "
+            f"{itemsize}-byte elements needs {expected}",
+            bucket=index,
+            tensor=name,
+            size_bytes=spec.size_bytes,
+            expected_bytes=expected,
+        )
+    if spec.offset_bytes < 0 or spec.offset_bytes % itemsize:
+        raise InvalidArgument(
+            "TENSOR_OFFSET_UNALIGNED",
+            f"tensor {name!r} has offset_bytes {spec.offset_bytes}: it must be >= 0 and a multiple "
+            f"of its element size {itemsize}",
+            bucket=index,
+            tensor=name,
+            offset_bytes=spec.offset_bytes,
+        )
+    algorithm = spec.checksum.algorithm
+    if algorithm not in (
+        tensor_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED,
+        tensor_pb2.CHECKSUM_ALGORITHM_WS64,
+    ):
+        raise InvalidArgument(
+            "CHECKSUM_ALGORITHM_UNKNOWN",
+            f"tensor {name!r} has unknown checksum algorithm {algorithm}",
+            bucket=index,
+            tensor=name,
+        )

@@ -1,0 +1,1 @@
+"""weightsync.gpu_worker."""

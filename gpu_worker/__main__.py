@@ -1,0 +1,67 @@
+"""Entry point of a worker process: `python -m weightsync.gpu_worker`.
+
+The server starts it with a fresh interpreter (the spawn model: nothing
+inherited but the file descriptors it names). The config arrives as a
+serialized WorkerConfig on the command line, and the two queues as inherited
+file descriptors: no pickle crosses the process boundary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+
+import structlog
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL if the server dies, so no worker is ever orphaned."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="weightsync-worker")
+    parser.add_argument("--config-hex", required=True)
+    parser.add_argument("--command-fds", required=True, help="segment_fd,doorbell_fd")
+    parser.add_argument("--event-fds", required=True, help="segment_fd,doorbell_fd")
+    args = parser.parse_args(argv)
+
+    _die_with_parent()
+    # Ctrl-C reaches the whole process group; the server decides how we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    from weightsync.common.logging import configure_logging
+    from weightsync.common.shm_queue import AttachedQueue
+    from weightsync.gpu_worker.worker import Worker
+    from weightsync.worker.v1 import worker_pb2
+
+    config = worker_pb2.WorkerConfig()
+    config.ParseFromString(bytes.fromhex(args.config_hex))
+    configure_logging(config.log_level or "info")
+    structlog.contextvars.bind_contextvars(worker=config.index)
+    if os.getppid() != config.parent_pid:
+        return 1
+    cmd_seg, cmd_bell = (int(x) for x in args.command_fds.split(","))
+    evt_seg, evt_bell = (int(x) for x in args.event_fds.split(","))
+    commands = AttachedQueue(cmd_seg, cmd_bell)
+    events = AttachedQueue(evt_seg, evt_bell)
+    import torch
+
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    worker = Worker(config, commands.queue, events.queue)
+    worker.run(parent_alive=lambda: os.getppid() == config.parent_pid)
+    commands.close()
+    events.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

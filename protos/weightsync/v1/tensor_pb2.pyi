@@ -1,0 +1,82 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[Dtype]
+    DTYPE_FLOAT32: _ClassVar[Dtype]
+    DTYPE_FLOAT16: _ClassVar[Dtype]
+    DTYPE_BFLOAT16: _ClassVar[Dtype]
+    DTYPE_FLOAT64: _ClassVar[Dtype]
+    DTYPE_FLOAT8_E4M3FN: _ClassVar[Dtype]
+    DTYPE_FLOAT8_E5M2: _ClassVar[Dtype]
+    DTYPE_INT8: _ClassVar[Dtype]
+    DTYPE_UINT8: _ClassVar[Dtype]
+    DTYPE_INT16: _ClassVar[Dtype]
+    DTYPE_INT32: _ClassVar[Dtype]
+    DTYPE_INT64: _ClassVar[Dtype]
+    DTYPE_BOOL: _ClassVar[Dtype]
+
+class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKSUM_ALGORITHM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
+    CHECKSUM_ALGORITHM_WS64: _ClassVar[ChecksumAlgorithm]
+DTYPE_UNSPECIFIED: Dtype
+DTYPE_FLOAT32: Dtype
+DTYPE_FLOAT16: Dtype
+DTYPE_BFLOAT16: Dtype
+DTYPE_FLOAT64: Dtype
+DTYPE_FLOAT8_E4M3FN: Dtype
+DTYPE_FLOAT8_E5M2: Dtype
+DTYPE_INT8: Dtype
+DTYPE_UINT8: Dtype
+DTYPE_INT16: Dtype
+DTYPE_INT32: Dtype
+DTYPE_INT64: Dtype
+DTYPE_BOOL: Dtype
+CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
+CHECKSUM_ALGORITHM_WS64: ChecksumAlgorithm
+
+class Checksum(_message.Message):
+    __slots__ = ("algorithm", "value")
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    algorithm: ChecksumAlgorithm
+    value: int
+    def __init__(self, algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., value: _Optional[int] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset_bytes", "size_bytes", "checksum")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: Dtype
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset_bytes: int
+    size_bytes: int
+    checksum: Checksum
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
+
+class BucketSpec(_message.Message):
+    __slots__ = ("size_bytes", "tensors")
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    size_bytes: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class WeightPlan(_message.Message):
+    __slots__ = ("buckets",)
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    buckets: _containers.RepeatedCompositeFieldContainer[BucketSpec]
+    def __init__(self, buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ...) -> None: ...

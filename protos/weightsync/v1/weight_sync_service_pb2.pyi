@@ -1,0 +1,361 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from weightsync.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BACKEND_UNSPECIFIED: _ClassVar[Backend]
+    BACKEND_GLOO: _ClassVar[Backend]
+    BACKEND_NCCL: _ClassVar[Backend]
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_COLLECTIVE: _ClassVar[Transport]
+    TRANSPORT_SHM: _ClassVar[Transport]
+    TRANSPORT_INLINE: _ClassVar[Transport]
+
+class UpdateMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_MODE_UNSPECIFIED: _ClassVar[UpdateMode]
+    UPDATE_MODE_IN_PLACE: _ClassVar[UpdateMode]
+    UPDATE_MODE_STAGED: _ClassVar[UpdateMode]
+
+class StoreState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STORE_STATE_UNSPECIFIED: _ClassVar[StoreState]
+    STORE_STATE_EMPTY: _ClassVar[StoreState]
+    STORE_STATE_CONSISTENT: _ClassVar[StoreState]
+    STORE_STATE_UPDATING: _ClassVar[StoreState]
+    STORE_STATE_INCONSISTENT: _ClassVar[StoreState]
+    STORE_STATE_LOST: _ClassVar[StoreState]
+
+class GroupState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GROUP_STATE_UNSPECIFIED: _ClassVar[GroupState]
+    GROUP_STATE_JOINING: _ClassVar[GroupState]
+    GROUP_STATE_READY: _ClassVar[GroupState]
+    GROUP_STATE_BROKEN: _ClassVar[GroupState]
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_STARTING: _ClassVar[WorkerState]
+    WORKER_STATE_RUNNING: _ClassVar[WorkerState]
+    WORKER_STATE_RESTARTING: _ClassVar[WorkerState]
+    WORKER_STATE_STOPPED: _ClassVar[WorkerState]
+BACKEND_UNSPECIFIED: Backend
+BACKEND_GLOO: Backend
+BACKEND_NCCL: Backend
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_COLLECTIVE: Transport
+TRANSPORT_SHM: Transport
+TRANSPORT_INLINE: Transport
+UPDATE_MODE_UNSPECIFIED: UpdateMode
+UPDATE_MODE_IN_PLACE: UpdateMode
+UPDATE_MODE_STAGED: UpdateMode
+STORE_STATE_UNSPECIFIED: StoreState
+STORE_STATE_EMPTY: StoreState
+STORE_STATE_CONSISTENT: StoreState
+STORE_STATE_UPDATING: StoreState
+STORE_STATE_INCONSISTENT: StoreState
+STORE_STATE_LOST: StoreState
+GROUP_STATE_UNSPECIFIED: GroupState
+GROUP_STATE_JOINING: GroupState
+GROUP_STATE_READY: GroupState
+GROUP_STATE_BROKEN: GroupState
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_STARTING: WorkerState
+WORKER_STATE_RUNNING: WorkerState
+WORKER_STATE_RESTARTING: WorkerState
+WORKER_STATE_STOPPED: WorkerState
+
+class WeightVersion(_message.Message):
+    __slots__ = ("version", "generation", "commit_time")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_TIME_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    generation: int
+    commit_time: _timestamp_pb2.Timestamp
+    def __init__(self, version: _Optional[str] = ..., generation: _Optional[int] = ..., commit_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("index", "device", "backend", "state", "store_state", "tensor_count", "store_bytes", "pid", "restart_count")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STORE_STATE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    device: str
+    backend: Backend
+    state: WorkerState
+    store_state: StoreState
+    tensor_count: int
+    store_bytes: int
+    pid: int
+    restart_count: int
+    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., tensor_count: _Optional[int] = ..., store_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ...) -> None: ...
+
+class ServerLimits(_message.Message):
+    __slots__ = ("max_tensors", "max_plan_bytes", "max_bucket_bytes", "max_message_bytes")
+    MAX_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PLAN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_tensors: int
+    max_plan_bytes: int
+    max_bucket_bytes: int
+    max_message_bytes: int
+    def __init__(self, max_tensors: _Optional[int] = ..., max_plan_bytes: _Optional[int] = ..., max_bucket_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetServerInfoResponse(_message.Message):
+    __slots__ = ("server_version", "workers", "backends", "transports", "store_state", "current_version", "limits", "draining")
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    STORE_STATE_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    server_version: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    backends: _containers.RepeatedScalarFieldContainer[Backend]
+    transports: _containers.RepeatedScalarFieldContainer[Transport]
+    store_state: StoreState
+    current_version: WeightVersion
+    limits: ServerLimits
+    draining: bool
+    def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class TransferGroup(_message.Message):
+    __slots__ = ("group_id", "world_size", "rank_offset", "backend", "state", "timeout", "broken_reason")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    BROKEN_REASON_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    world_size: int
+    rank_offset: int
+    backend: Backend
+    state: GroupState
+    timeout: _duration_pb2.Duration
+    broken_reason: str
+    def __init__(self, group_id: _Optional[str] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., state: _Optional[_Union[GroupState, str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., broken_reason: _Optional[str] = ...) -> None: ...
+
+class CreateTransferGroupRequest(_message.Message):
+    __slots__ = ("group_id", "store_host", "store_port", "world_size", "rank_offset", "backend", "timeout")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    store_host: str
+    store_port: int
+    world_size: int
+    rank_offset: int
+    backend: Backend
+    timeout: _duration_pb2.Duration
+    def __init__(self, group_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class CreateTransferGroupResponse(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: TransferGroup
+    def __init__(self, group: _Optional[_Union[TransferGroup, _Mapping]] = ...) -> None: ...
+
+class DeleteTransferGroupRequest(_message.Message):
+    __slots__ = ("group_id",)
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    def __init__(self, group_id: _Optional[str] = ...) -> None: ...
+
+class DeleteTransferGroupResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTransferGroupsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTransferGroupsResponse(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[TransferGroup]
+    def __init__(self, groups: _Optional[_Iterable[_Union[TransferGroup, _Mapping]]] = ...) -> None: ...
+
+class BeginUpdate(_message.Message):
+    __slots__ = ("group_id", "version", "plan", "plan_id", "mode", "transport", "allow_new_tensors")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NEW_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    version: str
+    plan: _tensor_pb2.WeightPlan
+    plan_id: str
+    mode: UpdateMode
+    transport: Transport
+    allow_new_tensors: bool
+    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., plan_id: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., allow_new_tensors: _Optional[bool] = ...) -> None: ...
+
+class BucketStart(_message.Message):
+    __slots__ = ("sequence", "checksum")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    checksum: _tensor_pb2.Checksum
+    def __init__(self, sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ...) -> None: ...
+
+class CommitUpdate(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortUpdate(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("begin", "bucket_start", "commit", "abort")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_START_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    begin: BeginUpdate
+    bucket_start: BucketStart
+    commit: CommitUpdate
+    abort: AbortUpdate
+    def __init__(self, begin: _Optional[_Union[BeginUpdate, _Mapping]] = ..., bucket_start: _Optional[_Union[BucketStart, _Mapping]] = ..., commit: _Optional[_Union[CommitUpdate, _Mapping]] = ..., abort: _Optional[_Union[AbortUpdate, _Mapping]] = ...) -> None: ...
+
+class UpdateReady(_message.Message):
+    __slots__ = ("update_id", "plan_id", "bucket_count", "fast_path_bucket_count")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    plan_id: str
+    bucket_count: int
+    fast_path_bucket_count: int
+    def __init__(self, update_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., bucket_count: _Optional[int] = ..., fast_path_bucket_count: _Optional[int] = ...) -> None: ...
+
+class BucketApplied(_message.Message):
+    __slots__ = ("sequence", "size_bytes")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    size_bytes: int
+    def __init__(self, sequence: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class UpdateAborting(_message.Message):
+    __slots__ = ("code", "reason", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    reason: str
+    message: str
+    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class UpdateCommitted(_message.Message):
+    __slots__ = ("version", "size_bytes", "duration")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_FIELD_NUMBER: _ClassVar[int]
+    version: WeightVersion
+    size_bytes: int
+    duration: _duration_pb2.Duration
+    def __init__(self, version: _Optional[_Union[WeightVersion, _Mapping]] = ..., size_bytes: _Optional[int] = ..., duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("ready", "bucket_applied", "aborting", "committed")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    ABORTING_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ready: UpdateReady
+    bucket_applied: BucketApplied
+    aborting: UpdateAborting
+    committed: UpdateCommitted
+    def __init__(self, ready: _Optional[_Union[UpdateReady, _Mapping]] = ..., bucket_applied: _Optional[_Union[BucketApplied, _Mapping]] = ..., aborting: _Optional[_Union[UpdateAborting, _Mapping]] = ..., committed: _Optional[_Union[UpdateCommitted, _Mapping]] = ...) -> None: ...
+
+class GetTensorChecksumsRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TensorChecksum(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "checksum")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: _tensor_pb2.Dtype
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    checksum: _tensor_pb2.Checksum
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ...) -> None: ...
+
+class WorkerChecksums(_message.Message):
+    __slots__ = ("worker_index", "tensors")
+    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    worker_index: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorChecksum]
+    def __init__(self, worker_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorChecksum, _Mapping]]] = ...) -> None: ...
+
+class GetTensorChecksumsResponse(_message.Message):
+    __slots__ = ("version", "store_state", "workers")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STORE_STATE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    version: WeightVersion
+    store_state: StoreState
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerChecksums]
+    def __init__(self, version: _Optional[_Union[WeightVersion, _Mapping]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., workers: _Optional[_Iterable[_Union[WorkerChecksums, _Mapping]]] = ...) -> None: ...
+
+class WatchWeightsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchWeightsResponse(_message.Message):
+    __slots__ = ("version", "store_state", "event_time")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STORE_STATE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
+    version: WeightVersion
+    store_state: StoreState
+    event_time: _timestamp_pb2.Timestamp
+    def __init__(self, version: _Optional[_Union[WeightVersion, _Mapping]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

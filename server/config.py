@@ -1,0 +1,160 @@
+"""Server configuration: one frozen dataclass, read from flags and the environment at start-up."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from weightsync.common.plan_validation import PlanLimits
+
+ENV_PREFIX = "WEIGHTSYNC_"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ServerConfig:
+    """Everything the server needs; validated on construction."""
+
+    listen: str = "127.0.0.1:50051"
+    """host:port to bind; 127.0.0.1 unless told otherwise. Port 0 picks a free one."""
+    devices: tuple[str, ...] = ("cpu", "cpu")
+    """One worker per entry: "cpu" or "cuda:N"."""
+    max_tensors: int = 200_000
+    """Most tensors one plan may list."""
+    max_plan_bytes: int = 1 << 40
+    """Most bytes one update may move."""
+    max_bucket_bytes: int = 4 << 30
+    """Most bytes in one bucket."""
+    max_message_bytes: int = 32 << 20
+    """Largest gRPC message accepted or sent (plans travel in one message)."""
+    queue_capacity_bytes: int = 48 << 20
+    """Ring size of each server<->worker shared-memory queue."""
+    worker_memory_limit_bytes: int = 0
+    """Cap on a worker's store + buffers; 0 means the device's free memory."""
+    shutdown_grace_seconds: float = 10.0
+    """SIGTERM: how long a running update may take to finish before it is aborted."""
+    worker_call_timeout_seconds: float = 120.0
+    """Longest a non-collective worker command may take before the worker is restarted."""
+    log_level: str = "info"
+    """structlog level."""
+    token: str = field(default="", repr=False)
+    """Bearer token required on every RPC but health; empty disables auth."""
+    tls_cert: str = ""
+    """PEM certificate chain file; enables TLS with tls_key."""
+    tls_key: str = ""
+    """PEM private key file."""
+    tls_client_ca: str = ""
+    """PEM CA bundle: when set, clients must present a certificate it signed (mTLS)."""
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        if not self.devices:
+            raise ValueError("at least one worker device is required")
+        for device in self.devices:
+            if device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
+                raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
+        for name in ("max_tensors", "max_plan_bytes", "max_bucket_bytes", "max_message_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.queue_capacity_bytes < 1 << 16:
+            raise ValueError(f"queue_capacity_bytes must be at least 65536, got {self.queue_capacity_bytes}")
+        if self.queue_capacity_bytes < self.max_message_bytes + 4096:
+            raise ValueError(
+                f"queue_capacity_bytes ({self.queue_capacity_bytes}) must exceed max_message_bytes "
+                f"({self.max_message_bytes}) so a full plan fits in one worker command"
+            )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+
+    @property
+    def limits(self) -> PlanLimits:
+        return PlanLimits(
+            max_tensors=self.max_tensors,
+            max_plan_bytes=self.max_plan_bytes,
+            max_bucket_bytes=self.max_bucket_bytes,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="weightsync-server",
+        description="Serve weight updates to per-device worker processes. "
+        f"Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}LISTEN).",
+    )
+    parser.add_argument("--listen", help="host:port (default 127.0.0.1:50051)")
+    parser.add_argument("--devices", help="comma-separated devices, e.g. cuda:0,cuda:1")
+    parser.add_argument("--workers", type=int, help="number of workers on --device")
+    parser.add_argument("--device", help="device for --workers (cpu or cuda)")
+    parser.add_argument("--max-tensors", type=int)
+    parser.add_argument("--max-plan-bytes", type=int)
+    parser.add_argument("--max-bucket-bytes", type=int)
+    parser.add_argument("--max-message-bytes", type=int)
+    parser.add_argument("--queue-capacity-bytes", type=int)
+    parser.add_argument("--worker-memory-limit-bytes", type=int)
+    parser.add_argument("--shutdown-grace-seconds", type=float)
+    parser.add_argument("--log-level")
+    parser.add_argument("--token-file", help="file holding the bearer token clients must send")
+    parser.add_argument("--tls-cert")
+    parser.add_argument("--tls-key")
+    parser.add_argument("--tls-client-ca")
+    return parser
+
+
+def config_from_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """Flags win over environment variables, which win over defaults."""
+    env = os.environ if env is None else env
+    args = build_parser().parse_args(argv)
+
+    def pick(flag: str) -> str | None:
+        value = getattr(args, flag)
+        if value is not None:
+            return str(value)
+        return env.get(ENV_PREFIX + flag.upper())
+
+    values: dict[str, object] = {}
+    if (listen := pick("listen")) is not None:
+        values["listen"] = listen
+    devices = pick("devices")
+    workers = pick("workers")
+    device = pick("device") or "cpu"
+    if devices and workers:
+        raise ValueError("give either --devices or --workers/--device, not both")
+    if devices:
+        values["devices"] = tuple(d.strip() for d in devices.split(",") if d.strip())
+    elif workers:
+        count = int(workers)
+        if count < 1:
+            raise ValueError(f"--workers must be at least 1, got {count}")
+        values["devices"] = tuple(
+            device if device == "cpu" else f"cuda:{i}" for i in range(count)
+        ) if device in ("cpu", "cuda") else tuple(device for _ in range(count))
+    for name, cast in (
+        ("max_tensors", int),
+        ("max_plan_bytes", int),
+        ("max_bucket_bytes", int),
+        ("max_message_bytes", int),
+        ("queue_capacity_bytes", int),
+        ("worker_memory_limit_bytes", int),
+        ("shutdown_grace_seconds", float),
+    ):
+        raw = pick(name)
+        if raw is not None:
+            values[name] = cast(raw)
+    if (level := pick("log_level")) is not None:
+        values["log_level"] = level
+    token_file = pick("token_file")
+    if token_file:
+        with open(token_file, encoding="utf-8") as handle:
+            token = handle.read().strip()
+        if not token:
+            raise ValueError(f"token file {token_file} is empty")
+        values["token"] = token
+    for name in ("tls_cert", "tls_key", "tls_client_ca"):
+        if (raw := pick(name)) is not None:
+            values[name] = raw
+    return ServerConfig(**values)  # type: ignore[arg-type]

@@ -1,0 +1,152 @@
+"""One interceptor at the edge of every RPC.
+
+- Authentication: with a token configured, every method but the health
+  service needs `authorization: Bearer <token>` (constant-time compare);
+  reflection included.
+- Parsing: requests arrive as raw bytes and are parsed here, so a malformed
+  message is INVALID_ARGUMENT (MESSAGE_MALFORMED), not an INTERNAL error from
+  the framework.
+- Errors: a WeightSyncError becomes its status code with one ErrorInfo; any
+  other exception becomes INTERNAL with a generic message, the traceback going
+  to the log only.
+- Logging context: the RPC method is bound for everything logged below.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+import structlog
+from google.protobuf.message import DecodeError
+
+from weightsync.common.errors import Internal, InvalidArgument, Unauthenticated, WeightSyncError
+from weightsync.server.errors import rich_status
+
+log = structlog.get_logger("weightsync.rpc")
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+SERVICE_PREFIX = "/weightsync.v1."
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: WeightSyncError) -> None:
+    await context.abort_with_status(rich_status(error))
+
+
+def _internal(method: str, error: BaseException) -> WeightSyncError:
+    log.error("rpc_crashed", method=method, exc_info=error)
+    return Internal("INTERNAL", "internal error; see the server log")
+
+
+class EdgeInterceptor(grpc.aio.ServerInterceptor):
+    """Authentication, parsing and error mapping for every RPC."""
+
+    def __init__(self, token: str = "") -> None:
+        self._expected = f"Bearer {token}".encode() if token else b""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = details.method
+        if self._expected and not method.startswith(HEALTH_PREFIX) and not self._authorized(details):
+            return _refusing_handler(handler, Unauthenticated("TOKEN_INVALID", "missing or invalid bearer token"))
+        if not method.startswith(SERVICE_PREFIX):
+            return handler
+        return _wrap(handler, method)
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                return hmac.compare_digest(given, self._expected)
+        return False
+
+
+def _refusing_handler(handler: grpc.RpcMethodHandler, error: WeightSyncError) -> grpc.RpcMethodHandler:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _abort(context, error)
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await _abort(context, error)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
+def _parse(deserializer: Callable[[bytes], Any], raw: bytes) -> Any:
+    try:
+        return deserializer(raw)
+    except (DecodeError, ValueError, UnicodeDecodeError) as error:
+        raise InvalidArgument("MESSAGE_MALFORMED", f"request could not be parsed: {error}") from error
+
+
+def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+    serialize = handler.response_serializer
+
+    if not handler.request_streaming and not handler.response_streaming:
+        inner = handler.unary_unary
+
+        async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            with structlog.contextvars.bound_contextvars(rpc=method):
+                try:
+                    return await inner(_parse(parse, raw), context)
+                except WeightSyncError as error:
+                    await _abort(context, error)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as error:  # noqa: BLE001
+                    await _abort(context, _internal(method, error))
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, None, serialize)
+
+    if not handler.request_streaming:
+        inner_stream = handler.unary_stream
+
+        async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            with structlog.contextvars.bound_contextvars(rpc=method):
+                try:
+                    async for response in inner_stream(_parse(parse, raw), context):
+                        yield response
+                except WeightSyncError as error:
+                    await _abort(context, error)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as error:  # noqa: BLE001
+                    await _abort(context, _internal(method, error))
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, None, serialize)
+
+    inner_bidi = handler.stream_stream
+
+    async def parsed(requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+        async for raw in requests:
+            yield _parse(parse, raw)
+
+    async def stream_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        with structlog.contextvars.bound_contextvars(rpc=method):
+            try:
+                async for response in inner_bidi(parsed(requests), context):
+                    yield response
+            except WeightSyncError as error:
+                await _abort(context, error)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as error:  # noqa: BLE001
+                await _abort(context, _internal(method, error))
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, None, serialize)

@@ -1,0 +1,410 @@
+"""The WeightSyncService servicer: validation, groups, versions, updates."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import re
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2
+
+from weightsync.common.collective import available_backends
+from weightsync.common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    Unimplemented,
+    WeightSyncError,
+)
+from weightsync.common.plan_validation import validate_plan
+from weightsync.server.config import ServerConfig
+from weightsync.server.state import GroupRecord, PublishedVersion, Watchers, aggregate_store_state
+from weightsync.server.supervisor import Supervisor, WorkerHandle
+from weightsync.server.update_session import UpdateSession
+from weightsync.v1 import tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
+from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
+from weightsync.worker.v1 import worker_pb2 as wpb
+
+log = structlog.get_logger("weightsync.service")
+
+SERVICE_NAME = "weightsync.v1.WeightSyncService"
+SERVER_VERSION = "0.1.0"
+GROUP_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+DEFAULT_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+MAX_GROUP_TIMEOUT = datetime.timedelta(hours=1)
+MAX_VERSION_BYTES = 256
+PLAN_CACHE_SIZE = 8
+# Seconds on top of the group timeout for workers to report a rendezvous.
+JOIN_MARGIN_SECONDS = 15.0
+
+
+def plan_id_of(plan: tensor_pb2.WeightPlan) -> str:
+    return hashlib.sha256(plan.SerializeToString(deterministic=True)).hexdigest()[:32]
+
+
+class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
+    def __init__(self, config: ServerConfig, health) -> None:  # health: grpc_health aio servicer
+        self.config = config
+        self.health = health
+        self.supervisor = Supervisor(
+            config.devices,
+            queue_capacity_bytes=config.queue_capacity_bytes,
+            log_level=config.log_level,
+            memory_limit_bytes=config.worker_memory_limit_bytes,
+            on_worker_died=self._on_worker_died,
+            on_worker_started=self._on_worker_started,
+        )
+        self.groups: dict[str, GroupRecord] = {}
+        self.version = PublishedVersion()
+        self.watchers = Watchers()
+        self.draining = False
+        self.update_lock = asyncio.Lock()
+        self.active_update: UpdateSession | None = None
+        self.plans: OrderedDict[str, tensor_pb2.WeightPlan] = OrderedDict()
+        self._background: set[asyncio.Task] = set()
+
+    # -- lifecycle hooks -------------------------------------------------------------
+    async def start(self) -> None:
+        await self.supervisor.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def _on_worker_died(self, worker: WorkerHandle) -> None:
+        for group in self.groups.values():
+            group.mark_broken(f"worker {worker.index} died")
+        self._spawn(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        self.publish_state()
+
+    def _on_worker_started(self, worker: WorkerHandle) -> None:
+        if self.supervisor.all_running and not self.draining:
+            self._spawn(self._set_health(health_pb2.HealthCheckResponse.SERVING))
+        self.publish_state()
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- state ---------------------------------------------------------------------
+    def store_state(self) -> int:
+        workers = self.supervisor.workers
+        return aggregate_store_state([w.store.state for w in workers], [w.lost for w in workers])
+
+    def publish_state(self) -> None:
+        event = pb.WatchWeightsResponse(version=self.version.to_proto(), store_state=self.store_state())
+        event.event_time.GetCurrentTime()
+        self.watchers.publish(event)
+
+    def publish_version(self, label: str) -> PublishedVersion:
+        self.version = PublishedVersion(
+            version=label,
+            generation=self.version.generation + 1,
+            commit_time=datetime.datetime.now(datetime.UTC),
+        )
+        self.publish_state()
+        return self.version
+
+    def _require_serving(self) -> None:
+        if self.draining:
+            raise Unavailable("SERVER_DRAINING", "the server is shutting down")
+        if not self.supervisor.all_running:
+            raise Unavailable("WORKER_UNAVAILABLE", "a worker is restarting; retry shortly")
+
+    # -- RPCs ----------------------------------------------------------------------
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.GetServerInfoResponse:
+        workers = [
+            pb.WorkerInfo(
+                index=w.index,
+                device=w.device,
+                backend=w.backend,
+                state=w.state,
+                store_state=pb.STORE_STATE_LOST if w.lost else w.store.state,
+                tensor_count=w.store.tensor_count,
+                store_bytes=w.store.store_bytes,
+                pid=w.pid,
+                restart_count=w.restart_count,
+            )
+            for w in self.supervisor.workers
+        ]
+        return pb.GetServerInfoResponse(
+            server_version=SERVER_VERSION,
+            workers=workers,
+            backends=available_backends_for(self.supervisor.workers),
+            transports=[pb.TRANSPORT_COLLECTIVE],
+            store_state=self.store_state(),
+            current_version=self.version.to_proto(),
+            limits=pb.ServerLimits(
+                max_tensors=self.config.max_tensors,
+                max_plan_bytes=self.config.max_plan_bytes,
+                max_bucket_bytes=self.config.max_bucket_bytes,
+                max_message_bytes=self.config.max_message_bytes,
+            ),
+            draining=self.draining,
+        )
+
+    async def CreateTransferGroup(self, request: pb.CreateTransferGroupRequest, context) -> pb.CreateTransferGroupResponse:
+        record = self._validate_group_request(request)
+        if record.group_id in self.groups:
+            raise AlreadyExists("GROUP_ALREADY_EXISTS", f"group {record.group_id!r} already exists", group_id=record.group_id)
+        self._require_serving()
+        self.groups[record.group_id] = record
+        structlog.contextvars.bind_contextvars(group_id=record.group_id)
+        log.info("group_creating", world_size=record.world_size, rank_offset=record.rank_offset)
+        join = wpb.JoinGroupCommand(
+            group_id=record.group_id,
+            store_host=request.store_host,
+            store_port=request.store_port,
+            world_size=record.world_size,
+            backend=record.backend,
+        )
+        join.timeout.FromTimedelta(record.timeout)
+        timeout = record.timeout.total_seconds() + JOIN_MARGIN_SECONDS
+        joined = False
+        try:
+            futures = []
+            for worker in self.supervisor.workers:
+                command = wpb.JoinGroupCommand()
+                command.CopyFrom(join)
+                command.rank = record.rank_offset + worker.index
+                futures.append(self.supervisor.call(worker, timeout, join_group=command))
+            results = await asyncio.gather(*futures, return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            joined = True
+        finally:
+            if not joined:
+                # Leave nothing half-joined, even if this RPC was cancelled.
+                self.groups.pop(record.group_id, None)
+                self._spawn(self._leave_everywhere(record.group_id))
+                log.warning("group_create_failed")
+        if record.state == pb.GROUP_STATE_JOINING:
+            record.state = pb.GROUP_STATE_READY
+        log.info("group_ready")
+        return pb.CreateTransferGroupResponse(group=record.to_proto())
+
+    async def _leave_everywhere(self, group_id: str) -> None:
+        results = await asyncio.gather(
+            *(
+                self.supervisor.call(w, self.config.worker_call_timeout_seconds, leave_group=wpb.LeaveGroupCommand(group_id=group_id))
+                for w in self.supervisor.workers
+                if w.state == pb.WORKER_STATE_RUNNING
+            ),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                log.warning("leave_group_failed", group_id=group_id, error=str(result))
+
+    def _validate_group_request(self, request: pb.CreateTransferGroupRequest) -> GroupRecord:
+        if not GROUP_ID_PATTERN.match(request.group_id):
+            raise InvalidArgument(
+                "GROUP_ID_INVALID", "group_id must be 1 to 128 characters of [A-Za-z0-9._-]", group_id=request.group_id[:128]
+            )
+        if not request.store_host:
+            raise InvalidArgument("STORE_HOST_MISSING", "store_host is required")
+        if not 1 <= request.store_port <= 65535:
+            raise InvalidArgument("STORE_PORT_INVALID", f"store_port {request.store_port} is not 1..65535", store_port=request.store_port)
+        if request.backend == pb.BACKEND_UNSPECIFIED:
+            raise InvalidArgument("BACKEND_UNSPECIFIED", "backend is required (BACKEND_GLOO or BACKEND_NCCL)")
+        supported = available_backends_for(self.supervisor.workers)
+        if request.backend not in supported:
+            raise InvalidArgument(
+                "BACKEND_UNSUPPORTED",
+                f"backend {request.backend} is not supported by this server's workers "
+                f"(supported: {[pb.Backend.Name(b) for b in supported]})",
+                backend=request.backend,
+            )
+        workers = len(self.supervisor.workers)
+        if request.world_size < 2 or request.rank_offset < 1 or request.rank_offset + workers > request.world_size:
+            raise InvalidArgument(
+                "RANKS_DO_NOT_FIT",
+                f"this server's {workers} workers need ranks rank_offset..rank_offset+{workers - 1} "
+                f"inside 1..world_size-1; got rank_offset {request.rank_offset}, world_size {request.world_size}",
+                world_size=request.world_size,
+                rank_offset=request.rank_offset,
+                workers=workers,
+            )
+        timeout = request.timeout.ToTimedelta() if request.HasField("timeout") else DEFAULT_GROUP_TIMEOUT
+        if not datetime.timedelta(0) < timeout <= MAX_GROUP_TIMEOUT:
+            raise InvalidArgument(
+                "TIMEOUT_INVALID", f"timeout must be in (0, 3600] s, got {timeout.total_seconds():g}",
+            )
+        return GroupRecord(request.group_id, request.world_size, request.rank_offset, request.backend, timeout)
+
+    async def DeleteTransferGroup(self, request: pb.DeleteTransferGroupRequest, context) -> pb.DeleteTransferGroupResponse:
+        record = self.groups.get(request.group_id)
+        if record is None:
+            raise NotFound("GROUP_NOT_FOUND", f"no group {request.group_id!r}", group_id=request.group_id[:128])
+        active = self.active_update
+        if active is not None and active.group.group_id == record.group_id and not active.finished:
+            raise FailedPrecondition(
+                "UPDATE_IN_PROGRESS", f"update {active.update_id} is running on group {record.group_id!r}",
+                group_id=record.group_id, update_id=active.update_id,
+            )
+        if record.state == pb.GROUP_STATE_JOINING:
+            raise FailedPrecondition("GROUP_JOINING", f"group {record.group_id!r} is still joining", group_id=record.group_id)
+        del self.groups[record.group_id]
+        await self._leave_everywhere(record.group_id)
+        log.info("group_deleted", group_id=record.group_id)
+        return pb.DeleteTransferGroupResponse()
+
+    async def ListTransferGroups(self, request: pb.ListTransferGroupsRequest, context) -> pb.ListTransferGroupsResponse:
+        return pb.ListTransferGroupsResponse(groups=[self.groups[g].to_proto() for g in sorted(self.groups)])
+
+    async def GetTensorChecksums(self, request: pb.GetTensorChecksumsRequest, context) -> pb.GetTensorChecksumsResponse:
+        if self.active_update is not None and not self.active_update.finished:
+            raise FailedPrecondition("STORE_UPDATING", "an update is running; ask again after it commits or aborts")
+        self._require_serving()
+        events = await self.supervisor.call_all(
+            self.config.worker_call_timeout_seconds,
+            compute_checksums=wpb.ComputeChecksumsCommand(names=list(request.names)),
+        )
+        return pb.GetTensorChecksumsResponse(
+            version=self.version.to_proto(),
+            store_state=self.store_state(),
+            workers=[
+                pb.WorkerChecksums(worker_index=w.index, tensors=e.checksums_computed.tensors)
+                for w, e in zip(self.supervisor.workers, events, strict=True)
+            ],
+        )
+
+    async def WatchWeights(self, request: pb.WatchWeightsRequest, context) -> AsyncIterator[pb.WatchWeightsResponse]:
+        queue = self.watchers.subscribe()
+        try:
+            first = pb.WatchWeightsResponse(version=self.version.to_proto(), store_state=self.store_state())
+            first.event_time.GetCurrentTime()
+            yield first
+            while True:
+                yield await queue.get()
+        finally:
+            self.watchers.unsubscribe(queue)
+
+    async def UpdateWeights(self, requests: AsyncIterator[pb.UpdateWeightsRequest], context) -> AsyncIterator[pb.UpdateWeightsResponse]:
+        try:
+            first = await anext(requests)
+        except StopAsyncIteration:
+            raise InvalidArgument("BEGIN_MISSING", "the stream closed before a begin message") from None
+        if first.WhichOneof("message") != "begin":
+            raise InvalidArgument("BEGIN_MISSING", "the first message must be begin")
+        begin = first.begin
+        group, plan, plan_id = self._validate_begin(begin)
+        if self.update_lock.locked():
+            active = self.active_update
+            raise FailedPrecondition(
+                "UPDATE_IN_PROGRESS",
+                "another update is running on this server's store; retry after it commits or aborts",
+                update_id=active.update_id if active else "",
+            )
+        async with self.update_lock:
+            update_id = uuid.uuid4().hex[:16]
+            structlog.contextvars.bind_contextvars(update_id=update_id, group_id=group.group_id)
+            session = UpdateSession(self, update_id, group, begin, plan, plan_id)
+            self.active_update = session
+            self.publish_state()
+            try:
+                async for response in session.run(requests):
+                    if response.WhichOneof("message") == "ready":
+                        self._remember_plan(plan_id, plan)
+                    yield response
+            finally:
+                self.active_update = None
+
+    def _remember_plan(self, plan_id: str, plan: tensor_pb2.WeightPlan) -> None:
+        self.plans[plan_id] = plan
+        self.plans.move_to_end(plan_id)
+        while len(self.plans) > PLAN_CACHE_SIZE:
+            self.plans.popitem(last=False)
+
+    def _validate_begin(self, begin: pb.BeginUpdate) -> tuple[GroupRecord, tensor_pb2.WeightPlan, str]:
+        if begin.transport == pb.TRANSPORT_UNSPECIFIED:
+            raise InvalidArgument("TRANSPORT_UNSPECIFIED", "transport is required (TRANSPORT_COLLECTIVE)")
+        if begin.transport in (pb.TRANSPORT_SHM, pb.TRANSPORT_INLINE):
+            raise Unimplemented("TRANSPORT_UNIMPLEMENTED", f"transport {pb.Transport.Name(begin.transport)} is not implemented yet")
+        if begin.transport != pb.TRANSPORT_COLLECTIVE:
+            raise InvalidArgument("TRANSPORT_UNKNOWN", f"unknown transport number {begin.transport}", transport=begin.transport)
+        if begin.mode == pb.UPDATE_MODE_UNSPECIFIED:
+            raise InvalidArgument("MODE_UNSPECIFIED", "mode is required (UPDATE_MODE_IN_PLACE or UPDATE_MODE_STAGED)")
+        if begin.mode not in (pb.UPDATE_MODE_IN_PLACE, pb.UPDATE_MODE_STAGED):
+            raise InvalidArgument("MODE_UNKNOWN", f"unknown mode number {begin.mode}", mode=begin.mode)
+        if not begin.version or len(begin.version.encode()) > MAX_VERSION_BYTES:
+            raise InvalidArgument("VERSION_INVALID", f"version must be 1 to {MAX_VERSION_BYTES} bytes")
+        group = self.groups.get(begin.group_id)
+        if group is None:
+            raise NotFound("GROUP_NOT_FOUND", f"no group {begin.group_id!r}", group_id=begin.group_id[:128])
+        if group.state == pb.GROUP_STATE_BROKEN:
+            raise FailedPrecondition(
+                "GROUP_BROKEN", f"group {group.group_id!r} is broken ({group.broken_reason}); delete and recreate it",
+                group_id=group.group_id,
+            )
+        if group.state != pb.GROUP_STATE_READY:
+            raise FailedPrecondition("GROUP_NOT_READY", f"group {group.group_id!r} is still joining", group_id=group.group_id)
+        has_plan = begin.HasField("plan")
+        if has_plan and begin.plan_id:
+            raise InvalidArgument("PLAN_AND_PLAN_ID", "set either plan or plan_id, not both")
+        if has_plan:
+            plan = begin.plan
+            plan_id = plan_id_of(plan)
+        elif begin.plan_id:
+            cached = self.plans.get(begin.plan_id)
+            if cached is None:
+                raise NotFound("PLAN_NOT_FOUND", f"plan {begin.plan_id!r} is not cached here; send the full plan", plan_id=begin.plan_id[:64])
+            plan, plan_id = cached, begin.plan_id
+        else:
+            raise InvalidArgument("PLAN_MISSING", "begin needs a plan or a plan_id")
+        summary = validate_plan(plan, self.config.limits)
+        self._require_serving()
+        workers = self.supervisor.workers
+        largest = max(w.store.tensor_count for w in workers)
+        if any(w.store.state == pb.STORE_STATE_EMPTY for w in workers) and summary.tensor_count < largest:
+            raise FailedPrecondition(
+                "STORE_EMPTY",
+                f"a worker's store is empty (restarted); send a full update of all {largest} tensors first",
+                tensors=summary.tensor_count,
+                expected=largest,
+            )
+        return group, plan, plan_id
+
+    # -- shutdown ------------------------------------------------------------------
+    async def drain(self, grace_seconds: float) -> None:
+        """Refuse new work, let a running update finish within the grace period, then abort it."""
+        self.draining = True
+        await self.health.enter_graceful_shutdown()
+        session = self.active_update
+        if session is not None and not session.finished:
+            log.info("draining_update", update_id=session.update_id, grace_seconds=grace_seconds)
+            try:
+                await asyncio.wait_for(self._wait_idle(), grace_seconds)
+            except TimeoutError:
+                session.request_shutdown()
+                try:
+                    await asyncio.wait_for(self._wait_idle(), 5.0)
+                except TimeoutError:
+                    log.warning("update_still_running_at_shutdown")
+
+    async def _wait_idle(self) -> None:
+        while self.active_update is not None:
+            await asyncio.sleep(0.05)
+
+
+def available_backends_for(workers: list[WorkerHandle]) -> list[int]:
+    """Gloo always (CPU tensors); NCCL when the workers sit on CUDA devices."""
+    backends = [pb.BACKEND_GLOO]
+    if any(w.device.startswith("cuda") for w in workers) and pb.BACKEND_NCCL in available_backends():
+        backends = [pb.BACKEND_NCCL]
+    return backends
+
+
+__all__ = ["WeightSyncServicer", "SERVICE_NAME", "WeightSyncError", "grpc"]

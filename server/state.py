@@ -1,0 +1,94 @@
+"""Server-side records: transfer groups, the published version, watchers."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from dataclasses import dataclass, field
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+
+@dataclass(slots=True)
+class GroupRecord:
+    """One transfer group as this server sees it."""
+
+    group_id: str
+    world_size: int
+    rank_offset: int
+    backend: int
+    timeout: datetime.timedelta
+    state: int = pb.GROUP_STATE_JOINING
+    broken_reason: str = ""
+
+    def to_proto(self) -> pb.TransferGroup:
+        timeout = duration_pb2.Duration()
+        timeout.FromTimedelta(self.timeout)
+        return pb.TransferGroup(
+            group_id=self.group_id,
+            world_size=self.world_size,
+            rank_offset=self.rank_offset,
+            backend=self.backend,
+            state=self.state,
+            timeout=timeout,
+            broken_reason=self.broken_reason,
+        )
+
+    def mark_broken(self, reason: str) -> None:
+        if self.state != pb.GROUP_STATE_BROKEN:
+            self.state = pb.GROUP_STATE_BROKEN
+            self.broken_reason = reason
+
+
+@dataclass(slots=True)
+class PublishedVersion:
+    """What was last committed on every worker."""
+
+    version: str = ""
+    generation: int = 0
+    commit_time: datetime.datetime | None = None
+
+    def to_proto(self) -> pb.WeightVersion:
+        message = pb.WeightVersion(version=self.version, generation=self.generation)
+        if self.commit_time is not None:
+            stamp = timestamp_pb2.Timestamp()
+            stamp.FromDatetime(self.commit_time)
+            message.commit_time.CopyFrom(stamp)
+        return message
+
+
+@dataclass(slots=True)
+class Watchers:
+    """Fan-out of WatchWeights events to every subscriber."""
+
+    queues: set[asyncio.Queue[pb.WatchWeightsResponse]] = field(default_factory=set)
+
+    def subscribe(self) -> asyncio.Queue[pb.WatchWeightsResponse]:
+        queue: asyncio.Queue[pb.WatchWeightsResponse] = asyncio.Queue(maxsize=1024)
+        self.queues.add(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[pb.WatchWeightsResponse]) -> None:
+        self.queues.discard(queue)
+
+    def publish(self, event: pb.WatchWeightsResponse) -> None:
+        for queue in list(self.queues):
+            if queue.full():  # a stalled watcher loses its oldest event, never blocks us
+                queue.get_nowait()
+            queue.put_nowait(event)
+
+
+def aggregate_store_state(states: list[int], lost: list[bool]) -> int:
+    """The worst state over the workers."""
+    if any(lost):
+        return pb.STORE_STATE_LOST
+    for worst in (pb.STORE_STATE_INCONSISTENT, pb.STORE_STATE_UPDATING):
+        if worst in states:
+            return worst
+    if all(s == pb.STORE_STATE_EMPTY for s in states):
+        return pb.STORE_STATE_EMPTY
+    if pb.STORE_STATE_EMPTY in states:
+        return pb.STORE_STATE_INCONSISTENT
+    return pb.STORE_STATE_CONSISTENT

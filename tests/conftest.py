@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import ServerProcess, shm_segments, start_server  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> ServerProcess:
+    """One 2-worker CPU server shared by a module's tests; must exit 0 and leave no segment."""
+    before = shm_segments()
+    proc = start_server(tmp_path_factory.mktemp("server"))
+    yield proc
+    code = proc.stop()
+    assert code == 0, proc.log()
+    assert shm_segments() - before == set()

@@ -1,0 +1,289 @@
+"""Test helpers: a real server subprocess, and a trainer written with plain
+torch.distributed and the generated stubs (deliberately not the SDK)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
+
+from weightsync.v1 import tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
+from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
+
+DTYPE = {
+    torch.float32: tensor_pb2.DTYPE_FLOAT32,
+    torch.float16: tensor_pb2.DTYPE_FLOAT16,
+    torch.bfloat16: tensor_pb2.DTYPE_BFLOAT16,
+    torch.float64: tensor_pb2.DTYPE_FLOAT64,
+    torch.float8_e4m3fn: tensor_pb2.DTYPE_FLOAT8_E4M3FN,
+    torch.float8_e5m2: tensor_pb2.DTYPE_FLOAT8_E5M2,
+    torch.int8: tensor_pb2.DTYPE_INT8,
+    torch.uint8: tensor_pb2.DTYPE_UINT8,
+    torch.int16: tensor_pb2.DTYPE_INT16,
+    torch.int32: tensor_pb2.DTYPE_INT32,
+    torch.int64: tensor_pb2.DTYPE_INT64,
+    torch.bool: tensor_pb2.DTYPE_BOOL,
+}
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("psm_")}
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address, options=[("grpc.max_receive_message_length", 64 << 20)])
+
+    def stub(self) -> pb_grpc.WeightSyncServiceStub:
+        return pb_grpc.WeightSyncServiceStub(self.channel())
+
+    def worker_pids(self) -> list[int]:
+        info = self.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        return [w.pid for w in info.workers]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server(tmp_path: Path, *extra: str, workers: int = 2, env: dict | None = None) -> ServerProcess:
+    ready = tmp_path / f"ready-{uuid.uuid4().hex[:6]}.json"
+    log_path = tmp_path / f"server-{uuid.uuid4().hex[:6]}.log"
+    argv = [sys.executable, "-m", "weightsync.server.cli", "--listen", "127.0.0.1:0", "--workers", str(workers),
+            "--device", "cpu", "--ready-file", str(ready), *extra]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 90
+    while not ready.exists():
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited {process.returncode}:\n{log_path.read_text()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"server not ready:\n{log_path.read_text()}")
+        time.sleep(0.05)
+    return ServerProcess(process, json.loads(ready.read_text())["port"], log_path)
+
+
+def error_reason(error: grpc.RpcError) -> str:
+    status = rpc_status.from_call(error)
+    if status is None:
+        return ""
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason
+    return ""
+
+
+def error_info(error: grpc.RpcError) -> error_details_pb2.ErrorInfo:
+    status = rpc_status.from_call(error)
+    assert status is not None, f"no rich status on {error}"
+    assert len(status.details) == 1
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    return info
+
+
+# -- a trainer with plain torch.distributed --------------------------------------------
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int, align: int = 64) -> tensor_pb2.WeightPlan:
+    plan = tensor_pb2.WeightPlan()
+    bucket = None
+    cursor = 0
+    for name, tensor in named:
+        size = tensor.numel() * tensor.element_size()
+        start = -(-cursor // align) * align
+        if bucket is None or (bucket.tensors and start + size > bucket_bytes):
+            if bucket is not None:
+                bucket.size_bytes = -(-cursor // align) * align
+            bucket = plan.buckets.add()
+            start = 0
+        bucket.tensors.add(name=name, dtype=DTYPE[tensor.dtype], shape=list(tensor.shape), offset_bytes=start, size_bytes=size)
+        cursor = start + size
+    bucket.size_bytes = -(-cursor // align) * align
+    return plan
+
+
+def pack(plan: tensor_pb2.WeightPlan, named: dict[str, torch.Tensor], index: int) -> torch.Tensor:
+    spec = plan.buckets[index]
+    buf = torch.zeros(spec.size_bytes, dtype=torch.uint8)
+    for t in spec.tensors:
+        src = named[t.name].contiguous().reshape(-1)
+        if t.size_bytes:
+            buf[t.offset_bytes : t.offset_bytes + t.size_bytes].copy_(src.view(torch.uint8))
+    return buf
+
+
+class UpdateStream:
+    """The client side of UpdateWeights over a sync stub, message by message."""
+
+    def __init__(self, stub: pb_grpc.WeightSyncServiceStub) -> None:
+        self._requests: queue.Queue = queue.Queue()
+        self._responses = stub.UpdateWeights(iter(self._requests.get, None), timeout=120)
+
+    def send(self, **kwargs) -> None:
+        self._requests.put(pb.UpdateWeightsRequest(**kwargs))
+
+    def recv(self) -> pb.UpdateWeightsResponse:
+        return next(self._responses)
+
+    def close(self) -> None:
+        self._requests.put(None)
+
+    def cancel(self) -> None:
+        self._responses.cancel()
+
+
+@dataclass
+class PlainTrainer:
+    """Rank 0 of a group spanning the given servers."""
+
+    servers: list[ServerProcess]
+    group_id: str = field(default_factory=lambda: f"g-{uuid.uuid4().hex[:8]}")
+    timeout: float = 30.0
+    pg: ProcessGroupGloo | None = None
+    store: TCPStore | None = None
+
+    def create_group(self, workers_per_server: int = 2) -> list[pb.CreateTransferGroupResponse]:
+        timeout = datetime.timedelta(seconds=self.timeout)
+        self.store = TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+        world = 1 + workers_per_server * len(self.servers)
+        results: list = [None] * len(self.servers)
+
+        def call(i: int, server: ServerProcess) -> None:
+            request = pb.CreateTransferGroupRequest(
+                group_id=self.group_id, store_host="127.0.0.1", store_port=self.store.port, world_size=world,
+                rank_offset=1 + i * workers_per_server, backend=pb.BACKEND_GLOO,
+            )
+            request.timeout.FromTimedelta(timeout)
+            try:
+                results[i] = server.stub().CreateTransferGroup(request, timeout=self.timeout + 30)
+            except grpc.RpcError as error:
+                results[i] = error
+
+        threads = [threading.Thread(target=call, args=(i, s)) for i, s in enumerate(self.servers)]
+        for t in threads:
+            t.start()
+        options = ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        self.pg = ProcessGroupGloo(PrefixStore(f"weightsync/{self.group_id}", self.store), 0, world, options)
+        for t in threads:
+            t.join()
+        for r in results:
+            if isinstance(r, grpc.RpcError):
+                raise r
+        return results
+
+    def broadcast(self, buf: torch.Tensor) -> None:
+        options = BroadcastOptions()
+        options.rootRank = 0
+        self.pg.broadcast([buf], options).wait()
+
+    def begin(self, stub, plan, version: str, mode=pb.UPDATE_MODE_IN_PLACE, **kw) -> tuple[UpdateStream, pb.UpdateReady]:
+        stream = UpdateStream(stub)
+        stream.send(begin=pb.BeginUpdate(group_id=self.group_id, version=version, plan=plan, mode=mode,
+                                         transport=pb.TRANSPORT_COLLECTIVE, **kw))
+        response = stream.recv()
+        assert response.WhichOneof("message") == "ready", response
+        return stream, response.ready
+
+    def push(self, named: dict[str, torch.Tensor], version: str, *, mode=pb.UPDATE_MODE_IN_PLACE,
+             bucket_bytes: int = 1 << 20, abort_after: int | None = None, checksum_override=None,
+             plan: tensor_pb2.WeightPlan | None = None) -> pb.UpdateCommitted | None:
+        """One update on server 0 (single-server tests). abort_after=k aborts after k buckets."""
+        plan = plan if plan is not None else plan_buckets(list(named.items()), bucket_bytes)
+        stream, ready = self.begin(self.servers[0].stub(), plan, version, mode)
+        from weightsync.common.checksum import tensor_checksum
+
+        for index in range(len(plan.buckets)):
+            if abort_after is not None and index == abort_after:
+                stream.send(abort=pb.AbortUpdate(reason="test abort"))
+                try:
+                    stream.recv()
+                except grpc.RpcError as error:
+                    assert error.code() == grpc.StatusCode.ABORTED, error
+                    return None
+                raise AssertionError("abort did not end the stream")
+            buf = pack(plan, named, index)
+            checksum = tensor_checksum(buf) if checksum_override is None else checksum_override(index, buf)
+            stream.send(bucket_start=pb.BucketStart(sequence=index, checksum=checksum))
+            self.broadcast(buf)
+            response = stream.recv()
+            if response.WhichOneof("message") != "bucket_applied":
+                return response  # aborting: caller inspects it
+            assert response.bucket_applied.sequence == index
+        stream.send(commit=pb.CommitUpdate())
+        response = stream.recv()
+        assert response.WhichOneof("message") == "committed", response
+        stream.close()
+        return response.committed
+
+    def delete_group(self) -> None:
+        for server in self.servers:
+            try:
+                server.stub().DeleteTransferGroup(pb.DeleteTransferGroupRequest(group_id=self.group_id), timeout=30)
+            except grpc.RpcError:
+                pass
+        self.pg = None
+
+
+def local_checksums(named: dict[str, torch.Tensor]) -> dict[str, int]:
+    from weightsync.common.checksum import ws64
+
+    return {name: ws64(t) for name, t in named.items()}
+
+
+def server_checksums(server: ServerProcess, names: list[str] | None = None) -> list[dict[str, int]]:
+    response = server.stub().GetTensorChecksums(pb.GetTensorChecksumsRequest(names=names or []), timeout=60)
+    return [{t.name: t.checksum.value for t in w.tensors} for w in response.workers]
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def pids_alive(pids: Iterator[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive

@@ -1,0 +1,106 @@
+"""Issue 2: the dtype table, the bucket layout helpers, and stub freshness."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightsync.common import dtypes
+from weightsync.common.errors import InvalidArgument
+from weightsync.common.layout import ALIGN_BYTES, TensorMeta, align_up, plan_buckets
+from weightsync.v1 import tensor_pb2
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("value", [v for v in tensor_pb2.Dtype.values() if v != tensor_pb2.DTYPE_UNSPECIFIED])
+def test_every_dtype_round_trips(value):
+    torch_dtype = dtypes.to_torch(value)
+    assert dtypes.from_torch(torch_dtype) == value
+    assert dtypes.itemsize(value) == torch_dtype.itemsize
+    assert torch.empty(3, dtype=torch_dtype).element_size() == dtypes.itemsize(value)
+
+
+def test_table_covers_the_whole_enum():
+    assert set(dtypes.SUPPORTED_PROTO_DTYPES) == set(tensor_pb2.Dtype.values()) - {tensor_pb2.DTYPE_UNSPECIFIED}
+    assert len(dtypes.SUPPORTED_PROTO_DTYPES) >= 12
+
+
+def test_unspecified_and_unknown_dtypes_are_rejected():
+    with pytest.raises(InvalidArgument) as caught:
+        dtypes.to_torch(tensor_pb2.DTYPE_UNSPECIFIED, tensor="w")
+    assert caught.value.reason == "DTYPE_UNSPECIFIED"
+    assert caught.value.metadata == {"tensor": "w"}
+    with pytest.raises(InvalidArgument) as caught:
+        dtypes.to_torch(999)
+    assert caught.value.reason == "DTYPE_UNKNOWN"
+
+
+def test_unsupported_torch_dtype_names_the_supported_ones():
+    with pytest.raises(ValueError, match="complex64 is not supported"):
+        dtypes.from_torch(torch.complex64)
+
+
+@pytest.mark.parametrize(
+    ("value", "alignment", "expected"),
+    [(0, 64, 0), (1, 64, 64), (63, 64, 64), (64, 64, 64), (65, 64, 128), (5, 8, 8), (16, 8, 16)],
+)
+def test_align_up(value, alignment, expected):
+    assert align_up(value, alignment) == expected
+
+
+def meta(name: str, numel: int, dtype: torch.dtype = torch.float32) -> TensorMeta:
+    return TensorMeta(name, dtype, (numel,))
+
+
+@pytest.mark.parametrize(
+    ("sizes", "bucket", "expected"),
+    [
+        # (numel of float32 tensors), bucket bytes -> [(offsets...), size] per bucket
+        ([16], 1024, [((0,), 64)]),
+        ([16, 16], 1024, [((0, 64), 128)]),
+        ([1, 1, 1], 1024, [((0, 64, 128), 192)]),  # each tensor starts on a 64-byte boundary
+        ([200, 100], 1024, [((0,), 832), ((0,), 448)]),  # 800 B + 400 B > 1 KiB: two buckets
+        ([1000], 1024, [((0,), 4032)]),  # bigger than the bucket: alone, its size, aligned
+        ([10, 1000, 10], 1024, [((0,), 64), ((0,), 4032), ((0,), 64)]),
+        ([0, 16], 1024, [((0, 0), 64)]),  # an empty tensor takes no room
+    ],
+)
+def test_plan_buckets(sizes, bucket, expected):
+    buckets = plan_buckets([meta(f"t{i}", n) for i, n in enumerate(sizes)], bucket)
+    assert [(tuple(p.offset_bytes for p in b.tensors), b.size_bytes) for b in buckets] == expected
+
+
+def test_plan_buckets_keeps_order_and_sizes_in_proto():
+    metas = [meta("a", 3, torch.bfloat16), TensorMeta("b", torch.int64, ()), meta("c", 0, torch.bool)]
+    (bucket,) = plan_buckets(metas, 1 << 20)
+    proto = bucket.to_proto()
+    assert [(t.name, t.dtype, list(t.shape), t.offset_bytes, t.size_bytes) for t in proto.tensors] == [
+        ("a", tensor_pb2.DTYPE_BFLOAT16, [3], 0, 6),
+        ("b", tensor_pb2.DTYPE_INT64, [], ALIGN_BYTES, 8),
+        ("c", tensor_pb2.DTYPE_BOOL, [0], 2 * ALIGN_BYTES, 0),
+    ]
+    assert proto.size_bytes == 2 * ALIGN_BYTES
+
+
+def test_bucket_size_below_alignment_is_refused():
+    with pytest.raises(ValueError, match="at least 64"):
+        plan_buckets([meta("a", 1)], 32)
+
+
+def test_generated_stubs_are_fresh(tmp_path):
+    """Regenerate every stub and compare bytes with the committed ones (make proto fixes it)."""
+    protos = sorted((ROOT / "protos").rglob("*.proto"))
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'protos'}", f"--python_out={tmp_path}",
+         f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", *map(str, protos)],
+        check=True,
+    )
+    generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*_pb2*.py*"))
+    assert len(generated) == 3 * len(protos)
+    stale = [str(p) for p in generated if (tmp_path / p).read_bytes() != (ROOT / "protos" / p).read_bytes()]
+    assert stale == [], f"stale generated stubs (run `make proto`): {stale}"

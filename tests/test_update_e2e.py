@@ -1,0 +1,89 @@
+"""Issue 3's main scenario: a plain torch.distributed trainer against a real 2-worker server."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from helpers import PlainTrainer, local_checksums, plan_buckets, server_checksums
+from models import mixed_model
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def info(server) -> pb.GetServerInfoResponse:
+    return server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+
+
+def test_server_info_before_any_update(server):
+    response = info(server)
+    assert [w.index for w in response.workers] == [0, 1]
+    assert all(w.device == "cpu" and w.state == pb.WORKER_STATE_RUNNING for w in response.workers)
+    assert list(response.backends) == [pb.BACKEND_GLOO]
+    assert list(response.transports) == [pb.TRANSPORT_COLLECTIVE]
+    assert response.store_state == pb.STORE_STATE_EMPTY
+    assert response.current_version.generation == 0
+
+
+def test_versions_staged_abort_and_in_place_abort(server):
+    trainer = PlainTrainer([server])
+    (created,) = trainer.create_group()
+    assert created.group.state == pb.GROUP_STATE_READY
+    assert created.group.world_size == 3
+
+    v1 = mixed_model(1)
+    plan = plan_buckets(list(v1.items()), 1 << 20)
+    assert len(plan.buckets) == 3  # lm_head needs a bucket of its own
+    assert [t.name for t in plan.buckets[1].tensors] == ["lm_head.weight"]
+    committed = trainer.push(v1, "v1")
+    assert committed.version.version == "v1"
+    assert committed.version.generation == 1
+    assert committed.size_bytes == sum(b.size_bytes for b in plan.buckets)
+    expected = local_checksums(v1)
+    assert server_checksums(server) == [expected, expected]
+    state = info(server)
+    assert state.store_state == pb.STORE_STATE_CONSISTENT
+    assert [w.tensor_count for w in state.workers] == [len(v1), len(v1)]
+
+    v2 = mixed_model(2)
+    assert local_checksums(v2) != expected
+    committed = trainer.push(v2, "v2")
+    assert (committed.version.version, committed.version.generation) == ("v2", 2)
+    assert server_checksums(server) == [local_checksums(v2)] * 2
+
+    # STAGED, aborted after the first of three buckets: live weights untouched.
+    assert trainer.push(mixed_model(3), "v3", mode=pb.UPDATE_MODE_STAGED, abort_after=1) is None
+    assert server_checksums(server) == [local_checksums(v2)] * 2
+    state = info(server)
+    assert state.store_state == pb.STORE_STATE_CONSISTENT
+    assert (state.current_version.version, state.current_version.generation) == ("v2", 2)
+
+    # A STAGED update that commits flips to the new values.
+    v4 = mixed_model(4)
+    committed = trainer.push(v4, "v4", mode=pb.UPDATE_MODE_STAGED)
+    assert committed.version.generation == 3
+    assert server_checksums(server) == [local_checksums(v4)] * 2
+
+    # IN_PLACE, aborted after the first bucket: INCONSISTENT, last good version visible.
+    assert trainer.push(mixed_model(5), "v5", abort_after=1) is None
+    state = info(server)
+    assert state.store_state == pb.STORE_STATE_INCONSISTENT
+    assert (state.current_version.version, state.current_version.generation) == ("v4", 3)
+
+    # A full update restores CONSISTENT.
+    v6 = mixed_model(6)
+    committed = trainer.push(v6, "v6")
+    assert committed.version.generation == 4
+    assert info(server).store_state == pb.STORE_STATE_CONSISTENT
+    assert server_checksums(server) == [local_checksums(v6)] * 2
+
+    # Filtered checksums.
+    names = ["step", "mask"]
+    assert server_checksums(server, names) == [{n: local_checksums(v6)[n] for n in names}] * 2
+    trainer.delete_group()
+    groups = server.stub().ListTransferGroups(pb.ListTransferGroupsRequest(), timeout=10)
+    assert trainer.group_id not in [g.group_id for g in groups.groups]
+    with pytest.raises(grpc.RpcError) as caught:
+        server.stub().DeleteTransferGroup(pb.DeleteTransferGroupRequest(group_id=trainer.group_id), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND

@@ -1,1 +1,26 @@
-"""weightsync.client."""
+"""weightsync.client: the trainer SDK (see weightsync.client.sdk)."""
+
+from weightsync.client.errors import PlanMismatch, UpdateFailed, WeightSyncClientError, WeightSyncRpcError
+from weightsync.client.sdk import (
+    PushProgress,
+    PushResult,
+    ServerOutcome,
+    TensorMismatch,
+    TlsConfig,
+    VerifyResult,
+    WeightSyncClient,
+)
+
+__all__ = [
+    "PlanMismatch",
+    "PushProgress",
+    "PushResult",
+    "ServerOutcome",
+    "TensorMismatch",
+    "TlsConfig",
+    "UpdateFailed",
+    "VerifyResult",
+    "WeightSyncClient",
+    "WeightSyncClientError",
+    "WeightSyncRpcError",
+]

@@ -18,7 +18,12 @@ import torch
 
 from weightsync.common import dtypes
 from weightsync.common.checksum import ws64
-from weightsync.common.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
+from weightsync.common.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from weightsync.common.layout import align_up, bucket_signature
 from weightsync.gpu_worker.store import StoredTensor, WeightStore
 from weightsync.v1 import tensor_pb2

@@ -5,9 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
 from helpers import PlainTrainer, local_checksums, plan_buckets, server_checksums
 from models import mixed_model
-from weightsync.v1 import weight_sync_service_pb2 as pb
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,0 +1,63 @@
+"""Typed errors raised by the SDK."""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+
+class WeightSyncClientError(Exception):
+    """Base class of every SDK error."""
+
+
+class WeightSyncRpcError(WeightSyncClientError):
+    """A server answered with an error status.
+
+    Attributes: code (grpc.StatusCode), reason (ErrorInfo reason, e.g.
+    "TENSOR_SHAPE_MISMATCH"), metadata (ErrorInfo metadata), server (address).
+    """
+
+    def __init__(self, server: str, code: grpc.StatusCode, reason: str, message: str, metadata: dict[str, str]):
+        super().__init__(f"{server}: {code.name} {reason}: {message}")
+        self.server = server
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.metadata = metadata
+
+    @staticmethod
+    def from_rpc(server: str, error: grpc.RpcError) -> WeightSyncRpcError:
+        reason, metadata = "", {}
+        try:
+            status = rpc_status.from_call(error)  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - a malformed status is still an error
+            status = None
+        if status is not None:
+            for detail in status.details:
+                info = error_details_pb2.ErrorInfo()
+                if detail.Unpack(info):
+                    reason, metadata = info.reason, dict(info.metadata)
+        code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
+        details = error.details() if callable(getattr(error, "details", None)) else str(error)
+        return WeightSyncRpcError(server, code, reason or code.name, details or "", metadata)
+
+
+class UpdateFailed(WeightSyncClientError):
+    """A push failed and was aborted on every server.
+
+    `cause` is the first failure (a WeightSyncRpcError naming its server, or a
+    CollectiveError from the broadcast); `server` names the server at fault
+    when one is known.
+    """
+
+    def __init__(self, message: str, cause: BaseException | None = None, server: str = "") -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.server = server
+        self.reason = getattr(cause, "reason", "")
+        self.code = getattr(cause, "code", None)
+
+
+class PlanMismatch(WeightSyncClientError):
+    """Streamed tensors do not match the plan being reused."""

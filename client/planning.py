@@ -1,0 +1,134 @@
+"""Turn named tensors into a bucket plan.
+
+Two kinds of bucket:
+  - packed: tensors copied into a reused buffer at 64-byte aligned offsets;
+  - flat: consecutive tensors that are already laid out in one storage (a
+    flat parameter) are described at their real byte offsets, so the storage
+    itself is broadcast with no pack copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.common import dtypes
+from weightsync.common.layout import TensorMeta, plan_buckets
+from weightsync.v1 import tensor_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBucket:
+    """A bucket of the plan and, for flat buckets, where its bytes already live."""
+
+    spec: tensor_pb2.BucketSpec
+    flat_source: torch.Tensor | None
+    """uint8 view of the storage bytes to broadcast as-is (flat buckets)."""
+
+
+def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+
+
+def _byte_offset(tensor: torch.Tensor) -> int:
+    return tensor.storage_offset() * tensor.element_size()
+
+
+def _flat_runs(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[int, int]]:
+    """[start, end) index ranges of >= 2 consecutive tensors laid out in increasing
+    order inside one storage."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    while start < len(named):
+        end = start + 1
+        first = named[start][1]
+        if first.is_contiguous() and first.numel():
+            storage = first.untyped_storage().data_ptr()
+            cursor = _byte_offset(first) + first.numel() * first.element_size()
+            while end < len(named):
+                t = named[end][1]
+                if not (t.is_contiguous() and t.numel() and t.untyped_storage().data_ptr() == storage
+                        and t.device == first.device and _byte_offset(t) >= cursor):
+                    break
+                cursor = _byte_offset(t) + t.numel() * t.element_size()
+                end += 1
+        if end - start >= 2:
+            runs.append((start, end))
+            start = end
+        else:
+            start += 1
+    return runs
+
+
+def _flat_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: int) -> list[PlannedBucket]:
+    """Split one flat run into buckets at tensor boundaries, offsets as laid out."""
+    out: list[PlannedBucket] = []
+    storage = _storage_bytes(named[0][1])
+    group: list[tuple[str, torch.Tensor]] = []
+
+    def close() -> None:
+        if not group:
+            return
+        base = _byte_offset(group[0][1])
+        last = group[-1][1]
+        end = _byte_offset(last) + last.numel() * last.element_size()
+        spec = tensor_pb2.BucketSpec(size_bytes=end - base)
+        for name, t in group:
+            spec.tensors.add(
+                name=name,
+                dtype=dtypes.from_torch(t.dtype),
+                shape=list(t.shape),
+                offset_bytes=_byte_offset(t) - base,
+                size_bytes=t.numel() * t.element_size(),
+            )
+        out.append(PlannedBucket(spec, storage[base:end]))
+        group.clear()
+
+    for name, t in named:
+        if group:
+            base = _byte_offset(group[0][1])
+            end = _byte_offset(t) + t.numel() * t.element_size()
+            misaligned = (_byte_offset(t) - base) % t.element_size()
+            if end - base > bucket_size_bytes or misaligned:
+                close()
+        group.append((name, t))
+    close()
+    return out
+
+
+def build_plan(named: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: int) -> list[PlannedBucket]:
+    """Plan every tensor, in input order."""
+    seen: set[str] = set()
+    for name, tensor in named:
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice")
+        seen.add(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        dtypes.from_torch(tensor.dtype)  # raises for unsupported dtypes
+    planned: list[PlannedBucket] = []
+    cursor = 0
+    for start, end in [*_flat_runs(named), (len(named), len(named))]:
+        loose = named[cursor:start]
+        if loose:
+            metas = [TensorMeta.of(n, t) for n, t in loose]
+            planned.extend(PlannedBucket(b.to_proto(), None) for b in plan_buckets(metas, bucket_size_bytes))
+        if end > start:
+            planned.extend(_flat_buckets(named[start:end], bucket_size_bytes))
+        cursor = end
+    return planned
+
+
+def plan_proto(planned: Sequence[PlannedBucket]) -> tensor_pb2.WeightPlan:
+    return tensor_pb2.WeightPlan(buckets=[p.spec for p in planned])
+
+
+def describe_bucket_overflow(name: str, size: int, bucket_size: int) -> str:
+    return (
+        f"tensor {name!r} is {size / 2**30:.2f} GiB, larger than bucket_size_bytes "
+        f"({bucket_size / 2**30:.2f} GiB): it gets a bucket of its own; raise bucket_size_bytes to at "
+        f"least {size} to avoid the extra buffer"
+    )

@@ -1,0 +1,84 @@
+"""The client side of one UpdateWeights stream (lives on the SDK's loop)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import grpc.aio
+
+from weightsync.client.errors import WeightSyncRpcError
+from weightsync.v1 import weight_sync_service_pb2 as pb
+from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
+
+
+class UpdateStream:
+    """Messages go out through a queue; responses are read by a task.
+
+    `failure` and `aborting` are plain attributes set on the loop and read by
+    the trainer thread between buckets (single writes, safe under the GIL).
+    """
+
+    def __init__(self, server: str, stub: pb_grpc.WeightSyncServiceStub, metadata: tuple) -> None:
+        self.server = server
+        self._outgoing: asyncio.Queue[pb.UpdateWeightsRequest | None] = asyncio.Queue()
+        self._call = stub.UpdateWeights(self._requests(), metadata=metadata)
+        loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future[pb.UpdateReady] = loop.create_future()
+        self.committed: asyncio.Future[pb.UpdateCommitted] = loop.create_future()
+        self.applied = 0
+        self.failure: WeightSyncRpcError | None = None
+        self.aborting: pb.UpdateAborting | None = None
+        self._reader = asyncio.create_task(self._read())
+
+    async def _requests(self):
+        while True:
+            message = await self._outgoing.get()
+            if message is None:
+                return
+            yield message
+
+    def send(self, message: pb.UpdateWeightsRequest | None) -> None:
+        """Queue a message (None half-closes the stream). Call on the loop."""
+        self._outgoing.put_nowait(message)
+
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None or self.aborting is not None
+
+    async def _read(self) -> None:
+        try:
+            async for response in self._call:
+                kind = response.WhichOneof("message")
+                if kind == "ready":
+                    self.ready.set_result(response.ready)
+                elif kind == "bucket_applied":
+                    self.applied += 1
+                elif kind == "aborting":
+                    self.aborting = response.aborting
+                elif kind == "committed":
+                    self.committed.set_result(response.committed)
+            error: WeightSyncRpcError | None = None
+            if not self.committed.done():
+                error = WeightSyncRpcError(self.server, grpc.StatusCode.UNKNOWN, "STREAM_ENDED", "the stream ended before commit", {})
+        except grpc.aio.AioRpcError as rpc_error:
+            error = WeightSyncRpcError.from_rpc(self.server, rpc_error)
+        except asyncio.CancelledError:
+            error = WeightSyncRpcError(self.server, grpc.StatusCode.CANCELLED, "CANCELLED", "cancelled", {})
+        if error is not None:
+            self.failure = error
+            for future in (self.ready, self.committed):
+                if not future.done():
+                    future.set_exception(error)
+                    future.exception()  # mark retrieved: not every path awaits both
+
+    async def finish(self, timeout: float) -> None:
+        """Wait for the server to end the stream."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reader), timeout)
+        except TimeoutError:
+            self._call.cancel()
+            self._reader.cancel()
+
+    def cancel(self) -> None:
+        self._call.cancel()

@@ -143,7 +143,8 @@ def _verify(args: argparse.Namespace) -> int:
     for m in result.mismatches[:20]:
         where = "missing" if m.remote is None else f"{m.remote:#018x} != local {m.local:#018x}"
         print(f"{m.server} worker {m.worker}: {m.name}: {where}")
-    raise RuntimeError(f"{len(result.mismatches)} tensors differ")
+    names = {m.name for m in result.mismatches}
+    raise RuntimeError(f"{len(names)} tensors differ")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

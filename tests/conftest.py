@@ -23,9 +23,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> ServerProcess:
     """One 2-worker CPU server shared by a module's tests; must exit 0 and leave no segment."""
-    before = shm_segments()
     proc = start_server(tmp_path_factory.mktemp("server"))
+    segments = proc.segments()
+    assert len(segments) == 4  # a command and an event queue per worker
     yield proc
     code = proc.stop()
     assert code == 0, proc.log()
-    assert shm_segments() - before == set()
+    assert segments & shm_segments() == set()

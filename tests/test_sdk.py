@@ -1,0 +1,138 @@
+"""Issue 4: the trainer SDK against real servers."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from helpers import local_checksums, server_checksums, shm_segments, start_server
+from models import mixed_model
+from weightsync.client import PushProgress, UpdateFailed, WeightSyncClient, WeightSyncRpcError
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory):
+    servers = [start_server(tmp_path_factory.mktemp(f"s{i}")) for i in range(2)]
+    segments = set().union(*(s.segments() for s in servers))
+    yield servers
+    assert [s.stop() for s in servers] == [0, 0]
+    assert segments & shm_segments() == set()
+
+
+def test_single_server_in_place_staged_reuse_and_iterator(server):
+    model = mixed_model(11)
+    reports: list[PushProgress] = []
+    with WeightSyncClient([server.address]) as client:
+        client.create_group(timeout=30)
+        first = client.push(model, version="s1", bucket_size_bytes=1 << 20, progress=reports.append)
+        assert (first.version, first.tensor_count, first.bucket_count) == ("s1", len(model), 3)
+        assert first.plan_reused is False
+        assert [r.bucket for r in reports] == [0, 1, 2]
+        assert reports[-1].bytes_sent == reports[-1].total_bytes == first.size_bytes
+        assert [(o.version, o.generation) for o in first.servers] == [("s1", 1)]
+        assert client.verify(model).ok
+        assert server_checksums(server) == [local_checksums(model)] * 2
+
+        staged = mixed_model(12)
+        second = client.push(staged, version="s2", mode="staged", bucket_size_bytes=1 << 20)
+        assert second.plan_reused is True  # same names, dtypes, shapes, layout
+        assert second.servers[0].fast_path_buckets == 3  # every bucket lands straight in its segment
+        assert server_checksums(server) == [local_checksums(staged)] * 2
+
+        # An iterator repeating the plan is streamed bucket by bucket.
+        streamed = mixed_model(13)
+        pulled: list[str] = []
+
+        def layers():
+            for name, tensor in streamed.items():
+                pulled.append(name)
+                yield name, tensor
+
+        third = client.push(layers(), version="s3", bucket_size_bytes=1 << 20)
+        assert third.plan_reused is True
+        assert pulled == list(streamed)
+        assert client.verify(streamed).ok
+        assert [o.generation for o in third.servers] == [3]
+
+
+def test_typed_errors_name_server_and_reason(server):
+    model = mixed_model(21)
+    with WeightSyncClient([server.address]) as client:
+        client.create_group(timeout=30)
+        client.push(model, version="e1", bucket_size_bytes=1 << 20)
+        bad = dict(model)
+        bad["layers.0.attn.q_proj.bias"] = torch.zeros(31)
+        with pytest.raises(UpdateFailed) as caught:
+            client.push(bad, version="e2", bucket_size_bytes=1 << 20)
+        assert caught.value.server == server.address
+        assert caught.value.reason == "TENSOR_SHAPE_MISMATCH"
+        assert isinstance(caught.value.cause, WeightSyncRpcError)
+        assert caught.value.cause.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.cause.metadata["tensor"] == "layers.0.attn.q_proj.bias"
+        # Nothing was harmed: the next push commits and verifies.
+        result = client.push(mixed_model(22), version="e3", bucket_size_bytes=1 << 20)
+        assert client.verify(mixed_model(22)).ok
+        assert result.servers[0].version == "e3"
+        # A streamed iterator that departs from the reused plan is refused and aborted.
+        def wrong():
+            yield from [("not.in.plan", torch.zeros(3))]
+
+        with pytest.raises(UpdateFailed, match="does not match the plan"):
+            client.push(wrong(), version="e4", bucket_size_bytes=1 << 20)
+        assert client.verify(mixed_model(22)).ok
+
+
+def test_flat_parameter_is_sent_without_a_pack_copy(server):
+    flat = torch.randn(3 * 4096 + 100)
+    views = {
+        "flat.a": flat[:4096].view(64, 64),
+        "flat.b": flat[4096 : 2 * 4096],
+        "flat.c": flat[2 * 4096 : 3 * 4096 + 100],
+    }
+    with WeightSyncClient([server.address]) as client:
+        client.create_group(timeout=30)
+        result = client.push(views, version="flat", bucket_size_bytes=1 << 20, allow_new_tensors=True)
+        assert result.zero_copy_buckets == result.bucket_count == 1
+        assert result.size_bytes == flat.numel() * 4
+        assert client.verify(views).ok
+
+
+def test_two_servers_one_group_and_verify_catches_divergence(two_servers):
+    a, b = two_servers
+    model = mixed_model(31)
+    with WeightSyncClient([a.address, b.address]) as client:
+        client.create_group(timeout=30)
+        groups = client.list_groups()
+        assert [g.rank_offset for g in groups[a.address]] == [1]
+        assert [g.rank_offset for g in groups[b.address]] == [3]
+        assert {g.world_size for gs in groups.values() for g in gs} == {5}
+        result = client.push(model, version="m1", bucket_size_bytes=1 << 20)
+        assert [o.server for o in result.servers] == [a.address, b.address]
+        assert [o.generation for o in result.servers] == [1, 1]
+        assert client.verify(model).ok
+        staged = client.push(mixed_model(32), version="m2", mode="staged", bucket_size_bytes=1 << 20)
+        assert [o.version for o in staged.servers] == ["m2", "m2"]
+
+        # Someone else pushes different values to server b only.
+        with WeightSyncClient([b.address]) as other:
+            other.create_group(timeout=30)
+            tampered = mixed_model(32)
+            tampered["step"] = torch.tensor(-1, dtype=torch.int64)
+            other.push(tampered, version="rogue", bucket_size_bytes=1 << 20)
+        check = client.verify(mixed_model(32))
+        assert not check.ok
+        assert {(m.server, m.worker, m.name) for m in check.mismatches} == {(b.address, 0, "step"), (b.address, 1, "step")}
+
+
+def test_push_without_group_and_bad_arguments(server):
+    with WeightSyncClient(server.address) as client:
+        with pytest.raises(Exception, match="create_group"):
+            client.push({"x": torch.zeros(1)}, version="v")
+        info = client.server_info()[0]
+        assert info.store_state in (pb.STORE_STATE_CONSISTENT, pb.STORE_STATE_EMPTY, pb.STORE_STATE_INCONSISTENT)
+    with pytest.raises(ValueError, match="host:port"):
+        WeightSyncClient(["nocolon"])

@@ -8,8 +8,10 @@ Layout of the segment (all integers little-endian):
     [24:32)  tail: total bytes ever read (only the consumer stores it)
     [64:64+capacity)  the ring
 
-Each message is a frame: u32 payload length, u32 CRC-32 of the payload, then
-the payload (a serialized protobuf message), wrapping around the ring's end.
+Each message is a frame: u32 payload length, u32 CRC-32, then the payload (a
+serialized protobuf message), wrapping around the ring's end. The CRC covers
+the frame's absolute stream position, its length and its payload, so neither
+zeroed memory nor a stale frame left from an earlier lap of the ring passes.
 An eventfd "doorbell" wakes the consumer; the fd travels to the worker through
 pass_fds, so no pickle and no name lookup is involved.
 
@@ -31,7 +33,12 @@ from multiprocessing import shared_memory
 _MAGIC = b"WSQUEUE1"
 _HEADER_BYTES = 64
 _FRAME = struct.Struct("<II")
+_POSITION = struct.Struct("<QI")
 MIN_CAPACITY = 4096
+
+
+def _crc(position: int, payload: bytes) -> int:
+    return zlib.crc32(payload, zlib.crc32(_POSITION.pack(position, len(payload))))
 
 
 class QueueCorrupted(Exception):
@@ -74,7 +81,7 @@ class ShmQueue:
         head = self._head.value
         if self.capacity - (head - self._tail.value) < needed:
             return False
-        frame = _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+        frame = _FRAME.pack(len(payload), _crc(head, payload)) + payload
         self._write(head, frame)
         self._head.value = head + needed
         os.eventfd_write(self.doorbell_fd, 1)
@@ -101,7 +108,7 @@ class ShmQueue:
         if _FRAME.size + length > available:
             raise QueueCorrupted(f"frame length {length} exceeds the {available} bytes written")
         payload = self._read(tail + _FRAME.size, length)
-        if zlib.crc32(payload) != crc:
+        if _crc(tail, payload) != crc:
             raise QueueCorrupted(f"frame of {length} bytes fails its CRC")
         self._tail.value = tail + _FRAME.size + length
         return payload

@@ -313,7 +313,6 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             structlog.contextvars.bind_contextvars(update_id=update_id, group_id=group.group_id)
             session = UpdateSession(self, update_id, group, begin, plan, plan_id)
             self.active_update = session
-            self.publish_state()
             try:
                 async for response in session.run(requests):
                     if response.WhichOneof("message") == "ready":

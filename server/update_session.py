@@ -79,6 +79,7 @@ class UpdateSession:
         reader: asyncio.Task[None] | None = None
         try:
             await self._prepare()
+            self.servicer.publish_state()  # watchers see UPDATING
             fast = self.fast_path_count
             log.info("update_ready", buckets=len(self.plan.buckets), fast_path=fast, version=self.begin.version)
             yield pb.UpdateWeightsResponse(

@@ -1,10 +1,17 @@
 """Turn named tensors into a bucket plan.
 
 Two kinds of bucket:
-  - packed: tensors copied into a reused buffer at 64-byte aligned offsets;
-  - flat: consecutive tensors that are already laid out in one storage (a
-    flat parameter) are described at their real byte offsets, so the storage
-    itself is broadcast with no pack copy.
+  - packed: small tensors copied into a reused buffer at 64-byte aligned
+    offsets;
+  - flat: bytes that already sit contiguously in the caller's memory are
+    broadcast as they are, with no pack copy: a large contiguous tensor on its
+    own, or consecutive tensors laid out in one storage (a flat parameter),
+    described at their real byte offsets.
+
+Emission order follows the input: a flat bucket is emitted where its tensor
+appears; a packed bucket when it is full (or at the end). So a consumer that
+pulls tensors from an iterator never has to look ahead past the current
+bucket; it only holds the small tensors of the open packed bucket.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.common import dtypes
-from weightsync.common.layout import TensorMeta, plan_buckets
+from weightsync.common.layout import TensorMeta, align_up, plan_buckets
 from weightsync.v1 import tensor_pb2
 
 
@@ -99,8 +106,50 @@ def _flat_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: 
     return out
 
 
-def build_plan(named: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: int) -> list[PlannedBucket]:
-    """Plan every tensor, in input order."""
+DEFAULT_ZERO_COPY_MIN_BYTES = 4 << 20
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _loose_buckets(
+    loose: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: int, zero_copy_min_bytes: int
+) -> list[PlannedBucket]:
+    out: list[PlannedBucket] = []
+    pending: list[TensorMeta] = []
+    pending_bytes = 0
+
+    def flush() -> None:
+        nonlocal pending_bytes
+        out.extend(PlannedBucket(b.to_proto(), None) for b in plan_buckets(pending, bucket_size_bytes))
+        pending.clear()
+        pending_bytes = 0
+
+    for name, tensor in loose:
+        size = _nbytes(tensor)
+        if zero_copy_min_bytes and size >= zero_copy_min_bytes and tensor.is_contiguous():
+            spec = tensor_pb2.BucketSpec(size_bytes=size)
+            spec.tensors.add(name=name, dtype=dtypes.from_torch(tensor.dtype), shape=list(tensor.shape),
+                             offset_bytes=0, size_bytes=size)
+            out.append(PlannedBucket(spec, tensor.detach().reshape(-1).view(torch.uint8)))
+            continue
+        start = align_up(pending_bytes)
+        if pending and start + size > bucket_size_bytes:
+            flush()
+            start = 0
+        pending.append(TensorMeta.of(name, tensor))
+        pending_bytes = start + size
+    flush()
+    return out
+
+
+def build_plan(
+    named: Sequence[tuple[str, torch.Tensor]],
+    bucket_size_bytes: int,
+    zero_copy_min_bytes: int = DEFAULT_ZERO_COPY_MIN_BYTES,
+) -> list[PlannedBucket]:
+    """Plan every tensor (see the module docstring for the order)."""
     seen: set[str] = set()
     for name, tensor in named:
         if name in seen:
@@ -114,8 +163,7 @@ def build_plan(named: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: int
     for start, end in [*_flat_runs(named), (len(named), len(named))]:
         loose = named[cursor:start]
         if loose:
-            metas = [TensorMeta.of(n, t) for n, t in loose]
-            planned.extend(PlannedBucket(b.to_proto(), None) for b in plan_buckets(metas, bucket_size_bytes))
+            planned.extend(_loose_buckets(loose, bucket_size_bytes, zero_copy_min_bytes))
         if end > start:
             planned.extend(_flat_buckets(named[start:end], bucket_size_bytes))
         cursor = end
@@ -124,11 +172,3 @@ def build_plan(named: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: int
 
 def plan_proto(planned: Sequence[PlannedBucket]) -> tensor_pb2.WeightPlan:
     return tensor_pb2.WeightPlan(buckets=[p.spec for p in planned])
-
-
-def describe_bucket_overflow(name: str, size: int, bucket_size: int) -> str:
-    return (
-        f"tensor {name!r} is {size / 2**30:.2f} GiB, larger than bucket_size_bytes "
-        f"({bucket_size / 2**30:.2f} GiB): it gets a bucket of its own; raise bucket_size_bytes to at "
-        f"least {size} to avoid the extra buffer"
-    )

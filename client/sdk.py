@@ -32,7 +32,7 @@ import torch
 
 from weightsync.client._loop import LoopThread
 from weightsync.client.errors import PlanMismatch, UpdateFailed, WeightSyncClientError, WeightSyncRpcError
-from weightsync.client.planning import PlannedBucket, build_plan, plan_proto
+from weightsync.client.planning import DEFAULT_ZERO_COPY_MIN_BYTES, PlannedBucket, build_plan, plan_proto
 from weightsync.client.streams import UpdateStream
 from weightsync.common import dtypes
 from weightsync.common.checksum import tensor_checksum, ws64
@@ -354,6 +354,7 @@ class WeightSyncClient:
         bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
         allow_new_tensors: bool = False,
         checksums: bool = True,
+        zero_copy_min_bytes: int = DEFAULT_ZERO_COPY_MIN_BYTES,
         progress: Callable[[PushProgress], None] | None = None,
         show_progress: bool | None = None,
     ) -> PushResult:
@@ -365,6 +366,8 @@ class WeightSyncClient:
         once); otherwise it is materialised first.
         checksums: each bucket carries a WS64 checksum that every worker
         verifies (DATA_LOSS names the bucket on mismatch).
+        zero_copy_min_bytes: contiguous tensors at least this large are
+        broadcast from their own memory, in a bucket of their own (0: always pack).
         Raises UpdateFailed (the update is aborted on every server).
         """
         group = self._group
@@ -378,14 +381,14 @@ class WeightSyncClient:
         source: _TensorSource
         if isinstance(named_tensors, Mapping):
             items = list(named_tensors.items())
-            planned = build_plan(items, bucket_size_bytes)
+            planned = build_plan(items, bucket_size_bytes, zero_copy_min_bytes)
             source = _TensorSource(dict(items), None)
         elif self._stream_plan is not None and not allow_new_tensors:
             planned = [PlannedBucket(p.spec, None) for p in self._stream_plan]
             source = _TensorSource(None, iter(named_tensors))
         else:
             items = list(named_tensors)
-            planned = build_plan(items, bucket_size_bytes)
+            planned = build_plan(items, bucket_size_bytes, zero_copy_min_bytes)
             source = _TensorSource(dict(items), None)
         if not planned:
             raise ValueError("nothing to push: no tensors")
@@ -468,6 +471,13 @@ class WeightSyncClient:
         if self._zero_copy(bucket):
             assert bucket.flat_source is not None
             return bucket.flat_source, False
+        if len(bucket.spec.tensors) == 1 and bucket.spec.tensors[0].offset_bytes == 0:
+            # A streamed tensor in a bucket of its own: send its memory if it can be.
+            spec = bucket.spec.tensors[0]
+            tensor = source.take(spec)
+            if tensor.is_contiguous() and tensor.device == self._buffers.device and spec.size_bytes == bucket.spec.size_bytes:
+                return tensor.detach().reshape(-1).view(torch.uint8), False
+            source.put_back(spec.name, tensor)
         buffer = self._buffers.pair[index % 2][: bucket.spec.size_bytes]
         with torch.no_grad():
             for spec in bucket.spec.tensors:
@@ -612,18 +622,36 @@ class WeightSyncClient:
 class _TensorSource:
     """Tensors for packing: from a mapping, or pulled in plan order from an iterator."""
 
+    # Small tensors of an open packed bucket wait here while the flat buckets
+    # that follow them in the input are sent; more than this is a mismatch.
+    MAX_STASHED = 100_000
+
     def __init__(self, mapping: dict[str, torch.Tensor] | None, iterator: Iterator[tuple[str, torch.Tensor]] | None):
         self._mapping = mapping
         self._iterator = iterator
+        self._stash: dict[str, torch.Tensor] = {}
+
+    def put_back(self, name: str, tensor: torch.Tensor) -> None:
+        if self._mapping is None:
+            self._stash[name] = tensor
 
     def take(self, spec: tensor_pb2.TensorSpec) -> torch.Tensor:
         if self._mapping is not None:
             return self._mapping[spec.name]
         assert self._iterator is not None
-        try:
-            name, tensor = next(self._iterator)
-        except StopIteration:
-            raise PlanMismatch(f"the iterator ended before tensor {spec.name!r} of the reused plan") from None
+        tensor = self._stash.pop(spec.name, None)
+        name = spec.name
+        while tensor is None:
+            try:
+                name, candidate = next(self._iterator)
+            except StopIteration:
+                raise PlanMismatch(f"the iterator ended before tensor {spec.name!r} of the reused plan") from None
+            if name == spec.name:
+                tensor = candidate
+            elif len(self._stash) < self.MAX_STASHED:
+                self._stash[name] = candidate
+            else:
+                raise PlanMismatch(f"tensor {spec.name!r} of the reused plan never came from the iterator")
         if name != spec.name or dtypes.from_torch(tensor.dtype) != spec.dtype or list(tensor.shape) != list(spec.shape):
             raise PlanMismatch(
                 f"streamed tensor {name!r} ({tensor.dtype}, {list(tensor.shape)}) does not match the plan's "
@@ -633,9 +661,9 @@ class _TensorSource:
 
     def finish(self) -> None:
         if self._iterator is not None:
-            extra = next(self._iterator, None)
+            extra = next(iter(self._stash), None) or next(self._iterator, (None,))[0]
             if extra is not None:
-                raise PlanMismatch(f"the iterator yields {extra[0]!r} beyond the reused plan")
+                raise PlanMismatch(f"the iterator yields {extra!r}, which is not in the reused plan")
 
 
 def _as_update_failed(failure: BaseException, streams: list[UpdateStream]) -> UpdateFailed:

@@ -81,9 +81,22 @@ def test_typed_errors_name_server_and_reason(server):
         def wrong():
             yield from [("not.in.plan", torch.zeros(3))]
 
-        with pytest.raises(UpdateFailed, match="does not match the plan"):
+        with pytest.raises(UpdateFailed, match="reused plan"):
             client.push(wrong(), version="e4", bucket_size_bytes=1 << 20)
         assert client.verify(mixed_model(22)).ok
+
+
+def test_large_tensors_stream_without_copies(server):
+    model = {f"big.{i}": torch.randn(1 << 20) for i in range(3)} | {"small.a": torch.randn(10), "small.b": torch.randn(7)}
+    model = {"small.a": model["small.a"], "big.0": model["big.0"], "big.1": model["big.1"], "small.b": model["small.b"], "big.2": model["big.2"]}
+    with WeightSyncClient([server.address]) as client:
+        client.create_group(timeout=30)
+        first = client.push(model, version="z1", allow_new_tensors=True)
+        assert (first.bucket_count, first.zero_copy_buckets) == (4, 3)
+        streamed = {k: v + 1 for k, v in model.items()}
+        second = client.push(iter(streamed.items()), version="z2")
+        assert second.plan_reused and second.zero_copy_buckets == 3
+        assert client.verify(streamed).ok
 
 
 def test_flat_parameter_is_sent_without_a_pack_copy(server):

@@ -53,12 +53,12 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None:
-            return handler
         method = details.method
         if self._expected and not method.startswith(HEALTH_PREFIX) and not self._authorized(details):
-            return _refusing_handler(handler, Unauthenticated("TOKEN_INVALID", "missing or invalid bearer token"))
-        if not method.startswith(SERVICE_PREFIX):
+            # Unknown methods too: an unauthenticated caller learns nothing.
+            refused = handler or grpc.unary_unary_rpc_method_handler(None)
+            return _refusing_handler(refused, Unauthenticated("TOKEN_INVALID", "missing or invalid bearer token"))
+        if handler is None or not method.startswith(SERVICE_PREFIX):
             return handler
         return _wrap(handler, method)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import itertools
 import sys
 import time
@@ -173,6 +174,28 @@ class _Buffers:
         pin = self.device.type == "cpu" and torch.cuda.is_available()
         # zeros() touches every page once, here, not during the first push.
         self.pair = [torch.zeros(size, dtype=torch.uint8, device=self.device, pin_memory=pin) for _ in range(2)]
+
+
+def _one_intra_op_thread(method):
+    """Run a CPU-heavy SDK method with one torch intra-op thread, then restore.
+
+    Packing and checksums are many small memory-bound ops; with several
+    OpenMP threads each op pays a barrier, and on a host whose cores are
+    busy with the broadcast (sockets, receivers) a barrier waits for a thread
+    that cannot run: measured 100x slower packing on 2 loaded cores. The
+    setting is process-wide, so it is restored as soon as the call returns.
+    """
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.set_num_threads(previous)
+
+    return wrapper
 
 
 class WeightSyncClient:
@@ -345,6 +368,7 @@ class WeightSyncClient:
         return self._group.group_id if self._group else None
 
     # -- push --------------------------------------------------------------------
+    @_one_intra_op_thread
     def push(
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -579,6 +603,7 @@ class WeightSyncClient:
         ]
 
     # -- verify ------------------------------------------------------------------
+    @_one_intra_op_thread
     def verify(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> VerifyResult:
         """Compare local WS64 checksums with every worker of every server."""
         local = {name: ws64(t.detach()) for name, t in (named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)}

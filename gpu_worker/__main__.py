@@ -55,17 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     events = AttachedQueue(evt_seg, evt_bell)
     import torch
 
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    # One intra-op thread: copies and checksums are memory-bound, and OpenMP
+    # barriers stall when the host's cores are busy with the broadcast.
+    torch.set_num_threads(1)
     if config.device.startswith("cuda"):
         # NCCL binds to the current device; buffers and checksums stay on it.
         torch.cuda.set_device(torch.device(config.device))
     worker = Worker(config, commands.queue, events.queue)
     worker.run(parent_alive=lambda: os.getppid() == config.parent_pid)
-    import time as _t; _s=_t.monotonic()
     commands.close()
     events.close()
-    print("PROBE closed", round(_t.monotonic()-_s,3), file=sys.stderr, flush=True)
-    import atexit; atexit.register(lambda: print("PROBE atexit", round(_t.monotonic()-_s,3), file=sys.stderr, flush=True))
     return 0
 
 

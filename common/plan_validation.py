@@ -59,6 +59,7 @@ def validate_plan(plan: tensor_pb2.WeightPlan, limits: PlanLimits) -> PlanSummar
                 "PLAN_TOO_MANY_TENSORS",
                 f"the plan lists more than {limits.max_tensors} tensors (server limit max_tensors)",
                 limit=limits.max_tensors,
+                bucket=index,
             )
         if total_bytes > limits.max_plan_bytes:
             raise InvalidArgument(
@@ -133,7 +134,11 @@ def _validate_tensor(index: int, spec: tensor_pb2.TensorSpec, names: set[str]) -
             "TENSOR_NAME_DUPLICATE", f"tensor {name!r} appears twice in the plan", bucket=index, tensor=name
         )
     names.add(name)
-    itemsize = dtypes.itemsize(spec.dtype, tensor=name)
+    try:
+        itemsize = dtypes.itemsize(spec.dtype, tensor=name)
+    except InvalidArgument as error:  # DTYPE_UNSPECIFIED / DTYPE_UNKNOWN: name the bucket too
+        error.metadata["bucket"] = str(index)
+        raise
     for dim in spec.shape:
         if dim < 0:
             raise InvalidArgument(

@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     worker.run(parent_alive=lambda: os.getppid() == config.parent_pid)
     commands.close()
     events.close()
-    return 0
+    # Everything is released; skip interpreter teardown (torch's can take
+    # seconds on a loaded host and would eat into the server's grace period).
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

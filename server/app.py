@@ -46,14 +46,17 @@ def _read(path: str) -> bytes:
 
 
 def _configure_port(server: grpc.aio.Server, config: ServerConfig) -> int:
-    if not config.tls_cert:
-        return server.add_insecure_port(config.listen)
-    credentials = grpc.ssl_server_credentials(
-        [(_read(config.tls_key), _read(config.tls_cert))],
-        root_certificates=_read(config.tls_client_ca) if config.tls_client_ca else None,
-        require_client_auth=bool(config.tls_client_ca),
-    )
-    return server.add_secure_port(config.listen, credentials)
+    try:
+        if not config.tls_cert:
+            return server.add_insecure_port(config.listen)
+        credentials = grpc.ssl_server_credentials(
+            [(_read(config.tls_key), _read(config.tls_cert))],
+            root_certificates=_read(config.tls_client_ca) if config.tls_client_ca else None,
+            require_client_auth=bool(config.tls_client_ca),
+        )
+        return server.add_secure_port(config.listen, credentials)
+    except RuntimeError as error:  # grpc: "Failed to bind to address ..." (in use, not local, ...)
+        raise OSError(f"could not bind {config.listen} (address in use or not available)") from error
 
 
 def build_server(config: ServerConfig) -> tuple[grpc.aio.Server, WeightSyncServicer, int]:
@@ -63,11 +66,13 @@ def build_server(config: ServerConfig) -> tuple[grpc.aio.Server, WeightSyncServi
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(interceptors=[EdgeInterceptor(config.token)], options=options)
-    servicer = _configure_servicers(server, config)
-    _configure_reflection(server)
+    # Bind first: the servicer creates the workers' shared-memory queues, which
+    # a failed bind would otherwise leak.
     port = _configure_port(server, config)
     if port == 0:
         raise OSError(f"could not bind {config.listen}")
+    servicer = _configure_servicers(server, config)
+    _configure_reflection(server)
     return server, servicer, port
 
 

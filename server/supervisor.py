@@ -124,7 +124,8 @@ class Supervisor:
         ]
         # The worker maps the segment through its own fd copy (it closes it).
         worker.started.clear()
-        worker.state = pb.WORKER_STATE_STARTING
+        if worker.state != pb.WORKER_STATE_RESTARTING:  # a restart stays RESTARTING until ready
+            worker.state = pb.WORKER_STATE_STARTING
         worker.process = subprocess.Popen(argv, pass_fds=(*cmd, *evt), stdin=subprocess.DEVNULL)
         worker.pidfd = os.pidfd_open(worker.process.pid)
         assert self._loop is not None

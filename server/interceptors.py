@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -94,6 +95,20 @@ def _parse(deserializer: Callable[[bytes], Any], raw: bytes) -> Any:
         raise InvalidArgument("MESSAGE_MALFORMED", f"request could not be parsed: {error}") from error
 
 
+@contextlib.asynccontextmanager
+async def _mapped_errors(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
+    """The one place where exceptions become statuses."""
+    with structlog.contextvars.bound_contextvars(rpc=method):
+        try:
+            yield
+        except WeightSyncError as error:
+            await _abort(context, error)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:  # noqa: BLE001
+            await _abort(context, _internal(method, error))
+
+
 def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     parse = handler.request_deserializer
     serialize = handler.response_serializer
@@ -102,15 +117,8 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         inner = handler.unary_unary
 
         async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            with structlog.contextvars.bound_contextvars(rpc=method):
-                try:
-                    return await inner(_parse(parse, raw), context)
-                except WeightSyncError as error:
-                    await _abort(context, error)
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as error:  # noqa: BLE001
-                    await _abort(context, _internal(method, error))
+            async with _mapped_errors(context, method):
+                return await inner(_parse(parse, raw), context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, None, serialize)
 
@@ -118,16 +126,9 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         inner_stream = handler.unary_stream
 
         async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            with structlog.contextvars.bound_contextvars(rpc=method):
-                try:
-                    async for response in inner_stream(_parse(parse, raw), context):
-                        yield response
-                except WeightSyncError as error:
-                    await _abort(context, error)
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as error:  # noqa: BLE001
-                    await _abort(context, _internal(method, error))
+            async with _mapped_errors(context, method):
+                async for response in inner_stream(_parse(parse, raw), context):
+                    yield response
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, None, serialize)
 
@@ -138,15 +139,8 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
             yield _parse(parse, raw)
 
     async def stream_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        with structlog.contextvars.bound_contextvars(rpc=method):
-            try:
-                async for response in inner_bidi(parsed(requests), context):
-                    yield response
-            except WeightSyncError as error:
-                await _abort(context, error)
-            except grpc.aio.AbortError:
-                raise
-            except Exception as error:  # noqa: BLE001
-                await _abort(context, _internal(method, error))
+        async with _mapped_errors(context, method):
+            async for response in inner_bidi(parsed(requests), context):
+                yield response
 
     return grpc.stream_stream_rpc_method_handler(stream_stream, None, serialize)

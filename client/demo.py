@@ -87,6 +87,12 @@ def start_server(workdir: Path) -> tuple[subprocess.Popen, str]:
     return process, f"127.0.0.1:{json.loads(ready.read_text())['port']}"
 
 
+def server_segments(pid: int) -> set[str]:
+    """The shared-memory segments a process has mapped (its worker queues)."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return {line.rsplit("/dev/shm/", 1)[1].strip() for line in maps.splitlines() if "/dev/shm/" in line}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weightsync-demo")
     parser.add_argument("--versions", type=int, default=3)
@@ -96,16 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     from weightsync.common.logging import configure_logging
 
     configure_logging("warning")
-    before = {p.name for p in Path("/dev/shm").iterdir()}
     with tempfile.TemporaryDirectory(prefix="weightsync-demo-") as tmp:
         workdir = Path(tmp)
         server, address = start_server(workdir)
+        segments = server_segments(server.pid)
+        if len(segments) != 4:  # a command and an event queue per worker
+            raise RuntimeError(f"expected 4 queue segments, the server maps {sorted(segments)}")
         rows = []
+        worker_pids: list[int] = []
         try:
             model = synthetic_model(shape, seed=0)
             total = sum(t.numel() * t.element_size() for t in model.values())
             print(f"server {address} with 2 CPU workers; model: {len(model)} tensors, {total / 1e9:.2f} GB bf16", flush=True)
             with WeightSyncClient([address]) as client:
+                worker_pids = [w.pid for w in client.server_info()[0].workers]
                 client.create_group(timeout=60)
                 for step in range(1, args.versions + 1):
                     if step > 1:
@@ -127,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'version':<8} {'tensors':>8} {'bytes':>12} {'seconds':>8} {'GB/s':>6}  verified")
         for version, tensors, size, seconds, gbps, ok in rows:
             print(f"{version:<8} {tensors:>8} {size:>12} {seconds:>8.3f} {gbps:>6.2f}  {ok}")
-        leaked = {p.name for p in Path("/dev/shm").iterdir()} - before
+        leaked = {name for name in segments if (Path("/dev/shm") / name).exists()}
+        orphans = [pid for pid in worker_pids if Path(f"/proc/{pid}").exists()]
+        if orphans:
+            print(f"worker processes left behind: {orphans}", file=sys.stderr)
+            return 1
         if code != 0:
             print(f"server exited with {code}", file=sys.stderr)
             return 1

@@ -1,6 +1,11 @@
 """weightsync.client: the trainer SDK (see weightsync.client.sdk)."""
 
-from weightsync.client.errors import PlanMismatch, UpdateFailed, WeightSyncClientError, WeightSyncRpcError
+from weightsync.client.errors import (
+    PlanMismatch,
+    UpdateFailed,
+    WeightSyncClientError,
+    WeightSyncRpcError,
+)
 from weightsync.client.sdk import (
     PushProgress,
     PushResult,

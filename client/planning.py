@@ -172,3 +172,44 @@ def build_plan(
 
 def plan_proto(planned: Sequence[PlannedBucket]) -> tensor_pb2.WeightPlan:
     return tensor_pb2.WeightPlan(buckets=[p.spec for p in planned])
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRecipe:
+    """A plan that holds no tensor: the specs, and where each flat bucket's
+    bytes sit (first tensor's name, byte range in its storage). Rebinding it
+    to the same tensors skips planning on every push after the first, without
+    keeping the caller's tensors alive between pushes."""
+
+    fingerprint: tuple
+    specs: tuple[tensor_pb2.BucketSpec, ...]
+    flat: tuple[tuple[str, int, int] | None, ...]
+
+
+def fingerprint(named: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: int, zero_copy_min_bytes: int) -> tuple:
+    """Everything a plan depends on: names, dtypes, shapes, and memory layout."""
+    return (
+        bucket_size_bytes,
+        zero_copy_min_bytes,
+        tuple(
+            (name, t.dtype, tuple(t.shape), tuple(t.stride()), t.data_ptr(), t.untyped_storage().data_ptr(), t.device)
+            for name, t in named
+        ),
+    )
+
+
+def recipe_of(planned: Sequence[PlannedBucket], key: tuple) -> PlanRecipe:
+    flat = tuple(
+        None
+        if p.flat_source is None
+        else (p.spec.tensors[0].name, p.flat_source.storage_offset(), p.flat_source.storage_offset() + p.flat_source.numel())
+        for p in planned
+    )
+    return PlanRecipe(key, tuple(p.spec for p in planned), flat)
+
+
+def rebind(recipe: PlanRecipe, tensors: dict[str, torch.Tensor]) -> list[PlannedBucket]:
+    return [
+        PlannedBucket(spec, None if where is None else _storage_bytes(tensors[where[0]])[where[1] : where[2]])
+        for spec, where in zip(recipe.specs, recipe.flat, strict=True)
+    ]

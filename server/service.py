@@ -24,7 +24,7 @@ from weightsync.common.errors import (
     Unimplemented,
     WeightSyncError,
 )
-from weightsync.common.plan_validation import validate_plan
+from weightsync.common.plan_validation import PlanSummary, validate_plan
 from weightsync.server.config import ServerConfig
 from weightsync.server.state import GroupRecord, PublishedVersion, Watchers, aggregate_store_state
 from weightsync.server.supervisor import Supervisor, WorkerHandle
@@ -69,7 +69,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         self.draining = False
         self.update_lock = asyncio.Lock()
         self.active_update: UpdateSession | None = None
-        self.plans: OrderedDict[str, tensor_pb2.WeightPlan] = OrderedDict()
+        self.plans: OrderedDict[str, tuple[tensor_pb2.WeightPlan, PlanSummary]] = OrderedDict()
         self._background: set[asyncio.Task] = set()
 
     # -- lifecycle hooks -------------------------------------------------------------
@@ -300,7 +300,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         if first.WhichOneof("message") != "begin":
             raise InvalidArgument("BEGIN_MISSING", "the first message must be begin")
         begin = first.begin
-        group, plan, plan_id = self._validate_begin(begin)
+        group, plan, plan_id, summary = self._validate_begin(begin)
         if self.update_lock.locked():
             active = self.active_update
             raise FailedPrecondition(
@@ -316,18 +316,18 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             try:
                 async for response in session.run(requests):
                     if response.WhichOneof("message") == "ready":
-                        self._remember_plan(plan_id, plan)
+                        self._remember_plan(plan_id, plan, summary)
                     yield response
             finally:
                 self.active_update = None
 
-    def _remember_plan(self, plan_id: str, plan: tensor_pb2.WeightPlan) -> None:
-        self.plans[plan_id] = plan
+    def _remember_plan(self, plan_id: str, plan: tensor_pb2.WeightPlan, summary: PlanSummary) -> None:
+        self.plans[plan_id] = (plan, summary)
         self.plans.move_to_end(plan_id)
         while len(self.plans) > PLAN_CACHE_SIZE:
             self.plans.popitem(last=False)
 
-    def _validate_begin(self, begin: pb.BeginUpdate) -> tuple[GroupRecord, tensor_pb2.WeightPlan, str]:
+    def _validate_begin(self, begin: pb.BeginUpdate) -> tuple[GroupRecord, tensor_pb2.WeightPlan, str, PlanSummary]:
         if begin.transport == pb.TRANSPORT_UNSPECIFIED:
             raise InvalidArgument("TRANSPORT_UNSPECIFIED", "transport is required (TRANSPORT_COLLECTIVE)")
         if begin.transport in (pb.TRANSPORT_SHM, pb.TRANSPORT_INLINE):
@@ -356,14 +356,15 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         if has_plan:
             plan = begin.plan
             plan_id = plan_id_of(plan)
+            summary = validate_plan(plan, self.config.limits)
         elif begin.plan_id:
             cached = self.plans.get(begin.plan_id)
             if cached is None:
                 raise NotFound("PLAN_NOT_FOUND", f"plan {begin.plan_id!r} is not cached here; send the full plan", plan_id=begin.plan_id[:64])
-            plan, plan_id = cached, begin.plan_id
+            plan, summary = cached  # validated when it was first sent
+            plan_id = begin.plan_id
         else:
             raise InvalidArgument("PLAN_MISSING", "begin needs a plan or a plan_id")
-        summary = validate_plan(plan, self.config.limits)
         self._require_serving()
         workers = self.supervisor.workers
         largest = max(w.store.tensor_count for w in workers)
@@ -374,7 +375,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
                 tensors=summary.tensor_count,
                 expected=largest,
             )
-        return group, plan, plan_id
+        return group, plan, plan_id, summary
 
     # -- shutdown ------------------------------------------------------------------
     async def drain(self, grace_seconds: float) -> None:

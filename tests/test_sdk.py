@@ -149,3 +149,23 @@ def test_push_without_group_and_bad_arguments(server):
         assert info.store_state in (pb.STORE_STATE_CONSISTENT, pb.STORE_STATE_EMPTY, pb.STORE_STATE_INCONSISTENT)
     with pytest.raises(ValueError, match="host:port"):
         WeightSyncClient(["nocolon"])
+
+
+def test_plan_is_reused_while_the_layout_holds(server, monkeypatch):
+    import weightsync.client.sdk as sdk
+
+    calls = []
+    real = sdk.build_plan
+    monkeypatch.setattr(sdk, "build_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = {"big": torch.randn(1 << 20), "small": torch.randn(5)}
+    with WeightSyncClient([server.address]) as client:
+        client.create_group(timeout=30)
+        client.push(model, version="r1", allow_new_tensors=True)
+        model["big"].add_(1.0)  # in place: same memory, same plan
+        client.push(model, version="r2")
+        assert len(calls) == 1
+        assert client.verify(model).ok
+        model["big"] = torch.randn(1 << 20)  # a new tensor: planned again
+        client.push(model, version="r3")
+        assert len(calls) == 2
+        assert client.verify(model).ok

@@ -57,6 +57,9 @@ class UpdateSession:
     plan: tensor_pb2.WeightPlan
     plan_id: str
     inbox: asyncio.Queue[tuple] = field(default_factory=asyncio.Queue)
+    # Every receive_bucket submitted to a worker; the abort path settles the ones
+    # nobody awaited (the stream was cancelled mid-bucket), see _settle_receives.
+    receives: list[tuple] = field(default_factory=list)
     failure: WeightSyncError | None = None
     announced: int = 0
     applied: int = 0
@@ -152,10 +155,13 @@ class UpdateSession:
             *(supervisor.result(w, f, self.bucket_timeout) for w, f in futures), return_exceptions=True
         )
         errors = [r for r in results if isinstance(r, BaseException)]
+        for error in errors:
+            self._note_broken(error)
         if self.failure is not None:
             return None
         if errors:
-            error = errors[0]
+            # A dead worker breaks the broadcast for the others too: report the cause, not the symptom.
+            error = next((e for e in errors if not getattr(e, "broken_group_id", "")), errors[0])
             if not isinstance(error, WeightSyncError):
                 raise error
             self._fail(error)
@@ -195,10 +201,13 @@ class UpdateSession:
         if self.failure is not None:
             return
         self.failure = error
-        broken = getattr(error, "broken_group_id", "")
-        if broken:
-            self.group.mark_broken(f"{error.reason}: {error.message}")
+        self._note_broken(error)
         log.warning("update_failing", reason=error.reason, message=error.message)
+
+    def _note_broken(self, error: BaseException) -> None:
+        """A worker's collective failed: the group is unusable, whatever else the update hit first."""
+        if getattr(error, "broken_group_id", ""):
+            self.group.mark_broken(f"{error.reason}: {error.message}")  # type: ignore[attr-defined]
 
     def _aborting_message(self) -> pb.UpdateWeightsResponse:
         assert self.failure is not None
@@ -214,6 +223,7 @@ class UpdateSession:
             return
         self.finished = True
         supervisor = self.servicer.supervisor
+        settled = asyncio.ensure_future(self._settle_receives())
         command = wpb.AbortUpdateCommand(update_id=self.update_id)
         results = await asyncio.gather(
             *(
@@ -223,11 +233,31 @@ class UpdateSession:
             ),
             return_exceptions=True,
         )
+        await settled
         for result in results:
             if isinstance(result, BaseException):
                 log.warning("abort_failed_on_worker", error=str(result))
         log.info("update_aborted", reason=self.failure.reason if self.failure else "")
         self.servicer.publish_state()
+
+    async def _settle_receives(self) -> None:
+        """Await the announced buckets' results that nobody awaited.
+
+        When the stream is cancelled (the trainer died) while workers sit in a
+        broadcast, the driver stops awaiting that bucket. The workers still
+        answer it (the abort is queued behind it anyway); a collective failure
+        in that answer must still mark the group BROKEN, or the server would
+        keep a group the workers already dropped.
+        """
+        receives, self.receives = self.receives, []
+        supervisor = self.servicer.supervisor
+        results = await asyncio.gather(
+            *(supervisor.result(w, f, self.bucket_timeout) for w, f in receives), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, WeightSyncError):
+                self._fail(result)
+                self._note_broken(result)
 
     # -- reader ------------------------------------------------------------------
     async def _read(self, requests: AsyncIterator[pb.UpdateWeightsRequest]) -> None:
@@ -259,6 +289,7 @@ class UpdateSession:
                     try:
                         for worker in supervisor.workers:
                             futures.append((worker, supervisor.submit(worker, receive_bucket=command)))
+                            self.receives.append(futures[-1])
                     except WeightSyncError as error:
                         await self.inbox.put(("error", error))
                         continue

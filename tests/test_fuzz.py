@@ -11,11 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import PlainTrainer, UpdateStream, local_checksums, server_checksums
-from models import mixed_model
 from weightsync.common.shm_queue import OwnedQueue, QueueCorrupted, ShmQueue
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
+
+from helpers import PlainTrainer, UpdateStream, local_checksums, server_checksums
+from models import mixed_model
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from models import mixed_model
 from weightsync.client import WeightSyncClient
+
+from models import mixed_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 

@@ -6,10 +6,11 @@ import grpc
 import pytest
 import torch
 
-from helpers import local_checksums, server_checksums, shm_segments, start_server
-from models import mixed_model
 from weightsync.client import PushProgress, UpdateFailed, WeightSyncClient, WeightSyncRpcError
 from weightsync.v1 import weight_sync_service_pb2 as pb
+
+from helpers import local_checksums, server_checksums, shm_segments, start_server
+from models import mixed_model
 
 pytestmark = pytest.mark.timeout(240)
 

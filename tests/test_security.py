@@ -23,7 +23,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from certs import Pki, make_pki
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -32,6 +31,7 @@ from weightsync.client.sdk import TlsConfig, WeightSyncClient
 from weightsync.server.config import ServerConfig, config_from_args
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
+from certs import Pki, make_pki
 from helpers import ServerProcess, error_info, shm_segments, start_server
 
 pytestmark = pytest.mark.timeout(240)

@@ -6,9 +6,10 @@ import threading
 
 import pytest
 
-from models import mixed_model
 from weightsync.client import WeightSyncClient
 from weightsync.v1 import weight_sync_service_pb2 as pb
+
+from models import mixed_model
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -181,6 +181,9 @@ class _Buffers:
 
     device: torch.device
     pair: list[torch.Tensor] = field(default_factory=list)
+    views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """Typed destination views per bucket index, kept while the plan holds."""
+    views_plan: bytes = b""
 
     def ensure(self, size: int) -> None:
         if self.pair and self.pair[0].numel() >= size:
@@ -188,6 +191,25 @@ class _Buffers:
         pin = self.device.type == "cpu" and torch.cuda.is_available()
         # zeros() touches every page once, here, not during the first push.
         self.pair = [torch.zeros(size, dtype=torch.uint8, device=self.device, pin_memory=pin) for _ in range(2)]
+        self.views.clear()
+
+    def use_plan(self, plan_bytes: bytes) -> None:
+        if plan_bytes != self.views_plan:
+            self.views.clear()
+            self.views_plan = plan_bytes
+
+    def destinations(self, index: int, spec: tensor_pb2.BucketSpec) -> list[torch.Tensor]:
+        """Where each non-empty tensor of bucket `index` goes in its pack buffer."""
+        views = self.views.get(index)
+        if views is None:
+            buffer = self.pair[index % 2]
+            views = [
+                buffer[t.offset_bytes : t.offset_bytes + t.size_bytes].view(dtypes.to_torch(t.dtype)).view(tuple(t.shape))
+                for t in spec.tensors
+                if t.size_bytes
+            ]
+            self.views[index] = views
+        return views
 
 
 def _one_intra_op_thread(method):
@@ -443,6 +465,7 @@ class WeightSyncClient:
         assert self._buffers is not None
         packed = [b.spec.size_bytes for b in planned if not self._zero_copy(b)]
         self._buffers.ensure(max(packed, default=0))
+        self._buffers.use_plan(plan_bytes)
         if checksums is None:
             checksums = self._buffers.device.type == "cuda"
         streams, reused = self._loop.run(self._begin(group, plan, plan_bytes, version, _MODES[mode], allow_new_tensors))
@@ -534,14 +557,18 @@ class WeightSyncClient:
                 return tensor.detach().reshape(-1).view(torch.uint8), False
             source.put_back(spec.name, tensor)
         buffer = self._buffers.pair[index % 2][: bucket.spec.size_bytes]
+        sources = []
+        for spec in bucket.spec.tensors:
+            tensor = source.take(spec)  # streamed empty tensors are consumed (and checked) too
+            if spec.size_bytes:
+                sources.append(tensor.detach())
+        destinations = self._buffers.destinations(index, bucket.spec)
         with torch.no_grad():
-            for spec in bucket.spec.tensors:
-                tensor = source.take(spec)
-                if spec.size_bytes == 0:
-                    continue
-                dtype = dtypes.to_torch(spec.dtype)
-                target = buffer[spec.offset_bytes : spec.offset_bytes + spec.size_bytes].view(dtype).view(tuple(spec.shape))
-                target.copy_(tensor.detach(), non_blocking=True)
+            if all(t.device == buffer.device for t in sources):
+                torch._foreach_copy_(destinations, sources)  # one call for the whole bucket
+            else:
+                for target, tensor in zip(destinations, sources, strict=True):
+                    target.copy_(tensor, non_blocking=True)
         if buffer.device.type == "cuda":
             torch.cuda.current_stream(buffer.device).synchronize()
         return buffer, True

@@ -90,7 +90,7 @@ def start_server(workdir: Path) -> tuple[subprocess.Popen, str]:
 def server_segments(pid: int) -> set[str]:
     """The shared-memory segments a process has mapped (its worker queues)."""
     maps = Path(f"/proc/{pid}/maps").read_text()
-    return {line.rsplit("/dev/shm/", 1)[1].strip() for line in maps.splitlines() if "/dev/shm/" in line}
+    return {line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps.splitlines() if "/dev/shm/" in line}
 
 
 def main(argv: list[str] | None = None) -> int:

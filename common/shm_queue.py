@@ -159,10 +159,17 @@ class ShmQueue:
 
 
 class OwnedQueue:
-    """The server's side: creates the segment and doorbell, and unlinks them."""
+    """The server's side: creates the segment and doorbell.
+
+    The segment's name is unlinked as soon as it exists: the server keeps its
+    mapping and file descriptor, and workers receive the descriptor, so nobody
+    needs the name, and nothing is left in /dev/shm even if the server is
+    SIGKILLed. The memory goes away with the last process that maps it.
+    """
 
     def __init__(self, capacity: int) -> None:
         self.segment = shared_memory.SharedMemory(create=True, size=capacity + _HEADER_BYTES)
+        self.segment.unlink()
         self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.queue = ShmQueue(self.segment.buf, self.doorbell_fd, initialise=True, capacity=capacity)
 
@@ -183,17 +190,13 @@ class OwnedQueue:
         )
 
     def close(self) -> None:
-        """Unmap, unlink and close; idempotent."""
+        """Unmap and close; idempotent."""
         if self.doorbell_fd < 0:
             return
         self.queue.release()
         os.close(self.doorbell_fd)
         self.doorbell_fd = -1
         self.segment.close()
-        try:
-            self.segment.unlink()
-        except FileNotFoundError:
-            pass
 
 
 class AttachedQueue:

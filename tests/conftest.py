@@ -26,6 +26,8 @@ def server(tmp_path_factory) -> ServerProcess:
     proc = start_server(tmp_path_factory.mktemp("server"))
     segments = proc.segments()
     assert len(segments) == 4  # a command and an event queue per worker
+    # Names are unlinked at creation: even a SIGKILLed server leaves nothing behind.
+    assert segments & shm_segments() == set()
     yield proc
     code = proc.stop()
     assert code == 0, proc.log()

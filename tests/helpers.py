@@ -75,7 +75,7 @@ class ServerProcess:
     def segments(self) -> set[str]:
         """The /dev/shm segments this server has mapped (read from /proc/<pid>/maps)."""
         maps = Path(f"/proc/{self.process.pid}/maps").read_text()
-        return {line.split("/dev/shm/")[1].strip() for line in maps.splitlines() if "/dev/shm/psm_" in line}
+        return {line.split("/dev/shm/")[1].split()[0] for line in maps.splitlines() if "/dev/shm/psm_" in line}
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

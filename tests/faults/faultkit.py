@@ -131,7 +131,7 @@ def start_tracked_server(tmp_path: Path, *extra: str, workers: int = 2) -> Serve
     server = start_server(tmp_path, *extra, workers=workers)
     segments = server.segments()
     assert len(segments) == 2 * workers, segments  # a command and an event queue per worker
-    assert segments <= shm_segments()
+    assert not segments & shm_segments()  # unlinked at creation; only the mappings hold them
     tracked = Tracked(server, segments)
     tracked.refresh()
     assert len(tracked.pids) >= workers

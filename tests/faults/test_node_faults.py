@@ -192,3 +192,24 @@ def test_sigterm_during_sdk_push(tmp_path):
     assert "worker_killed_on_stop" not in server.log()
     problems = stop_and_check(server)  # already exited: only the leak checks
     assert not problems, problems
+
+
+@pytest.mark.faults
+def test_sigkilled_server_leaves_no_segment_and_no_worker(tmp_path):
+    from helpers import shm_segments, start_server
+
+    server = start_server(tmp_path)
+    segments = server.segments()
+    workers = server.worker_pids()
+    assert len(segments) == 4 and not segments & shm_segments()
+    server.stop(signal.SIGKILL)
+    # Workers die with their parent (PR_SET_PDEATHSIG); the memory goes with the last mapping.
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    wait_for(lambda: not any(running(pid) for pid in workers), timeout=10)
+    assert not segments & shm_segments()

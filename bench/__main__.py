@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction,
                         help="also time weightsync with checksums=True and raw with the SDK's bucket plan "
                              "(default: on in full runs)")
-    parser.add_argument("--only", choices=["main", "latency", "scaling"], action="append",
+    parser.add_argument("--only", choices=["main", "latency", "scaling", "load"], action="append",
                         help="run only these parts (repeatable); default: all")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, receiver_threads=args.receiver_threads)
     if args.diagnostics is not None:
         cfg = replace(cfg, diagnostics=args.diagnostics)
-    parts = set(args.only or ["main", "latency", "scaling"])
+    parts = set(args.only or ["main", "latency", "scaling", "load"])
     if args.per_tensor_limit is not None:
         cfg = replace(cfg, per_tensor_limit=args.per_tensor_limit)
     if args.trainer_threads is not None:
@@ -414,6 +414,14 @@ def main(argv: list[str] | None = None) -> int:
             scaling["bytes"] = scaling_bytes(h)
             scaling["receivers"] = scaling_receivers(h)
         server_starts = h.server_starts
+        control_load = None
+        if "load" in parts:
+            from bench import load as load_bench
+
+            control_load = load_bench.run(reps=3 if args.quick else 5, calls=200, workdir=Path(tmp))
+            log(f"load: {control_load['calls_succeeded']} calls ok, {control_load['calls_failed']} failed; update "
+                f"{control_load['median_quiet_seconds']:.3f} s quiet, {control_load['median_loaded_seconds']:.3f} s "
+                f"under load ({control_load['slowdown'] * 100:+.1f}%)")
     leftovers = h.leftovers()
     log(f"cleanup: {len(h.processes)} processes started, still running: {leftovers['processes'] or 'none'}; "
         f"{len(h.shm)} shared-memory segments used, still present: {leftovers['shm_segments'] or 'none'}")
@@ -423,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": report.ratios(runs),
         "one_tensor_update_ms": None if latency_ms is None else round(latency_ms, 3),
         "scaling": scaling,
+        "load": control_load,
     }
     meta = {
         "config": asdict(cfg),
@@ -440,7 +449,16 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
     (out_dir / "latest.meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     plots = report.plots(scaling, out_dir)
-    (out_dir / "latest.md").write_text(report.markdown(results, meta, plots))
+    markdown = report.markdown(results, meta, plots)
+    if control_load is not None:
+        markdown += (
+            f"\n## Control-plane load during an update\n\n{control_load['concurrent_calls_per_update']} concurrent "
+            f"GetServerInfo + Health/Check calls fired while a {control_load['update_bytes'] / 1e9:.2f} GB update runs: "
+            f"{control_load['calls_succeeded']} succeeded, {control_load['calls_failed']} failed; the update took "
+            f"{control_load['median_loaded_seconds']:.3f} s against {control_load['median_quiet_seconds']:.3f} s without "
+            f"them ({control_load['slowdown'] * 100:+.1f}%, medians of alternated runs).\n"
+        )
+    (out_dir / "latest.md").write_text(markdown)
     log(f"done in {seconds:.0f} s; wrote {out_dir}/latest.json, latest.md, latest.meta.json and {len(plots)} plots")
     print(report.summary(results, meta))
     return 0

@@ -61,6 +61,8 @@ class WeightStore:
     dirty: set[str] = field(default_factory=set)
     """Tensors an aborted IN_PLACE update may have half-written."""
     updating: bool = False
+    layout_version: int = 0
+    """Bumped whenever segments or tensors are added or removed."""
 
     @property
     def state(self) -> int:
@@ -77,12 +79,15 @@ class WeightStore:
     def allocate_segment(self, size_bytes: int, signature: tuple | None) -> int:
         """Add a zero-filled (so already touched) segment; returns its index."""
         self.segments.append(Segment(torch.zeros(size_bytes, dtype=torch.uint8, device=self.device), signature))
+        self.layout_version += 1
         return len(self.segments) - 1
 
     def drop_segments_from(self, first: int) -> None:
         """Remove segments (and their tensors) created by an aborted update."""
-        del self.segments[first:]
-        self.tensors = {n: t for n, t in self.tensors.items() if t.segment < first}
+        if first < len(self.segments):
+            del self.segments[first:]
+            self.tensors = {n: t for n, t in self.tensors.items() if t.segment < first}
+            self.layout_version += 1
 
     def shadow_of(self, index: int) -> torch.Tensor:
         segment = self.segments[index]

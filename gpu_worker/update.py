@@ -236,6 +236,59 @@ def prepare_update(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class FastPlan:
+    """What prepare_update derived from a plan whose every bucket lands straight in
+    an existing segment: valid while the store's layout_version is unchanged."""
+
+    plan_id: str
+    layout_version: int
+    buckets: tuple[tuple[int, int, tuple[tuple[str, int, int, int], ...], tuple[str, ...]], ...]
+    """(segment, size_bytes, checks, existing names) per bucket."""
+    plan_names: frozenset[str]
+
+
+def remember_fast_plan(store: WeightStore, plan_id: str, update: PreparedUpdate) -> FastPlan | None:
+    """A FastPlan for this update, if every bucket took the fast path into an existing segment."""
+    if not plan_id or update.pending or not all(t.direct is not None and t.existing_names for t in update.targets):
+        return None
+    by_tensor = {id(s.live): i for i, s in enumerate(store.segments)} | {
+        id(s.shadow): i for i, s in enumerate(store.segments) if s.shadow is not None
+    }
+    buckets = []
+    for target in update.targets:
+        segment = by_tensor.get(id(target.direct))
+        if segment is None:
+            return None
+        buckets.append((segment, target.size_bytes, tuple(target.checks), tuple(target.existing_names)))
+    return FastPlan(plan_id, store.layout_version, tuple(buckets), frozenset(update.plan_names))
+
+
+def prepare_from_fast_plan(store: WeightStore, command, fast: FastPlan) -> PreparedUpdate | None:
+    """O(buckets) prepare for a plan seen before; None when the full path is needed."""
+    if command.plan_id != fast.plan_id or store.layout_version != fast.layout_version:
+        return None
+    staged = command.mode == pb.UPDATE_MODE_STAGED
+    if staged and any(store.segments[seg].shadow is None for seg, *_ in fast.buckets):
+        return None  # shadows to allocate: the full path checks memory first
+    targets = [
+        BucketTarget(size, store.shadow_of(seg) if staged else store.segments[seg].live, [], list(checks), list(names))
+        for seg, size, checks, names in fast.buckets
+    ]
+    return PreparedUpdate(
+        update_id=command.update_id,
+        group_id=command.group_id,
+        mode=command.mode,
+        targets=targets,
+        first_new_segment=len(store.segments),
+        pending={},
+        staged_segments=sorted({seg for seg, *_ in fast.buckets}) if staged else [],
+        plan_names=set(fast.plan_names),
+        staging_bytes=0,
+        fast_path_count=len(targets),
+    )
+
+
 def _touched_segments(store: WeightStore, plan: tensor_pb2.WeightPlan, exclude: set[int]) -> set[int]:
     touched = {
         store.tensors[s.name].segment
@@ -301,7 +354,9 @@ def commit_update(store: WeightStore, update: PreparedUpdate) -> None:
     for index in update.staged_segments:
         segment = store.segments[index]
         segment.live, segment.shadow = segment.shadow, segment.live
-    store.tensors.update(update.pending)
+    if update.pending:
+        store.tensors.update(update.pending)
+        store.layout_version += 1
     store.dirty -= update.plan_names
     store.updating = False
 

@@ -46,10 +46,13 @@ from weightsync.common.errors import (
 from weightsync.common.shm_queue import ShmQueue
 from weightsync.gpu_worker.store import WeightStore
 from weightsync.gpu_worker.update import (
+    FastPlan,
     PreparedUpdate,
     abort_update,
     commit_update,
+    prepare_from_fast_plan,
     prepare_update,
+    remember_fast_plan,
     verify_bucket,
 )
 from weightsync.worker.v1 import worker_pb2 as wpb
@@ -73,6 +76,7 @@ class Worker:
         self.groups: dict[str, CollectiveGroup] = {}
         self.update: PreparedUpdate | None = None
         self.staging: torch.Tensor | None = None
+        self.fast_plan: FastPlan | None = None
         self._handlers: dict[str, Callable[[wpb.WorkerCommand, wpb.WorkerEvent], None]] = {
             "join_group": self._join_group,
             "leave_group": self._leave_group,
@@ -217,7 +221,10 @@ class Worker:
             )
         if prepare.group_id not in self.groups:
             raise NotFound("GROUP_NOT_FOUND", f"not in group {prepare.group_id}", group_id=prepare.group_id)
-        update = prepare_update(self.store, prepare, self.staging, self.config.memory_limit_bytes)
+        update = None if self.fast_plan is None else prepare_from_fast_plan(self.store, prepare, self.fast_plan)
+        if update is None:
+            update = prepare_update(self.store, prepare, self.staging, self.config.memory_limit_bytes)
+            self.fast_plan = remember_fast_plan(self.store, prepare.plan_id, update)
         if update.staging_bytes > (0 if self.staging is None else self.staging.numel()):
             # zeros() touches every page now, not during the first receive.
             self.staging = torch.zeros(update.staging_bytes, dtype=torch.uint8, device=self.device)

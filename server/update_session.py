@@ -144,6 +144,7 @@ class UpdateSession:
             plan=self.plan,
             mode=self.begin.mode,
             allow_new_tensors=self.begin.allow_new_tensors,
+            plan_id=self.plan_id,
         )
         self.prepared = True  # from here on, abort is owed to the workers
         events = await supervisor.call_all(self.servicer.config.worker_call_timeout_seconds, prepare_update=command)

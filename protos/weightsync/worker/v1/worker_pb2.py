@@ -27,7 +27,7 @@ from weightsync.v1 import tensor_pb2 as weightsync_dot_v1_dot_tensor__pb2
 from weightsync.v1 import weight_sync_service_pb2 as weightsync_dot_v1_dot_weight__sync__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!weightsync/worker/v1/worker.proto\x12\x14weightsync.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1aweightsync/v1/tensor.proto\x1a\'weightsync/v1/weight_sync_service.proto\"\x8e\x01\n\x0cWorkerConfig\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x11\n\tlog_level\x18\x03 \x01(\t\x12\x1c\n\x14queue_capacity_bytes\x18\x04 \x01(\x03\x12\x12\n\nparent_pid\x18\x05 \x01(\x05\x12\x1a\n\x12memory_limit_bytes\x18\x06 \x01(\x03\"\xc3\x01\n\x10JoinGroupCommand\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\'\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32\x16.weightsync.v1.Backend\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"%\n\x11LeaveGroupCommand\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xa8\x01\n\x14PrepareUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\'\n\x04plan\x18\x03 \x01(\x0b\x32\x19.weightsync.v1.WeightPlan\x12\'\n\x04mode\x18\x04 \x01(\x0e\x32\x19.weightsync.v1.UpdateMode\x12\x19\n\x11\x61llow_new_tensors\x18\x05 \x01(\x08\"w\n\x14ReceiveBucketCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x03\x12)\n\x08\x63hecksum\x18\x03 \x01(\x0b\x32\x17.weightsync.v1.Checksum\x12\x0f\n\x07\x64iscard\x18\x04 \x01(\x08\"(\n\x13\x43ommitUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"\'\n\x12\x41\x62ortUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"(\n\x17\x43omputeChecksumsCommand\x12\r\n\x05names\x18\x01 \x03(\t\"\x11\n\x0fShutdownCommand\"\xc5\x04\n\rWorkerCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x03\x12<\n\njoin_group\x18\x02 \x01(\x0b\x32&.weightsync.worker.v1.JoinGroupCommandH\x00\x12>\n\x0bleave_group\x18\x03 \x01(\x0b\x32\'.weightsync.worker.v1.LeaveGroupCommandH\x00\x12\x44\n\x0eprepare_update\x18\x04 \x01(\x0b\x32*.weightsync.worker.v1.PrepareUpdateCommandH\x00\x12\x44\n\x0ereceive_bucket\x18\x05 \x01(\x0b\x32*.weightsync.worker.v1.ReceiveBucketCommandH\x00\x12\x42\n\rcommit_update\x18\x06 \x01(\x0b\x32).weightsync.worker.v1.CommitUpdateCommandH\x00\x12@\n\x0c\x61\x62ort_update\x18\x07 \x01(\x0b\x32(.weightsync.worker.v1.AbortUpdateCommandH\x00\x12J\n\x11\x63ompute_checksums\x18\x08 \x01(\x0b\x32-.weightsync.worker.v1.ComputeChecksumsCommandH\x00\x12\x39\n\x08shutdown\x18\t \x01(\x0b\x32%.weightsync.worker.v1.ShutdownCommandH\x00\x42\t\n\x07\x63ommand\"b\n\x0bStoreStatus\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.weightsync.v1.StoreState\x12\x14\n\x0ctensor_count\x18\x02 \x01(\x03\x12\x13\n\x0bstore_bytes\x18\x03 \x01(\x03\"U\n\rWorkerStarted\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\'\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x16.weightsync.v1.Backend\"5\n\x0bGroupJoined\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x14\n\x0cjoin_seconds\x18\x02 \x01(\x01\"\x1d\n\tGroupLeft\x12\x10\n\x08group_id\x18\x01 \x01(\t\"C\n\x0eUpdatePrepared\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x1e\n\x16\x66\x61st_path_bucket_count\x18\x02 \x01(\x03\"I\n\x0e\x42ucketReceived\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x11\n\tfast_path\x18\x03 \x01(\x08\"$\n\x0fUpdateCommitted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"\"\n\rUpdateAborted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"C\n\x11\x43hecksumsComputed\x12.\n\x07tensors\x18\x01 \x03(\x0b\x32\x1d.weightsync.v1.TensorChecksum\"\xcd\x01\n\rCommandFailed\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x43\n\x08metadata\x18\x04 \x03(\x0b\x32\x31.weightsync.worker.v1.CommandFailed.MetadataEntry\x12\x17\n\x0f\x62roken_group_id\x18\x05 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x90\x05\n\x0bWorkerEvent\x12\x12\n\ncommand_id\x18\x01 \x01(\x03\x12\x30\n\x05store\x18\x02 \x01(\x0b\x32!.weightsync.worker.v1.StoreStatus\x12\x36\n\x07started\x18\x03 \x01(\x0b\x32#.weightsync.worker.v1.WorkerStartedH\x00\x12\x39\n\x0cgroup_joined\x18\x04 \x01(\x0b\x32!.weightsync.worker.v1.GroupJoinedH\x00\x12\x35\n\ngroup_left\x18\x05 \x01(\x0b\x32\x1f.weightsync.worker.v1.GroupLeftH\x00\x12?\n\x0fupdate_prepared\x18\x06 \x01(\x0b\x32$.weightsync.worker.v1.UpdatePreparedH\x00\x12?\n\x0f\x62ucket_received\x18\x07 \x01(\x0b\x32$.weightsync.worker.v1.BucketReceivedH\x00\x12\x41\n\x10update_committed\x18\x08 \x01(\x0b\x32%.weightsync.worker.v1.UpdateCommittedH\x00\x12=\n\x0eupdate_aborted\x18\t \x01(\x0b\x32#.weightsync.worker.v1.UpdateAbortedH\x00\x12\x45\n\x12\x63hecksums_computed\x18\n \x01(\x0b\x32\'.weightsync.worker.v1.ChecksumsComputedH\x00\x12=\n\x0e\x63ommand_failed\x18\x0b \x01(\x0b\x32#.weightsync.worker.v1.CommandFailedH\x00\x42\x07\n\x05\x65ventb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!weightsync/worker/v1/worker.proto\x12\x14weightsync.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1aweightsync/v1/tensor.proto\x1a\'weightsync/v1/weight_sync_service.proto\"\x8e\x01\n\x0cWorkerConfig\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x11\n\tlog_level\x18\x03 \x01(\t\x12\x1c\n\x14queue_capacity_bytes\x18\x04 \x01(\x03\x12\x12\n\nparent_pid\x18\x05 \x01(\x05\x12\x1a\n\x12memory_limit_bytes\x18\x06 \x01(\x03\"\xc3\x01\n\x10JoinGroupCommand\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\'\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32\x16.weightsync.v1.Backend\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"%\n\x11LeaveGroupCommand\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xb9\x01\n\x14PrepareUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\'\n\x04plan\x18\x03 \x01(\x0b\x32\x19.weightsync.v1.WeightPlan\x12\'\n\x04mode\x18\x04 \x01(\x0e\x32\x19.weightsync.v1.UpdateMode\x12\x19\n\x11\x61llow_new_tensors\x18\x05 \x01(\x08\x12\x0f\n\x07plan_id\x18\x06 \x01(\t\"w\n\x14ReceiveBucketCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x03\x12)\n\x08\x63hecksum\x18\x03 \x01(\x0b\x32\x17.weightsync.v1.Checksum\x12\x0f\n\x07\x64iscard\x18\x04 \x01(\x08\"(\n\x13\x43ommitUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"\'\n\x12\x41\x62ortUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"(\n\x17\x43omputeChecksumsCommand\x12\r\n\x05names\x18\x01 \x03(\t\"\x11\n\x0fShutdownCommand\"\xc5\x04\n\rWorkerCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x03\x12<\n\njoin_group\x18\x02 \x01(\x0b\x32&.weightsync.worker.v1.JoinGroupCommandH\x00\x12>\n\x0bleave_group\x18\x03 \x01(\x0b\x32\'.weightsync.worker.v1.LeaveGroupCommandH\x00\x12\x44\n\x0eprepare_update\x18\x04 \x01(\x0b\x32*.weightsync.worker.v1.PrepareUpdateCommandH\x00\x12\x44\n\x0ereceive_bucket\x18\x05 \x01(\x0b\x32*.weightsync.worker.v1.ReceiveBucketCommandH\x00\x12\x42\n\rcommit_update\x18\x06 \x01(\x0b\x32).weightsync.worker.v1.CommitUpdateCommandH\x00\x12@\n\x0c\x61\x62ort_update\x18\x07 \x01(\x0b\x32(.weightsync.worker.v1.AbortUpdateCommandH\x00\x12J\n\x11\x63ompute_checksums\x18\x08 \x01(\x0b\x32-.weightsync.worker.v1.ComputeChecksumsCommandH\x00\x12\x39\n\x08shutdown\x18\t \x01(\x0b\x32%.weightsync.worker.v1.ShutdownCommandH\x00\x42\t\n\x07\x63ommand\"b\n\x0bStoreStatus\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.weightsync.v1.StoreState\x12\x14\n\x0ctensor_count\x18\x02 \x01(\x03\x12\x13\n\x0bstore_bytes\x18\x03 \x01(\x03\"U\n\rWorkerStarted\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\'\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x16.weightsync.v1.Backend\"5\n\x0bGroupJoined\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x14\n\x0cjoin_seconds\x18\x02 \x01(\x01\"\x1d\n\tGroupLeft\x12\x10\n\x08group_id\x18\x01 \x01(\t\"C\n\x0eUpdatePrepared\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x1e\n\x16\x66\x61st_path_bucket_count\x18\x02 \x01(\x03\"I\n\x0e\x42ucketReceived\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x11\n\tfast_path\x18\x03 \x01(\x08\"$\n\x0fUpdateCommitted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"\"\n\rUpdateAborted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"C\n\x11\x43hecksumsComputed\x12.\n\x07tensors\x18\x01 \x03(\x0b\x32\x1d.weightsync.v1.TensorChecksum\"\xcd\x01\n\rCommandFailed\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x43\n\x08metadata\x18\x04 \x03(\x0b\x32\x31.weightsync.worker.v1.CommandFailed.MetadataEntry\x12\x17\n\x0f\x62roken_group_id\x18\x05 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x90\x05\n\x0bWorkerEvent\x12\x12\n\ncommand_id\x18\x01 \x01(\x03\x12\x30\n\x05store\x18\x02 \x01(\x0b\x32!.weightsync.worker.v1.StoreStatus\x12\x36\n\x07started\x18\x03 \x01(\x0b\x32#.weightsync.worker.v1.WorkerStartedH\x00\x12\x39\n\x0cgroup_joined\x18\x04 \x01(\x0b\x32!.weightsync.worker.v1.GroupJoinedH\x00\x12\x35\n\ngroup_left\x18\x05 \x01(\x0b\x32\x1f.weightsync.worker.v1.GroupLeftH\x00\x12?\n\x0fupdate_prepared\x18\x06 \x01(\x0b\x32$.weightsync.worker.v1.UpdatePreparedH\x00\x12?\n\x0f\x62ucket_received\x18\x07 \x01(\x0b\x32$.weightsync.worker.v1.BucketReceivedH\x00\x12\x41\n\x10update_committed\x18\x08 \x01(\x0b\x32%.weightsync.worker.v1.UpdateCommittedH\x00\x12=\n\x0eupdate_aborted\x18\t \x01(\x0b\x32#.weightsync.worker.v1.UpdateAbortedH\x00\x12\x45\n\x12\x63hecksums_computed\x18\n \x01(\x0b\x32\'.weightsync.worker.v1.ChecksumsComputedH\x00\x12=\n\x0e\x63ommand_failed\x18\x0b \x01(\x0b\x32#.weightsync.worker.v1.CommandFailedH\x00\x42\x07\n\x05\x65ventb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,41 +43,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEAVEGROUPCOMMAND']._serialized_start=503
   _globals['_LEAVEGROUPCOMMAND']._serialized_end=540
   _globals['_PREPAREUPDATECOMMAND']._serialized_start=543
-  _globals['_PREPAREUPDATECOMMAND']._serialized_end=711
-  _globals['_RECEIVEBUCKETCOMMAND']._serialized_start=713
-  _globals['_RECEIVEBUCKETCOMMAND']._serialized_end=832
-  _globals['_COMMITUPDATECOMMAND']._serialized_start=834
-  _globals['_COMMITUPDATECOMMAND']._serialized_end=874
-  _globals['_ABORTUPDATECOMMAND']._serialized_start=876
-  _globals['_ABORTUPDATECOMMAND']._serialized_end=915
-  _globals['_COMPUTECHECKSUMSCOMMAND']._serialized_start=917
-  _globals['_COMPUTECHECKSUMSCOMMAND']._serialized_end=957
-  _globals['_SHUTDOWNCOMMAND']._serialized_start=959
-  _globals['_SHUTDOWNCOMMAND']._serialized_end=976
-  _globals['_WORKERCOMMAND']._serialized_start=979
-  _globals['_WORKERCOMMAND']._serialized_end=1560
-  _globals['_STORESTATUS']._serialized_start=1562
-  _globals['_STORESTATUS']._serialized_end=1660
-  _globals['_WORKERSTARTED']._serialized_start=1662
-  _globals['_WORKERSTARTED']._serialized_end=1747
-  _globals['_GROUPJOINED']._serialized_start=1749
-  _globals['_GROUPJOINED']._serialized_end=1802
-  _globals['_GROUPLEFT']._serialized_start=1804
-  _globals['_GROUPLEFT']._serialized_end=1833
-  _globals['_UPDATEPREPARED']._serialized_start=1835
-  _globals['_UPDATEPREPARED']._serialized_end=1902
-  _globals['_BUCKETRECEIVED']._serialized_start=1904
-  _globals['_BUCKETRECEIVED']._serialized_end=1977
-  _globals['_UPDATECOMMITTED']._serialized_start=1979
-  _globals['_UPDATECOMMITTED']._serialized_end=2015
-  _globals['_UPDATEABORTED']._serialized_start=2017
-  _globals['_UPDATEABORTED']._serialized_end=2051
-  _globals['_CHECKSUMSCOMPUTED']._serialized_start=2053
-  _globals['_CHECKSUMSCOMPUTED']._serialized_end=2120
-  _globals['_COMMANDFAILED']._serialized_start=2123
-  _globals['_COMMANDFAILED']._serialized_end=2328
-  _globals['_COMMANDFAILED_METADATAENTRY']._serialized_start=2281
-  _globals['_COMMANDFAILED_METADATAENTRY']._serialized_end=2328
-  _globals['_WORKEREVENT']._serialized_start=2331
-  _globals['_WORKEREVENT']._serialized_end=2987
+  _globals['_PREPAREUPDATECOMMAND']._serialized_end=728
+  _globals['_RECEIVEBUCKETCOMMAND']._serialized_start=730
+  _globals['_RECEIVEBUCKETCOMMAND']._serialized_end=849
+  _globals['_COMMITUPDATECOMMAND']._serialized_start=851
+  _globals['_COMMITUPDATECOMMAND']._serialized_end=891
+  _globals['_ABORTUPDATECOMMAND']._serialized_start=893
+  _globals['_ABORTUPDATECOMMAND']._serialized_end=932
+  _globals['_COMPUTECHECKSUMSCOMMAND']._serialized_start=934
+  _globals['_COMPUTECHECKSUMSCOMMAND']._serialized_end=974
+  _globals['_SHUTDOWNCOMMAND']._serialized_start=976
+  _globals['_SHUTDOWNCOMMAND']._serialized_end=993
+  _globals['_WORKERCOMMAND']._serialized_start=996
+  _globals['_WORKERCOMMAND']._serialized_end=1577
+  _globals['_STORESTATUS']._serialized_start=1579
+  _globals['_STORESTATUS']._serialized_end=1677
+  _globals['_WORKERSTARTED']._serialized_start=1679
+  _globals['_WORKERSTARTED']._serialized_end=1764
+  _globals['_GROUPJOINED']._serialized_start=1766
+  _globals['_GROUPJOINED']._serialized_end=1819
+  _globals['_GROUPLEFT']._serialized_start=1821
+  _globals['_GROUPLEFT']._serialized_end=1850
+  _globals['_UPDATEPREPARED']._serialized_start=1852
+  _globals['_UPDATEPREPARED']._serialized_end=1919
+  _globals['_BUCKETRECEIVED']._serialized_start=1921
+  _globals['_BUCKETRECEIVED']._serialized_end=1994
+  _globals['_UPDATECOMMITTED']._serialized_start=1996
+  _globals['_UPDATECOMMITTED']._serialized_end=2032
+  _globals['_UPDATEABORTED']._serialized_start=2034
+  _globals['_UPDATEABORTED']._serialized_end=2068
+  _globals['_CHECKSUMSCOMPUTED']._serialized_start=2070
+  _globals['_CHECKSUMSCOMPUTED']._serialized_end=2137
+  _globals['_COMMANDFAILED']._serialized_start=2140
+  _globals['_COMMANDFAILED']._serialized_end=2345
+  _globals['_COMMANDFAILED_METADATAENTRY']._serialized_start=2298
+  _globals['_COMMANDFAILED_METADATAENTRY']._serialized_end=2345
+  _globals['_WORKEREVENT']._serialized_start=2348
+  _globals['_WORKEREVENT']._serialized_end=3004
 # @@protoc_insertion_point(module_scope)

@@ -52,18 +52,20 @@ class LeaveGroupCommand(_message.Message):
     def __init__(self, group_id: _Optional[str] = ...) -> None: ...
 
 class PrepareUpdateCommand(_message.Message):
-    __slots__ = ("update_id", "group_id", "plan", "mode", "allow_new_tensors")
+    __slots__ = ("update_id", "group_id", "plan", "mode", "allow_new_tensors", "plan_id")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NEW_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     group_id: str
     plan: _tensor_pb2.WeightPlan
     mode: _weight_sync_service_pb2.UpdateMode
     allow_new_tensors: bool
-    def __init__(self, update_id: _Optional[str] = ..., group_id: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., mode: _Optional[_Union[_weight_sync_service_pb2.UpdateMode, str]] = ..., allow_new_tensors: _Optional[bool] = ...) -> None: ...
+    plan_id: str
+    def __init__(self, update_id: _Optional[str] = ..., group_id: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., mode: _Optional[_Union[_weight_sync_service_pb2.UpdateMode, str]] = ..., allow_new_tensors: _Optional[bool] = ..., plan_id: _Optional[str] = ...) -> None: ...
 
 class ReceiveBucketCommand(_message.Message):
     __slots__ = ("update_id", "sequence", "checksum", "discard")

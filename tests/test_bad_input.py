@@ -11,14 +11,12 @@ commits with correct checksums on both workers.
 from __future__ import annotations
 
 import datetime
-import os
 import queue
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import pytest
@@ -67,26 +65,12 @@ def server(tmp_path_factory) -> ServerProcess:
         "--max-plan-bytes", str(MAX_PLAN_BYTES),
         "--worker-memory-limit-bytes", str(WORKER_MEMORY_LIMIT),
     )
-    segments = own_shm_segments(proc.process.pid)
+    segments = proc.segments()
     assert len(segments) == 4  # a command and an event queue per worker
     yield proc
     code = proc.stop()
     assert code == 0, proc.log()
     assert shm_segments() & segments == set()
-
-
-def own_shm_segments(pid: int) -> set[str]:
-    """The /dev/shm/psm_* segments a process holds open. Comparing these (rather than all of
-    /dev/shm before and after) stays correct while other servers run on the machine."""
-    names = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("/dev/shm/psm_"):
-            names.add(Path(target).name)
-    return names
 
 
 class Tracker:

@@ -50,7 +50,7 @@ def server(tmp_path_factory) -> ServerProcess:
     """Like conftest's `server` (must exit 0 and leave no segment), but checks only the segments
     this server created, so other servers running on the machine meanwhile do not matter."""
     proc = start_server(tmp_path_factory.mktemp("server"))
-    segments = own_shm_segments(proc.process.pid)
+    segments = proc.segments()
     assert len(segments) == 4
     yield proc
     code = proc.stop()
@@ -73,19 +73,6 @@ def assert_error(error: grpc.RpcError, code: grpc.StatusCode, reason: str, **met
     assert details.reason == reason, (details.reason, error.details())
     for key, value in metadata.items():
         assert details.metadata.get(key) == str(value), (key, dict(details.metadata))
-
-
-def own_shm_segments(pid: int) -> set[str]:
-    """The /dev/shm/psm_* segments a process holds open (robust to other servers running meanwhile)."""
-    names = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("/dev/shm/psm_"):
-            names.add(Path(target).name)
-    return names
 
 
 class HealthWatch:
@@ -236,7 +223,7 @@ def test_sigterm_during_update(tmp_path):
     grace = 2.0
     srv = start_server(tmp_path, "--shutdown-grace-seconds", str(grace))
     try:
-        segments = own_shm_segments(srv.process.pid)
+        segments = srv.segments()
         assert len(segments) == 4  # a command and an event queue per worker
         pids = srv.worker_pids()
         assert all(pids)
@@ -290,7 +277,7 @@ def test_sigterm_during_update(tmp_path):
 
 def test_sigterm_when_idle(tmp_path):
     srv = start_server(tmp_path, workers=1)
-    segments = own_shm_segments(srv.process.pid)
+    segments = srv.segments()
     pids = srv.worker_pids()
     started = time.monotonic()
     assert srv.stop(timeout=30) == 0, srv.log()

@@ -6,14 +6,14 @@ from weightsync.client.errors import (
     WeightSyncClientError,
     WeightSyncRpcError,
 )
-from weightsync.client.sdk import (
+from weightsync.client.sdk import WeightSyncClient
+from weightsync.client.types import (
     PushProgress,
     PushResult,
     ServerOutcome,
     TensorMismatch,
     TlsConfig,
     VerifyResult,
-    WeightSyncClient,
 )
 
 __all__ = [

@@ -22,8 +22,8 @@ import itertools
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import grpc
@@ -38,6 +38,7 @@ from weightsync.client.errors import (
     WeightSyncClientError,
     WeightSyncRpcError,
 )
+from weightsync.client.packing import PackBuffers, TensorSource, fill_bucket, is_zero_copy
 from weightsync.client.planning import (
     DEFAULT_ZERO_COPY_MIN_BYTES,
     PlannedBucket,
@@ -48,8 +49,15 @@ from weightsync.client.planning import (
     rebind,
     recipe_of,
 )
-from weightsync.client.streams import UpdateStream
-from weightsync.common import dtypes
+from weightsync.client.streams import UpdateStream, first_failure, update_failed
+from weightsync.client.types import (
+    PushProgress,
+    PushResult,
+    ServerOutcome,
+    TensorMismatch,
+    TlsConfig,
+    VerifyResult,
+)
 from weightsync.common.checksum import tensor_checksum, ws64
 from weightsync.common.collective import (
     CollectiveError,
@@ -69,87 +77,6 @@ Mode = Literal["in_place", "staged"]
 _MODES = {"in_place": pb.UPDATE_MODE_IN_PLACE, "staged": pb.UPDATE_MODE_STAGED}
 MAX_MESSAGE_BYTES = 64 << 20
 PROGRESS_BAR_MIN_BYTES = 256 << 20
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TlsConfig:
-    """TLS for the gRPC channels. Paths to PEM files."""
-
-    ca_cert: str | None = None
-    """CA bundle that signed the server certificate; None uses the system roots."""
-    client_cert: str | None = None
-    """Client certificate chain, for mutual TLS."""
-    client_key: str | None = None
-    """Client private key, for mutual TLS."""
-    server_name: str | None = None
-    """Override the name checked against the server certificate."""
-
-
-@dataclass(frozen=True, slots=True)
-class ServerOutcome:
-    """What one server reported for a push."""
-
-    server: str
-    version: str
-    generation: int
-    size_bytes: int
-    seconds: float
-    fast_path_buckets: int
-
-
-@dataclass(frozen=True, slots=True)
-class PushResult:
-    """A committed push."""
-
-    version: str
-    tensor_count: int
-    bucket_count: int
-    size_bytes: int
-    """Bytes broadcast (every receiver gets all of them)."""
-    seconds: float
-    """From push() call to the last Committed."""
-    plan_reused: bool
-    zero_copy_buckets: int
-    """Buckets broadcast straight from the caller's storage (flat parameters)."""
-    servers: tuple[ServerOutcome, ...]
-
-    @property
-    def gigabytes_per_second(self) -> float:
-        return self.size_bytes / self.seconds / 1e9 if self.seconds else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class PushProgress:
-    """Reported to the progress callback after each bucket is on its way."""
-
-    bucket: int
-    bucket_count: int
-    bytes_sent: int
-    total_bytes: int
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class TensorMismatch:
-    """A tensor whose checksum on a server's worker differs from the local one."""
-
-    server: str
-    worker: int
-    name: str
-    local: int
-    remote: int | None
-    """None when the server does not hold the tensor."""
-
-
-@dataclass(frozen=True, slots=True)
-class VerifyResult:
-    checked: int
-    """Tensors compared, per worker."""
-    mismatches: tuple[TensorMismatch, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches
 
 
 @dataclass(slots=True)
@@ -173,43 +100,6 @@ class _Group:
     collective: CollectiveGroup
     store: object
     broken: bool = False
-
-
-@dataclass(slots=True)
-class _Buffers:
-    """Two pack buffers, reused across pushes, grown when a plan needs more."""
-
-    device: torch.device
-    pair: list[torch.Tensor] = field(default_factory=list)
-    views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    """Typed destination views per bucket index, kept while the plan holds."""
-    views_plan: bytes = b""
-
-    def ensure(self, size: int) -> None:
-        if self.pair and self.pair[0].numel() >= size:
-            return
-        pin = self.device.type == "cpu" and torch.cuda.is_available()
-        # zeros() touches every page once, here, not during the first push.
-        self.pair = [torch.zeros(size, dtype=torch.uint8, device=self.device, pin_memory=pin) for _ in range(2)]
-        self.views.clear()
-
-    def use_plan(self, plan_bytes: bytes) -> None:
-        if plan_bytes != self.views_plan:
-            self.views.clear()
-            self.views_plan = plan_bytes
-
-    def destinations(self, index: int, spec: tensor_pb2.BucketSpec) -> list[torch.Tensor]:
-        """Where each non-empty tensor of bucket `index` goes in its pack buffer."""
-        views = self.views.get(index)
-        if views is None:
-            buffer = self.pair[index % 2]
-            views = [
-                buffer[t.offset_bytes : t.offset_bytes + t.size_bytes].view(dtypes.to_torch(t.dtype)).view(tuple(t.shape))
-                for t in spec.tensors
-                if t.size_bytes
-            ]
-            self.views[index] = views
-        return views
 
 
 def _one_intra_op_thread(method):
@@ -257,7 +147,7 @@ class WeightSyncClient:
         self._loop = LoopThread()
         self._servers = self._loop.run(self._open_channels(addresses, tls))
         self._group: _Group | None = None
-        self._buffers: _Buffers | None = None
+        self._buffers: PackBuffers | None = None
         self._stream_plan: list[PlannedBucket] | None = None
         self._recipe: PlanRecipe | None = None
         self._ids = itertools.count(1)
@@ -378,7 +268,7 @@ class WeightSyncClient:
             self._cleanup_group(group_id)
             raise failures[0]
         self._group = _Group(group_id, chosen, world_size, delta, device, collective, store)
-        self._buffers = self._buffers if self._buffers and self._buffers.device == device else _Buffers(device)
+        self._buffers = self._buffers if self._buffers and self._buffers.device == device else PackBuffers(device)
         log.info("group_ready", group_id=group_id)
         return group_id
 
@@ -444,18 +334,18 @@ class WeightSyncClient:
         if mode not in _MODES:
             raise ValueError(f"mode must be 'in_place' or 'staged', got {mode!r}")
         started = time.perf_counter()
-        source: _TensorSource
+        source: TensorSource
         if isinstance(named_tensors, Mapping):
             items = list(named_tensors.items())
             planned = self._plan(items, bucket_size_bytes, zero_copy_min_bytes)
-            source = _TensorSource(dict(items), None)
+            source = TensorSource(dict(items), None)
         elif self._stream_plan is not None and not allow_new_tensors:
             planned = [PlannedBucket(p.spec, None) for p in self._stream_plan]
-            source = _TensorSource(None, iter(named_tensors))
+            source = TensorSource(None, iter(named_tensors))
         else:
             items = list(named_tensors)
             planned = self._plan(items, bucket_size_bytes, zero_copy_min_bytes)
-            source = _TensorSource(dict(items), None)
+            source = TensorSource(dict(items), None)
         if not planned:
             raise ValueError("nothing to push: no tensors")
         self._stream_plan = [PlannedBucket(p.spec, None) for p in planned]
@@ -463,7 +353,7 @@ class WeightSyncClient:
         plan_bytes = plan.SerializeToString(deterministic=True)
         total = sum(b.spec.size_bytes for b in planned)
         assert self._buffers is not None
-        packed = [b.spec.size_bytes for b in planned if not self._zero_copy(b)]
+        packed = [b.spec.size_bytes for b in planned if not is_zero_copy(self._buffers, b)]
         self._buffers.ensure(max(packed, default=0))
         self._buffers.use_plan(plan_bytes)
         if checksums is None:
@@ -476,10 +366,10 @@ class WeightSyncClient:
         sent = 0
         try:
             for index, bucket in enumerate(planned):
-                payload, copied = self._fill(bucket, index, source)
+                payload, copied = fill_bucket(self._buffers, bucket, index, source)
                 zero_copy += not copied
                 checksum = tensor_checksum(payload) if checksums else tensor_pb2.Checksum()
-                failure = self._stream_failure(streams)
+                failure = first_failure(streams)
                 if failure is None and in_flight is not None:
                     failure = self._wait(group, in_flight)
                     in_flight = None
@@ -512,10 +402,10 @@ class WeightSyncClient:
             if bar is not None:
                 bar.close()
         if failure is None:
-            failure = self._stream_failure(streams)
+            failure = first_failure(streams)
         if failure is not None:
             self._loop.run(self._abort(streams, str(failure)))
-            raise _as_update_failed(failure, streams)
+            raise update_failed(failure, streams)
         outcomes = self._loop.run(self._commit(group, streams))
         for server in self._servers:
             server.last_plan = plan_bytes
@@ -543,40 +433,6 @@ class WeightSyncClient:
         self._recipe = recipe_of(planned, key)
         return planned
 
-    def _fill(self, bucket: PlannedBucket, index: int, source: _TensorSource) -> tuple[torch.Tensor, bool]:
-        """The bytes to broadcast for one bucket; (payload, whether it was packed)."""
-        assert self._buffers is not None
-        if self._zero_copy(bucket):
-            assert bucket.flat_source is not None
-            return bucket.flat_source, False
-        if len(bucket.spec.tensors) == 1 and bucket.spec.tensors[0].offset_bytes == 0:
-            # A streamed tensor in a bucket of its own: send its memory if it can be.
-            spec = bucket.spec.tensors[0]
-            tensor = source.take(spec)
-            if tensor.is_contiguous() and tensor.device == self._buffers.device and spec.size_bytes == bucket.spec.size_bytes:
-                return tensor.detach().reshape(-1).view(torch.uint8), False
-            source.put_back(spec.name, tensor)
-        buffer = self._buffers.pair[index % 2][: bucket.spec.size_bytes]
-        sources = []
-        for spec in bucket.spec.tensors:
-            tensor = source.take(spec)  # streamed empty tensors are consumed (and checked) too
-            if spec.size_bytes:
-                sources.append(tensor.detach())
-        destinations = self._buffers.destinations(index, bucket.spec)
-        with torch.no_grad():
-            if all(t.device == buffer.device for t in sources):
-                torch._foreach_copy_(destinations, sources)  # one call for the whole bucket
-            else:
-                for target, tensor in zip(destinations, sources, strict=True):
-                    target.copy_(tensor, non_blocking=True)
-        if buffer.device.type == "cuda":
-            torch.cuda.current_stream(buffer.device).synchronize()
-        return buffer, True
-
-    def _zero_copy(self, bucket: PlannedBucket) -> bool:
-        assert self._buffers is not None
-        return bucket.flat_source is not None and bucket.flat_source.device == self._buffers.device
-
     def _wait(self, group: _Group, work) -> BaseException | None:
         try:
             group.collective.wait(work)
@@ -584,17 +440,6 @@ class WeightSyncClient:
         except CollectiveError as error:
             group.broken = True
             return error
-
-    @staticmethod
-    def _stream_failure(streams: list[UpdateStream]) -> BaseException | None:
-        for stream in streams:
-            if stream.aborting is not None:
-                a = stream.aborting
-                code = _code_by_number(a.code)
-                return WeightSyncRpcError(stream.server, code, a.reason, a.message, {})
-            if stream.failure is not None:
-                return stream.failure
-        return None
 
     async def _begin(self, group: _Group, plan, plan_bytes: bytes, version: str, mode: int, allow_new: bool):
         reuse = all(s.last_plan == plan_bytes and s.last_plan_id for s in self._servers)
@@ -700,98 +545,6 @@ class WeightSyncClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _TensorSource:
-    """Tensors for packing: from a mapping, or pulled in plan order from an iterator."""
-
-    # Small tensors of an open packed bucket wait here while the flat buckets
-    # that follow them in the input are sent; more than this is a mismatch.
-    MAX_STASHED = 100_000
-
-    def __init__(self, mapping: dict[str, torch.Tensor] | None, iterator: Iterator[tuple[str, torch.Tensor]] | None):
-        self._mapping = mapping
-        self._iterator = iterator
-        self._stash: dict[str, torch.Tensor] = {}
-
-    def put_back(self, name: str, tensor: torch.Tensor) -> None:
-        if self._mapping is None:
-            self._stash[name] = tensor
-
-    def take(self, spec: tensor_pb2.TensorSpec) -> torch.Tensor:
-        if self._mapping is not None:
-            return self._mapping[spec.name]
-        assert self._iterator is not None
-        tensor = self._stash.pop(spec.name, None)
-        name = spec.name
-        while tensor is None:
-            try:
-                name, candidate = next(self._iterator)
-            except StopIteration:
-                raise PlanMismatch(f"the iterator ended before tensor {spec.name!r} of the reused plan") from None
-            if name == spec.name:
-                tensor = candidate
-            elif len(self._stash) < self.MAX_STASHED:
-                self._stash[name] = candidate
-            else:
-                raise PlanMismatch(f"tensor {spec.name!r} of the reused plan never came from the iterator")
-        if name != spec.name or dtypes.from_torch(tensor.dtype) != spec.dtype or list(tensor.shape) != list(spec.shape):
-            raise PlanMismatch(
-                f"streamed tensor {name!r} ({tensor.dtype}, {list(tensor.shape)}) does not match the plan's "
-                f"{spec.name!r}; pass a dict (or set allow_new_tensors) when the model's tensors change"
-            )
-        return tensor
-
-    def finish(self) -> None:
-        if self._iterator is not None:
-            extra = next(iter(self._stash), None) or next(self._iterator, (None,))[0]
-            if extra is not None:
-                raise PlanMismatch(f"the iterator yields {extra!r}, which is not in the reused plan")
-
-
-# A broken broadcast is a symptom every rank sees when one of them dies; these
-# reasons (and our own abort echoed back) never explain a failure by themselves.
-_SYMPTOM_REASONS = frozenset({"COLLECTIVE_FAILED", "COLLECTIVE_TIMEOUT", "ABORTED_BY_CLIENT", "STREAM_CLOSED", "CANCELLED"})
-
-
-def _root_cause(failure: BaseException, streams: list[UpdateStream]) -> BaseException:
-    """The server error that explains a broken broadcast (a worker died, a server went away), if any.
-
-    Called after every stream ended. When one of two servers dies, the survivor's
-    workers see the broadcast break and report COLLECTIVE_FAILED, possibly before
-    the dead server's stream is seen to drop: name the dead one, not the survivor.
-    """
-    if not isinstance(failure, CollectiveError) and getattr(failure, "reason", "") not in _SYMPTOM_REASONS:
-        return failure
-    reports: list[WeightSyncRpcError] = []
-    for stream in streams:
-        if stream.aborting is not None:
-            a = stream.aborting
-            reports.append(WeightSyncRpcError(stream.server, _code_by_number(a.code), a.reason, a.message, {}))
-        if stream.failure is not None:
-            reports.append(stream.failure)
-    return next((r for r in reports if r.reason not in _SYMPTOM_REASONS), failure)
-
-
-def _as_update_failed(failure: BaseException, streams: list[UpdateStream]) -> UpdateFailed:
-    failure = _root_cause(failure, streams)
-    server = getattr(failure, "server", "")
-    if isinstance(failure, CollectiveError):
-        # The broadcast broke: a server usually says why (a worker died).
-        for stream in streams:
-            if stream.failure is not None or stream.aborting is not None:
-                server = stream.server
-                break
-    reason = getattr(failure, "reason", type(failure).__name__)
-    where = f" on {server}" if server else ""
-    return UpdateFailed(f"update aborted{where}: {reason}: {failure}", failure, server)
-
-
-def _code_by_number(number: int) -> grpc.StatusCode:
-    for code in grpc.StatusCode:
-        if code.value[0] == number:
-            return code
-    return grpc.StatusCode.UNKNOWN
 
 
 def _read(path: str | None) -> bytes | None:

@@ -7,7 +7,9 @@ import asyncio
 import grpc
 import grpc.aio
 
-from weightsync.client.errors import WeightSyncRpcError
+from weightsync.client.errors import UpdateFailed, WeightSyncRpcError
+from weightsync.common.collective import CollectiveError
+from weightsync.common.errors import status_code
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
@@ -46,6 +48,14 @@ class UpdateStream:
     def failed(self) -> bool:
         return self.failure is not None or self.aborting is not None
 
+    @property
+    def reported_error(self) -> WeightSyncRpcError | None:
+        """What the server said went wrong: its `aborting` message, or the stream's status."""
+        if self.aborting is not None:
+            a = self.aborting
+            return WeightSyncRpcError(self.server, status_code(a.code), a.reason, a.message, {})
+        return self.failure
+
     async def _read(self) -> None:
         try:
             async for response in self._call:
@@ -82,3 +92,40 @@ class UpdateStream:
 
     def cancel(self) -> None:
         self._call.cancel()
+
+def first_failure(streams: list[UpdateStream]) -> WeightSyncRpcError | None:
+    """The first server-reported error among the streams, if any (cheap: checked per bucket)."""
+    for stream in streams:
+        error = stream.reported_error
+        if error is not None:
+            return error
+    return None
+
+
+# A broken broadcast is a symptom every rank sees when one of them dies; these
+# reasons (and our own abort echoed back) never explain a failure by themselves.
+_SYMPTOM_REASONS = frozenset({"COLLECTIVE_FAILED", "COLLECTIVE_TIMEOUT", "ABORTED_BY_CLIENT", "STREAM_CLOSED", "CANCELLED"})
+
+
+def _root_cause(failure: BaseException, streams: list[UpdateStream]) -> BaseException:
+    """The server error that explains a broken broadcast (a worker died, a server went away), if any.
+
+    Called after every stream ended. When one of two servers dies, the survivor's
+    workers see the broadcast break and report COLLECTIVE_FAILED, possibly before
+    the dead server's stream is seen to drop: name the dead one, not the survivor.
+    """
+    if not isinstance(failure, CollectiveError) and getattr(failure, "reason", "") not in _SYMPTOM_REASONS:
+        return failure
+    reports = [s.reported_error for s in streams if s.reported_error is not None]
+    return next((r for r in reports if r.reason not in _SYMPTOM_REASONS), failure)
+
+
+def update_failed(failure: BaseException, streams: list[UpdateStream]) -> UpdateFailed:
+    failure = _root_cause(failure, streams)
+    server = getattr(failure, "server", "")
+    if isinstance(failure, CollectiveError):
+        # The broadcast broke: a server usually says why (a worker died).
+        server = next((s.server for s in streams if s.failed), server)
+    reason = getattr(failure, "reason", type(failure).__name__)
+    where = f" on {server}" if server else ""
+    return UpdateFailed(f"update aborted{where}: {reason}: {failure}", failure, server)

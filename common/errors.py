@@ -101,6 +101,11 @@ def code_number(code: grpc.StatusCode) -> int:
     return int(code.value[0])
 
 
+def status_code(number: int) -> grpc.StatusCode:
+    """The grpc.StatusCode of a google.rpc.Code number (UNKNOWN if there is none)."""
+    return _CODE_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def error_from_code(code: int, reason: str, message: str, metadata: dict[str, str]) -> WeightSyncError:
     """Rebuild a domain exception from its wire form (worker events, ErrorInfo)."""
     status = _CODE_BY_NUMBER.get(code, grpc.StatusCode.INTERNAL)

@@ -1,0 +1,133 @@
+"""Filling each bucket's bytes on the trainer: two reused pack buffers, or the
+caller's own memory when the bucket is already laid out there (zero copy)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.client.errors import PlanMismatch
+from weightsync.client.planning import PlannedBucket
+from weightsync.common import dtypes
+from weightsync.v1 import tensor_pb2
+
+
+@dataclass(slots=True)
+class PackBuffers:
+    """Two pack buffers, reused across pushes, grown when a plan needs more."""
+
+    device: torch.device
+    pair: list[torch.Tensor] = field(default_factory=list)
+    views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """Typed destination views per bucket index, kept while the plan holds."""
+    views_plan: bytes = b""
+
+    def ensure(self, size: int) -> None:
+        if self.pair and self.pair[0].numel() >= size:
+            return
+        pin = self.device.type == "cpu" and torch.cuda.is_available()
+        # zeros() touches every page once, here, not during the first push.
+        self.pair = [torch.zeros(size, dtype=torch.uint8, device=self.device, pin_memory=pin) for _ in range(2)]
+        self.views.clear()
+
+    def use_plan(self, plan_bytes: bytes) -> None:
+        if plan_bytes != self.views_plan:
+            self.views.clear()
+            self.views_plan = plan_bytes
+
+    def destinations(self, index: int, spec: tensor_pb2.BucketSpec) -> list[torch.Tensor]:
+        """Where each non-empty tensor of bucket `index` goes in its pack buffer."""
+        views = self.views.get(index)
+        if views is None:
+            buffer = self.pair[index % 2]
+            views = [
+                buffer[t.offset_bytes : t.offset_bytes + t.size_bytes].view(dtypes.to_torch(t.dtype)).view(tuple(t.shape))
+                for t in spec.tensors
+                if t.size_bytes
+            ]
+            self.views[index] = views
+        return views
+
+
+class TensorSource:
+    """Tensors for packing: from a mapping, or pulled in plan order from an iterator."""
+
+    # Small tensors of an open packed bucket wait here while the flat buckets
+    # that follow them in the input are sent; more than this is a mismatch.
+    MAX_STASHED = 100_000
+
+    def __init__(self, mapping: dict[str, torch.Tensor] | None, iterator: Iterator[tuple[str, torch.Tensor]] | None):
+        self._mapping = mapping
+        self._iterator = iterator
+        self._stash: dict[str, torch.Tensor] = {}
+
+    def put_back(self, name: str, tensor: torch.Tensor) -> None:
+        if self._mapping is None:
+            self._stash[name] = tensor
+
+    def take(self, spec: tensor_pb2.TensorSpec) -> torch.Tensor:
+        if self._mapping is not None:
+            return self._mapping[spec.name]
+        assert self._iterator is not None
+        tensor = self._stash.pop(spec.name, None)
+        name = spec.name
+        while tensor is None:
+            try:
+                name, candidate = next(self._iterator)
+            except StopIteration:
+                raise PlanMismatch(f"the iterator ended before tensor {spec.name!r} of the reused plan") from None
+            if name == spec.name:
+                tensor = candidate
+            elif len(self._stash) < self.MAX_STASHED:
+                self._stash[name] = candidate
+            else:
+                raise PlanMismatch(f"tensor {spec.name!r} of the reused plan never came from the iterator")
+        if name != spec.name or dtypes.from_torch(tensor.dtype) != spec.dtype or list(tensor.shape) != list(spec.shape):
+            raise PlanMismatch(
+                f"streamed tensor {name!r} ({tensor.dtype}, {list(tensor.shape)}) does not match the plan's "
+                f"{spec.name!r}; pass a dict (or set allow_new_tensors) when the model's tensors change"
+            )
+        return tensor
+
+    def finish(self) -> None:
+        if self._iterator is not None:
+            extra = next(iter(self._stash), None) or next(self._iterator, (None,))[0]
+            if extra is not None:
+                raise PlanMismatch(f"the iterator yields {extra!r}, which is not in the reused plan")
+
+
+def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source: TensorSource) -> tuple[torch.Tensor, bool]:
+    """The bytes to broadcast for one bucket; (payload, whether it was packed)."""
+    if is_zero_copy(buffers, bucket):
+        assert bucket.flat_source is not None
+        return bucket.flat_source, False
+    if len(bucket.spec.tensors) == 1 and bucket.spec.tensors[0].offset_bytes == 0:
+        # A streamed tensor in a bucket of its own: send its memory if it can be.
+        spec = bucket.spec.tensors[0]
+        tensor = source.take(spec)
+        if tensor.is_contiguous() and tensor.device == buffers.device and spec.size_bytes == bucket.spec.size_bytes:
+            return tensor.detach().reshape(-1).view(torch.uint8), False
+        source.put_back(spec.name, tensor)
+    buffer = buffers.pair[index % 2][: bucket.spec.size_bytes]
+    sources = []
+    for spec in bucket.spec.tensors:
+        tensor = source.take(spec)  # streamed empty tensors are consumed (and checked) too
+        if spec.size_bytes:
+            sources.append(tensor.detach())
+    destinations = buffers.destinations(index, bucket.spec)
+    with torch.no_grad():
+        if all(t.device == buffer.device for t in sources):
+            torch._foreach_copy_(destinations, sources)  # one call for the whole bucket
+        else:
+            for target, tensor in zip(destinations, sources, strict=True):
+                target.copy_(tensor, non_blocking=True)
+    if buffer.device.type == "cuda":
+        torch.cuda.current_stream(buffer.device).synchronize()
+    return buffer, True
+
+
+def is_zero_copy(buffers: PackBuffers, bucket: PlannedBucket) -> bool:
+    """Whether the bucket's bytes can be broadcast from where they already are."""
+    return bucket.flat_source is not None and bucket.flat_source.device == buffers.device

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from bench import machine, workloads
-from bench.__main__ import FULL, Harness, alternate, plan_layout, sdk_layout
 from bench.baselines import packed_source
+from bench.harness import FULL, Harness, alternate, plan_layout, sdk_layout
 from bench.progress import log
 
 NO_ZERO_COPY = 1 << 62

@@ -57,6 +57,23 @@ class Workload:
         return out
 
 
+def _attention(p: str, hidden: int, kv: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen2 attention projections with biases (grouped-query: k and v are kv wide)."""
+    return [
+        (p + "self_attn.q_proj.weight", (hidden, hidden)),
+        (p + "self_attn.q_proj.bias", (hidden,)),
+        (p + "self_attn.k_proj.weight", (kv, hidden)),
+        (p + "self_attn.k_proj.bias", (kv,)),
+        (p + "self_attn.v_proj.weight", (kv, hidden)),
+        (p + "self_attn.v_proj.bias", (kv,)),
+        (p + "self_attn.o_proj.weight", (hidden, hidden)),
+    ]
+
+
+def _layer_norms(p: str, hidden: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [(p + "input_layernorm.weight", (hidden,)), (p + "post_attention_layernorm.weight", (hidden,))]
+
+
 def dense(scale: float = 1.0) -> Workload:
     """Qwen2-style decoder. scale < 1 keeps the shape family but shrinks layers and widths."""
     layers = max(2, round(24 * scale))
@@ -66,19 +83,12 @@ def dense(scale: float = 1.0) -> Workload:
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
+        shapes += _attention(p, hidden, kv)
         shapes += [
-            (p + "self_attn.q_proj.weight", (hidden, hidden)),
-            (p + "self_attn.q_proj.bias", (hidden,)),
-            (p + "self_attn.k_proj.weight", (kv, hidden)),
-            (p + "self_attn.k_proj.bias", (kv,)),
-            (p + "self_attn.v_proj.weight", (kv, hidden)),
-            (p + "self_attn.v_proj.bias", (kv,)),
-            (p + "self_attn.o_proj.weight", (hidden, hidden)),
             (p + "mlp.gate_proj.weight", (ff, hidden)),
             (p + "mlp.up_proj.weight", (ff, hidden)),
             (p + "mlp.down_proj.weight", (hidden, ff)),
-            (p + "input_layernorm.weight", (hidden,)),
-            (p + "post_attention_layernorm.weight", (hidden,)),
+            *_layer_norms(p, hidden),
         ]
     shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
     return Workload("dense", shapes)
@@ -93,17 +103,10 @@ def moe(scale: float = 1.0) -> Workload:
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
+        shapes += _attention(p, hidden, kv)
         shapes += [
-            (p + "self_attn.q_proj.weight", (hidden, hidden)),
-            (p + "self_attn.q_proj.bias", (hidden,)),
-            (p + "self_attn.k_proj.weight", (kv, hidden)),
-            (p + "self_attn.k_proj.bias", (kv,)),
-            (p + "self_attn.v_proj.weight", (kv, hidden)),
-            (p + "self_attn.v_proj.bias", (kv,)),
-            (p + "self_attn.o_proj.weight", (hidden, hidden)),
             (p + "mlp.gate.weight", (experts, hidden)),
-            (p + "input_layernorm.weight", (hidden,)),
-            (p + "post_attention_layernorm.weight", (hidden,)),
+            *_layer_norms(p, hidden),
         ]
         for e in range(experts):
             q = f"{p}mlp.experts.{e}."

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _client(args: argparse.Namespace, servers: list[str]):
-    from weightsync.client.sdk import TlsConfig, WeightSyncClient
+    from weightsync.client import TlsConfig, WeightSyncClient
 
     token = None
     if args.token_file:

@@ -154,17 +154,29 @@ def open_group(
 
 
 def connect_store(host: str, port: int, timeout: datetime.timedelta) -> TCPStore:
-    """Connect to the trainer's TCPStore as a client, retrying until timeout."""
+    """Connect to the trainer's TCPStore as a client, within timeout.
+
+    torch's TCPStore client retries a refused connection for its whole timeout,
+    then backs off and tries again: an unreachable store took 2-3x the timeout.
+    Waiting for the port with plain sockets first keeps the whole connect
+    inside the deadline.
+    """
     deadline = time.monotonic() + timeout.total_seconds()
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        remaining = datetime.timedelta(seconds=max(0.5, deadline - time.monotonic()))
+    last: OSError | None = None
+    while (remaining := deadline - time.monotonic()) > 0:
         try:
-            return TCPStore(host, port, None, False, remaining, wait_for_workers=False)
-        except (RuntimeError, ValueError) as error:  # DistNetworkError is a RuntimeError
+            with socket.create_connection((host, port), timeout=min(1.0, remaining)):
+                break
+        except OSError as error:
             last = error
-            time.sleep(0.2)
-    raise RendezvousTimeout(f"could not reach the TCPStore at {host}:{port}: {last}")
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    else:
+        raise RendezvousTimeout(f"could not reach the TCPStore at {host}:{port}: {last}")
+    remaining = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+    try:
+        return TCPStore(host, port, None, False, remaining, wait_for_workers=False)
+    except (RuntimeError, ValueError) as error:  # DistNetworkError is a RuntimeError
+        raise RendezvousTimeout(f"could not connect to the TCPStore at {host}:{port}: {error}") from error
 
 
 def host_store(host: str, timeout: datetime.timedelta) -> TCPStore:

@@ -16,7 +16,7 @@ gets exactly one event with the same command_id: its result or CommandFailed.
 from __future__ import annotations
 
 import datetime
-import socket
+import os
 import time
 from collections.abc import Callable
 
@@ -93,7 +93,7 @@ class Worker:
         self._emit(
             wpb.WorkerEvent(
                 started=wpb.WorkerStarted(
-                    pid=_pid(), device=str(self.device), backend=backend_for_device(self.device)
+                    pid=os.getpid(), device=str(self.device), backend=backend_for_device(self.device)
                 )
             )
         )
@@ -169,9 +169,7 @@ class Worker:
         bound = log.bind(group_id=join.group_id, rank=join.rank)
         bound.info("group_joining", store=f"{join.store_host}:{join.store_port}", world_size=join.world_size)
         try:
-            _await_listener(join.store_host, join.store_port, started + timeout.total_seconds())
-            remaining = timeout - datetime.timedelta(seconds=time.monotonic() - started)
-            store = connect_store(join.store_host, join.store_port, max(remaining, datetime.timedelta(seconds=1)))
+            store = connect_store(join.store_host, join.store_port, timeout)
             remaining = timeout - datetime.timedelta(seconds=time.monotonic() - started)
             store.set_timeout(max(remaining, datetime.timedelta(seconds=1)))
             group = open_group(
@@ -329,28 +327,3 @@ class Worker:
             group.close()
         self.groups.clear()
         raise _Shutdown()
-
-
-def _await_listener(host: str, port: int, deadline: float) -> None:
-    """Return once host:port accepts TCP connections; RendezvousTimeout at the deadline.
-
-    torch's TCPStore client retries a refused connection for its whole timeout, then
-    backs off and tries again: an unreachable store took 2-3x the group timeout, long
-    enough for the server to declare the worker hung and kill it. Probing with plain
-    sockets first keeps the rendezvous within its deadline.
-    """
-    last: OSError | None = None
-    while (remaining := deadline - time.monotonic()) > 0:
-        try:
-            with socket.create_connection((host, port), timeout=min(1.0, remaining)):
-                return
-        except OSError as error:
-            last = error
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-    raise RendezvousTimeout(f"could not reach the TCPStore at {host}:{port}: {last}")
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()

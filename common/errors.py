@@ -17,6 +17,10 @@ class WeightSyncError(Exception):
     """Base class: a status code, a machine-readable reason and metadata."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    broken_group_id: str = ""
+    """Set when the failure left a transfer group unusable (its collective failed)."""
+    worker_index: int | None = None
+    """Set when one worker reported the failure."""
 
     def __init__(self, reason: str, message: str, **metadata: object) -> None:
         super().__init__(message)

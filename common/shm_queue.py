@@ -6,6 +6,8 @@ Layout of the segment (all integers little-endian):
     [8:16)   capacity of the ring in bytes
     [16:24)  head: total bytes ever written (only the producer stores it)
     [24:32)  tail: total bytes ever read (only the consumer stores it)
+    [32:40)  heartbeat: CLOCK_MONOTONIC nanoseconds of the worker's last beat
+             (command queues only; the worker stores it, the server reads it)
     [64:64+capacity)  the ring
 
 Each message is a frame: u32 payload length, u32 CRC-32, then the payload (a
@@ -68,6 +70,17 @@ class ShmQueue:
         # Aligned 8-byte loads/stores through ctypes are single instructions.
         self._head = ctypes.c_uint64.from_buffer(buf, 16)
         self._tail = ctypes.c_uint64.from_buffer(buf, 24)
+        self._heartbeat = ctypes.c_uint64.from_buffer(buf, 32)
+
+    # -- heartbeat -------------------------------------------------------------
+    def beat(self) -> None:
+        """Record that the peer process is alive (monotonic clock, shared by all processes)."""
+        self._heartbeat.value = time.monotonic_ns()
+
+    def seconds_since_beat(self) -> float | None:
+        """None if the peer never beat."""
+        last = self._heartbeat.value
+        return None if last == 0 else (time.monotonic_ns() - last) / 1e9
 
     # -- producer --------------------------------------------------------------
     def try_put(self, payload: bytes) -> bool:
@@ -154,7 +167,7 @@ class ShmQueue:
 
     def release(self) -> None:
         """Drop the ctypes views so the underlying mapping can be closed."""
-        del self._head, self._tail
+        del self._head, self._tail, self._heartbeat
         self._buf = memoryview(b"")
 
 

@@ -2,8 +2,9 @@
 
 The server starts it with a fresh interpreter (the spawn model: nothing
 inherited but the file descriptors it names). The config arrives as a
-serialized WorkerConfig on the command line, and the two queues as inherited
-file descriptors: no pickle crosses the process boundary.
+serialized WorkerConfig on the command line; the two queues and the fd channel
+(a unix socket to the server) as inherited file descriptors: no pickle
+crosses the process boundary.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import ctypes
 import os
 import signal
+import socket
 import sys
 
 import structlog
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if config.device.startswith("cuda"):
         # NCCL binds to the current device; buffers and checksums stay on it.
         torch.cuda.set_device(torch.device(config.device))
-    worker = Worker(config, commands.queue, events.queue)
+    fd_channel = socket.socket(fileno=config.fd_channel) if config.fd_channel > 0 else None
+    worker = Worker(config, commands.queue, events.queue, fd_channel)
     worker.run(parent_alive=lambda: os.getppid() == config.parent_pid)
     commands.close()
     events.close()

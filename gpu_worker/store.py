@@ -1,11 +1,19 @@
-"""The weight store of one worker: segments of device memory, tensors as views.
+"""The weight store of one worker, and the lifecycle of an update to it.
 
-The first plan (or a plan with new tensors) defines segments, one per bucket;
-every tensor is a typed view into its segment at its offset. A segment made
-from a bucket remembers that bucket's signature: a later bucket with the same
-signature is received straight into the segment (the fast path).
+    EMPTY / CONSISTENT / INCONSISTENT --begin_update--> UPDATING
+    UPDATING --receive_buffer(k), apply_bucket(k), k = 0..n-1--> UPDATING
+    UPDATING --commit_update--> CONSISTENT, or INCONSISTENT while a dirty tensor
+                                was not rewritten
+    UPDATING --abort_update--> as before (STAGED: the live bytes were never touched)
+                               or INCONSISTENT (IN_PLACE: the tensors of every bucket
+                               that started to arrive are dirty)
 
-STAGED updates write into per-segment shadows; commit swaps shadow and live.
+Only this module changes the store: segments, tensors, shadows and the dirty
+set move in these methods and nowhere else, and the update in flight is one
+StoreUpdate object. Tensors live in segments (usually one per bucket of the
+plan that created them); segments live in arenas (see memory.py), so the
+whole store can be described by a StoreManifest and mapped again after the
+worker process died.
 """
 
 from __future__ import annotations
@@ -16,39 +24,50 @@ import torch
 
 from weightsync.common import dtypes
 from weightsync.common.checksum import tensor_checksum
+from weightsync.common.errors import FailedPrecondition, NotFound
+from weightsync.gpu_worker.bucket_checks import verify_bucket
+from weightsync.gpu_worker.memory import Arena, align_segment, allocate_arena, map_arena
+from weightsync.gpu_worker.update_plan import StoredTensor, UpdatePlan
 from weightsync.v1 import weight_sync_service_pb2 as pb
+from weightsync.worker.v1 import worker_pb2 as wpb
+
+
+@dataclass(slots=True)
+class Region:
+    arena_id: int
+    offset_bytes: int
 
 
 @dataclass(slots=True)
 class Segment:
-    """One contiguous block of device memory."""
+    """One contiguous stretch of store memory; STAGED updates write its shadow."""
 
-    live: torch.Tensor
-    """uint8, the published bytes."""
-    signature: tuple | None
-    """Signature of the bucket this segment mirrors; None if packed otherwise."""
-    shadow: torch.Tensor | None = None
-    """uint8, same size: where STAGED updates write."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoredTensor:
-    """Where one tensor lives."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    segment: int
-    offset_bytes: int
     size_bytes: int
+    live: Region
+    shadow: Region | None
+    signature: bytes
+    """Fingerprint of the bucket this segment mirrors (fast path); b"" if packed otherwise."""
 
 
-def typed_view(raw: torch.Tensor, tensor: StoredTensor) -> torch.Tensor:
-    """View segment bytes as the tensor (dtype, shape)."""
-    chunk = raw[tensor.offset_bytes : tensor.offset_bytes + tensor.size_bytes]
-    if tensor.size_bytes == 0:
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device=raw.device)
-    return chunk.view(tensor.dtype).view(tensor.shape)
+@dataclass(slots=True)
+class StoreUpdate:
+    """One update in flight: where each bucket lands, and how far it got."""
+
+    update_id: str
+    group_id: str
+    plan: UpdatePlan
+    layout_before: int
+    new_arena: Arena | None
+    receive_into: list[torch.Tensor | None]
+    """Per bucket: the segment bytes the broadcast lands in, or None for the staging buffer."""
+    copies: list[list[tuple[int, int, torch.Tensor]]]
+    """Per general-path bucket: (offset in the bucket, size, destination bytes)."""
+    next_sequence: int = 0
+    started_through: int = -1
+    """Last bucket whose bytes may have reached the store (IN_PLACE abort marks it dirty)."""
+    received_bytes: int = 0
+    failed: bool = False
+    """A bucket failed its checks: later announced buckets are received and dropped."""
 
 
 @dataclass(slots=True)
@@ -56,17 +75,25 @@ class WeightStore:
     """All tensors held by one worker on one device."""
 
     device: torch.device
+    arenas: dict[int, Arena] = field(default_factory=dict)
     segments: list[Segment] = field(default_factory=list)
     tensors: dict[str, StoredTensor] = field(default_factory=dict)
     dirty: set[str] = field(default_factory=set)
     """Tensors an aborted IN_PLACE update may have half-written."""
-    updating: bool = False
     layout_version: int = 0
-    """Bumped whenever segments or tensors are added or removed."""
+    """Bumped whenever segments or tensors are added (derived plans are keyed by it)."""
+    update: StoreUpdate | None = None
+    staging: torch.Tensor | None = None
+    """Reused, pre-touched receive buffer of the general path (never part of the store)."""
+    persisted_arenas: set[int] = field(default_factory=set)
+    """Arenas whose descriptors the server already holds."""
+    _next_arena_id: int = 1
+    _tensors_sent_for: int = -1
 
+    # -- reading -------------------------------------------------------------------
     @property
     def state(self) -> int:
-        if self.updating:
+        if self.update is not None:
             return pb.STORE_STATE_UPDATING
         if not self.tensors:
             return pb.STORE_STATE_EMPTY
@@ -74,45 +101,229 @@ class WeightStore:
 
     @property
     def live_bytes(self) -> int:
-        return sum(s.live.numel() for s in self.segments)
+        return sum(s.size_bytes for s in self.segments)
 
-    def allocate_segment(self, size_bytes: int, signature: tuple | None) -> int:
-        """Add a zero-filled (so already touched) segment; returns its index."""
-        self.segments.append(Segment(torch.zeros(size_bytes, dtype=torch.uint8, device=self.device), signature))
-        self.layout_version += 1
-        return len(self.segments) - 1
+    @property
+    def held_bytes(self) -> int:
+        staging = 0 if self.staging is None else self.staging.numel()
+        return sum(a.size_bytes for a in self.arenas.values()) + staging
 
-    def drop_segments_from(self, first: int) -> None:
-        """Remove segments (and their tensors) created by an aborted update."""
-        if first < len(self.segments):
-            del self.segments[first:]
-            self.tensors = {n: t for n, t in self.tensors.items() if t.segment < first}
-            self.layout_version += 1
+    def status(self) -> wpb.StoreStatus:
+        return wpb.StoreStatus(state=self.state, tensor_count=len(self.tensors), store_bytes=self.live_bytes)
 
-    def shadow_of(self, index: int) -> torch.Tensor:
+    def _bytes(self, region: Region, size: int) -> torch.Tensor:
+        return self.arenas[region.arena_id].region(region.offset_bytes, size)
+
+    def segment_bytes(self, index: int, *, shadow: bool = False) -> torch.Tensor:
         segment = self.segments[index]
-        if segment.shadow is None or segment.shadow.numel() != segment.live.numel():
-            segment.shadow = torch.zeros_like(segment.live)
-        return segment.shadow
+        region = segment.shadow if shadow else segment.live
+        assert region is not None, f"segment {index} has no shadow"
+        return self._bytes(region, segment.size_bytes)
 
     def view(self, name: str) -> torch.Tensor:
+        """The live tensor, typed and shaped."""
         stored = self.tensors[name]
-        return typed_view(self.segments[stored.segment].live, stored)
+        if stored.size_bytes == 0:
+            return torch.empty(stored.shape, dtype=stored.dtype, device=self.device)
+        raw = self.segment_bytes(stored.segment)[stored.offset_bytes : stored.offset_bytes + stored.size_bytes]
+        return raw.view(stored.dtype).view(stored.shape)
 
     def checksums(self, names: list[str]) -> list[pb.TensorChecksum]:
-        """Per-tensor WS64 of the live weights, sorted by name; unknown names are skipped."""
-        selected = sorted(names) if names else sorted(self.tensors)
-        out = []
-        for name in selected:
-            stored = self.tensors.get(name)
-            if stored is None:
-                continue
-            out.append(
-                pb.TensorChecksum(
-                    name=name,
-                    dtype=dtypes.from_torch(stored.dtype),
-                    shape=list(stored.shape),
-                    checksum=tensor_checksum(self.view(name)),
-                )
+        """Per-tensor WS64 of the live weights, sorted by name; unknown names are NOT_FOUND."""
+        missing = sorted(n for n in set(names) if n not in self.tensors)
+        if missing:
+            raise NotFound(
+                "TENSOR_NOT_FOUND",
+                f"{len(missing)} tensor(s) not in the store, e.g. {missing[0]!r}",
+                count=len(missing), tensors=",".join(missing[:20]),
             )
-        return out
+        return [
+            pb.TensorChecksum(
+                name=name,
+                dtype=dtypes.from_torch(self.tensors[name].dtype),
+                shape=list(self.tensors[name].shape),
+                checksum=tensor_checksum(self.view(name)),
+            )
+            for name in sorted(set(names) if names else self.tensors)
+        ]
+
+    # -- memory --------------------------------------------------------------------
+    def _shadow_bytes_missing(self, plan: UpdatePlan) -> int:
+        return sum(align_segment(self.segments[i].size_bytes) for i in plan.shadowed_segments
+                   if self.segments[i].shadow is None)
+
+    def needed_bytes(self, plan: UpdatePlan) -> int:
+        """What begin_update(plan) would allocate: new segments, missing shadows, staging growth."""
+        staging = 0 if self.staging is None else self.staging.numel()
+        grow = plan.staging_bytes if plan.staging_bytes > staging else 0
+        return plan.new_segment_bytes + self._shadow_bytes_missing(plan) + grow
+
+    def _allocate(self, size: int) -> Arena:
+        arena = allocate_arena(self._next_arena_id, size, self.device)
+        self._next_arena_id += 1
+        self.arenas[arena.arena_id] = arena
+        return arena
+
+    def scratch(self, size: int) -> torch.Tensor:
+        """Bytes to receive a broadcast into and drop (a failing update's announced buckets)."""
+        if self.staging is not None and self.staging.numel() >= size:
+            return self.staging[:size]
+        return torch.empty(size, dtype=torch.uint8, device=self.device)
+
+    # -- the update lifecycle ----------------------------------------------------------
+    def begin_update(self, plan: UpdatePlan, update_id: str, group_id: str) -> StoreUpdate:
+        """Allocate what the plan needs and decide where every bucket lands."""
+        if self.update is not None:
+            raise FailedPrecondition("UPDATE_IN_PROGRESS", f"update {self.update.update_id} is still running",
+                                     update_id=self.update.update_id)
+        if plan.layout_version != self.layout_version:
+            raise AssertionError("derived plan is stale: the store layout changed")
+        if plan.staging_bytes and (self.staging is None or self.staging.numel() < plan.staging_bytes):
+            # zeros() touches every page now, not during the first receive.
+            self.staging = torch.zeros(plan.staging_bytes, dtype=torch.uint8, device=self.device)
+        missing = [i for i in plan.shadowed_segments if self.segments[i].shadow is None]
+        if missing:  # shadows stay once made: the next STAGED update reuses them
+            arena = self._allocate(sum(align_segment(self.segments[i].size_bytes) for i in missing))
+            cursor = 0
+            for i in missing:
+                self.segments[i].shadow = Region(arena.arena_id, cursor)
+                cursor += align_segment(self.segments[i].size_bytes)
+        for i in plan.copied_to_shadow:  # keep what this update does not rewrite
+            self.segment_bytes(i, shadow=True).copy_(self.segment_bytes(i))
+        new_arena = None
+        if plan.new_segments:
+            new_arena = self._allocate(plan.new_segment_bytes)
+            cursor = 0
+            for new in plan.new_segments:
+                self.segments.append(Segment(new.size_bytes, Region(new_arena.arena_id, cursor), None, new.signature))
+                cursor += align_segment(new.size_bytes)
+            self.layout_version += 1
+        shadowed = set(plan.shadowed_segments)
+
+        def target(segment: int) -> torch.Tensor:
+            return self.segment_bytes(segment, shadow=segment in shadowed)
+
+        receive_into = [None if r.receive_into_segment is None else target(r.receive_into_segment) for r in plan.routes]
+        copies = [
+            [(c.src_offset, c.size_bytes, target(c.segment)[c.dst_offset : c.dst_offset + c.size_bytes])
+             for c in route.copies]
+            for route in plan.routes
+        ]
+        self.update = StoreUpdate(update_id, group_id, plan, plan.layout_version, new_arena, receive_into, copies)
+        return self.update
+
+    def current(self, update_id: str) -> StoreUpdate:
+        if self.update is None or self.update.update_id != update_id:
+            raise FailedPrecondition("UPDATE_NOT_PREPARED", f"update {update_id} is not prepared", update_id=update_id)
+        return self.update
+
+    def receive_buffer(self, sequence: int) -> torch.Tensor:
+        """Where bucket `sequence` of the current update is received: exactly its size."""
+        update = self.update
+        assert update is not None
+        route = update.plan.routes[sequence]
+        direct = update.receive_into[sequence]
+        if direct is not None:
+            return direct
+        assert self.staging is not None
+        return self.staging[: route.size_bytes]
+
+    def mark_started(self, sequence: int) -> None:
+        """The bucket's bytes may reach the store from now on (the broadcast is posted)."""
+        assert self.update is not None
+        self.update.started_through = sequence
+
+    def apply_bucket(self, sequence: int, received: torch.Tensor, bucket_checksum) -> int:
+        """Check a received bucket and put its tensors in place; returns its size."""
+        update = self.update
+        assert update is not None and sequence == update.next_sequence
+        route = update.plan.routes[sequence]
+        try:
+            verify_bucket(sequence, route.checks, received, bucket_checksum)
+        except Exception:
+            update.failed = True
+            raise
+        for offset, size, destination in update.copies[sequence]:
+            destination.copy_(received[offset : offset + size])
+        update.next_sequence += 1
+        update.received_bytes += route.size_bytes
+        return route.size_bytes
+
+    def commit_update(self) -> UpdatePlan:
+        """Publish: flip shadows (STAGED), add new tensors, clear what was rewritten."""
+        update = self.update
+        assert update is not None
+        routes = update.plan.routes
+        if update.next_sequence != len(routes):
+            raise FailedPrecondition(
+                "BUCKETS_MISSING", f"commit after {update.next_sequence} of {len(routes)} buckets",
+                received=update.next_sequence, expected=len(routes),
+            )
+        for index in update.plan.shadowed_segments:
+            segment = self.segments[index]
+            segment.live, segment.shadow = segment.shadow, segment.live  # type: ignore[assignment]
+        for tensor in update.plan.new_tensors:
+            self.tensors[tensor.name] = tensor
+        self.dirty -= update.plan.names
+        self.update = None
+        return update.plan
+
+    def abort_update(self) -> None:
+        """Undo what can be undone; IN_PLACE writes leave their tensors dirty."""
+        update = self.update
+        assert update is not None
+        if not update.plan.staged:
+            for route in update.plan.routes[: update.started_through + 1]:
+                self.dirty.update(route.overwrites)
+        self.update = None
+        if update.new_arena is not None:
+            del self.segments[update.plan.first_new_segment :]
+            self.arenas.pop(update.new_arena.arena_id)
+            update.receive_into.clear()
+            update.copies.clear()
+            update.new_arena.release()
+        self.layout_version = update.layout_before  # the layout is exactly what it was
+
+    # -- persistence ---------------------------------------------------------------------
+    def unsent_arenas(self) -> list[Arena]:
+        """Host arenas the server does not hold yet (sent on the fd channel before a manifest)."""
+        return [a for a in self.arenas.values() if a.shareable and a.arena_id not in self.persisted_arenas]
+
+    def manifest(self) -> wpb.StoreManifest:
+        """The store as the server must keep it; tensors only when the layout changed."""
+        manifest = wpb.StoreManifest(layout_version=self.layout_version, dirty=sorted(self.dirty))
+        for arena in self.arenas.values():
+            manifest.arenas.add(arena_id=arena.arena_id, size_bytes=arena.size_bytes)
+        for segment in self.segments:
+            spec = manifest.segments.add(size_bytes=segment.size_bytes, signature=segment.signature)
+            spec.live.arena_id, spec.live.offset_bytes = segment.live.arena_id, segment.live.offset_bytes
+            if segment.shadow is not None:
+                spec.shadow.arena_id, spec.shadow.offset_bytes = segment.shadow.arena_id, segment.shadow.offset_bytes
+        if self._tensors_sent_for != self.layout_version:
+            manifest.tensors_included = True
+            for t in self.tensors.values():
+                manifest.tensors.add(name=t.name, dtype=dtypes.from_torch(t.dtype), shape=list(t.shape),
+                                     segment=t.segment, offset_bytes=t.offset_bytes, size_bytes=t.size_bytes)
+            self._tensors_sent_for = self.layout_version
+        return manifest
+
+    def restore(self, manifest: wpb.StoreManifest, fds: dict[int, int], dirty: list[str]) -> None:
+        """Map a store that survived its previous worker process."""
+        if self.tensors or self.arenas:
+            raise FailedPrecondition("STORE_NOT_EMPTY", "restore needs an empty store")
+        for spec in manifest.arenas:
+            if spec.arena_id not in fds:
+                raise ValueError(f"no descriptor for arena {spec.arena_id}")
+            self.arenas[spec.arena_id] = map_arena(spec.arena_id, fds[spec.arena_id], spec.size_bytes)
+        for spec in manifest.segments:
+            shadow = Region(spec.shadow.arena_id, spec.shadow.offset_bytes) if spec.HasField("shadow") else None
+            self.segments.append(Segment(spec.size_bytes, Region(spec.live.arena_id, spec.live.offset_bytes),
+                                         shadow, spec.signature))
+        for t in manifest.tensors:
+            self.tensors[t.name] = StoredTensor(t.name, dtypes.to_torch(t.dtype, tensor=t.name), tuple(t.shape),
+                                                t.segment, t.offset_bytes, t.size_bytes)
+        self.dirty = set(manifest.dirty) | set(dirty)
+        self.layout_version = manifest.layout_version
+        self._tensors_sent_for = manifest.layout_version
+        self.persisted_arenas = set(self.arenas)
+        self._next_arena_id = max(self.arenas, default=0) + 1

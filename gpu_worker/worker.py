@@ -1,115 +1,127 @@
-"""The worker's command loop.
+"""The worker's command loop: one device, one store, its groups.
 
-State machine (one worker, one store; groups are independent of it):
-
-    IDLE --prepare_update--> PREPARED --receive_bucket(k)--> PREPARED (k+1 next)
-    PREPARED --commit_update (all buckets in)--> IDLE   (new version live)
-    PREPARED --abort_update / any failure------> IDLE   (STAGED: live untouched;
-                                                         IN_PLACE: touched tensors dirty)
+    IDLE --prepare_update--> SIZED (needed_bytes > 0: waits for the server's admission)
+    IDLE / SIZED --prepare_update / allocate_update--> PREPARED (store UPDATING)
+    PREPARED --receive_bucket(k)--> PREPARED (k+1 next; after a failed check every
+                                    later bucket is received and dropped)
+    PREPARED --commit_update (all buckets in)--> IDLE (new version live)
+    SIZED / PREPARED --abort_update, leave_group of its group, shutdown--> IDLE
     any --shutdown--> exit 0
 
-Commands are handled one at a time, in order. A command blocks the loop only
-inside a collective, and every collective has its group's timeout. Each command
-gets exactly one event with the same command_id: its result or CommandFailed.
+Commands are handled one at a time, in order; each gets exactly one event with
+the same command_id: its result or CommandFailed. A command blocks the loop
+only inside a collective (every collective has its group's timeout) or a join
+(bounded by its deadline, see groups.py). The store's lifecycle lives in
+store.py; this module only dispatches, and reports what the store became.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
-import time
+import socket
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 import torch
 
-from weightsync.common.collective import (
-    CollectiveError,
-    CollectiveGroup,
-    RendezvousTimeout,
-    backend_for_device,
-    connect_store,
-    local_address_towards,
-    open_group,
-)
+from weightsync.common.collective import CollectiveError, backend_for_device
 from weightsync.common.errors import (
     Aborted,
-    AlreadyExists,
-    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
-    NotFound,
     ResourceExhausted,
     WeightSyncError,
     code_number,
 )
+from weightsync.common.fd_passing import send_fds
 from weightsync.common.shm_queue import ShmQueue
+from weightsync.gpu_worker.bucket_checks import arm_tail, check_tail, restore_tail, tail_nonce
+from weightsync.gpu_worker.groups import GroupTable
 from weightsync.gpu_worker.store import WeightStore
-from weightsync.gpu_worker.update import (
-    FastPlan,
-    PreparedUpdate,
-    abort_update,
-    commit_update,
-    prepare_from_fast_plan,
-    prepare_update,
-    remember_fast_plan,
-    verify_bucket,
-)
+from weightsync.gpu_worker.update_plan import PlanCache, UpdatePlan, derive_update_plan
+from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
 log = structlog.get_logger("weightsync.worker")
+
+HEARTBEAT_SECONDS = 0.25
 
 
 class _Shutdown(Exception):
     pass
 
 
+@dataclass(slots=True)
+class _SizedUpdate:
+    """A prepared update waiting for the server to admit its memory."""
+
+    update_id: str
+    group_id: str
+    plan: UpdatePlan
+
+
 class Worker:
     """Owns the store, the groups and the current update of one device."""
 
-    def __init__(self, config: wpb.WorkerConfig, commands: ShmQueue, events: ShmQueue) -> None:
+    def __init__(
+        self,
+        config: wpb.WorkerConfig,
+        commands: ShmQueue,
+        events: ShmQueue,
+        fd_channel: socket.socket | None,
+    ) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.commands = commands
         self.events = events
+        self.fd_channel = fd_channel
         self.store = WeightStore(self.device)
-        self.groups: dict[str, CollectiveGroup] = {}
-        self.update: PreparedUpdate | None = None
-        self.staging: torch.Tensor | None = None
-        self.fast_plan: FastPlan | None = None
+        self.groups = GroupTable(self.device)
+        self.plans = PlanCache()
+        self.sized: _SizedUpdate | None = None
         self._handlers: dict[str, Callable[[wpb.WorkerCommand, wpb.WorkerEvent], None]] = {
             "join_group": self._join_group,
             "leave_group": self._leave_group,
             "prepare_update": self._prepare_update,
+            "allocate_update": self._allocate_update,
             "receive_bucket": self._receive_bucket,
             "commit_update": self._commit_update,
             "abort_update": self._abort_update,
             "compute_checksums": self._compute_checksums,
+            "restore_store": self._restore_store,
             "shutdown": self._shutdown,
         }
 
     # -- loop ------------------------------------------------------------------
     def run(self, parent_alive: Callable[[], bool]) -> None:
-        self._emit(
-            wpb.WorkerEvent(
-                started=wpb.WorkerStarted(
-                    pid=os.getpid(), device=str(self.device), backend=backend_for_device(self.device)
-                )
-            )
-        )
+        beating = threading.Event()
+        threading.Thread(target=self._heartbeat, args=(beating,), name="heartbeat", daemon=True).start()
+        self._emit(wpb.WorkerEvent(started=wpb.WorkerStarted(
+            pid=os.getpid(), device=str(self.device), backend=backend_for_device(self.device))))
         log.info("worker_started", device=str(self.device))
-        while True:
-            payload = self.commands.get(timeout=1.0)
-            if payload is None:
-                if not parent_alive():
-                    log.warning("parent_gone_exiting")
+        try:
+            while True:
+                payload = self.commands.get(timeout=1.0)
+                if payload is None:
+                    if not parent_alive():
+                        log.warning("parent_gone_exiting")
+                        return
+                    continue
+                try:
+                    self._dispatch(payload)
+                except _Shutdown:
+                    log.info("worker_stopping")
                     return
-                continue
-            try:
-                self._dispatch(payload)
-            except _Shutdown:
-                log.info("worker_stopping")
-                return
+        finally:
+            beating.set()
+
+    def _heartbeat(self, stop: threading.Event) -> None:
+        """Beat from a thread of its own: the loop may sit in a collective for its whole timeout."""
+        while not stop.is_set():
+            self.commands.beat()
+            stop.wait(HEARTBEAT_SECONDS)
 
     def _dispatch(self, payload: bytes) -> None:
         command = wpb.WorkerCommand()
@@ -123,7 +135,7 @@ class Worker:
                 raise InvalidArgument("COMMAND_UNKNOWN", f"unknown worker command {kind!r}")
             handler(command, event)
         except _Shutdown:
-            event.store.CopyFrom(self._store_status())
+            event.store.CopyFrom(self.store.status())
             self._emit(event)
             raise
         except WeightSyncError as error:
@@ -136,194 +148,174 @@ class Worker:
             log.exception("command_crashed", command_id=event.command_id)
             self._fail(event, WeightSyncError("WORKER_INTERNAL", f"worker error: {type(error).__name__}"))
         else:
-            event.store.CopyFrom(self._store_status())
+            event.store.CopyFrom(self.store.status())
             self._emit(event)
 
-    def _fail(self, event: wpb.WorkerEvent, error: WeightSyncError, broken_group: str = "") -> None:
+    def _fail(self, event: wpb.WorkerEvent, error: WeightSyncError) -> None:
+        event.ClearField("event")
         failed = event.command_failed
         failed.code = code_number(error.code)
         failed.reason = error.reason
         failed.message = error.message
         failed.metadata.update(error.metadata)
-        failed.broken_group_id = broken_group or getattr(error, "broken_group_id", "")
-        event.store.CopyFrom(self._store_status())
+        failed.broken_group_id = error.broken_group_id
+        event.store.CopyFrom(self.store.status())
         self._emit(event)
 
     def _emit(self, event: wpb.WorkerEvent) -> None:
         self.events.put(event.SerializeToString(), timeout=30.0)
 
-    def _store_status(self) -> wpb.StoreStatus:
-        return wpb.StoreStatus(
-            state=self.store.state,
-            tensor_count=len(self.store.tensors),
-            store_bytes=self.store.live_bytes,
-        )
+    def _snapshot(self) -> tuple[wpb.StoreManifest, list[int]]:
+        """The store's manifest, after handing the server the arenas it does not hold yet."""
+        unsent = self.store.unsent_arenas()
+        if unsent and self.fd_channel is not None:
+            send_fds(self.fd_channel, [a.fd for a in unsent])
+            self.store.persisted_arenas.update(a.arena_id for a in unsent)
+        return self.store.manifest(), [a.arena_id for a in unsent] if self.fd_channel is not None else []
 
     # -- groups ------------------------------------------------------------------
     def _join_group(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         join = command.join_group
-        if join.group_id in self.groups:
-            raise AlreadyExists("GROUP_ALREADY_EXISTS", f"already in group {join.group_id}", group_id=join.group_id)
-        timeout = join.timeout.ToTimedelta()
-        started = time.monotonic()
         bound = log.bind(group_id=join.group_id, rank=join.rank)
         bound.info("group_joining", store=f"{join.store_host}:{join.store_port}", world_size=join.world_size)
-        try:
-            store = connect_store(join.store_host, join.store_port, timeout)
-            remaining = timeout - datetime.timedelta(seconds=time.monotonic() - started)
-            store.set_timeout(max(remaining, datetime.timedelta(seconds=1)))
-            group = open_group(
-                group_id=join.group_id,
-                backend=join.backend,
-                store=store,
-                rank=join.rank,
-                world_size=join.world_size,
-                timeout=timeout,
-                device=self.device,
-                local_address=local_address_towards(join.store_host, join.store_port),
-            )
-        except RendezvousTimeout as error:
-            raise DeadlineExceeded(
-                "RENDEZVOUS_TIMEOUT",
-                f"group {join.group_id}: not every rank joined within {timeout.total_seconds():g} s",
-                group_id=join.group_id,
-                rank=join.rank,
-            ) from error
-        except RuntimeError as error:
-            raise Aborted(
-                "RENDEZVOUS_FAILED", f"group {join.group_id}: {error}", group_id=join.group_id
-            ) from error
-        self.groups[join.group_id] = group
+        seconds = self.groups.join(join)
         event.group_joined.group_id = join.group_id
-        event.group_joined.join_seconds = time.monotonic() - started
-        bound.info("group_joined", seconds=round(event.group_joined.join_seconds, 3))
+        event.group_joined.join_seconds = seconds
+        bound.info("group_joined", seconds=round(seconds, 3))
 
     def _leave_group(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         group_id = command.leave_group.group_id
-        if self.update is not None and self.update.group_id == group_id:
-            self._abort_current("group deleted")
-        group = self.groups.pop(group_id, None)
-        if group is not None:
-            group.close()
+        if self.sized is not None and self.sized.group_id == group_id:
+            self.sized = None
+        if self.store.update is not None and self.store.update.group_id == group_id:
+            self._abort("group deleted")
+        self.groups.leave(group_id)
         event.group_left.group_id = group_id
         log.info("group_left", group_id=group_id)
 
     # -- updates -------------------------------------------------------------------
     def _prepare_update(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         prepare = command.prepare_update
-        if self.update is not None:
-            raise FailedPrecondition(
-                "UPDATE_IN_PROGRESS",
-                f"update {self.update.update_id} is still running",
-                update_id=self.update.update_id,
-            )
-        if prepare.group_id not in self.groups:
-            raise NotFound("GROUP_NOT_FOUND", f"not in group {prepare.group_id}", group_id=prepare.group_id)
-        update = None if self.fast_plan is None else prepare_from_fast_plan(self.store, prepare, self.fast_plan)
-        if update is None:
-            update = prepare_update(self.store, prepare, self.staging, self.config.memory_limit_bytes)
-            self.fast_plan = remember_fast_plan(self.store, prepare.plan_id, update)
-        if update.staging_bytes > (0 if self.staging is None else self.staging.numel()):
-            # zeros() touches every page now, not during the first receive.
-            self.staging = torch.zeros(update.staging_bytes, dtype=torch.uint8, device=self.device)
-        self.store.updating = True
-        self.update = update
-        event.update_prepared.update_id = update.update_id
-        event.update_prepared.fast_path_bucket_count = update.fast_path_count
-        log.info(
-            "update_prepared",
-            update_id=update.update_id,
-            buckets=len(update.targets),
-            fast_path=update.fast_path_count,
+        running = self.store.update or self.sized
+        if running is not None:
+            raise FailedPrecondition("UPDATE_IN_PROGRESS", f"update {running.update_id} is still running",
+                                     update_id=running.update_id)
+        self.groups.get(prepare.group_id)
+        store = self.store
+        plan = self.plans.get(prepare.plan_id, store.layout_version, prepare.mode == pb.UPDATE_MODE_STAGED) or derive_update_plan(
+            plan=prepare.plan, plan_id=prepare.plan_id, mode=prepare.mode,
+            allow_new_tensors=prepare.allow_new_tensors, tensors=store.tensors,
+            segment_signatures=[s.signature for s in store.segments], layout_version=store.layout_version,
         )
+        needed = store.needed_bytes(plan)
+        limit = self.config.memory_limit_bytes
+        if limit and store.held_bytes + needed > limit:
+            raise ResourceExhausted(
+                "WORKER_MEMORY_LIMIT",
+                f"the update needs {needed} more bytes; this worker holds {store.held_bytes} of its "
+                f"{limit}-byte limit (--worker-memory-limit-bytes)",
+                needed_bytes=needed, held_bytes=store.held_bytes, limit=limit,
+            )
+        prepared = event.update_prepared
+        prepared.update_id = prepare.update_id
+        prepared.fast_path_bucket_count = plan.fast_path_count
+        prepared.held_bytes = store.held_bytes
+        if needed == 0:
+            self._begin(prepare.update_id, prepare.group_id, plan)
+            return
+        prepared.needed_bytes = needed
+        if self.device.type == "cuda":
+            prepared.device_available_bytes = int(torch.cuda.mem_get_info(self.device)[0])
+        self.sized = _SizedUpdate(prepare.update_id, prepare.group_id, plan)
+
+    def _allocate_update(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
+        sized, update_id = self.sized, command.allocate_update.update_id
+        if sized is None or sized.update_id != update_id:
+            raise FailedPrecondition("UPDATE_NOT_PREPARED", f"update {update_id} is not sized", update_id=update_id)
+        self.sized = None
+        self._begin(sized.update_id, sized.group_id, sized.plan)
+        event.update_prepared.update_id = update_id
+        event.update_prepared.fast_path_bucket_count = sized.plan.fast_path_count
+        event.update_prepared.held_bytes = self.store.held_bytes
+
+    def _begin(self, update_id: str, group_id: str, plan: UpdatePlan) -> None:
+        self.store.begin_update(plan, update_id, group_id)
+        log.info("update_prepared", update_id=update_id, buckets=len(plan.routes), fast_path=plan.fast_path_count)
 
     def _receive_bucket(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         receive = command.receive_bucket
-        update = self._current(receive.update_id)
+        update = self.store.current(receive.update_id)
         group = self.groups.get(update.group_id)
-        if group is None:
-            raise NotFound("GROUP_NOT_FOUND", f"group {update.group_id} is gone", group_id=update.group_id)
         sequence = receive.sequence
+        event.bucket_received.sequence = sequence
         if receive.discard or update.failed:
-            # The update is already failing: complete the broadcast the
-            # trainer announced so no rank hangs, and drop the bytes.
-            size = update.targets[sequence].size_bytes if 0 <= sequence < len(update.targets) else 0
-            self._broadcast(group, self._scratch(size))
-            event.bucket_received.sequence = sequence
+            # The update is already failing: complete the broadcast the trainer announced,
+            # at the length it announced, so no rank hangs; drop the bytes.
+            self.groups.broadcast(group, self.store.scratch(receive.size_bytes))
             return
-        if sequence != update.next_sequence:
-            raise InvalidArgument(
-                "BUCKET_OUT_OF_ORDER",
-                f"bucket {sequence} announced, expected {update.next_sequence}",
-                bucket=sequence,
-                expected=update.next_sequence,
-            )
-        target = update.targets[sequence]
-        received = target.direct if target.direct is not None else self._scratch(target.size_bytes)
-        update.started_through = sequence
-        self._broadcast(group, received)
+        route = update.plan.routes[sequence] if 0 <= sequence < len(update.plan.routes) else None
+        if sequence != update.next_sequence or route is None or receive.size_bytes != route.size_bytes:
+            raise InvalidArgument("BUCKET_NOT_EXPECTED", f"bucket {sequence} of {receive.size_bytes} bytes is not "
+                                  f"the next one ({update.next_sequence})", bucket=sequence)
+        received = self.store.receive_buffer(sequence)
+        nonce = tail_nonce(update.update_id, sequence, self.device)
+        tail = arm_tail(received, nonce)
+        self.store.mark_started(sequence)
         try:
-            verify_bucket(sequence, target, received, receive.checksum)
+            self.groups.broadcast(group, received)
+        except WeightSyncError:
+            # Nothing may have arrived (a trainer killed before sending): put back what the nonce covered.
+            restore_tail(received, tail)
+            raise
+        try:
+            check_tail(sequence, received, nonce)
         except WeightSyncError:
             update.failed = True
             raise
-        for copy in target.copies:
-            copy.dst.copy_(received[copy.src_offset : copy.src_offset + copy.size_bytes])
-        update.next_sequence += 1
-        update.received_bytes += target.size_bytes
-        event.bucket_received.sequence = sequence
-        event.bucket_received.size_bytes = target.size_bytes
-        event.bucket_received.fast_path = target.direct is not None
-
-    def _broadcast(self, group: CollectiveGroup, buffer: torch.Tensor) -> None:
-        try:
-            group.broadcast(buffer)
-        except CollectiveError as error:
-            group.close()
-            self.groups.pop(group.group_id, None)
-            reason = "COLLECTIVE_TIMEOUT" if error.timed_out else "COLLECTIVE_FAILED"
-            failure = Aborted(reason, f"group {group.group_id}: broadcast failed: {error}", group_id=group.group_id)
-            failure.broken_group_id = group.group_id  # type: ignore[attr-defined]
-            log.warning("collective_failed", group_id=group.group_id, reason=reason, error=str(error))
-            raise failure from error
-
-    def _scratch(self, size: int) -> torch.Tensor:
-        if self.staging is None or self.staging.numel() < size:
-            self.staging = torch.zeros(size, dtype=torch.uint8, device=self.device)
-        return self.staging[:size]
+        event.bucket_received.size_bytes = self.store.apply_bucket(sequence, received, receive.checksum)
+        event.bucket_received.fast_path = route.receive_into_segment is not None
 
     def _commit_update(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
-        update = self._current(command.commit_update.update_id)
-        commit_update(self.store, update)
-        self.update = None
-        event.update_committed.update_id = update.update_id
-        log.info("update_committed", update_id=update.update_id, bytes=update.received_bytes)
+        update_id = command.commit_update.update_id
+        received = self.store.current(update_id).received_bytes
+        plan = self.store.commit_update()
+        self.plans.remember(plan, self.store.layout_version)
+        manifest, sent = self._snapshot()
+        event.update_committed.update_id = update_id
+        event.update_committed.manifest.CopyFrom(manifest)
+        event.update_committed.sent_arena_ids.extend(sent)
+        log.info("update_committed", update_id=update_id, bytes=received)
 
     def _abort_update(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         update_id = command.abort_update.update_id
-        if self.update is not None and self.update.update_id == update_id:
-            self._abort_current("requested")
+        if self.sized is not None and self.sized.update_id == update_id:
+            self.sized = None
+        if self.store.update is not None and self.store.update.update_id == update_id:
+            self._abort("requested")
+        manifest, sent = self._snapshot()
         event.update_aborted.update_id = update_id
+        event.update_aborted.manifest.CopyFrom(manifest)
+        event.update_aborted.sent_arena_ids.extend(sent)
 
-    def _abort_current(self, why: str) -> None:
-        assert self.update is not None
-        abort_update(self.store, self.update)
-        log.info("update_aborted", update_id=self.update.update_id, why=why, store_state=self.store.state)
-        self.update = None
+    def _abort(self, why: str) -> None:
+        update = self.store.update
+        assert update is not None
+        self.store.abort_update()
+        log.info("update_aborted", update_id=update.update_id, why=why, store_state=self.store.state)
 
-    def _current(self, update_id: str) -> PreparedUpdate:
-        if self.update is None or self.update.update_id != update_id:
-            raise FailedPrecondition("UPDATE_NOT_PREPARED", f"update {update_id} is not prepared", update_id=update_id)
-        return self.update
+    # -- store -------------------------------------------------------------------------
+    def _restore_store(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
+        restore = command.restore_store
+        self.store.restore(restore.manifest, {a.arena_id: a.fd for a in restore.arenas}, list(restore.dirty))
+        event.store_restored.tensor_count = len(self.store.tensors)
+        log.info("store_restored", tensors=len(self.store.tensors), state=self.store.state)
 
-    # -- queries -------------------------------------------------------------------
     def _compute_checksums(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         event.checksums_computed.tensors.extend(self.store.checksums(list(command.compute_checksums.names)))
 
     def _shutdown(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
-        if self.update is not None:
-            self._abort_current("shutdown")
-        for group in self.groups.values():
-            group.close()
-        self.groups.clear()
+        if self.store.update is not None:
+            self._abort("shutdown")
+        self.sized = None
+        self.groups.close_all()
         raise _Shutdown()

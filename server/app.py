@@ -76,15 +76,30 @@ def build_server(config: ServerConfig) -> tuple[grpc.aio.Server, WeightSyncServi
     return server, servicer, port
 
 
+async def _started(servicer: WeightSyncServicer, stop: asyncio.Event) -> bool:
+    """Start the workers unless a signal comes first (SIGTERM always wins, even mid-start)."""
+    starting = asyncio.ensure_future(servicer.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        log.info("server_stopped_while_starting")
+        return False
+    stopping.cancel()
+    starting.result()  # raises if the workers could not start
+    return True
+
+
 async def serve(config: ServerConfig, ready_file: str = "") -> int:
     """Run until SIGTERM/SIGINT; returns the exit code."""
-    server, servicer, port = build_server(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    server, servicer, port = build_server(config)
     try:
-        await servicer.start()
+        if not await _started(servicer, stop):
+            return 0
         await server.start()
         host = config.listen.rpartition(":")[0]
         log.info("server_listening", address=f"{host}:{port}", workers=len(config.devices), tls=bool(config.tls_cert))

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from weightsync.common.logging import configure_logging
-from weightsync.server.config import build_parser, config_from_args
+from weightsync.server.config import build_parser, check_devices, config_from_args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -18,6 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     known, rest = extra.parse_known_args(argv)
     try:
         config = config_from_args(rest)
+        check_devices(config.devices)
     except (ValueError, OSError) as error:
         print(f"weightsync-server: {error}", file=sys.stderr)
         return 2
@@ -26,8 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return asyncio.run(serve(config, ready_file=known.ready_file))
-    except OSError as error:
-        print(f"weightsync-server: {error}", file=sys.stderr)
+    except (OSError, TimeoutError) as error:
+        reason = str(error) or f"{type(error).__name__} (the workers did not start; see the log above)"
+        print(f"weightsync-server: {reason}", file=sys.stderr)
         return 1
 
 

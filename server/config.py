@@ -7,6 +7,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from weightsync.common.address import parse_address
+from weightsync.common.limits import DEFAULT_MAX_MESSAGE_BYTES
 from weightsync.common.plan_validation import PlanLimits
 
 ENV_PREFIX = "WEIGHTSYNC_"
@@ -26,12 +28,16 @@ class ServerConfig:
     """Most bytes one update may move."""
     max_bucket_bytes: int = 4 << 30
     """Most bytes in one bucket."""
-    max_message_bytes: int = 32 << 20
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """Largest gRPC message accepted or sent (plans travel in one message)."""
     queue_capacity_bytes: int = 48 << 20
     """Ring size of each server<->worker shared-memory queue."""
     worker_memory_limit_bytes: int = 0
-    """Cap on a worker's store + buffers; 0 means the device's free memory."""
+    """Cap on one worker's store, shadows and staging buffer; 0: no per-worker cap."""
+    host_memory_limit_bytes: int = 0
+    """Cap on what all CPU workers' stores and buffers hold together; 0: only MemAvailable."""
+    host_memory_reserve_bytes: int = 256 << 20
+    """Host memory an update must leave free (for the server, engines, the OS)."""
     shutdown_grace_seconds: float = 10.0
     """SIGTERM: how long a running update may take to finish before it is aborted."""
     worker_call_timeout_seconds: float = 120.0
@@ -48,9 +54,7 @@ class ServerConfig:
     """PEM CA bundle: when set, clients must present a certificate it signed (mTLS)."""
 
     def __post_init__(self) -> None:
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        parse_address(self.listen, allow_port_zero=True, what="listen")
         if not self.devices:
             raise ValueError("at least one worker device is required")
         for device in self.devices:
@@ -96,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-message-bytes", type=int)
     parser.add_argument("--queue-capacity-bytes", type=int)
     parser.add_argument("--worker-memory-limit-bytes", type=int)
+    parser.add_argument("--host-memory-limit-bytes", type=int)
+    parser.add_argument("--host-memory-reserve-bytes", type=int)
     parser.add_argument("--shutdown-grace-seconds", type=float)
     parser.add_argument("--log-level")
     parser.add_argument("--token-file", help="file holding the bearer token clients must send")
@@ -140,6 +146,8 @@ def config_from_args(argv: Sequence[str] | None, env: Mapping[str, str] | None =
         ("max_message_bytes", int),
         ("queue_capacity_bytes", int),
         ("worker_memory_limit_bytes", int),
+        ("host_memory_limit_bytes", int),
+        ("host_memory_reserve_bytes", int),
         ("shutdown_grace_seconds", float),
     ):
         raw = pick(name)
@@ -158,3 +166,20 @@ def config_from_args(argv: Sequence[str] | None, env: Mapping[str, str] | None =
         if (raw := pick(name)) is not None:
             values[name] = raw
     return ServerConfig(**values)  # type: ignore[arg-type]
+
+
+def check_devices(devices: tuple[str, ...]) -> None:
+    """Fail fast, before binding, when a device does not exist on this host."""
+    cuda = [d for d in devices if d.startswith("cuda")]
+    if not cuda:
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for device in cuda:
+        index = int(device.split(":", 1)[1])
+        if index >= count:
+            have = f"{count} CUDA device(s)" if count else "no CUDA (torch sees no GPU)"
+            raise ValueError(
+                f"device {device} does not exist: this host has {have}; on a CPU host use --workers N --device cpu"
+            )

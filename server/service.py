@@ -1,16 +1,20 @@
-"""The WeightSyncService servicer: validation, groups, versions, updates."""
+"""The WeightSyncService servicer: one method per RPC, over the server's parts.
+
+The parts: the Supervisor (worker processes), the Publisher (version and
+watchers), the GroupRegistry (groups and the dead-trainer watch), the
+PlanCache (validated plans by content id) and the MemoryAdmission. An update
+stream gets exactly these through SessionServices, never the servicer.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import datetime
-import hashlib
 import re
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
-import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 
@@ -22,13 +26,16 @@ from weightsync.common.errors import (
     NotFound,
     Unavailable,
     Unimplemented,
-    WeightSyncError,
 )
+from weightsync.common.plan_id import plan_id_of
 from weightsync.common.plan_validation import PlanSummary, validate_plan
+from weightsync.server.admission import MemoryAdmission
 from weightsync.server.config import ServerConfig
-from weightsync.server.state import GroupRecord, PublishedVersion, Watchers, aggregate_store_state
+from weightsync.server.groups import GroupRegistry
+from weightsync.server.publisher import Publisher
+from weightsync.server.state import GroupRecord
 from weightsync.server.supervisor import Supervisor, WorkerHandle
-from weightsync.server.update_session import UpdateSession
+from weightsync.server.update_session import SessionServices, UpdateSession
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
@@ -37,18 +44,30 @@ from weightsync.worker.v1 import worker_pb2 as wpb
 log = structlog.get_logger("weightsync.service")
 
 SERVICE_NAME = "weightsync.v1.WeightSyncService"
-SERVER_VERSION = "0.1.0"
+SERVER_VERSION = "0.2.0"
 GROUP_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 DEFAULT_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 MAX_GROUP_TIMEOUT = datetime.timedelta(hours=1)
 MAX_VERSION_BYTES = 256
-PLAN_CACHE_SIZE = 8
-# Seconds on top of the group timeout for workers to report a rendezvous.
-JOIN_MARGIN_SECONDS = 15.0
+JOIN_MARGIN_SECONDS = 2.0
+"""Workers answer a join by its deadline (+1 s); this much more before the server gives up on them."""
 
 
-def plan_id_of(plan: tensor_pb2.WeightPlan) -> str:
-    return hashlib.sha256(plan.SerializeToString(deterministic=True)).hexdigest()[:32]
+class PlanCache:
+    """Validated plans by their content id. Filled on commit only (caches change on success)."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self._plans: OrderedDict[str, tuple[tensor_pb2.WeightPlan, PlanSummary]] = OrderedDict()
+        self._capacity = capacity
+
+    def get(self, plan_id: str) -> tuple[tensor_pb2.WeightPlan, PlanSummary] | None:
+        return self._plans.get(plan_id)
+
+    def remember(self, plan_id: str, plan: tensor_pb2.WeightPlan, summary: PlanSummary) -> None:
+        self._plans[plan_id] = (plan, summary)
+        self._plans.move_to_end(plan_id)
+        while len(self._plans) > self._capacity:
+            self._plans.popitem(last=False)
 
 
 class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
@@ -62,31 +81,48 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             memory_limit_bytes=config.worker_memory_limit_bytes,
             on_worker_died=self._on_worker_died,
             on_worker_started=self._on_worker_started,
+            on_worker_unresponsive=self._on_worker_unresponsive,
         )
-        self.groups: dict[str, GroupRecord] = {}
-        self.version = PublishedVersion()
-        self.watchers = Watchers()
+        self.publisher = Publisher(self.supervisor)
+        self.groups = GroupRegistry(on_trainer_gone=self._release_group)
+        self.plans = PlanCache()
+        self.sessions = SessionServices(
+            supervisor=self.supervisor,
+            publisher=self.publisher,
+            groups=self.groups,
+            admission=MemoryAdmission(host_limit_bytes=config.host_memory_limit_bytes,
+                                      reserve_bytes=config.host_memory_reserve_bytes),
+            command_timeout=config.worker_call_timeout_seconds,
+        )
         self.draining = False
         self.update_lock = asyncio.Lock()
         self.active_update: UpdateSession | None = None
-        self.plans: OrderedDict[str, tuple[tensor_pb2.WeightPlan, PlanSummary]] = OrderedDict()
         self._background: set[asyncio.Task] = set()
 
     # -- lifecycle hooks -------------------------------------------------------------
     async def start(self) -> None:
         await self.supervisor.start()
+        self.groups.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     def _on_worker_died(self, worker: WorkerHandle) -> None:
-        for group in self.groups.values():
-            group.mark_broken(f"worker {worker.index} died")
+        # The dead worker left every group; the others must leave too (a group missing a rank is unusable).
+        self.groups.mark_all_broken(f"WORKER_DIED: worker {worker.index} died")
+        for record in list(self.groups.records.values()):
+            self._spawn(self._leave_everywhere(record.group_id))
         self._spawn(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
-        self.publish_state()
+        self.publisher.publish_state()
 
     def _on_worker_started(self, worker: WorkerHandle) -> None:
         if self.supervisor.all_running and not self.draining:
             self._spawn(self._set_health(health_pb2.HealthCheckResponse.SERVING))
-        self.publish_state()
+        self.publisher.publish_state()
+
+    def _on_worker_unresponsive(self, worker: WorkerHandle) -> None:
+        self._spawn(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+
+    async def _release_group(self, record: GroupRecord) -> None:
+        await self._leave_everywhere(record.group_id)
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -97,43 +133,30 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    # -- state ---------------------------------------------------------------------
-    def store_state(self) -> int:
-        workers = self.supervisor.workers
-        return aggregate_store_state([w.store.state for w in workers], [w.lost for w in workers])
-
-    def publish_state(self) -> None:
-        event = pb.WatchWeightsResponse(version=self.version.to_proto(), store_state=self.store_state())
-        event.event_time.GetCurrentTime()
-        self.watchers.publish(event)
-
-    def publish_version(self, label: str) -> PublishedVersion:
-        self.version = PublishedVersion(
-            version=label,
-            generation=self.version.generation + 1,
-            commit_time=datetime.datetime.now(datetime.UTC),
-        )
-        self.publish_state()
-        return self.version
-
     def _require_serving(self) -> None:
         if self.draining:
             raise Unavailable("SERVER_DRAINING", "the server is shutting down")
         if not self.supervisor.all_running:
-            raise Unavailable("WORKER_UNAVAILABLE", "a worker is restarting; retry shortly")
+            raise Unavailable("WORKER_UNAVAILABLE", "a worker is restarting or unresponsive; retry shortly")
+
+    async def _leave_everywhere(self, group_id: str) -> None:
+        leave = wpb.LeaveGroupCommand(group_id=group_id)
+        results = await asyncio.gather(
+            *(self.supervisor.call(w, self.config.worker_call_timeout_seconds, leave_group=leave)
+              for w in self.supervisor.workers if w.state == pb.WORKER_STATE_RUNNING),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                log.warning("leave_group_failed", group_id=group_id, error=str(result))
 
     # -- RPCs ----------------------------------------------------------------------
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.GetServerInfoResponse:
         workers = [
             pb.WorkerInfo(
-                index=w.index,
-                device=w.device,
-                backend=w.backend,
-                state=w.state,
+                index=w.index, device=w.device, backend=w.backend, state=w.state,
                 store_state=pb.STORE_STATE_LOST if w.lost else w.store.state,
-                tensor_count=w.store.tensor_count,
-                store_bytes=w.store.store_bytes,
-                pid=w.pid,
+                tensor_count=w.store.tensor_count, store_bytes=w.store.store_bytes, pid=w.pid,
                 restart_count=w.restart_count,
             )
             for w in self.supervisor.workers
@@ -143,13 +166,11 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             workers=workers,
             backends=available_backends_for(self.supervisor.workers),
             transports=[pb.TRANSPORT_COLLECTIVE],
-            store_state=self.store_state(),
-            current_version=self.version.to_proto(),
+            store_state=self.publisher.store_state(),
+            current_version=self.publisher.version.to_proto(),
             limits=pb.ServerLimits(
-                max_tensors=self.config.max_tensors,
-                max_plan_bytes=self.config.max_plan_bytes,
-                max_bucket_bytes=self.config.max_bucket_bytes,
-                max_message_bytes=self.config.max_message_bytes,
+                max_tensors=self.config.max_tensors, max_plan_bytes=self.config.max_plan_bytes,
+                max_bucket_bytes=self.config.max_bucket_bytes, max_message_bytes=self.config.max_message_bytes,
             ),
             draining=self.draining,
         )
@@ -159,54 +180,37 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         if record.group_id in self.groups:
             raise AlreadyExists("GROUP_ALREADY_EXISTS", f"group {record.group_id!r} already exists", group_id=record.group_id)
         self._require_serving()
-        self.groups[record.group_id] = record
+        self.groups.add(record)
         structlog.contextvars.bind_contextvars(group_id=record.group_id)
         log.info("group_creating", world_size=record.world_size, rank_offset=record.rank_offset)
         join = wpb.JoinGroupCommand(
-            group_id=record.group_id,
-            store_host=request.store_host,
-            store_port=request.store_port,
-            world_size=record.world_size,
-            backend=record.backend,
+            group_id=record.group_id, store_host=request.store_host, store_port=request.store_port,
+            world_size=record.world_size, backend=record.backend,
         )
         join.timeout.FromTimedelta(record.timeout)
         timeout = record.timeout.total_seconds() + JOIN_MARGIN_SECONDS
         joined = False
         try:
-            futures = []
+            calls = []
             for worker in self.supervisor.workers:
                 command = wpb.JoinGroupCommand()
                 command.CopyFrom(join)
                 command.rank = record.rank_offset + worker.index
-                futures.append(self.supervisor.call(worker, timeout, join_group=command))
-            results = await asyncio.gather(*futures, return_exceptions=True)
-            for result in results:
+                calls.append(self.supervisor.call(worker, timeout, join_group=command))
+            for result in await asyncio.gather(*calls, return_exceptions=True):
                 if isinstance(result, BaseException):
                     raise result
             joined = True
         finally:
             if not joined:
                 # Leave nothing half-joined, even if this RPC was cancelled.
-                self.groups.pop(record.group_id, None)
+                self.groups.remove(record.group_id)
                 self._spawn(self._leave_everywhere(record.group_id))
                 log.warning("group_create_failed")
         if record.state == pb.GROUP_STATE_JOINING:
             record.state = pb.GROUP_STATE_READY
         log.info("group_ready")
         return pb.CreateTransferGroupResponse(group=record.to_proto())
-
-    async def _leave_everywhere(self, group_id: str) -> None:
-        results = await asyncio.gather(
-            *(
-                self.supervisor.call(w, self.config.worker_call_timeout_seconds, leave_group=wpb.LeaveGroupCommand(group_id=group_id))
-                for w in self.supervisor.workers
-                if w.state == pb.WORKER_STATE_RUNNING
-            ),
-            return_exceptions=True,
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                log.warning("leave_group_failed", group_id=group_id, error=str(result))
 
     def _validate_group_request(self, request: pb.CreateTransferGroupRequest) -> GroupRecord:
         if not GROUP_ID_PATTERN.match(request.group_id):
@@ -233,16 +237,13 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
                 "RANKS_DO_NOT_FIT",
                 f"this server's {workers} workers need ranks rank_offset..rank_offset+{workers - 1} "
                 f"inside 1..world_size-1; got rank_offset {request.rank_offset}, world_size {request.world_size}",
-                world_size=request.world_size,
-                rank_offset=request.rank_offset,
-                workers=workers,
+                world_size=request.world_size, rank_offset=request.rank_offset, workers=workers,
             )
         timeout = request.timeout.ToTimedelta() if request.HasField("timeout") else DEFAULT_GROUP_TIMEOUT
         if not datetime.timedelta(0) < timeout <= MAX_GROUP_TIMEOUT:
-            raise InvalidArgument(
-                "TIMEOUT_INVALID", f"timeout must be in (0, 3600] s, got {timeout.total_seconds():g}",
-            )
-        return GroupRecord(request.group_id, request.world_size, request.rank_offset, request.backend, timeout)
+            raise InvalidArgument("TIMEOUT_INVALID", f"timeout must be in (0, 3600] s, got {timeout.total_seconds():g}")
+        return GroupRecord(request.group_id, request.world_size, request.rank_offset, request.backend, timeout,
+                           request.store_host, request.store_port)
 
     async def DeleteTransferGroup(self, request: pb.DeleteTransferGroupRequest, context) -> pb.DeleteTransferGroupResponse:
         record = self.groups.get(request.group_id)
@@ -256,25 +257,29 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             )
         if record.state == pb.GROUP_STATE_JOINING:
             raise FailedPrecondition("GROUP_JOINING", f"group {record.group_id!r} is still joining", group_id=record.group_id)
-        del self.groups[record.group_id]
+        self.groups.remove(record.group_id)
         await self._leave_everywhere(record.group_id)
         log.info("group_deleted", group_id=record.group_id)
         return pb.DeleteTransferGroupResponse()
 
     async def ListTransferGroups(self, request: pb.ListTransferGroupsRequest, context) -> pb.ListTransferGroupsResponse:
-        return pb.ListTransferGroupsResponse(groups=[self.groups[g].to_proto() for g in sorted(self.groups)])
+        return pb.ListTransferGroupsResponse(groups=[g.to_proto() for g in self.groups.sorted()])
 
     async def GetTensorChecksums(self, request: pb.GetTensorChecksumsRequest, context) -> pb.GetTensorChecksumsResponse:
+        names = list(request.names)
+        if len(set(names)) != len(names):
+            duplicate = next(n for n in names if names.count(n) > 1)
+            raise InvalidArgument("TENSOR_NAME_DUPLICATE", f"tensor {duplicate!r} is asked for twice",
+                                  tensor=duplicate[:256])
         if self.active_update is not None and not self.active_update.finished:
             raise FailedPrecondition("STORE_UPDATING", "an update is running; ask again after it commits or aborts")
         self._require_serving()
         events = await self.supervisor.call_all(
-            self.config.worker_call_timeout_seconds,
-            compute_checksums=wpb.ComputeChecksumsCommand(names=list(request.names)),
+            self.config.worker_call_timeout_seconds, compute_checksums=wpb.ComputeChecksumsCommand(names=names),
         )
         return pb.GetTensorChecksumsResponse(
-            version=self.version.to_proto(),
-            store_state=self.store_state(),
+            version=self.publisher.version.to_proto(),
+            store_state=self.publisher.store_state(),
             workers=[
                 pb.WorkerChecksums(worker_index=w.index, tensors=e.checksums_computed.tensors)
                 for w, e in zip(self.supervisor.workers, events, strict=True)
@@ -282,15 +287,13 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         )
 
     async def WatchWeights(self, request: pb.WatchWeightsRequest, context) -> AsyncIterator[pb.WatchWeightsResponse]:
-        queue = self.watchers.subscribe()
+        queue = self.publisher.watchers.subscribe()
         try:
-            first = pb.WatchWeightsResponse(version=self.version.to_proto(), store_state=self.store_state())
-            first.event_time.GetCurrentTime()
-            yield first
+            yield self.publisher.event()
             while True:
                 yield await queue.get()
         finally:
-            self.watchers.unsubscribe(queue)
+            self.publisher.watchers.unsubscribe(queue)
 
     async def UpdateWeights(self, requests: AsyncIterator[pb.UpdateWeightsRequest], context) -> AsyncIterator[pb.UpdateWeightsResponse]:
         try:
@@ -311,21 +314,15 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         async with self.update_lock:
             update_id = uuid.uuid4().hex[:16]
             structlog.contextvars.bind_contextvars(update_id=update_id, group_id=group.group_id)
-            session = UpdateSession(self, update_id, group, begin, plan, plan_id)
+            session = UpdateSession(self.sessions, update_id, group, begin, plan, plan_id)
             self.active_update = session
             try:
                 async for response in session.run(requests):
-                    if response.WhichOneof("message") == "ready":
-                        self._remember_plan(plan_id, plan, summary)
+                    if response.WhichOneof("message") == "committed":
+                        self.plans.remember(plan_id, plan, summary)
                     yield response
             finally:
                 self.active_update = None
-
-    def _remember_plan(self, plan_id: str, plan: tensor_pb2.WeightPlan, summary: PlanSummary) -> None:
-        self.plans[plan_id] = (plan, summary)
-        self.plans.move_to_end(plan_id)
-        while len(self.plans) > PLAN_CACHE_SIZE:
-            self.plans.popitem(last=False)
 
     def _validate_begin(self, begin: pb.BeginUpdate) -> tuple[GroupRecord, tensor_pb2.WeightPlan, str, PlanSummary]:
         if begin.transport == pb.TRANSPORT_UNSPECIFIED:
@@ -355,13 +352,14 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             raise InvalidArgument("PLAN_AND_PLAN_ID", "set either plan or plan_id, not both")
         if has_plan:
             plan = begin.plan
-            plan_id = plan_id_of(plan)
             summary = validate_plan(plan, self.config.limits)
+            plan_id = plan_id_of(plan)
         elif begin.plan_id:
             cached = self.plans.get(begin.plan_id)
             if cached is None:
-                raise NotFound("PLAN_NOT_FOUND", f"plan {begin.plan_id!r} is not cached here; send the full plan", plan_id=begin.plan_id[:64])
-            plan, summary = cached  # validated when it was first sent
+                raise NotFound("PLAN_NOT_FOUND", f"plan {begin.plan_id!r} is not held here; send the full plan",
+                               plan_id=begin.plan_id[:64])
+            plan, summary = cached  # validated when it was first sent; its id is its content
             plan_id = begin.plan_id
         else:
             raise InvalidArgument("PLAN_MISSING", "begin needs a plan or a plan_id")
@@ -372,8 +370,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             raise FailedPrecondition(
                 "STORE_EMPTY",
                 f"a worker's store is empty (restarted); send a full update of all {largest} tensors first",
-                tensors=summary.tensor_count,
-                expected=largest,
+                tensors=summary.tensor_count, expected=largest,
             )
         return group, plan, plan_id, summary
 
@@ -381,6 +378,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
     async def drain(self, grace_seconds: float) -> None:
         """Refuse new work, let a running update finish within the grace period, then abort it."""
         self.draining = True
+        self.groups.stop()
         await self.health.enter_graceful_shutdown()
         session = self.active_update
         if session is not None and not session.finished:
@@ -400,11 +398,10 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
 
 
 def available_backends_for(workers: list[WorkerHandle]) -> list[int]:
-    """Gloo always (CPU tensors); NCCL when the workers sit on CUDA devices."""
-    backends = [pb.BACKEND_GLOO]
+    """Gloo for CPU workers; NCCL when the workers sit on CUDA devices (and the build has it)."""
     if any(w.device.startswith("cuda") for w in workers) and pb.BACKEND_NCCL in available_backends():
-        backends = [pb.BACKEND_NCCL]
-    return backends
+        return [pb.BACKEND_NCCL]
+    return [pb.BACKEND_GLOO]
 
 
-__all__ = ["WeightSyncServicer", "SERVICE_NAME", "WeightSyncError", "grpc"]
+__all__ = ["WeightSyncServicer", "SERVICE_NAME"]

@@ -20,8 +20,12 @@ class GroupRecord:
     rank_offset: int
     backend: int
     timeout: datetime.timedelta
+    store_host: str
+    store_port: int
     state: int = pb.GROUP_STATE_JOINING
     broken_reason: str = ""
+    updating: bool = False
+    """An update runs on the group (its collective notices a dead trainer itself)."""
 
     def to_proto(self) -> pb.TransferGroup:
         timeout = duration_pb2.Duration()

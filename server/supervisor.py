@@ -1,9 +1,14 @@
 """Spawns the worker processes and talks to them through shared-memory queues.
 
-The asyncio loop never blocks on a worker: commands go into a ring (waiting,
-without blocking, if it is full), events come back through an eventfd the loop
-watches, and each worker's death is seen through a pidfd the loop also
-watches, so it is noticed at once and the worker restarted.
+The asyncio loop never blocks on a worker: commands go into a ring, events
+come back through an eventfd the loop watches, and each worker's exit is seen
+through a pidfd the loop also watches, so it is noticed at once. A heartbeat
+in the command ring (written by a thread of the worker) tells a stopped or
+wedged worker from one that sits in a long collective.
+
+A dead worker is restarted with backoff. If its store lives in host memory
+the server keeps (store_keeper.py), the new process maps it again before it
+takes commands: the node keeps its weights.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import asyncio
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +27,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from weightsync.common.errors import Unavailable, WeightSyncError, error_from_code
+from weightsync.common.fd_passing import recv_fds
 from weightsync.common.shm_queue import OwnedQueue, QueueCorrupted
+from weightsync.server.store_keeper import KeptStore
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -29,10 +37,12 @@ log = structlog.get_logger("weightsync.supervisor")
 
 STARTUP_TIMEOUT_SECONDS = 120.0
 STOP_TIMEOUT_SECONDS = 5.0
-
-
-class CommandTimeout(WeightSyncError):
-    """A worker did not answer in time; it is restarted."""
+UNRESPONSIVE_AFTER_SECONDS = 3.0
+"""A worker whose heartbeat is older than this is UNRESPONSIVE (it beats every 0.25 s)."""
+WATCH_INTERVAL_SECONDS = 0.5
+STABLE_AFTER_SECONDS = 10.0
+"""A worker that ran this long before dying restarts at once; quicker deaths back off."""
+MAX_BACKOFF_SECONDS = 30.0
 
 
 @dataclass(slots=True)
@@ -45,22 +55,36 @@ class WorkerHandle:
     events: OwnedQueue
     process: subprocess.Popen[bytes] | None = None
     pidfd: int = -1
+    channel: socket.socket | None = None
+    """The server's end of the fd channel (arena descriptors at commit/abort)."""
     state: int = pb.WORKER_STATE_STARTING
     store: wpb.StoreStatus = field(default_factory=lambda: wpb.StoreStatus(state=pb.STORE_STATE_EMPTY))
+    kept: KeptStore = field(default_factory=KeptStore)
+    writes_in_flight: set[str] = field(default_factory=set)
+    """Tensors an IN_PLACE update is writing: dirty in a store restored after a crash."""
     backend: int = pb.BACKEND_UNSPECIFIED
     lost: bool = False
-    """The worker died holding weights; cleared once its store is refilled."""
+    """The worker died holding weights that did not survive; cleared once its store is refilled."""
     restart_count: int = 0
+    quick_failures: int = 0
+    ready_at: float = 0.0
     pending: dict[int, asyncio.Future[wpb.WorkerEvent]] = field(default_factory=dict)
     started: asyncio.Event = field(default_factory=asyncio.Event)
+    restore_command: wpb.RestoreStoreCommand | None = None
+    """Sent as the first command of a restarted worker whose store the server kept."""
 
     @property
     def pid(self) -> int:
-        return self.process.pid if self.process is not None and self.state == pb.WORKER_STATE_RUNNING else 0
+        alive = self.state in (pb.WORKER_STATE_RUNNING, pb.WORKER_STATE_UNRESPONSIVE)
+        return self.process.pid if self.process is not None and alive else 0
+
+    @property
+    def host_memory(self) -> bool:
+        return self.device == "cpu"
 
 
 class Supervisor:
-    """Owns every worker process and its two queues."""
+    """Owns every worker process, its two queues and its fd channel."""
 
     def __init__(
         self,
@@ -71,15 +95,19 @@ class Supervisor:
         memory_limit_bytes: int,
         on_worker_died: Callable[[WorkerHandle], None],
         on_worker_started: Callable[[WorkerHandle], None],
+        on_worker_unresponsive: Callable[[WorkerHandle], None] = lambda worker: None,
     ) -> None:
         self._queue_capacity = queue_capacity_bytes
         self._log_level = log_level
         self._memory_limit = memory_limit_bytes
         self._on_died = on_worker_died
         self._on_started = on_worker_started
+        self._on_unresponsive = on_worker_unresponsive
         self._ids = itertools.count(1)
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._respawns: dict[int, asyncio.TimerHandle] = {}
         self.workers = [
             WorkerHandle(i, d, OwnedQueue(queue_capacity_bytes), OwnedQueue(queue_capacity_bytes))
             for i, d in enumerate(devices)
@@ -91,6 +119,7 @@ class Supervisor:
         for worker in self.workers:
             self._loop.add_reader(worker.events.doorbell_fd, self._drain_events, worker)
             self._spawn(worker)
+        self._watch = asyncio.ensure_future(self._watch_heartbeats())
         await self.wait_started()
 
     async def wait_started(self, timeout: float = STARTUP_TIMEOUT_SECONDS) -> None:
@@ -101,6 +130,13 @@ class Supervisor:
         return all(w.state == pb.WORKER_STATE_RUNNING for w in self.workers)
 
     def _spawn(self, worker: WorkerHandle) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        restore: wpb.RestoreStoreCommand | None = None
+        inherited: list[int] = []
+        if worker.kept.restorable:
+            restore, inherited = worker.kept.restore_command(worker.writes_in_flight)
+        worker.writes_in_flight = set()
         config = wpb.WorkerConfig(
             index=worker.index,
             device=worker.device,
@@ -108,29 +144,34 @@ class Supervisor:
             queue_capacity_bytes=self._queue_capacity,
             parent_pid=os.getpid(),
             memory_limit_bytes=self._memory_limit,
+            fd_channel=theirs.fileno(),
         )
         cmd = (worker.commands.segment_fd, worker.commands.doorbell_fd)
         evt = (worker.events.segment_fd, worker.events.doorbell_fd)
         argv = [
-            sys.executable,
-            "-m",
-            "weightsync.gpu_worker",
-            "--config-hex",
-            config.SerializeToString().hex(),
-            "--command-fds",
-            f"{cmd[0]},{cmd[1]}",
-            "--event-fds",
-            f"{evt[0]},{evt[1]}",
+            sys.executable, "-m", "weightsync.gpu_worker",
+            "--config-hex", config.SerializeToString().hex(),
+            "--command-fds", f"{cmd[0]},{cmd[1]}",
+            "--event-fds", f"{evt[0]},{evt[1]}",
         ]
-        # The worker maps the segment through its own fd copy (it closes it).
         worker.started.clear()
         if worker.state != pb.WORKER_STATE_RESTARTING:  # a restart stays RESTARTING until ready
             worker.state = pb.WORKER_STATE_STARTING
-        worker.process = subprocess.Popen(argv, pass_fds=(*cmd, *evt), stdin=subprocess.DEVNULL)
+        try:
+            worker.process = subprocess.Popen(
+                argv, pass_fds=(*cmd, *evt, theirs.fileno(), *inherited), stdin=subprocess.DEVNULL
+            )
+        finally:
+            theirs.close()  # the child has its copy; EOF on ours means it is gone
+        if worker.channel is not None:
+            worker.channel.close()
+        worker.channel = ours
         worker.pidfd = os.pidfd_open(worker.process.pid)
         assert self._loop is not None
         self._loop.add_reader(worker.pidfd, self._reap, worker)
-        log.info("worker_spawned", worker=worker.index, pid=worker.process.pid, device=worker.device)
+        worker.restore_command = restore
+        log.info("worker_spawned", worker=worker.index, pid=worker.process.pid, device=worker.device,
+                 restoring=restore is not None)
 
     def _reap(self, worker: WorkerHandle) -> None:
         """The pidfd became readable: the process exited."""
@@ -144,16 +185,32 @@ class Supervisor:
         if self._stopping:
             worker.state = pb.WORKER_STATE_STOPPED
             return
-        log.error("worker_died", worker=worker.index, exit_code=code, had_weights=had_weights)
+        keeps = worker.kept.restorable
+        log.error("worker_died", worker=worker.index, exit_code=code, had_weights=had_weights, store_kept=keeps)
         worker.state = pb.WORKER_STATE_RESTARTING
-        worker.lost = had_weights
-        worker.store = wpb.StoreStatus(state=pb.STORE_STATE_EMPTY)
+        worker.lost = had_weights and not keeps
+        if keeps:
+            worker.store = worker.kept.status(worker.writes_in_flight)  # what the restarted worker will map
+        else:
+            worker.kept.forget()
+            worker.store = wpb.StoreStatus(state=pb.STORE_STATE_EMPTY)
         worker.restart_count += 1
+        quick = worker.ready_at == 0.0 or time.monotonic() - worker.ready_at < STABLE_AFTER_SECONDS
+        worker.quick_failures = worker.quick_failures + 1 if quick else 0
+        worker.ready_at = 0.0
         self._on_died(worker)
         # The dead worker may have left half a frame in either ring.
         worker.commands.reset()
         worker.events.reset()
-        self._spawn(worker)
+        delay = 0.0 if worker.quick_failures <= 1 else min(0.5 * 2 ** (worker.quick_failures - 2), MAX_BACKOFF_SECONDS)
+        if delay:
+            log.warning("worker_restart_backoff", worker=worker.index, seconds=delay, failures=worker.quick_failures)
+        self._respawns[worker.index] = self._loop.call_later(delay, self._respawn, worker)
+
+    def _respawn(self, worker: WorkerHandle) -> None:
+        self._respawns.pop(worker.index, None)
+        if not self._stopping:
+            self._spawn(worker)
 
     def _fail_pending(self, worker: WorkerHandle, error: WeightSyncError) -> None:
         pending, worker.pending = worker.pending, {}
@@ -186,24 +243,88 @@ class Supervisor:
             worker.store = event.store
             if worker.lost and event.store.state == pb.STORE_STATE_CONSISTENT:
                 worker.lost = False
-        if event.WhichOneof("event") == "started":
-            worker.state = pb.WORKER_STATE_RUNNING
+        kind = event.WhichOneof("event")
+        if kind == "started":
             worker.backend = event.started.backend
-            worker.started.set()
             log.info("worker_ready", worker=worker.index, pid=event.started.pid)
-            self._on_started(worker)
+            if worker.restore_command is not None:
+                self._begin_restore(worker)
+                return
+            self._mark_running(worker)
             return
+        if kind in ("update_committed", "update_aborted"):
+            self._keep_store(worker, getattr(event, kind))
         future = worker.pending.pop(event.command_id, None)
         if future is None or future.done():
-            if self._stopping:
-                return
-            log.warning("event_unexpected", worker=worker.index, command_id=event.command_id)
+            if not self._stopping:
+                log.warning("event_unexpected", worker=worker.index, command_id=event.command_id)
             return
         future.set_result(event)
+
+    def _mark_running(self, worker: WorkerHandle) -> None:
+        worker.state = pb.WORKER_STATE_RUNNING
+        worker.ready_at = time.monotonic()
+        worker.started.set()
+        self._on_started(worker)
+
+    def _begin_restore(self, worker: WorkerHandle) -> None:
+        assert worker.restore_command is not None and self._loop is not None
+        command = wpb.WorkerCommand(command_id=next(self._ids), restore_store=worker.restore_command)
+        worker.restore_command = None
+        restoring: asyncio.Future[wpb.WorkerEvent] = self._loop.create_future()
+        worker.pending[command.command_id] = restoring
+        if not worker.commands.queue.try_put(command.SerializeToString()):
+            log.error("restore_did_not_fit", worker=worker.index)
+            self._kill(worker)
+            return
+        restoring.add_done_callback(lambda done: self._restored(worker, done))
+
+    def _restored(self, worker: WorkerHandle, done: asyncio.Future[wpb.WorkerEvent]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return  # the worker died again; _reap handles it
+        event = done.result()
+        if event.WhichOneof("event") != "store_restored":
+            failed = event.command_failed
+            log.error("store_restore_failed", worker=worker.index, reason=failed.reason, message=failed.message)
+            worker.kept.forget()
+            worker.lost = True
+        else:
+            log.info("store_restored", worker=worker.index, tensors=event.store_restored.tensor_count,
+                     state=pb.StoreState.Name(worker.store.state))
+        self._mark_running(worker)
+
+    def _keep_store(self, worker: WorkerHandle, reported: wpb.UpdateCommitted | wpb.UpdateAborted) -> None:
+        """Hold the arenas and manifest the worker just reported (see store_keeper.py)."""
+        worker.writes_in_flight = set()
+        if not worker.host_memory or worker.channel is None:
+            return
+        try:
+            fds = recv_fds(worker.channel, len(reported.sent_arena_ids)) if reported.sent_arena_ids else []
+            worker.kept.absorb(reported.manifest, list(reported.sent_arena_ids), fds)
+        except (OSError, ValueError, ConnectionError) as error:
+            log.error("store_not_kept", worker=worker.index, error=str(error))
+            worker.kept.forget()
 
     def _kill(self, worker: WorkerHandle) -> None:
         if worker.process is not None and worker.process.poll() is None:
             worker.process.kill()
+
+    async def _watch_heartbeats(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(WATCH_INTERVAL_SECONDS)
+            for worker in self.workers:
+                if worker.state not in (pb.WORKER_STATE_RUNNING, pb.WORKER_STATE_UNRESPONSIVE):
+                    continue
+                silent = worker.commands.queue.seconds_since_beat()
+                stalled = silent is not None and silent > UNRESPONSIVE_AFTER_SECONDS
+                if stalled and worker.state == pb.WORKER_STATE_RUNNING:
+                    worker.state = pb.WORKER_STATE_UNRESPONSIVE
+                    log.error("worker_unresponsive", worker=worker.index, silent_seconds=round(silent or 0, 1))
+                    self._on_unresponsive(worker)
+                elif not stalled and worker.state == pb.WORKER_STATE_UNRESPONSIVE:
+                    log.info("worker_responsive_again", worker=worker.index)
+                    worker.state = pb.WORKER_STATE_RUNNING
+                    self._on_started(worker)
 
     # -- commands ------------------------------------------------------------------
     def submit(self, worker: WorkerHandle, **command: object) -> asyncio.Future[wpb.WorkerEvent]:
@@ -226,25 +347,27 @@ class Supervisor:
     async def result(self, worker: WorkerHandle, future: asyncio.Future[wpb.WorkerEvent], timeout: float) -> wpb.WorkerEvent:
         """Await a submitted command; CommandFailed becomes the domain error.
 
-        A worker that does not answer in time is killed (its state is unknown)
-        and restarted; the caller gets UNAVAILABLE.
+        A worker that does not answer in time is killed (its state is unknown;
+        its host-memory store survives) and restarted; the caller gets UNAVAILABLE.
         """
         name = getattr(future, "command_name", "command")
         try:
             event = await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
-            log.error("worker_timeout", worker=worker.index, command=name)
+            stalled = worker.state == pb.WORKER_STATE_UNRESPONSIVE
+            log.error("worker_timeout", worker=worker.index, command=name, unresponsive=stalled)
             self._kill(worker)
             raise Unavailable(
-                "WORKER_TIMEOUT",
-                f"worker {worker.index} did not answer {name} within {timeout:g} s",
+                "WORKER_UNRESPONSIVE" if stalled else "WORKER_TIMEOUT",
+                f"worker {worker.index} did not answer {name} within {timeout:g} s"
+                + (" (its heartbeat had stopped)" if stalled else ""),
                 worker=worker.index,
             ) from None
         if event.WhichOneof("event") == "command_failed":
             failed = event.command_failed
             error = error_from_code(failed.code, failed.reason, failed.message, dict(failed.metadata))
-            error.broken_group_id = failed.broken_group_id  # type: ignore[attr-defined]
-            error.worker_index = worker.index  # type: ignore[attr-defined]
+            error.broken_group_id = failed.broken_group_id
+            error.worker_index = worker.index
             raise error
         return event
 
@@ -265,10 +388,20 @@ class Supervisor:
 
     # -- shutdown ------------------------------------------------------------------
     async def stop(self) -> None:
-        """Ask every worker to exit, kill the ones that don't, unlink every segment."""
+        """Ask every worker to exit, kill the ones that don't, release every segment and arena."""
         self._stopping = True
+        if self._loop is None:  # stopped before it started: only the rings exist
+            for worker in self.workers:
+                worker.commands.close()
+                worker.events.close()
+            return
+        if self._watch is not None:
+            self._watch.cancel()
+        for handle in self._respawns.values():
+            handle.cancel()
+        self._respawns.clear()
         for worker in self.workers:
-            if worker.state == pb.WORKER_STATE_RUNNING:
+            if worker.state in (pb.WORKER_STATE_RUNNING, pb.WORKER_STATE_UNRESPONSIVE):
                 try:
                     worker.commands.queue.try_put(
                         wpb.WorkerCommand(command_id=next(self._ids), shutdown=wpb.ShutdownCommand()).SerializeToString()
@@ -297,4 +430,8 @@ class Supervisor:
             self._loop.remove_reader(worker.events.doorbell_fd)
             worker.commands.close()
             worker.events.close()
+            worker.kept.forget()
+            if worker.channel is not None:
+                worker.channel.close()
+                worker.channel = None
         log.info("workers_stopped")

@@ -1,93 +1,157 @@
-"""The worker's store and prepare logic, in process (no collectives)."""
+"""The worker's store, its update lifecycle and its plan cache, in process (no collectives)."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from weightsync.client.planning import build_plan, plan_proto
+from weightsync.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from weightsync.common.plan_id import plan_id_of
 from weightsync.gpu_worker.store import WeightStore
-from weightsync.gpu_worker.update import (
-    abort_update,
-    commit_update,
-    prepare_from_fast_plan,
-    prepare_update,
-    remember_fast_plan,
-)
+from weightsync.gpu_worker.update_plan import PlanCache, derive_update_plan
+from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
-from weightsync.worker.v1 import worker_pb2 as wpb
+
+IN_PLACE, STAGED = pb.UPDATE_MODE_IN_PLACE, pb.UPDATE_MODE_STAGED
 
 
-def command(plan, mode=pb.UPDATE_MODE_IN_PLACE, update_id="u", plan_id="p1", allow_new=False):
-    return wpb.PrepareUpdateCommand(update_id=update_id, group_id="g", plan=plan, mode=mode,
-                                    allow_new_tensors=allow_new, plan_id=plan_id)
+def derive(store: WeightStore, plan, mode=IN_PLACE, allow_new=False):
+    return derive_update_plan(
+        plan=plan, plan_id=plan_id_of(plan), mode=mode, allow_new_tensors=allow_new, tensors=store.tensors,
+        segment_signatures=[s.signature for s in store.segments], layout_version=store.layout_version,
+    )
 
 
-def receive_all(update, source: torch.Tensor) -> None:
-    """Stand-in for the broadcasts: write the trainer's bucket bytes where the worker would receive them."""
-    for target, spec_bytes in zip(update.targets, source, strict=True):
-        assert target.direct is not None
-        target.direct.copy_(spec_bytes)
-    update.next_sequence = len(update.targets)
-
-
-def buckets_of(planned, named):
+def buckets_of(plan, named):
     out = []
-    for p in planned:
-        buf = torch.zeros(p.spec.size_bytes, dtype=torch.uint8)
-        for t in p.spec.tensors:
+    for spec in plan.buckets:
+        buf = torch.zeros(spec.size_bytes, dtype=torch.uint8)
+        for t in spec.tensors:
             buf[t.offset_bytes : t.offset_bytes + t.size_bytes].copy_(named[t.name].reshape(-1).view(torch.uint8))
         out.append(buf)
     return out
 
 
-def test_fast_plan_is_reused_and_follows_staged_flips():
-    named = {f"w{i}": torch.randn(300) for i in range(6)}
-    planned = build_plan(list(named.items()), bucket_size_bytes=2048, zero_copy_min_bytes=0)
-    plan = plan_proto(planned)
+def push(store: WeightStore, plan, named, mode=IN_PLACE, allow_new=False, update_id="u", *, through=None):
+    """Begin, receive every bucket (or the first `through`), and commit when all arrived."""
+    derived = derive(store, plan, mode, allow_new)
+    store.begin_update(derived, update_id, "g")
+    for sequence, data in enumerate(buckets_of(plan, named)):
+        if through is not None and sequence == through:
+            return derived
+        target = store.receive_buffer(sequence)
+        store.mark_started(sequence)
+        target.copy_(data)
+        store.apply_bucket(sequence, target, tensor_pb2.Checksum())
+    return store.commit_update()
+
+
+def model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(300, generator=g) for i in range(6)}
+
+
+@pytest.fixture
+def plan():
+    return plan_proto(build_plan(list(model(0).items()), bucket_size_bytes=2048, zero_copy_min_bytes=0))
+
+
+def test_staged_updates_write_the_shadow_and_flip_it_live(plan):
     store = WeightStore(torch.device("cpu"))
-    first = prepare_update(store, command(plan, allow_new=True), None, 0)
-    assert remember_fast_plan(store, "p1", first) is None  # it created the store
-    receive_all(first, buckets_of(planned, named))
-    commit_update(store, first)
-
-    full = prepare_update(store, command(plan, mode=pb.UPDATE_MODE_STAGED), None, 0)
-    fast = remember_fast_plan(store, "p1", full)
-    assert fast is not None and len(fast.buckets) == len(plan.buckets)
-    abort_update(store, full)
-
-    for step in range(3):  # STAGED flips live and shadow every commit: the cache must follow
-        values = {k: v + step + 1 for k, v in named.items()}
-        update = prepare_from_fast_plan(store, command(plan, mode=pb.UPDATE_MODE_STAGED, update_id=f"s{step}"), fast)
-        assert update is not None
-        assert all(t.direct.data_ptr() != store.segments[i].live.data_ptr()
-                   for i, t in enumerate(update.targets))  # writes go to the shadow
-        store.updating = True
-        receive_all(update, buckets_of(planned, values))
-        commit_update(store, update)
-        assert all(torch.equal(store.view(k), v) for k, v in values.items())
-
-    # In place, cached: straight into the live segments.
-    update = prepare_from_fast_plan(store, command(plan, update_id="ip"), fast)
-    assert all(t.direct.data_ptr() == store.segments[i].live.data_ptr() for i, t in enumerate(update.targets))
-    abort_update(store, update)
+    push(store, plan, model(0), allow_new=True)
+    for step in range(1, 4):
+        derived = derive(store, plan, STAGED)
+        store.begin_update(derived, f"s{step}", "g")
+        live = [store.segment_bytes(i).data_ptr() for i in range(len(store.segments))]
+        assert all(store.receive_buffer(k).data_ptr() not in live for k in range(len(plan.buckets)))
+        store.abort_update()
+        push(store, plan, model(step), STAGED, update_id=f"t{step}")
+        assert all(torch.equal(store.view(k), v) for k, v in model(step).items())
+        assert store.state == pb.STORE_STATE_CONSISTENT
 
 
-def test_fast_plan_is_dropped_when_the_layout_changes():
-    named = {"a": torch.randn(10), "b": torch.randn(10)}
-    planned = build_plan(list(named.items()), bucket_size_bytes=1 << 20)
-    plan = plan_proto(planned)
+def test_staged_abort_leaves_live_bytes_untouched_and_in_place_abort_marks_dirty(plan):
     store = WeightStore(torch.device("cpu"))
-    first = prepare_update(store, command(plan, allow_new=True), None, 0)
-    receive_all(first, buckets_of(planned, named))
-    commit_update(store, first)
-    second = prepare_update(store, command(plan), None, 0)
-    fast = remember_fast_plan(store, "p1", second)
-    abort_update(store, second)
-    assert fast is not None
-    assert prepare_from_fast_plan(store, command(plan, plan_id="other"), fast) is None
+    push(store, plan, model(0), allow_new=True)
+    push(store, plan, model(1), STAGED, through=2)
+    store.abort_update()
+    assert store.state == pb.STORE_STATE_CONSISTENT
+    assert all(torch.equal(store.view(k), v) for k, v in model(0).items())
+
+    push(store, plan, model(1), IN_PLACE, through=1)  # bucket 0 landed in the live bytes
+    store.abort_update()
+    assert store.state == pb.STORE_STATE_INCONSISTENT
+    assert store.dirty == {t.name for t in plan.buckets[0].tensors}
+    push(store, plan, model(2), IN_PLACE)  # a full update rewrites what was dirty
+    assert store.state == pb.STORE_STATE_CONSISTENT and not store.dirty
+
+
+def test_plan_cache_is_keyed_by_layout_and_filled_on_commit_only(plan):
+    store = WeightStore(torch.device("cpu"))
+    cache = PlanCache()
+    push(store, plan, model(0), allow_new=True)
+    derived = derive(store, plan, STAGED)
+    store.begin_update(derived, "x", "g")
+    store.abort_update()  # an aborted update leaves the cache as it was
+    assert cache.get(derived.plan_id, store.layout_version, True) is None
+    cache.remember(push(store, plan, model(1), STAGED), store.layout_version)
+    assert cache.get(derived.plan_id, store.layout_version, True) is not None
+    assert cache.get(derived.plan_id, store.layout_version, False) is None  # the mode is part of the key
+
     extra = {"c": torch.randn(4)}
     more = plan_proto(build_plan(list(extra.items()), bucket_size_bytes=1 << 20))
-    grow = prepare_update(store, command(more, allow_new=True, update_id="g"), None, 0)
-    receive_all(grow, buckets_of(build_plan(list(extra.items()), 1 << 20), extra))
-    commit_update(store, grow)
-    assert prepare_from_fast_plan(store, command(plan), fast) is None  # new tensors: layout changed
+    push(store, more, extra, allow_new=True, update_id="grow")
+    assert cache.get(derived.plan_id, store.layout_version, True) is None  # new tensors: the layout changed
+
+
+def test_an_aborted_update_that_added_tensors_restores_the_layout_exactly(plan):
+    store = WeightStore(torch.device("cpu"))
+    push(store, plan, model(0), allow_new=True)
+    before = (store.layout_version, len(store.segments), set(store.arenas))
+    extra = {"new": torch.randn(8), "new2": torch.randn(300)}
+    more = plan_proto(build_plan(list(extra.items()), bucket_size_bytes=64, zero_copy_min_bytes=0))
+    assert len(more.buckets) == 2
+    push(store, more, extra, allow_new=True, through=1)
+    store.abort_update()
+    assert (store.layout_version, len(store.segments), set(store.arenas)) == before
+    assert "new" not in store.tensors
+
+
+def test_validation_against_the_store_moves_nothing(plan):
+    store = WeightStore(torch.device("cpu"))
+    push(store, plan, model(0), allow_new=True)
+    wrong = {**model(1), "w3": torch.randn(299)}
+    bad = plan_proto(build_plan(list(wrong.items()), bucket_size_bytes=2048, zero_copy_min_bytes=0))
+    with pytest.raises(InvalidArgument) as caught:
+        derive(store, bad)
+    assert caught.value.reason == "TENSOR_SHAPE_MISMATCH" and caught.value.metadata["tensor"] == "w3"
+    unknown = plan_proto(build_plan([("nope", torch.zeros(2))], bucket_size_bytes=2048))
+    with pytest.raises(InvalidArgument) as caught:
+        derive(store, unknown)
+    assert caught.value.reason == "TENSOR_UNKNOWN"
+    with pytest.raises(NotFound) as caught:
+        store.checksums(["w0", "nope"])
+    assert caught.value.reason == "TENSOR_NOT_FOUND" and caught.value.metadata["tensors"] == "nope"
+    with pytest.raises(FailedPrecondition):
+        store.current("no-such-update")
+    assert all(torch.equal(store.view(k), v) for k, v in model(0).items())
+
+
+def test_a_store_maps_again_from_its_manifest_and_arenas(plan):
+    """What a restarted worker does: the same bytes, the same tensors, no copy."""
+    store = WeightStore(torch.device("cpu"))
+    push(store, plan, model(0), allow_new=True)
+    push(store, plan, model(1), STAGED)  # live and shadow flipped once
+    manifest = store.manifest()
+    assert manifest.tensors_included and len(manifest.tensors) == 6
+    fds = {a.arena_id: os.dup(a.fd) for a in store.arenas.values()}
+    again = WeightStore(torch.device("cpu"))
+    again.restore(manifest, fds, dirty=["w0"])
+    assert all(torch.equal(again.view(k), v) for k, v in model(1).items())
+    assert again.state == pb.STORE_STATE_INCONSISTENT and again.dirty == {"w0"}
+    assert store.manifest().tensors_included is False  # sent once per layout
+    store.view("w1").add_(1)  # one memory: a write through one mapping shows in the other
+    assert torch.equal(again.view("w1"), store.view("w1"))

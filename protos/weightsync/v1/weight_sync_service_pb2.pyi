@@ -54,6 +54,7 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_RUNNING: _ClassVar[WorkerState]
     WORKER_STATE_RESTARTING: _ClassVar[WorkerState]
     WORKER_STATE_STOPPED: _ClassVar[WorkerState]
+    WORKER_STATE_UNRESPONSIVE: _ClassVar[WorkerState]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_GLOO: Backend
 BACKEND_NCCL: Backend
@@ -79,6 +80,7 @@ WORKER_STATE_STARTING: WorkerState
 WORKER_STATE_RUNNING: WorkerState
 WORKER_STATE_RESTARTING: WorkerState
 WORKER_STATE_STOPPED: WorkerState
+WORKER_STATE_UNRESPONSIVE: WorkerState
 
 class WeightVersion(_message.Message):
     __slots__ = ("version", "generation", "commit_time")
@@ -229,12 +231,14 @@ class BeginUpdate(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., version: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., plan_id: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., allow_new_tensors: _Optional[bool] = ...) -> None: ...
 
 class BucketStart(_message.Message):
-    __slots__ = ("sequence", "checksum")
+    __slots__ = ("sequence", "checksum", "size_bytes")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     checksum: _tensor_pb2.Checksum
-    def __init__(self, sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ...) -> None: ...
+    size_bytes: int
+    def __init__(self, sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class CommitUpdate(_message.Message):
     __slots__ = ()

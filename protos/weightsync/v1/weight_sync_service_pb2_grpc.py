@@ -133,7 +133,8 @@ class WeightSyncServiceServicer:
 
     def GetTensorChecksums(self, request, context):
         """GetTensorChecksums returns per-tensor checksums of the committed weights,
-        per worker.
+        per worker. Unknown names are NOT_FOUND (reason TENSOR_NOT_FOUND, listing
+        them); a name given twice is INVALID_ARGUMENT (TENSOR_NAME_DUPLICATE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

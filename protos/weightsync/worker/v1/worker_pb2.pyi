@@ -12,20 +12,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerConfig(_message.Message):
-    __slots__ = ("index", "device", "log_level", "queue_capacity_bytes", "parent_pid", "memory_limit_bytes")
+    __slots__ = ("index", "device", "log_level", "queue_capacity_bytes", "parent_pid", "memory_limit_bytes", "fd_channel")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     LOG_LEVEL_FIELD_NUMBER: _ClassVar[int]
     QUEUE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARENT_PID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FD_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     index: int
     device: str
     log_level: str
     queue_capacity_bytes: int
     parent_pid: int
     memory_limit_bytes: int
-    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., log_level: _Optional[str] = ..., queue_capacity_bytes: _Optional[int] = ..., parent_pid: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
+    fd_channel: int
+    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., log_level: _Optional[str] = ..., queue_capacity_bytes: _Optional[int] = ..., parent_pid: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., fd_channel: _Optional[int] = ...) -> None: ...
 
 class JoinGroupCommand(_message.Message):
     __slots__ = ("group_id", "store_host", "store_port", "world_size", "rank", "backend", "timeout")
@@ -67,17 +69,25 @@ class PrepareUpdateCommand(_message.Message):
     plan_id: str
     def __init__(self, update_id: _Optional[str] = ..., group_id: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., mode: _Optional[_Union[_weight_sync_service_pb2.UpdateMode, str]] = ..., allow_new_tensors: _Optional[bool] = ..., plan_id: _Optional[str] = ...) -> None: ...
 
+class AllocateUpdateCommand(_message.Message):
+    __slots__ = ("update_id",)
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    def __init__(self, update_id: _Optional[str] = ...) -> None: ...
+
 class ReceiveBucketCommand(_message.Message):
-    __slots__ = ("update_id", "sequence", "checksum", "discard")
+    __slots__ = ("update_id", "sequence", "checksum", "discard", "size_bytes")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     DISCARD_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     sequence: int
     checksum: _tensor_pb2.Checksum
     discard: bool
-    def __init__(self, update_id: _Optional[str] = ..., sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., discard: _Optional[bool] = ...) -> None: ...
+    size_bytes: int
+    def __init__(self, update_id: _Optional[str] = ..., sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., discard: _Optional[bool] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class CommitUpdateCommand(_message.Message):
     __slots__ = ("update_id",)
@@ -101,8 +111,86 @@ class ShutdownCommand(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ArenaFd(_message.Message):
+    __slots__ = ("arena_id", "fd")
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    arena_id: int
+    fd: int
+    def __init__(self, arena_id: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
+
+class RestoreStoreCommand(_message.Message):
+    __slots__ = ("manifest", "arenas", "dirty")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    ARENAS_FIELD_NUMBER: _ClassVar[int]
+    DIRTY_FIELD_NUMBER: _ClassVar[int]
+    manifest: StoreManifest
+    arenas: _containers.RepeatedCompositeFieldContainer[ArenaFd]
+    dirty: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, manifest: _Optional[_Union[StoreManifest, _Mapping]] = ..., arenas: _Optional[_Iterable[_Union[ArenaFd, _Mapping]]] = ..., dirty: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("arena_id", "offset_bytes")
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    arena_id: int
+    offset_bytes: int
+    def __init__(self, arena_id: _Optional[int] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
+
+class ArenaSpec(_message.Message):
+    __slots__ = ("arena_id", "size_bytes")
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    arena_id: int
+    size_bytes: int
+    def __init__(self, arena_id: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class SegmentSpec(_message.Message):
+    __slots__ = ("size_bytes", "live", "shadow", "signature")
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    size_bytes: int
+    live: Region
+    shadow: Region
+    signature: bytes
+    def __init__(self, size_bytes: _Optional[int] = ..., live: _Optional[_Union[Region, _Mapping]] = ..., shadow: _Optional[_Union[Region, _Mapping]] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class StoredTensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "segment", "offset_bytes", "size_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: _tensor_pb2.Dtype
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    segment: int
+    offset_bytes: int
+    size_bytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., segment: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class StoreManifest(_message.Message):
+    __slots__ = ("arenas", "segments", "tensors", "tensors_included", "dirty", "layout_version")
+    ARENAS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_INCLUDED_FIELD_NUMBER: _ClassVar[int]
+    DIRTY_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    arenas: _containers.RepeatedCompositeFieldContainer[ArenaSpec]
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentSpec]
+    tensors: _containers.RepeatedCompositeFieldContainer[StoredTensorSpec]
+    tensors_included: bool
+    dirty: _containers.RepeatedScalarFieldContainer[str]
+    layout_version: int
+    def __init__(self, arenas: _Optional[_Iterable[_Union[ArenaSpec, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[SegmentSpec, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[StoredTensorSpec, _Mapping]]] = ..., tensors_included: _Optional[bool] = ..., dirty: _Optional[_Iterable[str]] = ..., layout_version: _Optional[int] = ...) -> None: ...
+
 class WorkerCommand(_message.Message):
-    __slots__ = ("command_id", "join_group", "leave_group", "prepare_update", "receive_bucket", "commit_update", "abort_update", "compute_checksums", "shutdown")
+    __slots__ = ("command_id", "join_group", "leave_group", "prepare_update", "receive_bucket", "commit_update", "abort_update", "compute_checksums", "shutdown", "allocate_update", "restore_store")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     JOIN_GROUP_FIELD_NUMBER: _ClassVar[int]
     LEAVE_GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +200,8 @@ class WorkerCommand(_message.Message):
     ABORT_UPDATE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_STORE_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     join_group: JoinGroupCommand
     leave_group: LeaveGroupCommand
@@ -121,7 +211,9 @@ class WorkerCommand(_message.Message):
     abort_update: AbortUpdateCommand
     compute_checksums: ComputeChecksumsCommand
     shutdown: ShutdownCommand
-    def __init__(self, command_id: _Optional[int] = ..., join_group: _Optional[_Union[JoinGroupCommand, _Mapping]] = ..., leave_group: _Optional[_Union[LeaveGroupCommand, _Mapping]] = ..., prepare_update: _Optional[_Union[PrepareUpdateCommand, _Mapping]] = ..., receive_bucket: _Optional[_Union[ReceiveBucketCommand, _Mapping]] = ..., commit_update: _Optional[_Union[CommitUpdateCommand, _Mapping]] = ..., abort_update: _Optional[_Union[AbortUpdateCommand, _Mapping]] = ..., compute_checksums: _Optional[_Union[ComputeChecksumsCommand, _Mapping]] = ..., shutdown: _Optional[_Union[ShutdownCommand, _Mapping]] = ...) -> None: ...
+    allocate_update: AllocateUpdateCommand
+    restore_store: RestoreStoreCommand
+    def __init__(self, command_id: _Optional[int] = ..., join_group: _Optional[_Union[JoinGroupCommand, _Mapping]] = ..., leave_group: _Optional[_Union[LeaveGroupCommand, _Mapping]] = ..., prepare_update: _Optional[_Union[PrepareUpdateCommand, _Mapping]] = ..., receive_bucket: _Optional[_Union[ReceiveBucketCommand, _Mapping]] = ..., commit_update: _Optional[_Union[CommitUpdateCommand, _Mapping]] = ..., abort_update: _Optional[_Union[AbortUpdateCommand, _Mapping]] = ..., compute_checksums: _Optional[_Union[ComputeChecksumsCommand, _Mapping]] = ..., shutdown: _Optional[_Union[ShutdownCommand, _Mapping]] = ..., allocate_update: _Optional[_Union[AllocateUpdateCommand, _Mapping]] = ..., restore_store: _Optional[_Union[RestoreStoreCommand, _Mapping]] = ...) -> None: ...
 
 class StoreStatus(_message.Message):
     __slots__ = ("state", "tensor_count", "store_bytes")
@@ -158,12 +250,18 @@ class GroupLeft(_message.Message):
     def __init__(self, group_id: _Optional[str] = ...) -> None: ...
 
 class UpdatePrepared(_message.Message):
-    __slots__ = ("update_id", "fast_path_bucket_count")
+    __slots__ = ("update_id", "fast_path_bucket_count", "needed_bytes", "device_available_bytes", "held_bytes")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NEEDED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     fast_path_bucket_count: int
-    def __init__(self, update_id: _Optional[str] = ..., fast_path_bucket_count: _Optional[int] = ...) -> None: ...
+    needed_bytes: int
+    device_available_bytes: int
+    held_bytes: int
+    def __init__(self, update_id: _Optional[str] = ..., fast_path_bucket_count: _Optional[int] = ..., needed_bytes: _Optional[int] = ..., device_available_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
 
 class BucketReceived(_message.Message):
     __slots__ = ("sequence", "size_bytes", "fast_path")
@@ -176,16 +274,30 @@ class BucketReceived(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., size_bytes: _Optional[int] = ..., fast_path: _Optional[bool] = ...) -> None: ...
 
 class UpdateCommitted(_message.Message):
-    __slots__ = ("update_id",)
+    __slots__ = ("update_id", "manifest", "sent_arena_ids")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    SENT_ARENA_IDS_FIELD_NUMBER: _ClassVar[int]
     update_id: str
-    def __init__(self, update_id: _Optional[str] = ...) -> None: ...
+    manifest: StoreManifest
+    sent_arena_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, update_id: _Optional[str] = ..., manifest: _Optional[_Union[StoreManifest, _Mapping]] = ..., sent_arena_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateAborted(_message.Message):
-    __slots__ = ("update_id",)
+    __slots__ = ("update_id", "manifest", "sent_arena_ids")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    SENT_ARENA_IDS_FIELD_NUMBER: _ClassVar[int]
     update_id: str
-    def __init__(self, update_id: _Optional[str] = ...) -> None: ...
+    manifest: StoreManifest
+    sent_arena_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, update_id: _Optional[str] = ..., manifest: _Optional[_Union[StoreManifest, _Mapping]] = ..., sent_arena_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StoreRestored(_message.Message):
+    __slots__ = ("tensor_count",)
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    tensor_count: int
+    def __init__(self, tensor_count: _Optional[int] = ...) -> None: ...
 
 class ChecksumsComputed(_message.Message):
     __slots__ = ("tensors",)
@@ -215,7 +327,7 @@ class CommandFailed(_message.Message):
     def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., broken_group_id: _Optional[str] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
-    __slots__ = ("command_id", "store", "started", "group_joined", "group_left", "update_prepared", "bucket_received", "update_committed", "update_aborted", "checksums_computed", "command_failed")
+    __slots__ = ("command_id", "store", "started", "group_joined", "group_left", "update_prepared", "bucket_received", "update_committed", "update_aborted", "checksums_computed", "command_failed", "store_restored")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +339,7 @@ class WorkerEvent(_message.Message):
     UPDATE_ABORTED_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FAILED_FIELD_NUMBER: _ClassVar[int]
+    STORE_RESTORED_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     store: StoreStatus
     started: WorkerStarted
@@ -238,4 +351,5 @@ class WorkerEvent(_message.Message):
     update_aborted: UpdateAborted
     checksums_computed: ChecksumsComputed
     command_failed: CommandFailed
-    def __init__(self, command_id: _Optional[int] = ..., store: _Optional[_Union[StoreStatus, _Mapping]] = ..., started: _Optional[_Union[WorkerStarted, _Mapping]] = ..., group_joined: _Optional[_Union[GroupJoined, _Mapping]] = ..., group_left: _Optional[_Union[GroupLeft, _Mapping]] = ..., update_prepared: _Optional[_Union[UpdatePrepared, _Mapping]] = ..., bucket_received: _Optional[_Union[BucketReceived, _Mapping]] = ..., update_committed: _Optional[_Union[UpdateCommitted, _Mapping]] = ..., update_aborted: _Optional[_Union[UpdateAborted, _Mapping]] = ..., checksums_computed: _Optional[_Union[ChecksumsComputed, _Mapping]] = ..., command_failed: _Optional[_Union[CommandFailed, _Mapping]] = ...) -> None: ...
+    store_restored: StoreRestored
+    def __init__(self, command_id: _Optional[int] = ..., store: _Optional[_Union[StoreStatus, _Mapping]] = ..., started: _Optional[_Union[WorkerStarted, _Mapping]] = ..., group_joined: _Optional[_Union[GroupJoined, _Mapping]] = ..., group_left: _Optional[_Union[GroupLeft, _Mapping]] = ..., update_prepared: _Optional[_Union[UpdatePrepared, _Mapping]] = ..., bucket_received: _Optional[_Union[BucketReceived, _Mapping]] = ..., update_committed: _Optional[_Union[UpdateCommitted, _Mapping]] = ..., update_aborted: _Optional[_Union[UpdateAborted, _Mapping]] = ..., checksums_computed: _Optional[_Union[ChecksumsComputed, _Mapping]] = ..., command_failed: _Optional[_Union[CommandFailed, _Mapping]] = ..., store_restored: _Optional[_Union[StoreRestored, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,143 @@
+"""The transfer groups one worker belongs to.
+
+A join runs in a thread of its own and the command loop waits for it until
+the group's deadline, not longer: torch's TCPStore client can block far past
+its timeout when the address accepts TCP but never answers (seen: > 110 s
+with a 3 s timeout). At the deadline the join is abandoned (DEADLINE_EXCEEDED):
+the thread is left to finish or fail on its own and closes whatever it built,
+and the worker, with its store, carries on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from weightsync.common.collective import (
+    CollectiveError,
+    CollectiveGroup,
+    RendezvousTimeout,
+    connect_store,
+    local_address_towards,
+    open_group,
+)
+from weightsync.common.errors import Aborted, AlreadyExists, DeadlineExceeded, NotFound
+from weightsync.worker.v1 import worker_pb2 as wpb
+
+log = structlog.get_logger("weightsync.worker.groups")
+
+
+@dataclass(slots=True)
+class _Join:
+    """One join attempt, shared between the loop and its thread."""
+
+    command: wpb.JoinGroupCommand
+    device: torch.device
+    done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    group: CollectiveGroup | None = None
+    error: BaseException | None = None
+    abandoned: bool = False
+
+    def run(self) -> None:
+        join = self.command
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # per thread: NCCL binds the current device
+        timeout = join.timeout.ToTimedelta()
+        started = time.monotonic()
+        try:
+            store = connect_store(join.store_host, join.store_port, timeout)
+            remaining = timeout - datetime.timedelta(seconds=time.monotonic() - started)
+            store.set_timeout(max(remaining, datetime.timedelta(seconds=1)))
+            group = open_group(
+                group_id=join.group_id, backend=join.backend, store=store, rank=join.rank,
+                world_size=join.world_size, timeout=timeout, device=self.device,
+                local_address=local_address_towards(join.store_host, join.store_port),
+            )
+        except BaseException as error:  # noqa: BLE001 - handed to the loop
+            group, self.error = None, error
+        with self.lock:
+            if self.abandoned and group is not None:
+                group.close()
+                log.info("abandoned_join_closed", group_id=join.group_id)
+            else:
+                self.group = group
+            self.done.set()
+
+
+class GroupTable:
+    """Joined groups by id; joins bounded by their deadline."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.groups: dict[str, CollectiveGroup] = {}
+        self.abandoned_joins = 0
+
+    def join(self, join: wpb.JoinGroupCommand) -> float:
+        """Join a group; returns the seconds it took."""
+        if join.group_id in self.groups:
+            raise AlreadyExists("GROUP_ALREADY_EXISTS", f"already in group {join.group_id}", group_id=join.group_id)
+        timeout = join.timeout.ToTimedelta().total_seconds()
+        started = time.monotonic()
+        attempt = _Join(join, self.device)
+        thread = threading.Thread(target=attempt.run, name=f"join-{join.group_id}", daemon=True)
+        thread.start()
+        # A little slack over the timeout: torch reports its own rendezvous timeout first.
+        finished = attempt.done.wait(timeout + 1.0)
+        with attempt.lock:
+            if not finished:
+                attempt.abandoned = True
+                self.abandoned_joins += 1
+        if not finished:
+            log.warning("join_abandoned", group_id=join.group_id, timeout=timeout, abandoned=self.abandoned_joins)
+            raise DeadlineExceeded(
+                "RENDEZVOUS_TIMEOUT",
+                f"group {join.group_id}: the rendezvous at {join.store_host}:{join.store_port} did not complete "
+                f"within {timeout:g} s",
+                group_id=join.group_id, rank=join.rank,
+            )
+        error = attempt.error
+        if isinstance(error, RendezvousTimeout):
+            raise DeadlineExceeded(
+                "RENDEZVOUS_TIMEOUT",
+                f"group {join.group_id}: not every rank joined within {timeout:g} s",
+                group_id=join.group_id, rank=join.rank,
+            ) from error
+        if error is not None:
+            raise Aborted("RENDEZVOUS_FAILED", f"group {join.group_id}: {error}", group_id=join.group_id) from error
+        assert attempt.group is not None
+        self.groups[join.group_id] = attempt.group
+        return time.monotonic() - started
+
+    def get(self, group_id: str) -> CollectiveGroup:
+        group = self.groups.get(group_id)
+        if group is None:
+            raise NotFound("GROUP_NOT_FOUND", f"not in group {group_id}", group_id=group_id)
+        return group
+
+    def leave(self, group_id: str) -> None:
+        group = self.groups.pop(group_id, None)
+        if group is not None:
+            group.close()
+
+    def broadcast(self, group: CollectiveGroup, buffer: torch.Tensor) -> None:
+        """Join one broadcast from rank 0; a failure leaves the group (it is unusable) and says so."""
+        try:
+            group.broadcast(buffer)
+        except CollectiveError as error:
+            self.leave(group.group_id)
+            reason = "COLLECTIVE_TIMEOUT" if error.timed_out else "COLLECTIVE_FAILED"
+            failure = Aborted(reason, f"group {group.group_id}: broadcast failed: {error}", group_id=group.group_id)
+            failure.broken_group_id = group.group_id
+            log.warning("collective_failed", group_id=group.group_id, reason=reason, error=str(error))
+            raise failure from error
+
+    def close_all(self) -> None:
+        for group in self.groups.values():
+            group.close()
+        self.groups.clear()

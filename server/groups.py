@@ -1,0 +1,107 @@
+"""The transfer groups of this server, and the watch for trainers that went away.
+
+A trainer keeps its rendezvous store (a TCPStore) listening for the life of
+its group. Between updates nothing else would notice a trainer that died: the
+workers would stay in the group, each holding sockets and Gloo threads,
+READY forever. So the registry probes every idle READY group's store: a
+refused connection means nobody listens any more (the trainer is gone); an
+address that stops answering altogether is given a few tries. Either way the
+group is marked BROKEN (reason TRAINER_GONE), its workers leave it, and it
+stays listed until deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from weightsync.server.state import GroupRecord
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+log = structlog.get_logger("weightsync.groups")
+
+PROBE_INTERVAL_SECONDS = 2.0
+PROBE_TIMEOUT_SECONDS = 2.0
+SILENT_PROBES_BEFORE_GONE = 3
+MAX_BROKEN_KEPT = 256
+"""Broken groups stay listed (they hold nothing) until deleted; the oldest go past this many."""
+
+
+class GroupRegistry:
+    """Every group by id, and the liveness watch."""
+
+    def __init__(self, on_trainer_gone: Callable[[GroupRecord], Awaitable[None]]) -> None:
+        self.records: dict[str, GroupRecord] = {}
+        self._on_gone = on_trainer_gone
+        self._silent: dict[str, int] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def __contains__(self, group_id: str) -> bool:
+        return group_id in self.records
+
+    def get(self, group_id: str) -> GroupRecord | None:
+        return self.records.get(group_id)
+
+    def add(self, record: GroupRecord) -> None:
+        self.records[record.group_id] = record
+
+    def remove(self, group_id: str) -> None:
+        self.records.pop(group_id, None)
+        self._silent.pop(group_id, None)
+
+    def mark_broken(self, group_id: str, reason: str) -> None:
+        record = self.records.get(group_id)
+        if record is not None:
+            record.mark_broken(reason)
+        broken = [g for g in self.records.values() if g.state == pb.GROUP_STATE_BROKEN]
+        for old in broken[: max(0, len(broken) - MAX_BROKEN_KEPT)]:
+            self.remove(old.group_id)
+
+    def sorted(self) -> list[GroupRecord]:
+        return [self.records[g] for g in sorted(self.records)]
+
+    def mark_all_broken(self, reason: str) -> None:
+        for record in self.records.values():
+            record.mark_broken(reason)
+
+    # -- liveness ------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._watch())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_SECONDS)
+            idle = [g for g in self.records.values() if g.state == pb.GROUP_STATE_READY and not g.updating]
+            results = await asyncio.gather(*(self._probe(g) for g in idle), return_exceptions=True)
+            for record, gone in zip(idle, results, strict=True):
+                if gone is True and record.state == pb.GROUP_STATE_READY and not record.updating:
+                    why = f"the trainer's rendezvous store {record.store_host}:{record.store_port} is gone"
+                    log.warning("trainer_gone", group_id=record.group_id, store=f"{record.store_host}:{record.store_port}")
+                    self.mark_broken(record.group_id, f"TRAINER_GONE: {why}")
+                    await self._on_gone(record)
+
+    async def _probe(self, record: GroupRecord) -> bool:
+        """True once the trainer's store is known to be gone."""
+        try:
+            _reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(record.store_host, record.store_port), PROBE_TIMEOUT_SECONDS
+            )
+        except (ConnectionRefusedError, ConnectionResetError):
+            return True
+        except (TimeoutError, OSError):
+            silent = self._silent.get(record.group_id, 0) + 1
+            self._silent[record.group_id] = silent
+            return silent >= SILENT_PROBES_BEFORE_GONE
+        self._silent.pop(record.group_id, None)
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+        return False

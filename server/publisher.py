@@ -1,0 +1,46 @@
+"""What the server tells the world about its weights: the published version,
+the aggregate store state, and WatchWeights events."""
+
+from __future__ import annotations
+
+import datetime
+
+from weightsync.server.state import PublishedVersion, Watchers, aggregate_store_state
+from weightsync.server.supervisor import Supervisor
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+
+class Publisher:
+    """Owns the published version; every state change goes out to watchers from here."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+        self.version = PublishedVersion()
+        self.watchers = Watchers()
+        self.mixed = False
+        """A commit reached some workers but not all: they hold different weights."""
+
+    def store_state(self) -> int:
+        workers = self._supervisor.workers
+        state = aggregate_store_state([w.store.state for w in workers], [w.lost for w in workers])
+        if self.mixed and state == pb.STORE_STATE_CONSISTENT:
+            return pb.STORE_STATE_INCONSISTENT
+        return state
+
+    def event(self) -> pb.WatchWeightsResponse:
+        event = pb.WatchWeightsResponse(version=self.version.to_proto(), store_state=self.store_state())
+        event.event_time.GetCurrentTime()
+        return event
+
+    def publish_state(self) -> None:
+        self.watchers.publish(self.event())
+
+    def publish_version(self, label: str) -> PublishedVersion:
+        self.version = PublishedVersion(
+            version=label,
+            generation=self.version.generation + 1,
+            commit_time=datetime.datetime.now(datetime.UTC),
+        )
+        self.mixed = False
+        self.publish_state()
+        return self.version

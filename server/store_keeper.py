@@ -1,0 +1,89 @@
+"""The server's hold on each worker's store, so the store outlives the worker.
+
+A CPU worker's store lives in memfd arenas. Whenever the worker reports a
+manifest (at commit and abort) it first sends the descriptors of arenas the
+server does not hold yet; the keeper keeps one descriptor per arena (keeping
+the memory alive) and the last manifest. When the worker dies, the restarted
+one inherits the descriptors and maps the same bytes (RestoreStoreCommand):
+the store stays CONSISTENT, or INCONSISTENT when an IN_PLACE update was
+writing. Engines on the host map the same arenas read-only (issue 10).
+
+A CUDA worker's store is device memory: nothing is kept, and a dead worker's
+store is LOST.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from weightsync.v1 import weight_sync_service_pb2 as pb
+from weightsync.worker.v1 import worker_pb2 as wpb
+
+
+@dataclass(slots=True)
+class KeptStore:
+    """One worker's store as the server holds it."""
+
+    fds: dict[int, int] = field(default_factory=dict)
+    """arena id -> descriptor the server owns."""
+    manifest: wpb.StoreManifest | None = None
+    """The last manifest, always with its full tensor list."""
+
+    @property
+    def restorable(self) -> bool:
+        return self.manifest is not None and bool(self.manifest.tensors) and all(
+            a.arena_id in self.fds for a in self.manifest.arenas
+        )
+
+    def absorb(self, manifest: wpb.StoreManifest, sent_arena_ids: list[int], fds: list[int]) -> None:
+        """Take a reported manifest and the descriptors sent just before it."""
+        if len(sent_arena_ids) != len(fds):
+            for fd in fds:
+                os.close(fd)
+            raise ValueError(f"expected {len(sent_arena_ids)} arena descriptors, got {len(fds)}")
+        for arena_id, fd in zip(sent_arena_ids, fds, strict=True):
+            old = self.fds.pop(arena_id, None)
+            if old is not None:
+                os.close(old)
+            self.fds[arena_id] = fd
+        merged = wpb.StoreManifest()
+        merged.CopyFrom(manifest)
+        if not manifest.tensors_included and self.manifest is not None:
+            merged.tensors.extend(self.manifest.tensors)
+        merged.tensors_included = True
+        self.manifest = merged
+        live = {a.arena_id for a in manifest.arenas}
+        for arena_id in [a for a in self.fds if a not in live]:
+            os.close(self.fds.pop(arena_id))
+
+    def restore_command(self, dirty: set[str]) -> tuple[wpb.RestoreStoreCommand, list[int]]:
+        """The command for a restarted worker, and the descriptors it must inherit."""
+        assert self.manifest is not None
+        names = {t.name for t in self.manifest.tensors}
+        command = wpb.RestoreStoreCommand(manifest=self.manifest, dirty=sorted(dirty & names))
+        for arena in self.manifest.arenas:
+            command.arenas.add(arena_id=arena.arena_id, fd=self.fds[arena.arena_id])
+        return command, [self.fds[a.arena_id] for a in self.manifest.arenas]
+
+    def status(self, dirty: set[str]) -> wpb.StoreStatus:
+        """The state the kept store will have once mapped again (dirty: half-written by a crash)."""
+        assert self.manifest is not None
+        names = {t.name for t in self.manifest.tensors}
+        torn = bool(self.manifest.dirty) or bool(dirty & names)
+        return wpb.StoreStatus(
+            state=pb.STORE_STATE_INCONSISTENT if torn else pb.STORE_STATE_CONSISTENT,
+            tensor_count=len(names),
+            store_bytes=sum(s.size_bytes for s in self.manifest.segments),
+        )
+
+    @property
+    def bytes_held(self) -> int:
+        return 0 if self.manifest is None else sum(a.size_bytes for a in self.manifest.arenas)
+
+    def forget(self) -> None:
+        """Drop the store (its memory goes when no process maps it)."""
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+        self.manifest = None

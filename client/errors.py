@@ -51,13 +51,24 @@ class UpdateFailed(WeightSyncClientError):
     when one is known.
     """
 
-    def __init__(self, message: str, cause: BaseException | None = None, server: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        cause: BaseException | None = None,
+        server: str = "",
+        *,
+        code: grpc.StatusCode | None = None,
+        reason: str = "",
+    ) -> None:
         super().__init__(message)
         self.cause = cause
         self.server = server
-        self.reason = getattr(cause, "reason", "")
-        self.code = getattr(cause, "code", None)
+        self.reason: str = reason or getattr(cause, "reason", "") or "UNKNOWN"
+        self.code: grpc.StatusCode = code or getattr(cause, "code", None) or grpc.StatusCode.UNKNOWN
 
 
 class PlanMismatch(WeightSyncClientError):
-    """Streamed tensors do not match the plan being reused."""
+    """Streamed tensors do not match the plan being reused (the STAGED update is aborted)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "PLAN_MISMATCH"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.client.errors import PlanMismatch
-from weightsync.client.planning import PlannedBucket
+from weightsync.client.planning import PlannedBucket, check_tensors
 from weightsync.common import dtypes
 from weightsync.v1 import tensor_pb2
 
@@ -21,8 +21,8 @@ class PackBuffers:
     device: torch.device
     pair: list[torch.Tensor] = field(default_factory=list)
     views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    """Typed destination views per bucket index, kept while the plan holds."""
-    views_plan: bytes = b""
+    """Typed destination views per bucket index, valid for the plan named views_plan."""
+    views_plan: str = ""
 
     def ensure(self, size: int) -> None:
         if self.pair and self.pair[0].numel() >= size:
@@ -32,10 +32,11 @@ class PackBuffers:
         self.pair = [torch.zeros(size, dtype=torch.uint8, device=self.device, pin_memory=pin) for _ in range(2)]
         self.views.clear()
 
-    def use_plan(self, plan_bytes: bytes) -> None:
-        if plan_bytes != self.views_plan:
+    def use_plan(self, plan_id: str) -> None:
+        """Views are per plan (content id): another plan, other views."""
+        if plan_id != self.views_plan:
             self.views.clear()
-            self.views_plan = plan_bytes
+            self.views_plan = plan_id
 
     def destinations(self, index: int, spec: tensor_pb2.BucketSpec) -> list[torch.Tensor]:
         """Where each non-empty tensor of bucket `index` goes in its pack buffer."""
@@ -78,6 +79,7 @@ class TensorSource:
                 name, candidate = next(self._iterator)
             except StopIteration:
                 raise PlanMismatch(f"the iterator ended before tensor {spec.name!r} of the reused plan") from None
+            check_tensors([(name, candidate)])  # a streamed value gets the same clear errors as a dict
             if name == spec.name:
                 tensor = candidate
             elif len(self._stash) < self.MAX_STASHED:

@@ -44,9 +44,16 @@ def _byte_offset(tensor: torch.Tensor) -> int:
     return tensor.storage_offset() * tensor.element_size()
 
 
+MAX_FLAT_GAP_BYTES = 64
+"""A flat run tolerates alignment padding between tensors, no more: the bytes between two
+views are broadcast too, so two small views far apart in one storage are packed instead."""
+MIN_FLAT_RUN_BYTES = 64
+"""Smaller runs are packed: not worth a broadcast of their own, and buckets must be >= 8 bytes."""
+
+
 def _flat_runs(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[int, int]]:
     """[start, end) index ranges of >= 2 consecutive tensors laid out in increasing
-    order inside one storage."""
+    order inside one storage, at most MAX_FLAT_GAP_BYTES apart."""
     runs: list[tuple[int, int]] = []
     start = 0
     while start < len(named):
@@ -58,11 +65,12 @@ def _flat_runs(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[int, int
             while end < len(named):
                 t = named[end][1]
                 if not (t.is_contiguous() and t.numel() and t.untyped_storage().data_ptr() == storage
-                        and t.device == first.device and _byte_offset(t) >= cursor):
+                        and t.device == first.device
+                        and cursor <= _byte_offset(t) <= cursor + MAX_FLAT_GAP_BYTES):
                     break
                 cursor = _byte_offset(t) + t.numel() * t.element_size()
                 end += 1
-        if end - start >= 2:
+        if end - start >= 2 and cursor - _byte_offset(first) >= MIN_FLAT_RUN_BYTES:
             runs.append((start, end))
             start = end
         else:
@@ -149,15 +157,8 @@ def build_plan(
     bucket_size_bytes: int,
     zero_copy_min_bytes: int = DEFAULT_ZERO_COPY_MIN_BYTES,
 ) -> list[PlannedBucket]:
-    """Plan every tensor (see the module docstring for the order)."""
-    seen: set[str] = set()
-    for name, tensor in named:
-        if name in seen:
-            raise ValueError(f"tensor {name!r} appears twice")
-        seen.add(name)
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        dtypes.from_torch(tensor.dtype)  # raises for unsupported dtypes
+    """Plan every tensor (see the module docstring for the order); check_tensors first."""
+    check_tensors(named)
     planned: list[PlannedBucket] = []
     cursor = 0
     for start, end in [*_flat_runs(named), (len(named), len(named))]:
@@ -167,49 +168,41 @@ def build_plan(
         if end > start:
             planned.extend(_flat_buckets(named[start:end], bucket_size_bytes))
         cursor = end
-    return planned
+    return [_at_least_8_bytes(p) for p in planned]
+
+
+def _at_least_8_bytes(bucket: PlannedBucket) -> PlannedBucket:
+    """A bucket is 0 or >= 8 bytes (receivers check its last 8): pack a tiny flat remainder instead."""
+    if bucket.spec.size_bytes == 0 or bucket.spec.size_bytes >= 8:
+        return bucket
+    spec = tensor_pb2.BucketSpec()
+    spec.CopyFrom(bucket.spec)
+    spec.size_bytes = 8
+    return PlannedBucket(spec, None)
+
+
+def check_tensors(named: Sequence[tuple[object, object]]) -> None:
+    """TypeError/ValueError naming the first tensor weightsync cannot send, before anything is sent."""
+    seen: set[str] = set()
+    for name, tensor in named:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {type(name).__name__} {name!r}")
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice")
+        seen.add(name)
+        if not isinstance(tensor, torch.Tensor):
+            kind = f"{type(tensor).__module__}.{type(tensor).__name__}".removeprefix("builtins.")
+            hint = ": wrap it with torch.from_numpy()" if kind == "numpy.ndarray" else ""
+            raise TypeError(f"tensor {name!r} is a {kind}, not a torch.Tensor{hint}")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"tensor {name!r} has layout {tensor.layout}; send tensor.to_dense()")
+        if tensor.device.type == "meta":
+            raise ValueError(f"tensor {name!r} is on the meta device: it has no data to send")
+        try:
+            dtypes.from_torch(tensor.dtype)
+        except ValueError as error:
+            raise ValueError(f"tensor {name!r}: {error}") from None
 
 
 def plan_proto(planned: Sequence[PlannedBucket]) -> tensor_pb2.WeightPlan:
     return tensor_pb2.WeightPlan(buckets=[p.spec for p in planned])
-
-
-@dataclass(frozen=True, slots=True)
-class PlanRecipe:
-    """A plan that holds no tensor: the specs, and where each flat bucket's
-    bytes sit (first tensor's name, byte range in its storage). Rebinding it
-    to the same tensors skips planning on every push after the first, without
-    keeping the caller's tensors alive between pushes."""
-
-    fingerprint: tuple
-    specs: tuple[tensor_pb2.BucketSpec, ...]
-    flat: tuple[tuple[str, int, int] | None, ...]
-
-
-def fingerprint(named: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: int, zero_copy_min_bytes: int) -> tuple:
-    """Everything a plan depends on: names, dtypes, shapes, and memory layout."""
-    return (
-        bucket_size_bytes,
-        zero_copy_min_bytes,
-        tuple(
-            (name, t.dtype, tuple(t.shape), tuple(t.stride()), t.data_ptr(), t.untyped_storage().data_ptr(), t.device)
-            for name, t in named
-        ),
-    )
-
-
-def recipe_of(planned: Sequence[PlannedBucket], key: tuple) -> PlanRecipe:
-    flat = tuple(
-        None
-        if p.flat_source is None
-        else (p.spec.tensors[0].name, p.flat_source.storage_offset(), p.flat_source.storage_offset() + p.flat_source.numel())
-        for p in planned
-    )
-    return PlanRecipe(key, tuple(p.spec for p in planned), flat)
-
-
-def rebind(recipe: PlanRecipe, tensors: dict[str, torch.Tensor]) -> list[PlannedBucket]:
-    return [
-        PlannedBucket(spec, None if where is None else _storage_bytes(tensors[where[0]])[where[1] : where[2]])
-        for spec, where in zip(recipe.specs, recipe.flat, strict=True)
-    ]

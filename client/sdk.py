@@ -9,8 +9,10 @@
 
 The API is synchronous (it is called from a training loop); the gRPC work runs
 on an asyncio loop in a background thread, while packing and broadcasting run
-in the caller's thread so they can overlap: bucket k+1 is packed while bucket k
-is on the wire, into two preallocated buffers that are reused across pushes.
+in the caller's thread so they can overlap (see push.py).
+
+A client is safe to share between threads: its calls run one at a time (a
+second thread's push waits for the first to finish).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import functools
-import itertools
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,42 +34,19 @@ import structlog
 import torch
 
 from weightsync.client._loop import LoopThread
-from weightsync.client.errors import (
-    PlanMismatch,
-    UpdateFailed,
-    WeightSyncClientError,
-    WeightSyncRpcError,
-)
-from weightsync.client.packing import PackBuffers, TensorSource, fill_bucket, is_zero_copy
-from weightsync.client.planning import (
-    DEFAULT_ZERO_COPY_MIN_BYTES,
-    PlannedBucket,
-    PlanRecipe,
-    build_plan,
-    fingerprint,
-    plan_proto,
-    rebind,
-    recipe_of,
-)
-from weightsync.client.streams import UpdateStream, first_failure, update_failed
-from weightsync.client.types import (
-    PushProgress,
-    PushResult,
-    ServerOutcome,
-    TensorMismatch,
-    TlsConfig,
-    VerifyResult,
-)
-from weightsync.common.checksum import tensor_checksum, ws64
-from weightsync.common.collective import (
-    CollectiveError,
-    CollectiveGroup,
-    host_store,
-    local_address_towards,
-    open_group,
-)
+from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
+from weightsync.client.packing import PackBuffers, TensorSource, is_zero_copy
+from weightsync.client.plan_cache import CachedPlan, PlanCache, fingerprint
+from weightsync.client.planning import DEFAULT_ZERO_COPY_MIN_BYTES, build_plan, check_tensors, plan_proto
+from weightsync.client.push import Endpoint, PushRun
+from weightsync.client.rendezvous import Rendezvous
+from weightsync.client.types import PushProgress, PushResult, TensorMismatch, TlsConfig, VerifyResult
+from weightsync.common.address import parse_address
+from weightsync.common.checksum import ws64
+from weightsync.common.collective import CollectiveGroup, host_store, local_address_towards
 from weightsync.common.layout import DEFAULT_BUCKET_BYTES
-from weightsync.v1 import tensor_pb2
+from weightsync.common.limits import DEFAULT_MAX_MESSAGE_BYTES
+from weightsync.common.plan_id import plan_id_of
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
@@ -75,7 +54,6 @@ log = structlog.get_logger("weightsync.client")
 
 Mode = Literal["in_place", "staged"]
 _MODES = {"in_place": pb.UPDATE_MODE_IN_PLACE, "staged": pb.UPDATE_MODE_STAGED}
-MAX_MESSAGE_BYTES = 64 << 20
 PROGRESS_BAR_MIN_BYTES = 256 << 20
 
 
@@ -86,8 +64,6 @@ class _Server:
     stub: pb_grpc.WeightSyncServiceStub
     workers: int = 0
     rank_offset: int = 0
-    last_plan: bytes = b""
-    last_plan_id: str = ""
 
 
 @dataclass(slots=True)
@@ -99,7 +75,19 @@ class _Group:
     device: torch.device
     collective: CollectiveGroup
     store: object
+    """The rendezvous TCPStore: kept listening for the group's life (servers probe it)."""
     broken: bool = False
+
+
+def _serialized(method):
+    """One call at a time per client: the SDK's caches and buffers are not shared state."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _one_intra_op_thread(method):
@@ -134,29 +122,27 @@ class WeightSyncClient:
         token: str | None = None,
         tls: TlsConfig | None = None,
         timeout: float = 60.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         addresses = [servers] if isinstance(servers, str) else list(servers)
         if not addresses:
             raise ValueError("at least one server address is required")
         for address in addresses:
-            host, sep, port = address.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"server address must be host:port, got {address!r}")
+            parse_address(address, what="server address")
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._timeout = timeout
+        self._lock = threading.RLock()
         self._loop = LoopThread()
-        self._servers = self._loop.run(self._open_channels(addresses, tls))
+        self._servers = self._loop.run(self._open_channels(addresses, tls, max_message_bytes))
         self._group: _Group | None = None
         self._buffers: PackBuffers | None = None
-        self._stream_plan: list[PlannedBucket] | None = None
-        self._recipe: PlanRecipe | None = None
-        self._ids = itertools.count(1)
+        self._plans = PlanCache()
 
     # -- channels ------------------------------------------------------------------
-    async def _open_channels(self, addresses: list[str], tls: TlsConfig | None) -> list[_Server]:
+    async def _open_channels(self, addresses: list[str], tls: TlsConfig | None, max_message_bytes: int) -> list[_Server]:
         options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
         ]
         out = []
         for address in addresses:
@@ -195,6 +181,7 @@ class WeightSyncClient:
         return self._loop.run(run())
 
     # -- groups ------------------------------------------------------------------
+    @_serialized
     def create_group(
         self,
         *,
@@ -206,7 +193,8 @@ class WeightSyncClient:
         """Join every server's workers and this process (rank 0) in one group.
 
         backend "auto" picks NCCL when this process has CUDA and every server
-        offers NCCL, else Gloo. Returns the group id.
+        offers NCCL, else Gloo. A server's refusal is raised at once; on any
+        failure only the groups this call created are deleted. Returns the group id.
         """
         if self._group is not None:
             raise WeightSyncClientError(f"group {self._group.group_id} exists; delete_group() first")
@@ -227,67 +215,90 @@ class WeightSyncClient:
             offset += server.workers
         world_size = offset
         group_id = group_id or f"ws-{uuid.uuid4().hex[:12]}"
-        first_host = self._servers[0].address.rpartition(":")[0].strip("[]")
-        host = store_host or local_address_towards(first_host, int(self._servers[0].address.rpartition(":")[2]))
+        first = parse_address(self._servers[0].address)
+        host = store_host or local_address_towards(first.host, first.port)
         delta = datetime.timedelta(seconds=timeout)
         store = host_store(host, delta)
         device = torch.device("cuda", torch.cuda.current_device()) if chosen == pb.BACKEND_NCCL else torch.device("cpu")
         log.info("group_creating", group_id=group_id, world_size=world_size, backend=pb.Backend.Name(chosen))
-
-        def request(server: _Server) -> pb.CreateTransferGroupRequest:
-            message = pb.CreateTransferGroupRequest(
-                group_id=group_id, store_host=host, store_port=store.port, world_size=world_size,
-                rank_offset=server.rank_offset, backend=chosen,
-            )
-            message.timeout.FromTimedelta(delta)
-            return message
-
-        async def create_everywhere():
-            return await asyncio.gather(
-                *(self._unary(s, "CreateTransferGroup", request(s), timeout + 30) for s in self._servers),
-                return_exceptions=True,
-            )
-
-        calls = asyncio.run_coroutine_threadsafe(create_everywhere(), self._loop.loop)
-        try:
-            collective = open_group(
-                group_id=group_id, backend=chosen, store=store, rank=0, world_size=world_size,
-                timeout=delta, device=device, local_address=host,
-            )
-        except RuntimeError as error:
-            results = calls.result(timeout + 60)
-            failures = [r for r in results if isinstance(r, BaseException)]
-            self._cleanup_group(group_id)
-            if failures:
-                raise failures[0] from error
-            raise WeightSyncClientError(f"rendezvous of group {group_id} failed: {error}") from error
-        results = calls.result(timeout + 60)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            collective.close()
-            self._cleanup_group(group_id)
-            raise failures[0]
+        rendezvous = Rendezvous(group_id=group_id, backend=chosen, store=store, world_size=world_size,
+                                timeout=delta, device=device, local_address=host)
+        created, failure = self._loop.run(self._create_everywhere(group_id, host, store.port, world_size, chosen, delta))
+        if failure is None:
+            try:
+                collective = rendezvous.result(timeout + 10)
+            except BaseException:
+                self._delete_on(created, group_id)
+                raise
+        else:
+            rendezvous.abandon()
+            self._delete_on(created, group_id)
+            raise failure
         self._group = _Group(group_id, chosen, world_size, delta, device, collective, store)
         self._buffers = self._buffers if self._buffers and self._buffers.device == device else PackBuffers(device)
         log.info("group_ready", group_id=group_id)
         return group_id
 
-    def _cleanup_group(self, group_id: str) -> None:
-        async def run():
-            await asyncio.gather(
-                *(self._unary(s, "DeleteTransferGroup", pb.DeleteTransferGroupRequest(group_id=group_id)) for s in self._servers),
-                return_exceptions=True,
+    async def _create_everywhere(
+        self, group_id: str, host: str, port: int, world_size: int, backend: int, timeout: datetime.timedelta
+    ) -> tuple[list[_Server], BaseException | None]:
+        """CreateTransferGroup on every server at once; returns at the first refusal, without
+        waiting for the others' rendezvous (they fail at its deadline, and are cleaned up then)."""
+
+        def request(server: _Server) -> pb.CreateTransferGroupRequest:
+            message = pb.CreateTransferGroupRequest(
+                group_id=group_id, store_host=host, store_port=port, world_size=world_size,
+                rank_offset=server.rank_offset, backend=backend,
             )
+            message.timeout.FromTimedelta(timeout)
+            return message
 
-        self._loop.run(run())
+        calls = {
+            asyncio.ensure_future(self._unary(s, "CreateTransferGroup", request(s), timeout.total_seconds() + 30)): s
+            for s in self._servers
+        }
+        created: list[_Server] = []
+        failure: BaseException | None = None
+        pending = set(calls)
+        while pending and failure is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for call in done:
+                if call.exception() is None:
+                    created.append(calls[call])
+                else:
+                    failure = failure or call.exception()
+        if pending:
+            asyncio.ensure_future(self._delete_when_created({c: calls[c] for c in pending}, group_id))
+        return created, failure
 
+    async def _delete_when_created(self, calls: dict[asyncio.Future, _Server], group_id: str) -> None:
+        await asyncio.wait(calls)
+        request = pb.DeleteTransferGroupRequest(group_id=group_id)
+        for call, server in calls.items():
+            if not call.cancelled() and call.exception() is None:
+                try:
+                    await self._unary(server, "DeleteTransferGroup", request)
+                except WeightSyncRpcError as error:
+                    log.warning("group_cleanup_failed", server=server.address, error=str(error))
+
+    def _delete_on(self, servers: list[_Server], group_id: str) -> None:
+        """Delete the group on these servers only: the ones where this client created it."""
+        async def run():
+            request = pb.DeleteTransferGroupRequest(group_id=group_id)
+            await asyncio.gather(*(self._unary(s, "DeleteTransferGroup", request) for s in servers),
+                                 return_exceptions=True)
+
+        if servers:
+            self._loop.run(run())
+
+    @_serialized
     def delete_group(self) -> None:
         """Tear the group down on every server and locally."""
         group, self._group = self._group, None
         if group is None:
             return
         group.collective.close()
-        self._cleanup_group(group.group_id)
+        self._delete_on(self._servers, group.group_id)
         log.info("group_deleted", group_id=group.group_id)
 
     @property
@@ -295,6 +306,7 @@ class WeightSyncClient:
         return self._group.group_id if self._group else None
 
     # -- push --------------------------------------------------------------------
+    @_serialized
     @_one_intra_op_thread
     def push(
         self,
@@ -311,10 +323,13 @@ class WeightSyncClient:
     ) -> PushResult:
         """Send one version to every server and commit it.
 
-        named_tensors: a state dict, or an iterator of (name, tensor). An
-        iterator whose names, dtypes and shapes repeat the previous push is
-        streamed bucket by bucket (gathered FSDP layers are never all held at
-        once); otherwise it is materialised first.
+        named_tensors: a state dict, or an iterator of (name, tensor). Every
+        tensor is checked before anything is sent (TypeError/ValueError naming
+        it). An iterator is streamed bucket by bucket only for mode="staged"
+        repeating the last committed plan (gathered FSDP layers are then never
+        all held at once; if it diverges, the update aborts and the committed
+        weights stay as they were); otherwise it is materialised first, so
+        that it is validated before any byte moves.
         checksums: each bucket carries a WS64 checksum that every worker
         verifies (DATA_LOSS names the bucket on mismatch). None (default): on
         for CUDA buffers, where it costs a few percent of device bandwidth and
@@ -324,7 +339,8 @@ class WeightSyncClient:
         verify() compares every tensor end to end either way.
         zero_copy_min_bytes: contiguous tensors at least this large are
         broadcast from their own memory, in a bucket of their own (0: always pack).
-        Raises UpdateFailed (the update is aborted on every server).
+        Raises UpdateFailed, with a status code and a reason (the update is
+        aborted on every server).
         """
         group = self._group
         if group is None:
@@ -334,81 +350,50 @@ class WeightSyncClient:
         if mode not in _MODES:
             raise ValueError(f"mode must be 'in_place' or 'staged', got {mode!r}")
         started = time.perf_counter()
-        source: TensorSource
-        if isinstance(named_tensors, Mapping):
-            items = list(named_tensors.items())
-            planned = self._plan(items, bucket_size_bytes, zero_copy_min_bytes)
-            source = TensorSource(dict(items), None)
-        elif self._stream_plan is not None and not allow_new_tensors:
-            planned = [PlannedBucket(p.spec, None) for p in self._stream_plan]
+        last = self._plans.last
+        if not isinstance(named_tensors, Mapping) and mode == "staged" and last is not None and not allow_new_tensors:
+            cached = last
+            planned = last.unbound()
             source = TensorSource(None, iter(named_tensors))
         else:
-            items = list(named_tensors)
-            planned = self._plan(items, bucket_size_bytes, zero_copy_min_bytes)
+            items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+            check_tensors(items)
+            if not items:
+                raise ValueError("nothing to push: no tensors")
+            key = fingerprint(items, bucket_size_bytes, zero_copy_min_bytes)
+            cached = self._plans.lookup(key)
+            if cached is not None:
+                planned = cached.rebind(dict(items))
+            else:
+                planned = build_plan(items, bucket_size_bytes, zero_copy_min_bytes)
+                plan = plan_proto(planned)
+                cached = CachedPlan.of(planned, key, plan, plan_id_of(plan))
             source = TensorSource(dict(items), None)
-        if not planned:
-            raise ValueError("nothing to push: no tensors")
-        self._stream_plan = [PlannedBucket(p.spec, None) for p in planned]
-        plan = plan_proto(planned)
-        plan_bytes = plan.SerializeToString(deterministic=True)
+        buffers = self._buffers
+        assert buffers is not None
+        buffers.ensure(max((b.spec.size_bytes for b in planned if not is_zero_copy(buffers, b)), default=0))
+        buffers.use_plan(cached.plan_id)
         total = sum(b.spec.size_bytes for b in planned)
-        assert self._buffers is not None
-        packed = [b.spec.size_bytes for b in planned if not is_zero_copy(self._buffers, b)]
-        self._buffers.ensure(max(packed, default=0))
-        self._buffers.use_plan(plan_bytes)
-        if checksums is None:
-            checksums = self._buffers.device.type == "cuda"
-        streams, reused = self._loop.run(self._begin(group, plan, plan_bytes, version, _MODES[mode], allow_new_tensors))
         bar = _progress_bar(total, version, show_progress)
-        zero_copy = 0
-        failure: BaseException | None = None
-        in_flight = None
-        sent = 0
+        run = PushRun(
+            loop=self._loop, endpoints=[Endpoint(s.address, s.stub) for s in self._servers],
+            metadata=self._metadata, rpc_timeout=self._timeout, group_id=group.group_id,
+            collective=group.collective, buffers=buffers, plans=self._plans, planned=planned,
+            plan=cached.plan, plan_id=cached.plan_id, source=source, version=version, mode=_MODES[mode],
+            allow_new_tensors=allow_new_tensors,
+            checksums=buffers.device.type == "cuda" if checksums is None else checksums,
+            progress=progress, bar=bar, started=started,
+        )
         try:
-            for index, bucket in enumerate(planned):
-                payload, copied = fill_bucket(self._buffers, bucket, index, source)
-                zero_copy += not copied
-                checksum = tensor_checksum(payload) if checksums else tensor_pb2.Checksum()
-                failure = first_failure(streams)
-                if failure is None and in_flight is not None:
-                    failure = self._wait(group, in_flight)
-                    in_flight = None
-                if failure is not None:
-                    break
-                announce = pb.UpdateWeightsRequest(bucket_start=pb.BucketStart(sequence=index, checksum=checksum))
-                for stream in streams:
-                    self._loop.call_soon(stream.send, announce)
-                in_flight = group.collective.broadcast_async(payload)
-                sent += bucket.spec.size_bytes
-                if progress is not None or bar is not None:
-                    report = PushProgress(index, len(planned), sent, total, time.perf_counter() - started)
-                    if progress is not None:
-                        progress(report)
-                    if bar is not None:
-                        bar.update(bucket.spec.size_bytes)
-            if in_flight is not None:
-                failure = failure or self._wait(group, in_flight)
-                in_flight = None
-            if failure is None:
-                source.finish()
-        except (PlanMismatch, CollectiveError) as error:
-            failure = error
-            if in_flight is not None:
-                failure = self._wait(group, in_flight) or error
-        except BaseException:
-            self._loop.run(self._abort(streams, "client error"))
+            outcomes = run.run()
+        except BaseException as error:
+            if getattr(error, "reason", "") in ("COLLECTIVE_TIMEOUT", "COLLECTIVE_FAILED"):
+                group.broken = True
             raise
         finally:
             if bar is not None:
                 bar.close()
-        if failure is None:
-            failure = first_failure(streams)
-        if failure is not None:
-            self._loop.run(self._abort(streams, str(failure)))
-            raise update_failed(failure, streams)
-        outcomes = self._loop.run(self._commit(group, streams))
-        for server in self._servers:
-            server.last_plan = plan_bytes
+        self._plans.committed(cached, [s.address for s in self._servers])
         seconds = time.perf_counter() - started
         result = PushResult(
             version=version,
@@ -416,104 +401,28 @@ class WeightSyncClient:
             bucket_count=len(planned),
             size_bytes=total,
             seconds=seconds,
-            plan_reused=reused,
-            zero_copy_buckets=zero_copy,
+            plan_reused=run.plan_reused,
+            zero_copy_buckets=run.zero_copy_buckets,
             servers=tuple(outcomes),
         )
         log.info("push_committed", version=version, bytes=total, seconds=round(seconds, 3),
                  gbps=round(result.gigabytes_per_second, 3), buckets=len(planned))
         return result
 
-    def _plan(self, items: list[tuple[str, torch.Tensor]], bucket_size_bytes: int, zero_copy_min_bytes: int) -> list[PlannedBucket]:
-        """build_plan, or the previous plan rebound when the tensors' layout is unchanged."""
-        key = fingerprint(items, bucket_size_bytes, zero_copy_min_bytes)
-        if self._recipe is not None and self._recipe.fingerprint == key:
-            return rebind(self._recipe, dict(items))
-        planned = build_plan(items, bucket_size_bytes, zero_copy_min_bytes)
-        self._recipe = recipe_of(planned, key)
-        return planned
-
-    def _wait(self, group: _Group, work) -> BaseException | None:
-        try:
-            group.collective.wait(work)
-            return None
-        except CollectiveError as error:
-            group.broken = True
-            return error
-
-    async def _begin(self, group: _Group, plan, plan_bytes: bytes, version: str, mode: int, allow_new: bool):
-        reuse = all(s.last_plan == plan_bytes and s.last_plan_id for s in self._servers)
-        for attempt in (0, 1):
-            streams = []
-            for server in self._servers:
-                stream = UpdateStream(server.address, server.stub, self._metadata)
-                begin = pb.BeginUpdate(group_id=group.group_id, version=version, mode=mode,
-                                       transport=pb.TRANSPORT_COLLECTIVE, allow_new_tensors=allow_new)
-                if reuse:
-                    begin.plan_id = server.last_plan_id
-                else:
-                    begin.plan.CopyFrom(plan)
-                stream.send(pb.UpdateWeightsRequest(begin=begin))
-                streams.append(stream)
-            results = await asyncio.gather(
-                *(asyncio.wait_for(asyncio.shield(s.ready), self._timeout) for s in streams), return_exceptions=True
-            )
-            failures = [(s, r) for s, r in zip(streams, results, strict=True) if isinstance(r, BaseException)]
-            if not failures:
-                for server, ready in zip(self._servers, results, strict=True):
-                    server.last_plan_id = ready.plan_id  # type: ignore[union-attr]
-                return streams, reuse
-            await self._abort(streams, "begin failed")
-            stream, error = failures[0]
-            if reuse and attempt == 0 and getattr(error, "reason", "") == "PLAN_NOT_FOUND":
-                reuse = False  # a server forgot the plan (restart): send it in full
-                continue
-            if isinstance(error, TimeoutError):
-                error = WeightSyncRpcError(stream.server, grpc.StatusCode.DEADLINE_EXCEEDED, "READY_TIMEOUT",
-                                           f"no Ready within {self._timeout:g} s", {})
-            raise UpdateFailed(f"update {version!r} refused by {stream.server}: {error}", error, stream.server)
-        raise AssertionError("unreachable")
-
-    async def _abort(self, streams: list[UpdateStream], reason: str) -> None:
-        for stream in streams:
-            stream.send(pb.UpdateWeightsRequest(abort=pb.AbortUpdate(reason=reason[:500])))
-            stream.send(None)
-        await asyncio.gather(*(s.finish(self._timeout) for s in streams))
-
-    async def _commit(self, group: _Group, streams: list[UpdateStream]) -> list[ServerOutcome]:
-        for stream in streams:
-            stream.send(pb.UpdateWeightsRequest(commit=pb.CommitUpdate()))
-            stream.send(None)
-        timeout = group.timeout.total_seconds() + 30
-        results = await asyncio.gather(
-            *(asyncio.wait_for(asyncio.shield(s.committed), timeout) for s in streams), return_exceptions=True
-        )
-        await asyncio.gather(*(s.finish(5.0) for s in streams))
-        failures = [(s, r) for s, r in zip(streams, results, strict=True) if isinstance(r, BaseException)]
-        if failures:
-            stream, error = failures[0]
-            raise UpdateFailed(f"commit failed on {stream.server}: {error}", error, stream.server)
-        return [
-            ServerOutcome(
-                server=s.server,
-                version=c.version.version,
-                generation=c.version.generation,
-                size_bytes=c.size_bytes,
-                seconds=c.duration.ToTimedelta().total_seconds(),
-                fast_path_buckets=(s.ready.result().fast_path_bucket_count),
-            )
-            for s, c in zip(streams, results, strict=True)
-        ]
-
     # -- verify ------------------------------------------------------------------
+    @_serialized
     @_one_intra_op_thread
     def verify(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> VerifyResult:
         """Compare local WS64 checksums with every worker of every server."""
-        local = {name: ws64(t.detach()) for name, t in (named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)}
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        check_tensors(items)
+        local = {name: ws64(t.detach()) for name, t in items}
 
         async def fetch():
             request = pb.GetTensorChecksumsRequest(names=sorted(local))
-            return await asyncio.gather(*(self._unary(s, "GetTensorChecksums", request, max(self._timeout, 300)) for s in self._servers))
+            return await asyncio.gather(
+                *(self._fetch_checksums(s, request) for s in self._servers)
+            )
 
         answers = self._loop.run(fetch())
         mismatches = []
@@ -525,7 +434,24 @@ class WeightSyncClient:
                         mismatches.append(TensorMismatch(server.address, worker.worker_index, name, value, remote.get(name)))
         return VerifyResult(len(local), tuple(mismatches))
 
+    async def _fetch_checksums(self, server: _Server, request: pb.GetTensorChecksumsRequest):
+        """Every worker's checksums of the named tensors; a name a server lacks is left out."""
+        timeout = max(self._timeout, 300)
+        try:
+            return await self._unary(server, "GetTensorChecksums", request, timeout)
+        except WeightSyncRpcError as error:
+            if error.reason != "TENSOR_NOT_FOUND":
+                raise
+        answer = await self._unary(server, "GetTensorChecksums", pb.GetTensorChecksumsRequest(), timeout)
+        wanted = set(request.names)
+        for worker in answer.workers:
+            kept = [t for t in worker.tensors if t.name in wanted]
+            del worker.tensors[:]
+            worker.tensors.extend(kept)
+        return answer
+
     # -- lifecycle ------------------------------------------------------------------
+    @_serialized
     def close(self) -> None:
         """Delete the group (if any) and close every channel."""
         try:

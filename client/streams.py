@@ -121,11 +121,19 @@ def _root_cause(failure: BaseException, streams: list[UpdateStream]) -> BaseExce
 
 
 def update_failed(failure: BaseException, streams: list[UpdateStream]) -> UpdateFailed:
+    """The UpdateFailed for a push that failed, always with a status code and a reason."""
     failure = _root_cause(failure, streams)
     server = getattr(failure, "server", "")
+    code, reason = getattr(failure, "code", None), getattr(failure, "reason", "")
     if isinstance(failure, CollectiveError):
-        # The broadcast broke: a server usually says why (a worker died).
-        server = next((s.server for s in streams if s.failed), server)
-    reason = getattr(failure, "reason", type(failure).__name__)
+        # Our own broadcast broke and no server said more: name it as the servers would.
+        report = next((e for s in streams if (e := s.reported_error) is not None
+                       and e.reason in ("COLLECTIVE_TIMEOUT", "COLLECTIVE_FAILED")), None)
+        if report is not None:
+            code, reason, server = report.code, report.reason, report.server
+        else:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if failure.timed_out else grpc.StatusCode.ABORTED
+            reason = "COLLECTIVE_TIMEOUT" if failure.timed_out else "COLLECTIVE_FAILED"
+            server = next((s.server for s in streams if s.failed), server)
     where = f" on {server}" if server else ""
-    return UpdateFailed(f"update aborted{where}: {reason}: {failure}", failure, server)
+    return UpdateFailed(f"update aborted{where}: {reason}: {failure}", failure, server, code=code, reason=reason)

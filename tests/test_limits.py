@@ -59,10 +59,7 @@ def test_sdk_surfaces_the_limit_as_a_typed_error(small_server):
         assert client.verify(small).ok
 
 
-def test_client_refuses_to_receive_an_oversized_message(small_server, monkeypatch):
-    import weightsync.client.sdk as sdk
-
-    monkeypatch.setattr(sdk, "MAX_MESSAGE_BYTES", 64)
-    with WeightSyncClient(small_server.address) as client, pytest.raises(Exception) as caught:
+def test_client_refuses_to_receive_an_oversized_message(small_server):
+    with WeightSyncClient(small_server.address, max_message_bytes=64) as client, pytest.raises(Exception) as caught:
         client.server_info()
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -78,12 +78,17 @@ def test_typed_errors_name_server_and_reason(server):
         result = client.push(mixed_model(22), version="e3", bucket_size_bytes=1 << 20)
         assert client.verify(mixed_model(22)).ok
         assert result.servers[0].version == "e3"
-        # A streamed iterator that departs from the reused plan is refused and aborted.
+        # IN_PLACE: an iterator is materialised and checked before a byte moves.
         def wrong():
             yield from [("not.in.plan", torch.zeros(3))]
 
-        with pytest.raises(UpdateFailed, match="reused plan"):
+        with pytest.raises(UpdateFailed) as caught:
             client.push(wrong(), version="e4", bucket_size_bytes=1 << 20)
+        assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "TENSOR_UNKNOWN")
+        # STAGED: streamed against the committed plan; departing from it aborts with nothing changed.
+        with pytest.raises(UpdateFailed) as caught:
+            client.push(wrong(), version="e5", mode="staged", bucket_size_bytes=1 << 20)
+        assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "PLAN_MISMATCH")
         assert client.verify(mixed_model(22)).ok
 
 

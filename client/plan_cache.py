@@ -1,0 +1,110 @@
+"""The SDK's one plan cache.
+
+Planning a push costs a pass over every tensor; sending its plan costs a message
+of up to tens of MB. Both are skipped while the tensors' layout repeats:
+
+  - the plan is looked up by the tensors' fingerprint (names, dtypes, shapes,
+    strides, storage and device) and rebound to the new tensors, which holds no
+    tensor between pushes;
+  - the plan is sent by its content id (weightsync.common.plan_id) to servers
+    that committed it before.
+
+The cache changes on commit only. A push that fails leaves it as it was, so
+the next push can neither reuse a layout the servers never committed nor name
+a plan by an id the servers do not hold under that content.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.client.planning import PlannedBucket
+from weightsync.v1 import tensor_pb2
+
+
+def fingerprint(named: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: int, zero_copy_min_bytes: int) -> tuple:
+    """Everything a plan depends on: names, dtypes, shapes, and memory layout."""
+    return (
+        bucket_size_bytes,
+        zero_copy_min_bytes,
+        tuple(
+            (name, t.dtype, tuple(t.shape), tuple(t.stride()), t.data_ptr(), t.untyped_storage().data_ptr(), t.device)
+            for name, t in named
+        ),
+    )
+
+
+def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
+@dataclass(frozen=True, slots=True)
+class FlatSource:
+    """Where a flat bucket's bytes sit: a byte range of the storage of tensor `name`."""
+
+    name: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPlan:
+    """A committed plan, holding no tensor."""
+
+    fingerprint: tuple
+    plan: tensor_pb2.WeightPlan
+    plan_id: str
+    flat: tuple[FlatSource | None, ...]
+    """Per bucket: where its bytes already are (flat buckets), or None (packed)."""
+
+    @staticmethod
+    def of(planned: Sequence[PlannedBucket], key: tuple, plan: tensor_pb2.WeightPlan, plan_id: str) -> CachedPlan:
+        flat = tuple(
+            None if p.flat_source is None else FlatSource(
+                p.spec.tensors[0].name, p.flat_source.storage_offset(),
+                p.flat_source.storage_offset() + p.flat_source.numel(),
+            )
+            for p in planned
+        )
+        return CachedPlan(key, plan, plan_id, flat)
+
+    def rebind(self, tensors: dict[str, torch.Tensor]) -> list[PlannedBucket]:
+        """The plan over these tensors (same layout: same fingerprint)."""
+        return [
+            PlannedBucket(spec, None if where is None else _storage_bytes(tensors[where.name])[where.start : where.end])
+            for spec, where in zip(self.plan.buckets, self.flat, strict=True)
+        ]
+
+    def unbound(self) -> list[PlannedBucket]:
+        """The plan with no tensor attached (a streamed push packs everything)."""
+        return [PlannedBucket(spec, None) for spec in self.plan.buckets]
+
+
+@dataclass(slots=True)
+class PlanCache:
+    """The last committed plan, and which servers hold which plan ids."""
+
+    last: CachedPlan | None = None
+    held: dict[str, set[str]] = field(default_factory=dict)
+    """server address -> plan ids it committed."""
+
+    def lookup(self, key: tuple) -> CachedPlan | None:
+        return self.last if self.last is not None and self.last.fingerprint == key else None
+
+    def all_hold(self, servers: Sequence[str], plan_id: str) -> bool:
+        return all(plan_id in self.held.get(s, ()) for s in servers)
+
+    def committed(self, plan: CachedPlan, servers: Sequence[str]) -> None:
+        self.last = plan
+        for server in servers:
+            ids = self.held.setdefault(server, set())
+            if len(ids) >= 8:  # servers keep a few plans; older ones may be gone anyway
+                ids.clear()
+            ids.add(plan.plan_id)
+
+    def forget(self, server: str, plan_id: str) -> None:
+        """The server said PLAN_NOT_FOUND (it restarted, or evicted the plan)."""
+        self.held.get(server, set()).discard(plan_id)

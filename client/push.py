@@ -1,0 +1,213 @@
+"""One push: Begin on every server, the double-buffered bucket loop, Commit or abort.
+
+The loop runs in the caller's thread (packing and broadcasting are CPU/GPU
+work that must overlap); the gRPC streams live on the SDK's asyncio loop.
+Every failure ends the same way: the broadcast in flight is completed (so no
+rank is left inside a collective), every server aborts, and the caller gets
+UpdateFailed with a status code and an ErrorInfo reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from weightsync.client._loop import LoopThread
+from weightsync.client.errors import PlanMismatch, UpdateFailed, WeightSyncRpcError
+from weightsync.client.packing import PackBuffers, TensorSource, fill_bucket
+from weightsync.client.plan_cache import PlanCache
+from weightsync.client.planning import PlannedBucket
+from weightsync.client.streams import UpdateStream, first_failure, update_failed
+from weightsync.client.types import PushProgress, ServerOutcome
+from weightsync.common.checksum import tensor_checksum
+from weightsync.common.collective import CollectiveError, CollectiveGroup
+from weightsync.v1 import tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
+from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("weightsync.client")
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One server as a push sees it."""
+
+    address: str
+    stub: pb_grpc.WeightSyncServiceStub
+
+
+@dataclass(slots=True)
+class PushRun:
+    """Everything one push needs; `run()` does it once."""
+
+    loop: LoopThread
+    endpoints: Sequence[Endpoint]
+    metadata: tuple
+    rpc_timeout: float
+    group_id: str
+    collective: CollectiveGroup
+    buffers: PackBuffers
+    plans: PlanCache
+    planned: list[PlannedBucket]
+    plan: tensor_pb2.WeightPlan
+    plan_id: str
+    source: TensorSource
+    version: str
+    mode: int
+    allow_new_tensors: bool
+    checksums: bool
+    progress: Callable[[PushProgress], None] | None
+    bar: object | None
+    started: float
+    plan_reused: bool = False
+    zero_copy_buckets: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.spec.size_bytes for b in self.planned)
+
+    # -- the whole push ---------------------------------------------------------------------
+    def run(self) -> list[ServerOutcome]:
+        streams = self.loop.run(self._begin())
+        try:
+            failure = self._send_buckets(streams)
+        except BaseException:
+            # Our own code (or the caller's progress callback) raised: the servers must not
+            # wait for buckets that will never come.
+            self.loop.run(self._abort(streams, "client error"))
+            raise
+        if failure is None:
+            failure = first_failure(streams)
+        if failure is not None:
+            self.loop.run(self._abort(streams, str(failure)))
+            raise update_failed(failure, streams)
+        return self.loop.run(self._commit(streams))
+
+    # -- the hot loop -------------------------------------------------------------------------
+    def _send_buckets(self, streams: list[UpdateStream]) -> BaseException | None:
+        """Announce and broadcast every bucket; returns the first failure (nothing raised past
+        here leaves a broadcast in flight)."""
+        in_flight = None  # the broadcast of the previous bucket, still on the wire
+        sent = 0
+        try:
+            for index, bucket in enumerate(self.planned):
+                # Pack bucket k into pack buffer k % 2 while bucket k-1 (the other buffer) is on
+                # the wire. Bucket k-2 used this buffer too; its broadcast completed before
+                # bucket k-1's began (see below), so packing cannot overwrite bytes being sent.
+                payload, copied = fill_bucket(self.buffers, bucket, index, self.source)
+                self.zero_copy_buckets += not copied
+                checksum = tensor_checksum(payload) if self.checksums else tensor_pb2.Checksum()
+                # Wait for bucket k-1 before starting bucket k: at most one broadcast in flight,
+                # and a server that failed meanwhile stops us before we announce more.
+                failure = first_failure(streams)
+                if failure is None and in_flight is not None:
+                    failure, in_flight = self._wait(in_flight), None
+                if failure is not None:
+                    return failure
+                # Announce first: workers join only announced broadcasts, at the announced length.
+                announce = pb.UpdateWeightsRequest(bucket_start=pb.BucketStart(
+                    sequence=index, checksum=checksum, size_bytes=payload.numel()))
+                for stream in streams:
+                    self.loop.call_soon(stream.send, announce)
+                in_flight = self.collective.broadcast_async(payload)
+                sent += bucket.spec.size_bytes
+                self._report(index, sent)
+            if in_flight is not None:
+                failure, in_flight = self._wait(in_flight), None
+                if failure is not None:
+                    return failure
+            self.source.finish()
+            return None
+        except (PlanMismatch, CollectiveError) as error:
+            return error
+        finally:
+            if in_flight is not None:
+                # Leaving early: complete the announced broadcast (the workers drain it), so
+                # neither side is left inside a collective.
+                self._wait(in_flight)
+
+    def _wait(self, work) -> CollectiveError | None:
+        try:
+            self.collective.wait(work)
+            return None
+        except CollectiveError as error:
+            return error
+
+    def _report(self, index: int, sent: int) -> None:
+        if self.progress is None and self.bar is None:
+            return
+        if self.bar is not None:
+            self.bar.update(self.planned[index].spec.size_bytes)  # type: ignore[attr-defined]
+        if self.progress is not None:
+            self.progress(PushProgress(index, len(self.planned), sent, self.total_bytes,
+                                       time.perf_counter() - self.started))
+
+    # -- streams --------------------------------------------------------------------------------
+    async def _begin(self) -> list[UpdateStream]:
+        """Begin on every server: the plan by id where every server committed it, else in full."""
+        by_id = self.plans.all_hold([e.address for e in self.endpoints], self.plan_id)
+        for attempt in (0, 1):
+            streams = []
+            for endpoint in self.endpoints:
+                stream = UpdateStream(endpoint.address, endpoint.stub, self.metadata)
+                begin = pb.BeginUpdate(group_id=self.group_id, version=self.version, mode=self.mode,
+                                       transport=pb.TRANSPORT_COLLECTIVE, allow_new_tensors=self.allow_new_tensors)
+                if by_id:
+                    begin.plan_id = self.plan_id
+                else:
+                    begin.plan.CopyFrom(self.plan)
+                stream.send(pb.UpdateWeightsRequest(begin=begin))
+                streams.append(stream)
+            results = await asyncio.gather(
+                *(asyncio.wait_for(asyncio.shield(s.ready), self.rpc_timeout) for s in streams), return_exceptions=True
+            )
+            failures = [(s, r) for s, r in zip(streams, results, strict=True) if isinstance(r, BaseException)]
+            if not failures:
+                self.plan_reused = by_id
+                return streams
+            await self._abort(streams, "begin failed")
+            stream, error = failures[0]
+            if by_id and attempt == 0 and getattr(error, "reason", "") == "PLAN_NOT_FOUND":
+                for s, r in failures:  # a server forgot the plan (restart): send it in full
+                    self.plans.forget(s.server, self.plan_id)
+                by_id = False
+                continue
+            if isinstance(error, TimeoutError):
+                error = WeightSyncRpcError(stream.server, grpc.StatusCode.DEADLINE_EXCEEDED, "READY_TIMEOUT",
+                                           f"no Ready within {self.rpc_timeout:g} s", {})
+            raise UpdateFailed(f"update {self.version!r} refused by {stream.server}: {error}", error, stream.server)
+        raise AssertionError("unreachable")
+
+    async def _abort(self, streams: list[UpdateStream], reason: str) -> None:
+        for stream in streams:
+            stream.send(pb.UpdateWeightsRequest(abort=pb.AbortUpdate(reason=reason[:500])))
+            stream.send(None)
+        await asyncio.gather(*(s.finish(self.rpc_timeout) for s in streams))
+
+    async def _commit(self, streams: list[UpdateStream]) -> list[ServerOutcome]:
+        for stream in streams:
+            stream.send(pb.UpdateWeightsRequest(commit=pb.CommitUpdate()))
+            stream.send(None)
+        timeout = self.collective.timeout.total_seconds() + 30
+        results = await asyncio.gather(
+            *(asyncio.wait_for(asyncio.shield(s.committed), timeout) for s in streams), return_exceptions=True
+        )
+        await asyncio.gather(*(s.finish(5.0) for s in streams))
+        failures = [(s, r) for s, r in zip(streams, results, strict=True) if isinstance(r, BaseException)]
+        if failures:
+            stream, error = failures[0]
+            raise UpdateFailed(f"commit failed on {stream.server}: {error}", error, stream.server)
+        return [
+            ServerOutcome(
+                server=s.server, version=c.version.version, generation=c.version.generation,
+                size_bytes=c.size_bytes, seconds=c.duration.ToTimedelta().total_seconds(),
+                fast_path_buckets=s.ready.result().fast_path_bucket_count,
+            )
+            for s, c in zip(streams, results, strict=True)
+        ]
+

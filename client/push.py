@@ -173,7 +173,7 @@ class PushRun:
             await self._abort(streams, "begin failed")
             stream, error = failures[0]
             if by_id and attempt == 0 and getattr(error, "reason", "") == "PLAN_NOT_FOUND":
-                for s, r in failures:  # a server forgot the plan (restart): send it in full
+                for s, _ in failures:  # a server forgot the plan (restart): send it in full
                     self.plans.forget(s.server, self.plan_id)
                 by_id = False
                 continue

@@ -37,10 +37,21 @@ from weightsync.client._loop import LoopThread
 from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
 from weightsync.client.packing import PackBuffers, TensorSource, is_zero_copy
 from weightsync.client.plan_cache import CachedPlan, PlanCache, fingerprint
-from weightsync.client.planning import DEFAULT_ZERO_COPY_MIN_BYTES, build_plan, check_tensors, plan_proto
+from weightsync.client.planning import (
+    DEFAULT_ZERO_COPY_MIN_BYTES,
+    build_plan,
+    check_tensors,
+    plan_proto,
+)
 from weightsync.client.push import Endpoint, PushRun
 from weightsync.client.rendezvous import Rendezvous
-from weightsync.client.types import PushProgress, PushResult, TensorMismatch, TlsConfig, VerifyResult
+from weightsync.client.types import (
+    PushProgress,
+    PushResult,
+    TensorMismatch,
+    TlsConfig,
+    VerifyResult,
+)
 from weightsync.common.address import parse_address
 from weightsync.common.checksum import ws64
 from weightsync.common.collective import CollectiveGroup, host_store, local_address_towards

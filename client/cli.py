@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
+import grpc
 from google.protobuf import json_format
 
+from weightsync.common.address import parse_address
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 
@@ -72,14 +75,36 @@ def _servers(text: str) -> list[str]:
     servers = [s.strip() for s in text.split(",") if s.strip()]
     if not servers:
         raise ValueError("no server address given")
+    for server in servers:
+        parse_address(server, what="server address")
     return servers
 
 
+def _json(message) -> str:
+    """A response as JSON with every field, zero values included (worker 0 has index 0)."""
+    return json_format.MessageToJson(message, always_print_fields_with_no_presence=True)
+
+
+def _hint(error: BaseException, args: argparse.Namespace) -> str:
+    """What to do about an RPC failure, when the status alone does not say it."""
+    code = getattr(error, "code", None)
+    text = str(error).lower()
+    if code == grpc.StatusCode.UNAUTHENTICATED and not getattr(args, "token_file", None):
+        return " (the server wants a bearer token: pass --token-file)"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return " (the token in --token-file is not the server's)"
+    if code == grpc.StatusCode.UNAVAILABLE and not getattr(args, "tls_ca", None) and (
+        "socket closed" in text or "ssl" in text or "handshake" in text or "connection reset" in text
+    ):
+        return " (if the server speaks TLS, pass --tls-ca with the CA that signed its certificate)"
+    return ""
+
+
 def _info(args: argparse.Namespace) -> int:
-    with _client(args, [args.server]) as client:
+    with _client(args, _servers(args.server)[:1]) as client:
         (info,) = client.server_info()
     if args.json:
-        print(json_format.MessageToJson(info))
+        print(_json(info))
         return 0
     version = info.current_version
     print(f"server       {args.server} (weightsync {info.server_version})")
@@ -96,10 +121,10 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _groups(args: argparse.Namespace) -> int:
-    with _client(args, [args.server]) as client:
+    with _client(args, _servers(args.server)[:1]) as client:
         groups = client.list_groups()[args.server]
     if args.json:
-        print(json.dumps([json.loads(json_format.MessageToJson(g)) for g in groups], indent=2))
+        print(json.dumps([json.loads(_json(g)) for g in groups], indent=2))
         return 0
     print(f"{'group':<32} {'state':<20} {'world':>5} {'offset':>6} backend")
     for g in groups:
@@ -159,13 +184,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging("warning")
     handlers = {"info": _info, "groups": _groups, "push": _push, "verify": _verify}
     try:
-        return handlers[args.command](args)
+        code = handlers[args.command](args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader went away (`weightsync info | head`): nothing is wrong, and no traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("weightsync: interrupted", file=sys.stderr)
         return 130
     except Exception as error:  # noqa: BLE001 - one line, non-zero exit, for every failure
         message = " ".join(str(error).split()) or type(error).__name__
-        print(f"weightsync: {args.command} failed: {message}", file=sys.stderr)
+        cause = getattr(error, "cause", None) or error
+        print(f"weightsync: {args.command} failed: {message}{_hint(cause, args)}", file=sys.stderr)
         return 1
 
 

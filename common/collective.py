@@ -23,6 +23,8 @@ from torch.distributed import PrefixStore, TCPStore
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 BACKEND_NAMES = {pb.BACKEND_GLOO: "gloo", pb.BACKEND_NCCL: "nccl"}
+RENDEZVOUS_PREFIX = "weightsync/"
+"""Every rank's rendezvous keys live under PrefixStore(RENDEZVOUS_PREFIX + group_id, store)."""
 
 
 class CollectiveError(RuntimeError):
@@ -128,7 +130,7 @@ def open_group(
     local_address: str,
 ) -> CollectiveGroup:
     """Join the group on `store` (blocks until every rank joined or timeout)."""
-    prefixed = PrefixStore(f"weightsync/{group_id}", store)
+    prefixed = PrefixStore(f"{RENDEZVOUS_PREFIX}{group_id}", store)
     try:
         if backend == pb.BACKEND_GLOO:
             options = dist.ProcessGroupGloo._Options()

@@ -1,11 +1,66 @@
-"""structlog set up in one place: JSON lines when not a TTY, console otherwise."""
+"""structlog set up in one place: JSON lines when not a TTY, console otherwise.
+
+The server and its workers share one stderr. Each line is written with a
+single write(2) of the whole line and its newline, so lines of different
+processes never interleave inside a line (print() issues the text and the
+newline as two writes: another process's line could land between them).
+"""
 
 from __future__ import annotations
 
+import json as json_module
 import logging
+import os
+import stat
 import sys
+from typing import Any
 
 import structlog
+
+PIPE_BUF = 4096
+"""Writes up to this size are atomic on a pipe; longer ones may interleave with other writers."""
+
+
+def fit_in_one_pipe_write(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """Shorten the longest string fields of an event whose JSON line would not fit PIPE_BUF."""
+    line = json_module.dumps(event, default=repr)
+    excess = len(line.encode("utf-8")) + 1 - PIPE_BUF
+    if excess <= 0:
+        return event
+    fields = sorted((k for k, v in event.items() if isinstance(v, str)), key=lambda k: -len(event[k]))
+    for key in fields:
+        value = event[key]
+        keep = max(64, len(value) - excess - 64)
+        if keep < len(value):
+            event[key] = f"{value[:keep]}...[{len(value) - keep} chars cut]"
+            excess -= len(value) - keep - 32
+        if excess <= 0:
+            break
+    event["truncated"] = True
+    return event
+
+
+class LineLogger:
+    """A structlog logger that writes each rendered event as one line, in one system call."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def msg(self, message: str) -> None:
+        data = (message + "\n").encode("utf-8", "replace")
+        while data:  # a pipe may take less than asked for only past PIPE_BUF; finish the line
+            written = os.write(self._fd, data)
+            data = data[written:]
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = msg
+
+
+class LineLoggerFactory:
+    def __init__(self, stream: Any = None) -> None:
+        self._fd = (stream or sys.stderr).fileno()
+
+    def __call__(self, *args: Any) -> LineLogger:
+        return LineLogger(self._fd)
 
 
 def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
@@ -18,18 +73,21 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {level!r}")
-    renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
-    )
+    processors: list[structlog.types.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+    ]
+    if json:
+        if stat.S_ISFIFO(os.fstat(sys.stderr.fileno()).st_mode):
+            processors.append(fit_in_one_pipe_write)  # several processes share this pipe
+        processors.append(structlog.processors.JSONRenderer())
+    else:
+        processors.append(structlog.dev.ConsoleRenderer(colors=False))
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=LineLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )

@@ -18,6 +18,8 @@ from weightsync.v1 import tensor_pb2
 MAX_NAME_BYTES = 1024
 # Sizes are int64 on the wire; anything near 2^63 is nonsense for a tensor.
 MAX_TENSOR_BYTES = 1 << 50
+MIN_BUCKET_BYTES = 8
+"""A bucket is 0 or >= 8 bytes: receivers write a nonce into its last 8 to catch a short broadcast."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,6 +89,13 @@ def _validate_bucket(
             bucket=index,
             size_bytes=bucket.size_bytes,
             limit=limits.max_bucket_bytes,
+        )
+    if 0 < bucket.size_bytes < MIN_BUCKET_BYTES:
+        raise InvalidArgument(
+            "BUCKET_TOO_SMALL",
+            f"bucket {index} is {bucket.size_bytes} bytes: a bucket is 0 or at least {MIN_BUCKET_BYTES} bytes "
+            "(receivers check its last 8 bytes); pad it",
+            bucket=index, size_bytes=bucket.size_bytes,
         )
     if not bucket.tensors:
         raise InvalidArgument("BUCKET_EMPTY", f"bucket {index} lists no tensors", bucket=index)

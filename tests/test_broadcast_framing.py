@@ -1,0 +1,210 @@
+"""Issue 9, defects 4 and 5: wrong-sized and out-of-order broadcasts.
+
+A trainer written against the protos (no SDK) gets every one of these wrong on
+purpose. None commits, none hangs the trainer, and the node keeps its weights:
+  - announced and broadcast at another length than the plan's: drained, refused;
+  - shorter than announced: caught by the bucket's tail nonce;
+  - longer than announced: Gloo aborts the receiving workers (that cannot be
+    caught in Python); they restart and map the store the server kept;
+  - announced out of order or twice, then broadcast: drained, refused at once,
+    the group stays usable;
+  - announced for a bucket the plan does not have, with no length: nothing can
+    drain it, so the group is marked BROKEN at once (and says so).
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+from helpers import (
+    PlainTrainer,
+    error_info,
+    local_checksums,
+    pack,
+    plan_buckets,
+    server_checksums,
+    wait_for,
+)
+from models import mixed_model
+
+pytestmark = pytest.mark.timeout(180)
+Code = grpc.StatusCode
+BUCKET = 1 << 20
+
+
+def info(server) -> pb.GetServerInfoResponse:
+    return server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+
+
+def group_state(server, group_id: str) -> int | None:
+    groups = server.stub().ListTransferGroups(pb.ListTransferGroupsRequest(), timeout=10).groups
+    return next((g.state for g in groups if g.group_id == group_id), None)
+
+
+class Node:
+    """A server with a committed model and a trainer group, checked after every bad broadcast."""
+
+    def __init__(self, server, timeout: float = 30.0) -> None:
+        self.server = server
+        self.trainer = PlainTrainer([server], timeout=timeout)
+        self.trainer.create_group()
+        self.seed = 400
+        self.model = self.commit()
+
+    def commit(self) -> dict[str, torch.Tensor]:
+        self.seed += 1
+        model = mixed_model(self.seed)
+        committed = self.trainer.push(model, f"v{self.seed}", mode=pb.UPDATE_MODE_STAGED, bucket_bytes=BUCKET)
+        assert committed.version.version == f"v{self.seed}"
+        self.model = model
+        return model
+
+    def begin(self, mode=pb.UPDATE_MODE_STAGED):
+        model = mixed_model(self.seed + 100)
+        plan = plan_buckets(list(model.items()), BUCKET)
+        stream, _ = self.trainer.begin(self.server.stub(), plan, "bad", mode=mode)
+        return stream, plan, model
+
+    def assert_unharmed(self) -> None:
+        """The committed model, bit for bit; then the next normal update on the same group."""
+        wait_for(lambda: info(self.server).store_state != pb.STORE_STATE_UPDATING, timeout=10)
+        assert server_checksums(self.server) == [local_checksums(self.model)] * 2
+        self.commit()
+        assert server_checksums(self.server) == [local_checksums(self.model)] * 2
+
+
+def aborting(stream) -> pb.UpdateAborting:
+    response = stream.recv()
+    assert response.WhichOneof("message") == "aborting", response
+    return response.aborting
+
+
+def end(stream) -> grpc.RpcError:
+    stream.send(abort=pb.AbortUpdate(reason="test"))
+    with pytest.raises(grpc.RpcError) as caught:
+        stream.recv()
+    stream.close()
+    return caught.value
+
+
+@pytest.fixture
+def node(server):
+    state = Node(server)
+    yield state
+    state.trainer.delete_group()
+
+
+def test_announced_length_differs_from_the_plan_drained_and_refused(node):
+    stream, plan, model = node.begin()
+    longer = torch.cat([pack(plan, model, 0), torch.zeros(64, dtype=torch.uint8)])
+    pids = [w.pid for w in info(node.server).workers]
+    started = time.monotonic()
+    stream.send(bucket_start=pb.BucketStart(sequence=0, size_bytes=longer.numel()))
+    node.trainer.broadcast(longer)  # the workers receive exactly this length and drop it
+    assert time.monotonic() - started < 5
+    report = aborting(stream)
+    assert (report.code, report.reason) == (Code.INVALID_ARGUMENT.value[0], "BUCKET_SIZE_MISMATCH")
+    error = end(stream)
+    assert error.code() == Code.INVALID_ARGUMENT
+    assert dict(error_info(error).metadata) == {
+        "bucket": "0", "planned_bytes": str(plan.buckets[0].size_bytes), "announced_bytes": str(longer.numel())}
+    assert [w.pid for w in info(node.server).workers] == pids  # nobody died
+    assert group_state(node.server, node.trainer.group_id) == pb.GROUP_STATE_READY
+    node.assert_unharmed()
+
+
+@pytest.mark.parametrize("mode", [pb.UPDATE_MODE_STAGED, pb.UPDATE_MODE_IN_PLACE], ids=["staged", "in-place"])
+def test_shorter_than_announced_is_caught_by_the_tail_nonce(node, mode):
+    stream, plan, model = node.begin(mode)
+    short = pack(plan, model, 0)[:-16]
+    stream.send(bucket_start=pb.BucketStart(sequence=0))  # checksums off: only the tail nonce can see it
+    node.trainer.broadcast(short)
+    report = aborting(stream)
+    assert (report.code, report.reason) == (Code.DATA_LOSS.value[0], "BUCKET_TRUNCATED")
+    assert end(stream).code() == Code.DATA_LOSS
+    state = info(node.server)
+    if mode == pb.UPDATE_MODE_IN_PLACE:  # bucket 0 may be half-written: said, then repaired by a full update
+        assert state.store_state == pb.STORE_STATE_INCONSISTENT
+        node.commit()
+    assert group_state(node.server, node.trainer.group_id) == pb.GROUP_STATE_READY
+    node.assert_unharmed()
+
+
+def test_longer_than_announced_kills_the_receivers_but_not_the_weights(server):
+    """Gloo aborts a process that receives more than it posted: the node keeps its weights."""
+    node = Node(server, timeout=5.0)
+    before = info(server)
+    stream, plan, model = node.begin()
+    stream.send(bucket_start=pb.BucketStart(sequence=0))
+    longer = torch.cat([pack(plan, model, 0), torch.zeros(4096, dtype=torch.uint8)])
+    try:
+        node.trainer.broadcast(longer)
+    except RuntimeError:
+        pass  # the receivers died under it
+    with pytest.raises(grpc.RpcError) as caught:
+        while stream.recv().WhichOneof("message") != "aborting":
+            pass
+        end(stream)
+        stream.recv()
+    stream.close()
+    def all_restarted():
+        now = info(server)
+        done = all(w.state == pb.WORKER_STATE_RUNNING and w.restart_count > b.restart_count
+                   for w, b in zip(now.workers, before.workers, strict=True))
+        return now if done else None
+
+    restarted = wait_for(all_restarted, timeout=60)
+    assert restarted.store_state == pb.STORE_STATE_CONSISTENT  # STAGED: the kept store, untouched
+    assert restarted.current_version == before.current_version
+    assert server_checksums(server) == [local_checksums(node.model)] * 2
+    assert caught.value.code() in (Code.UNAVAILABLE, Code.ABORTED), caught.value.details()
+    assert group_state(server, node.trainer.group_id) == pb.GROUP_STATE_BROKEN
+    node.trainer.delete_group()
+    fresh = Node(server)  # a new group on the same workers: a full update works
+    fresh.assert_unharmed()
+    fresh.trainer.delete_group()
+
+
+@pytest.mark.parametrize("wrong", ["duplicate", "ahead"])
+def test_out_of_order_announcement_is_drained_and_refused_at_once(node, wrong):
+    stream, plan, model = node.begin()
+    if wrong == "duplicate":
+        stream.send(bucket_start=pb.BucketStart(sequence=0))
+        node.trainer.broadcast(pack(plan, model, 0))
+        assert stream.recv().bucket_applied.sequence == 0
+    started = time.monotonic()
+    sequence = 0 if wrong == "duplicate" else 2
+    stream.send(bucket_start=pb.BucketStart(sequence=sequence))
+    node.trainer.broadcast(pack(plan, model, sequence))  # drained by the workers: returns at once
+    report = aborting(stream)
+    assert time.monotonic() - started < 5, "the trainer waited for the group timeout (30 s)"
+    assert report.reason == "BUCKET_OUT_OF_ORDER"
+    assert end(stream).code() == Code.INVALID_ARGUMENT
+    assert group_state(node.server, node.trainer.group_id) == pb.GROUP_STATE_READY  # and it is: the next push works
+    node.assert_unharmed()
+
+
+def test_an_announcement_nothing_can_drain_breaks_the_group_at_once(server):
+    node = Node(server, timeout=4.0)
+    stream, plan, _ = node.begin()
+    started = time.monotonic()
+    stream.send(bucket_start=pb.BucketStart(sequence=len(plan.buckets) + 5))  # no such bucket, no length
+    report = aborting(stream)
+    assert report.reason == "BUCKET_OUT_OF_RANGE"
+    assert group_state(server, node.trainer.group_id) == pb.GROUP_STATE_BROKEN  # said at once, not READY
+    assert time.monotonic() - started < 3
+    with pytest.raises(RuntimeError):  # the trainer's own broadcast has no receivers: its timeout
+        node.trainer.broadcast(torch.zeros(64, dtype=torch.uint8))
+    end(stream)
+    wait_for(lambda: info(server).store_state == pb.STORE_STATE_CONSISTENT, timeout=10)
+    assert server_checksums(server) == [local_checksums(node.model)] * 2
+    node.trainer.delete_group()
+    fresh = Node(server)
+    fresh.assert_unharmed()
+    fresh.trainer.delete_group()

@@ -837,3 +837,26 @@ def test_malformed_update_stream(server, tracker):
     requests.put(None)
     assert_error(caught.value, Code.INVALID_ARGUMENT, "MESSAGE_MALFORMED")
     assert server_info(server).store_state == pb.STORE_STATE_CONSISTENT
+
+
+# -- GetTensorChecksums (issue 9, defect 16) --------------------------------------------------
+def test_checksums_of_unknown_names_are_not_found(server, tracker):
+    request = pb.GetTensorChecksumsRequest(names=["embed.weight", "no.such.a", "no.such.b"])
+    with pytest.raises(grpc.RpcError) as caught:
+        server.stub().GetTensorChecksums(request, timeout=30)
+    assert_error(caught.value, Code.NOT_FOUND, "TENSOR_NOT_FOUND", count=2, tensors="no.such.a,no.such.b")
+
+
+def test_checksums_of_a_name_twice_are_refused(server, tracker):
+    request = pb.GetTensorChecksumsRequest(names=["embed.weight", "final_norm.weight", "embed.weight"])
+    with pytest.raises(grpc.RpcError) as caught:
+        server.stub().GetTensorChecksums(request, timeout=30)
+    assert_error(caught.value, Code.INVALID_ARGUMENT, "TENSOR_NAME_DUPLICATE", tensor="embed.weight")
+
+
+def test_checksums_of_known_names_answer_exactly_those(server, tracker):
+    names = ["final_norm.weight", "embed.weight"]
+    response = server.stub().GetTensorChecksums(pb.GetTensorChecksumsRequest(names=names), timeout=30)
+    expected = {n: v for n, v in local_checksums(tracker.model).items() if n in names}
+    assert [{t.name: t.checksum.value for t in w.tensors} for w in response.workers] == [expected] * 2
+    assert [[t.name for t in w.tensors] for w in response.workers] == [sorted(names)] * 2

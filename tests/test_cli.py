@@ -90,3 +90,24 @@ def test_failures_are_one_line_and_non_zero(server, checkpoints, args, needle):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("weightsync: ")
     assert needle in lines[0]
+
+
+# -- issue 9, defect 18: what the CLI says when it cannot do its job ---------------------------------
+def test_a_scheme_in_the_address_says_drop_it(server):
+    result = cli("info", "--server", f"http://{server.address}")
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert "has a scheme (http://): drop it and write host:port" in line
+
+
+def test_a_reader_that_goes_away_gets_no_traceback(server):
+    # `true` exits without reading: every write of the CLI meets a closed pipe.
+    result = subprocess.run(f"{sys.executable} -m weightsync.client.cli info --server {server.address} | true",
+                            shell=True, capture_output=True, text=True, timeout=60)
+    assert result.stderr == ""
+
+
+def test_info_json_prints_zero_values_too(server):
+    described = json.loads(cli("info", "--server", server.address, "--json").stdout)
+    assert [w["index"] for w in described["workers"]] == [0, 1]
+    assert all(w["restartCount"] == "0" for w in described["workers"])

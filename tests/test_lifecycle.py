@@ -294,11 +294,18 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (("--listen", "127.0.0.1:99999"), "listen"),
         (("--workers", "0"), "--workers"),
         (("--devices", "gpu0"), "device"),
+        # No GPU here: refused before binding, instead of a worker crash loop on a bound, silent port.
+        (("--devices", "cuda:0,cuda:1"), "device cuda:0 does not exist"),
+        (("--workers", "2", "--device", "cuda"), "--workers N --device cpu"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, tuple) else None,
 )
 def test_bad_config_exits_with_one_line(args, fragment):
+    if any(a.startswith("cuda") for a in args) and __import__("torch").cuda.is_available():
+        pytest.skip("this host has CUDA")
+    started = time.monotonic()
     result = run_cli(*args)
+    assert time.monotonic() - started < 20
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -317,3 +324,26 @@ def test_port_in_use_exits_with_one_line():
     assert len(lines) == 1 and str(port) in lines[0], result.stderr
     assert "Traceback" not in result.stderr
     assert "leaked shared_memory" not in result.stderr
+
+
+def test_sigterm_during_start_up_wins(tmp_path):
+    """SIGTERM while the workers are still starting: exit 0 at once, nothing left behind."""
+    ready = tmp_path / "ready.json"
+    process = subprocess.Popen([str(SERVER_CLI), "--listen", "127.0.0.1:0", "--workers", "2", "--device", "cpu",
+                                "--ready-file", str(ready)], stderr=subprocess.PIPE, text=True)
+
+    def children() -> set[int]:
+        found: set[int] = set()
+        for task in Path(f"/proc/{process.pid}/task").iterdir():
+            found.update(int(c) for c in (task / "children").read_text().split())
+        return found
+
+    spawned = wait_for(lambda: len(children()) >= 2 and children(), timeout=30, interval=0.01)
+    assert not ready.exists()  # the workers are starting (importing torch takes seconds)
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(15) == 0, process.stderr.read()
+    assert time.monotonic() - signalled < 10
+    process.stderr.close()
+    wait_for(lambda: pids_alive(spawned) == [], timeout=10)
+    assert not ready.exists()

@@ -339,10 +339,20 @@ def test_cli_token(token_server, token_files):
     failed = _cli("info", "--server", token_server.address, "--token-file", wrong, "--timeout", "10")
     _assert_cli_failed_cleanly(failed, "UNAUTHENTICATED")
     assert "not-the-token" not in failed.stderr + failed.stdout
+    assert "the token in --token-file is not the server's" in failed.stderr
+    missing = _cli("info", "--server", token_server.address, "--timeout", "10")
+    _assert_cli_failed_cleanly(missing, "UNAUTHENTICATED")
+    assert "pass --token-file" in missing.stderr  # issue 9, defect 18
     ok = _cli("info", "--server", token_server.address, "--token-file", right, "--timeout", "10")
     assert ok.returncode == 0, ok.stderr
     assert token_server.address in ok.stdout
     assert ok.stderr == ""
+
+
+def test_cli_plaintext_against_tls_says_pass_tls_ca(tls_server):
+    failed = _cli("info", "--server", tls_server.address, "--timeout", "5")
+    _assert_cli_failed_cleanly(failed, "UNAVAILABLE")
+    assert "if the server speaks TLS, pass --tls-ca" in failed.stderr
 
 
 def test_token_never_reaches_the_server_log(token_server):

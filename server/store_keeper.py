@@ -27,13 +27,26 @@ class KeptStore:
 
     fds: dict[int, int] = field(default_factory=dict)
     """arena id -> descriptor the server owns."""
-    manifest: wpb.StoreManifest | None = None
-    """The last manifest, always with its full tensor list."""
+    layout: wpb.StoreManifest | None = None
+    """The last manifest without its tensors (segments, arenas, dirty: what every commit changes)."""
+    tensors: list[wpb.StoredTensorSpec] = field(default_factory=list)
+    """The tensors, as last sent (only when the layout changed): not copied on every commit."""
+
+    @property
+    def manifest(self) -> wpb.StoreManifest | None:
+        """The whole store: layout and tensors."""
+        if self.layout is None:
+            return None
+        whole = wpb.StoreManifest()
+        whole.CopyFrom(self.layout)
+        whole.tensors.extend(self.tensors)
+        whole.tensors_included = True
+        return whole
 
     @property
     def restorable(self) -> bool:
-        return self.manifest is not None and bool(self.manifest.tensors) and all(
-            a.arena_id in self.fds for a in self.manifest.arenas
+        return self.layout is not None and bool(self.tensors) and all(
+            a.arena_id in self.fds for a in self.layout.arenas
         )
 
     def absorb(self, manifest: wpb.StoreManifest, sent_arena_ids: list[int], fds: list[int]) -> None:
@@ -47,43 +60,41 @@ class KeptStore:
             if old is not None:
                 os.close(old)
             self.fds[arena_id] = fd
-        merged = wpb.StoreManifest()
-        merged.CopyFrom(manifest)
-        if not manifest.tensors_included and self.manifest is not None:
-            merged.tensors.extend(self.manifest.tensors)
-        merged.tensors_included = True
-        self.manifest = merged
+        if manifest.tensors_included:
+            self.tensors = list(manifest.tensors)
+        self.layout = wpb.StoreManifest()
+        self.layout.CopyFrom(manifest)
+        self.layout.ClearField("tensors")
+        self.layout.tensors_included = False
         live = {a.arena_id for a in manifest.arenas}
         for arena_id in [a for a in self.fds if a not in live]:
             os.close(self.fds.pop(arena_id))
 
     def restore_command(self, dirty: set[str]) -> tuple[wpb.RestoreStoreCommand, list[int]]:
         """The command for a restarted worker, and the descriptors it must inherit."""
-        assert self.manifest is not None
-        names = {t.name for t in self.manifest.tensors}
-        command = wpb.RestoreStoreCommand(manifest=self.manifest, dirty=sorted(dirty & names))
-        for arena in self.manifest.arenas:
+        manifest = self.manifest
+        assert manifest is not None
+        names = {t.name for t in self.tensors}
+        command = wpb.RestoreStoreCommand(manifest=manifest, dirty=sorted(dirty & names))
+        for arena in manifest.arenas:
             command.arenas.add(arena_id=arena.arena_id, fd=self.fds[arena.arena_id])
-        return command, [self.fds[a.arena_id] for a in self.manifest.arenas]
+        return command, [self.fds[a.arena_id] for a in manifest.arenas]
 
     def status(self, dirty: set[str]) -> wpb.StoreStatus:
         """The state the kept store will have once mapped again (dirty: half-written by a crash)."""
-        assert self.manifest is not None
-        names = {t.name for t in self.manifest.tensors}
-        torn = bool(self.manifest.dirty) or bool(dirty & names)
+        assert self.layout is not None
+        names = {t.name for t in self.tensors}
+        torn = bool(self.layout.dirty) or bool(dirty & names)
         return wpb.StoreStatus(
             state=pb.STORE_STATE_INCONSISTENT if torn else pb.STORE_STATE_CONSISTENT,
             tensor_count=len(names),
-            store_bytes=sum(s.size_bytes for s in self.manifest.segments),
+            store_bytes=sum(s.size_bytes for s in self.layout.segments),
         )
-
-    @property
-    def bytes_held(self) -> int:
-        return 0 if self.manifest is None else sum(a.size_bytes for a in self.manifest.arenas)
 
     def forget(self) -> None:
         """Drop the store (its memory goes when no process maps it)."""
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
-        self.manifest = None
+        self.layout = None
+        self.tensors = []

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 BUF := .tools/node_modules/.bin/buf
 PROTOS := $(wildcard protos/weightsync/v1/*.proto) $(wildcard protos/weightsync/worker/v1/*.proto)
 
-.PHONY: install test lint proto run demo bench bench-quick clean
+.PHONY: install test test-multihost lint proto run demo demo-multihost bench bench-quick clean
 
 # torch first, with an exact pin: on this machine it is a CPU build on local
 # disk; a looser requirement could pull a multi-GB CUDA build.
@@ -25,6 +25,13 @@ $(BUF):
 
 test: install
 	$(PY) -m pytest -q
+
+# Three network namespaces on one machine (needs root; skipped with a reason otherwise).
+test-multihost: install
+	$(PY) -m pytest -q -rs tests/multihost
+
+demo-multihost: install
+	$(PY) tests/multihost/demo.py
 
 lint: install $(BUF)
 	cd protos && ../$(BUF) lint

@@ -32,6 +32,11 @@ from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("weightsync.client")
 
+ABORT_GRACE_SECONDS = 4.0
+"""How long an aborted push waits for each server to end its stream. A server whose workers sat
+in the broken broadcast answers within about 2 s of the group timeout; one that is cut off never
+does, and must not hold the caller for the whole RPC timeout."""
+
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
@@ -187,7 +192,7 @@ class PushRun:
         for stream in streams:
             stream.send(pb.UpdateWeightsRequest(abort=pb.AbortUpdate(reason=reason[:500])))
             stream.send(None)
-        await asyncio.gather(*(s.finish(self.rpc_timeout) for s in streams))
+        await asyncio.gather(*(s.finish(min(self.rpc_timeout, ABORT_GRACE_SECONDS)) for s in streams))
 
     async def _commit(self, streams: list[UpdateStream]) -> list[ServerOutcome]:
         for stream in streams:

@@ -239,11 +239,11 @@ class WeightSyncClient:
             try:
                 collective = rendezvous.result(timeout + 10)
             except BaseException:
-                self._delete_on(created, group_id)
+                self._clean_up(created, group_id)
                 raise
         else:
             rendezvous.abandon()
-            self._delete_on(created, group_id)
+            self._clean_up(created, group_id)
             raise failure
         self._group = _Group(group_id, chosen, world_size, delta, device, collective, store)
         self._buffers = self._buffers if self._buffers and self._buffers.device == device else PackBuffers(device)
@@ -292,24 +292,56 @@ class WeightSyncClient:
                 except WeightSyncRpcError as error:
                     log.warning("group_cleanup_failed", server=server.address, error=str(error))
 
-    def _delete_on(self, servers: list[_Server], group_id: str) -> None:
-        """Delete the group on these servers only: the ones where this client created it."""
-        async def run():
+    def _delete_on(self, servers: list[_Server], group_id: str) -> list[WeightSyncRpcError]:
+        """Delete the group on these servers only (the ones where this client created it).
+        Returns the failures; a group already gone counts as deleted."""
+        async def delete(server: _Server) -> None:
             request = pb.DeleteTransferGroupRequest(group_id=group_id)
-            await asyncio.gather(*(self._unary(s, "DeleteTransferGroup", request) for s in servers),
-                                 return_exceptions=True)
+            for attempt in range(3):
+                try:
+                    await self._unary(server, "DeleteTransferGroup", request)
+                    return
+                except WeightSyncRpcError as error:
+                    if error.code == grpc.StatusCode.NOT_FOUND:
+                        return
+                    # A connection reset right after a network blip, or the update still finishing.
+                    retry = error.code == grpc.StatusCode.UNAVAILABLE or error.reason == "UPDATE_IN_PROGRESS"
+                    if not retry or attempt == 2:
+                        raise
+                await asyncio.sleep(0.5 * (attempt + 1))
 
-        if servers:
-            self._loop.run(run())
+        async def run():
+            return await asyncio.gather(*(delete(s) for s in servers), return_exceptions=True)
+
+        if not servers:
+            return []
+        return [r for r in self._loop.run(run()) if isinstance(r, WeightSyncRpcError)]
+
+    def _clean_up(self, servers: list[_Server], group_id: str) -> None:
+        """Best effort after a failed create: the original error is what the caller must see."""
+        for error in self._delete_on(servers, group_id):
+            log.warning("group_cleanup_failed", group_id=group_id, server=error.server, error=str(error))
 
     @_serialized
     def delete_group(self) -> None:
-        """Tear the group down on every server and locally."""
+        """Tear the group down on every server and locally.
+
+        A server that cannot be reached (after retries) is logged, not raised: it drops the
+        group by itself once it sees this client's rendezvous store close, within seconds.
+        Raises WeightSyncClientError naming the servers that refused to delete it."""
         group, self._group = self._group, None
         if group is None:
             return
         group.collective.close()
-        self._delete_on(self._servers, group.group_id)
+        failures = self._delete_on(self._servers, group.group_id)
+        unreachable = [e for e in failures if e.code == grpc.StatusCode.UNAVAILABLE]
+        for error in unreachable:
+            # Our rendezvous store closes with the group: the server sees that and drops it itself.
+            log.warning("group_delete_unreachable", group_id=group.group_id, server=error.server, error=str(error))
+        refused = [e for e in failures if e.code != grpc.StatusCode.UNAVAILABLE]
+        if refused:
+            where = ", ".join(f"{e.server} ({e.code.name} {e.reason})" for e in refused)
+            raise WeightSyncClientError(f"group {group.group_id} could not be deleted on {where}")
         log.info("group_deleted", group_id=group.group_id)
 
     @property
@@ -480,8 +512,13 @@ class WeightSyncClient:
     def __enter__(self) -> WeightSyncClient:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        try:
+            self.close()
+        except WeightSyncClientError as error:
+            if kind is None:
+                raise
+            log.warning("close_failed", error=str(error))  # the error already in flight matters more
 
 
 def _read(path: str | None) -> bytes | None:

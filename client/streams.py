@@ -29,6 +29,8 @@ class UpdateStream:
         self.ready: asyncio.Future[pb.UpdateReady] = loop.create_future()
         self.committed: asyncio.Future[pb.UpdateCommitted] = loop.create_future()
         self.applied = 0
+        self.unresponsive = False
+        """finish() gave up on this stream: the server did not end it in time (unreachable?)."""
         self.failure: WeightSyncRpcError | None = None
         self.aborting: pb.UpdateAborting | None = None
         self._reader = asyncio.create_task(self._read())
@@ -83,10 +85,11 @@ class UpdateStream:
                     future.exception()  # mark retrieved: not every path awaits both
 
     async def finish(self, timeout: float) -> None:
-        """Wait for the server to end the stream."""
+        """Wait for the server to end the stream; past the timeout, cancel it."""
         try:
             await asyncio.wait_for(asyncio.shield(self._reader), timeout)
         except TimeoutError:
+            self.unresponsive = True
             self._call.cancel()
             self._reader.cancel()
 
@@ -125,6 +128,12 @@ def update_failed(failure: BaseException, streams: list[UpdateStream]) -> Update
     failure = _root_cause(failure, streams)
     server = getattr(failure, "server", "")
     code, reason = getattr(failure, "code", None), getattr(failure, "reason", "")
+    silent = [s.server for s in streams if s.unresponsive]
+    if silent and (isinstance(failure, CollectiveError) or reason in _SYMPTOM_REASONS):
+        # The broadcast broke and one server never answered the abort: it is the one cut off.
+        message = f"{silent[0]} did not answer after the broadcast broke ({failure})"
+        return UpdateFailed(f"update aborted on {silent[0]}: SERVER_UNREACHABLE: {message}", failure, silent[0],
+                            code=grpc.StatusCode.UNAVAILABLE, reason="SERVER_UNREACHABLE")
     if isinstance(failure, CollectiveError):
         # Our own broadcast broke and no server said more: name it as the servers would.
         report = next((e for s in streams if (e := s.reported_error) is not None

@@ -12,6 +12,7 @@ stay one small switch apart.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -59,6 +60,23 @@ def local_address_towards(host: str, port: int) -> str:
             return probe.getsockname()[0]
     except OSError:
         return "127.0.0.1"
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds an IPv4 address (None if none does)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _index, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
 
 
 def _looks_like_timeout(error: BaseException) -> bool:
@@ -140,6 +158,10 @@ def open_group(
         elif backend == pb.BACKEND_NCCL:
             from torch._C._distributed_c10d import ProcessGroupNCCL  # only in CUDA builds
 
+            # NCCL's bootstrap picks an interface by itself: pin the one that routes to the
+            # trainer (what Gloo gets through local_address), unless the operator chose one.
+            if "NCCL_SOCKET_IFNAME" not in os.environ and (name := interface_of(local_address)):
+                os.environ["NCCL_SOCKET_IFNAME"] = name
             options = ProcessGroupNCCL.Options()
             options._timeout = timeout
             pg = ProcessGroupNCCL(prefixed, rank, world_size, options)

@@ -131,8 +131,8 @@ class GroupTable:
             group.broadcast(buffer)
         except CollectiveError as error:
             self.leave(group.group_id)
-            reason = "COLLECTIVE_TIMEOUT" if error.timed_out else "COLLECTIVE_FAILED"
-            failure = Aborted(reason, f"group {group.group_id}: broadcast failed: {error}", group_id=group.group_id)
+            kind, reason = (DeadlineExceeded, "COLLECTIVE_TIMEOUT") if error.timed_out else (Aborted, "COLLECTIVE_FAILED")
+            failure = kind(reason, f"group {group.group_id}: broadcast failed: {error}", group_id=group.group_id)
             failure.broken_group_id = group.group_id
             log.warning("collective_failed", group_id=group.group_id, reason=reason, error=str(error))
             raise failure from error

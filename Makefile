@@ -24,7 +24,7 @@ $(BUF):
 	cd .tools && npm install --no-audit --no-fund --silent @bufbuild/buf@1.75.0
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # Three network namespaces on one machine (needs root; skipped with a reason otherwise).
 test-multihost: install

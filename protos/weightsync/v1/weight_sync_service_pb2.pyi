@@ -55,6 +55,14 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_RESTARTING: _ClassVar[WorkerState]
     WORKER_STATE_STOPPED: _ClassVar[WorkerState]
     WORKER_STATE_UNRESPONSIVE: _ClassVar[WorkerState]
+
+class EngineState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENGINE_STATE_UNSPECIFIED: _ClassVar[EngineState]
+    ENGINE_STATE_SERVING: _ClassVar[EngineState]
+    ENGINE_STATE_APPLYING: _ClassVar[EngineState]
+    ENGINE_STATE_FAILED: _ClassVar[EngineState]
+    ENGINE_STATE_UNREACHABLE: _ClassVar[EngineState]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_GLOO: Backend
 BACKEND_NCCL: Backend
@@ -81,6 +89,11 @@ WORKER_STATE_RUNNING: WorkerState
 WORKER_STATE_RESTARTING: WorkerState
 WORKER_STATE_STOPPED: WorkerState
 WORKER_STATE_UNRESPONSIVE: WorkerState
+ENGINE_STATE_UNSPECIFIED: EngineState
+ENGINE_STATE_SERVING: EngineState
+ENGINE_STATE_APPLYING: EngineState
+ENGINE_STATE_FAILED: EngineState
+ENGINE_STATE_UNREACHABLE: EngineState
 
 class WeightVersion(_message.Message):
     __slots__ = ("version", "generation", "commit_time")
@@ -115,23 +128,49 @@ class WorkerInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., tensor_count: _Optional[int] = ..., store_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_tensors", "max_plan_bytes", "max_bucket_bytes", "max_message_bytes")
+    __slots__ = ("max_tensors", "max_plan_bytes", "max_bucket_bytes", "max_message_bytes", "max_chunk_bytes", "ingress_slot_bytes", "ingress_slot_count")
     MAX_TENSORS_FIELD_NUMBER: _ClassVar[int]
     MAX_PLAN_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INGRESS_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INGRESS_SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
     max_tensors: int
     max_plan_bytes: int
     max_bucket_bytes: int
     max_message_bytes: int
-    def __init__(self, max_tensors: _Optional[int] = ..., max_plan_bytes: _Optional[int] = ..., max_bucket_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    max_chunk_bytes: int
+    ingress_slot_bytes: int
+    ingress_slot_count: int
+    def __init__(self, max_tensors: _Optional[int] = ..., max_plan_bytes: _Optional[int] = ..., max_bucket_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., ingress_slot_bytes: _Optional[int] = ..., ingress_slot_count: _Optional[int] = ...) -> None: ...
+
+class EngineStatus(_message.Message):
+    __slots__ = ("name", "kind", "endpoint", "applied_version", "applied_time", "commit_to_serving", "state", "last_error")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_TIME_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_TO_SERVING_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    endpoint: str
+    applied_version: WeightVersion
+    applied_time: _timestamp_pb2.Timestamp
+    commit_to_serving: _duration_pb2.Duration
+    state: EngineState
+    last_error: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., endpoint: _Optional[str] = ..., applied_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., applied_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., commit_to_serving: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., state: _Optional[_Union[EngineState, str]] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("server_version", "workers", "backends", "transports", "store_state", "current_version", "limits", "draining")
+    __slots__ = ("server_version", "workers", "backends", "transports", "store_state", "current_version", "limits", "draining", "engines", "local_socket")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +179,8 @@ class GetServerInfoResponse(_message.Message):
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     backends: _containers.RepeatedScalarFieldContainer[Backend]
@@ -148,7 +189,9 @@ class GetServerInfoResponse(_message.Message):
     current_version: WeightVersion
     limits: ServerLimits
     draining: bool
-    def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
+    local_socket: str
+    def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., local_socket: _Optional[str] = ...) -> None: ...
 
 class TransferGroup(_message.Message):
     __slots__ = ("group_id", "world_size", "rank_offset", "backend", "state", "timeout", "broken_reason")
@@ -240,6 +283,16 @@ class BucketStart(_message.Message):
     size_bytes: int
     def __init__(self, sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
+class BucketChunk(_message.Message):
+    __slots__ = ("sequence", "offset_bytes", "data")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    offset_bytes: int
+    data: bytes
+    def __init__(self, sequence: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class CommitUpdate(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -251,16 +304,18 @@ class AbortUpdate(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("begin", "bucket_start", "commit", "abort")
+    __slots__ = ("begin", "bucket_start", "commit", "abort", "bucket_chunk")
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     BUCKET_START_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_CHUNK_FIELD_NUMBER: _ClassVar[int]
     begin: BeginUpdate
     bucket_start: BucketStart
     commit: CommitUpdate
     abort: AbortUpdate
-    def __init__(self, begin: _Optional[_Union[BeginUpdate, _Mapping]] = ..., bucket_start: _Optional[_Union[BucketStart, _Mapping]] = ..., commit: _Optional[_Union[CommitUpdate, _Mapping]] = ..., abort: _Optional[_Union[AbortUpdate, _Mapping]] = ...) -> None: ...
+    bucket_chunk: BucketChunk
+    def __init__(self, begin: _Optional[_Union[BeginUpdate, _Mapping]] = ..., bucket_start: _Optional[_Union[BucketStart, _Mapping]] = ..., commit: _Optional[_Union[CommitUpdate, _Mapping]] = ..., abort: _Optional[_Union[AbortUpdate, _Mapping]] = ..., bucket_chunk: _Optional[_Union[BucketChunk, _Mapping]] = ...) -> None: ...
 
 class UpdateReady(_message.Message):
     __slots__ = ("update_id", "plan_id", "bucket_count", "fast_path_bucket_count")
@@ -355,11 +410,13 @@ class WatchWeightsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchWeightsResponse(_message.Message):
-    __slots__ = ("version", "store_state", "event_time")
+    __slots__ = ("version", "store_state", "event_time", "engines")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STORE_STATE_FIELD_NUMBER: _ClassVar[int]
     EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     version: WeightVersion
     store_state: StoreState
     event_time: _timestamp_pb2.Timestamp
-    def __init__(self, version: _Optional[_Union[WeightVersion, _Mapping]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
+    def __init__(self, version: _Optional[_Union[WeightVersion, _Mapping]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ...) -> None: ...

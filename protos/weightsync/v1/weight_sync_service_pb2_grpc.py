@@ -119,8 +119,12 @@ class WeightSyncServiceServicer:
 
     def UpdateWeights(self, request_iterator, context):
         """UpdateWeights runs one weight update:
-        client: begin -> (bucket_start, then the broadcast of that bucket)* -> commit
+        client: begin -> (bucket_start, then that bucket's bytes)* -> commit
         server: ready -> bucket_applied* -> committed
+        The bytes follow each bucket_start according to the transport: one
+        collective broadcast (COLLECTIVE), bucket_chunk messages in this stream
+        (INLINE), or nothing (SHM: the client wrote them into the ingress slot
+        before announcing). docs/data-plane.md spells out each.
         The client may announce and broadcast bucket k+1 before bucket_applied(k)
         arrives. If the server sends `aborting`, the client announces no further
         bucket, completes the broadcasts it already announced, then sends `abort`;

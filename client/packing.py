@@ -16,7 +16,8 @@ from weightsync.v1 import tensor_pb2
 
 @dataclass(slots=True)
 class PackBuffers:
-    """Two pack buffers, reused across pushes, grown when a plan needs more."""
+    """Pack buffers, reused across pushes, grown when a plan needs more: bucket k packs into
+    pair[k % len(pair)] (two of them, or the ingress slots for SHM)."""
 
     device: torch.device
     pair: list[torch.Tensor] = field(default_factory=list)
@@ -42,7 +43,7 @@ class PackBuffers:
         """Where each non-empty tensor of bucket `index` goes in its pack buffer."""
         views = self.views.get(index)
         if views is None:
-            buffer = self.pair[index % 2]
+            buffer = self.pair[index % len(self.pair)]
             views = [
                 buffer[t.offset_bytes : t.offset_bytes + t.size_bytes].view(dtypes.to_torch(t.dtype)).view(tuple(t.shape))
                 for t in spec.tensors
@@ -112,7 +113,7 @@ def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source:
         if tensor.is_contiguous() and tensor.device == buffers.device and spec.size_bytes == bucket.spec.size_bytes:
             return tensor.detach().reshape(-1).view(torch.uint8), False
         source.put_back(spec.name, tensor)
-    buffer = buffers.pair[index % 2][: bucket.spec.size_bytes]
+    buffer = buffers.pair[index % len(buffers.pair)][: bucket.spec.size_bytes]
     sources = []
     for spec in bucket.spec.tensors:
         tensor = source.take(spec)  # streamed empty tensors are consumed (and checked) too

@@ -1,7 +1,8 @@
-"""One push: Begin on every server, the double-buffered bucket loop, Commit or abort.
+"""One push: Begin on every server, the bucket loop, Commit or abort.
 
-The loop runs in the caller's thread (packing and broadcasting are CPU/GPU
-work that must overlap); the gRPC streams live on the SDK's asyncio loop.
+The loop runs in the caller's thread (packing and sending are CPU/GPU work
+that must overlap); the gRPC streams live on the SDK's asyncio loop. How each
+bucket's bytes are placed and sent is the transport's sink (sinks.py).
 Every failure ends the same way: the broadcast in flight is completed (so no
 rank is left inside a collective), every server aborts, and the caller gets
 UpdateFailed with a status code and an ErrorInfo reason.
@@ -19,13 +20,14 @@ import structlog
 
 from weightsync.client._loop import LoopThread
 from weightsync.client.errors import PlanMismatch, UpdateFailed, WeightSyncRpcError
-from weightsync.client.packing import PackBuffers, TensorSource, fill_bucket
+from weightsync.client.packing import TensorSource
 from weightsync.client.plan_cache import PlanCache
 from weightsync.client.planning import PlannedBucket
+from weightsync.client.sinks import Sink
 from weightsync.client.streams import UpdateStream, first_failure, update_failed
 from weightsync.client.types import PushProgress, ServerOutcome
 from weightsync.common.checksum import tensor_checksum
-from weightsync.common.collective import CollectiveError, CollectiveGroup
+from weightsync.common.collective import CollectiveError
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
@@ -54,9 +56,10 @@ class PushRun:
     endpoints: Sequence[Endpoint]
     metadata: tuple
     rpc_timeout: float
+    commit_timeout: float
     group_id: str
-    collective: CollectiveGroup
-    buffers: PackBuffers
+    """The transfer group (COLLECTIVE); empty for INLINE and SHM."""
+    sink: Sink
     plans: PlanCache
     planned: list[PlannedBucket]
     plan: tensor_pb2.WeightPlan
@@ -95,53 +98,30 @@ class PushRun:
 
     # -- the hot loop -------------------------------------------------------------------------
     def _send_buckets(self, streams: list[UpdateStream]) -> BaseException | None:
-        """Announce and broadcast every bucket; returns the first failure (nothing raised past
-        here leaves a broadcast in flight)."""
-        in_flight = None  # the broadcast of the previous bucket, still on the wire
+        """Place and send every bucket; returns the first failure. Nothing raised past here
+        leaves bytes in flight: the sink completes them on every exit."""
         sent = 0
         try:
             for index, bucket in enumerate(self.planned):
-                # Pack bucket k into pack buffer k % 2 while bucket k-1 (the other buffer) is on
-                # the wire. Bucket k-2 used this buffer too; its broadcast completed before
-                # bucket k-1's began (see below), so packing cannot overwrite bytes being sent.
-                payload, copied = fill_bucket(self.buffers, bucket, index, self.source)
+                # COLLECTIVE packs bucket k while bucket k-1 is still on the wire (see sinks.py).
+                payload, copied = self.sink.fill(index, bucket, self.source, streams)
                 self.zero_copy_buckets += not copied
                 checksum = tensor_checksum(payload) if self.checksums else tensor_pb2.Checksum()
-                # Wait for bucket k-1 before starting bucket k: at most one broadcast in flight,
-                # and a server that failed meanwhile stops us before we announce more.
-                failure = first_failure(streams)
-                if failure is None and in_flight is not None:
-                    failure, in_flight = self._wait(in_flight), None
+                # A server that failed meanwhile stops us before we announce more.
+                failure = first_failure(streams) or self.sink.send(index, payload, checksum, streams)
                 if failure is not None:
                     return failure
-                # Announce first: workers join only announced broadcasts, at the announced length.
-                announce = pb.UpdateWeightsRequest(bucket_start=pb.BucketStart(
-                    sequence=index, checksum=checksum, size_bytes=payload.numel()))
-                for stream in streams:
-                    self.loop.call_soon(stream.send, announce)
-                in_flight = self.collective.broadcast_async(payload)
                 sent += bucket.spec.size_bytes
                 self._report(index, sent)
-            if in_flight is not None:
-                failure, in_flight = self._wait(in_flight), None
-                if failure is not None:
-                    return failure
+            failure = self.sink.finish()
+            if failure is not None:
+                return failure
             self.source.finish()
             return None
-        except (PlanMismatch, CollectiveError) as error:
+        except (PlanMismatch, CollectiveError, WeightSyncRpcError) as error:
             return error
         finally:
-            if in_flight is not None:
-                # Leaving early: complete the announced broadcast (the workers drain it), so
-                # neither side is left inside a collective.
-                self._wait(in_flight)
-
-    def _wait(self, work) -> CollectiveError | None:
-        try:
-            self.collective.wait(work)
-            return None
-        except CollectiveError as error:
-            return error
+            self.sink.finish()
 
     def _report(self, index: int, sent: int) -> None:
         if self.progress is None and self.bar is None:
@@ -161,7 +141,7 @@ class PushRun:
             for endpoint in self.endpoints:
                 stream = UpdateStream(endpoint.address, endpoint.stub, self.metadata)
                 begin = pb.BeginUpdate(group_id=self.group_id, version=self.version, mode=self.mode,
-                                       transport=pb.TRANSPORT_COLLECTIVE, allow_new_tensors=self.allow_new_tensors)
+                                       transport=self.sink.transport, allow_new_tensors=self.allow_new_tensors)
                 if by_id:
                     begin.plan_id = self.plan_id
                 else:
@@ -198,9 +178,9 @@ class PushRun:
         for stream in streams:
             stream.send(pb.UpdateWeightsRequest(commit=pb.CommitUpdate()))
             stream.send(None)
-        timeout = self.collective.timeout.total_seconds() + 30
         results = await asyncio.gather(
-            *(asyncio.wait_for(asyncio.shield(s.committed), timeout) for s in streams), return_exceptions=True
+            *(asyncio.wait_for(asyncio.shield(s.committed), self.commit_timeout) for s in streams),
+            return_exceptions=True,
         )
         await asyncio.gather(*(s.finish(5.0) for s in streams))
         failures = [(s, r) for s, r in zip(streams, results, strict=True) if isinstance(r, BaseException)]

@@ -35,6 +35,7 @@ import torch
 
 from weightsync.client._loop import LoopThread
 from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
+from weightsync.client.ingress import IngressLease, open_ingress
 from weightsync.client.packing import PackBuffers, TensorSource, is_zero_copy
 from weightsync.client.plan_cache import CachedPlan, PlanCache, fingerprint
 from weightsync.client.planning import (
@@ -45,6 +46,7 @@ from weightsync.client.planning import (
 )
 from weightsync.client.push import Endpoint, PushRun
 from weightsync.client.rendezvous import Rendezvous
+from weightsync.client.sinks import CollectiveSink, InlineSink, ShmSink, Sink
 from weightsync.client.types import (
     PushProgress,
     PushResult,
@@ -64,7 +66,9 @@ from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 log = structlog.get_logger("weightsync.client")
 
 Mode = Literal["in_place", "staged"]
+Transport = Literal["collective", "inline", "shm"]
 _MODES = {"in_place": pb.UPDATE_MODE_IN_PLACE, "staged": pb.UPDATE_MODE_STAGED}
+_TRANSPORTS = {"collective": pb.TRANSPORT_COLLECTIVE, "inline": pb.TRANSPORT_INLINE, "shm": pb.TRANSPORT_SHM}
 PROGRESS_BAR_MIN_BYTES = 256 << 20
 
 
@@ -147,6 +151,12 @@ class WeightSyncClient:
         self._servers = self._loop.run(self._open_channels(addresses, tls, max_message_bytes))
         self._group: _Group | None = None
         self._buffers: PackBuffers | None = None
+        self._host_buffers: PackBuffers | None = None
+        """Pack buffers of INLINE pushes (no group needed)."""
+        self._ingress: ShmSink | None = None
+        self._ingress_lease: IngressLease | None = None
+        self._limits: dict[str, pb.GetServerInfoResponse] = {}
+        """GetServerInfo of each server, fetched once for INLINE/SHM limits."""
         self._plans = PlanCache()
 
     # -- channels ------------------------------------------------------------------
@@ -357,6 +367,7 @@ class WeightSyncClient:
         *,
         version: str,
         mode: Mode = "in_place",
+        transport: Transport = "collective",
         bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
         allow_new_tensors: bool = False,
         checksums: bool | None = None,
@@ -382,17 +393,21 @@ class WeightSyncClient:
         verify() compares every tensor end to end either way.
         zero_copy_min_bytes: contiguous tensors at least this large are
         broadcast from their own memory, in a bucket of their own (0: always pack).
+        transport: "collective" (a broadcast to the group from create_group),
+        "inline" (bytes inside the gRPC stream: no group, passes any proxy), or
+        "shm" (one server on this host: buckets written into its shared memory;
+        no group, no network; buckets at most its ingress slot).
         Raises UpdateFailed, with a status code and a reason (the update is
         aborted on every server).
         """
-        group = self._group
-        if group is None:
-            raise WeightSyncClientError("no transfer group: call create_group() first")
-        if group.broken:
-            raise WeightSyncClientError(f"group {group.group_id} is broken; delete_group() and create_group() again")
         if mode not in _MODES:
             raise ValueError(f"mode must be 'in_place' or 'staged', got {mode!r}")
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"transport must be 'collective', 'inline' or 'shm', got {transport!r}")
         started = time.perf_counter()
+        group, sink = self._sink(transport)
+        if transport == "shm":
+            bucket_size_bytes = min(bucket_size_bytes, self._ingress_lease.slot_bytes)  # type: ignore[union-attr]
         last = self._plans.last
         if not isinstance(named_tensors, Mapping) and mode == "staged" and last is not None and not allow_new_tensors:
             cached = last
@@ -412,16 +427,17 @@ class WeightSyncClient:
                 plan = plan_proto(planned)
                 cached = CachedPlan.of(planned, key, plan, plan_id_of(plan))
             source = TensorSource(dict(items), None)
-        buffers = self._buffers
-        assert buffers is not None
-        buffers.ensure(max((b.spec.size_bytes for b in planned if not is_zero_copy(buffers, b)), default=0))
+        buffers = sink.buffers
+        if transport != "shm":
+            buffers.ensure(max((b.spec.size_bytes for b in planned if not is_zero_copy(buffers, b)), default=0))
         buffers.use_plan(cached.plan_id)
         total = sum(b.spec.size_bytes for b in planned)
         bar = _progress_bar(total, version, show_progress)
         run = PushRun(
             loop=self._loop, endpoints=[Endpoint(s.address, s.stub) for s in self._servers],
-            metadata=self._metadata, rpc_timeout=self._timeout, group_id=group.group_id,
-            collective=group.collective, buffers=buffers, plans=self._plans, planned=planned,
+            metadata=self._metadata, rpc_timeout=self._timeout,
+            commit_timeout=(group.timeout.total_seconds() if group else self._timeout) + 30,
+            group_id=group.group_id if group else "", sink=sink, plans=self._plans, planned=planned,
             plan=cached.plan, plan_id=cached.plan_id, source=source, version=version, mode=_MODES[mode],
             allow_new_tensors=allow_new_tensors,
             checksums=buffers.device.type == "cuda" if checksums is None else checksums,
@@ -430,7 +446,7 @@ class WeightSyncClient:
         try:
             outcomes = run.run()
         except BaseException as error:
-            if getattr(error, "reason", "") in ("COLLECTIVE_TIMEOUT", "COLLECTIVE_FAILED"):
+            if group is not None and getattr(error, "reason", "") in ("COLLECTIVE_TIMEOUT", "COLLECTIVE_FAILED"):
                 group.broken = True
             raise
         finally:
@@ -451,6 +467,43 @@ class WeightSyncClient:
         log.info("push_committed", version=version, bytes=total, seconds=round(seconds, 3),
                  gbps=round(result.gigabytes_per_second, 3), buckets=len(planned))
         return result
+
+    def _sink(self, transport: str) -> tuple[_Group | None, Sink]:
+        """The group (COLLECTIVE only) and where this push's bytes go."""
+        if transport == "collective":
+            group = self._group
+            if group is None:
+                raise WeightSyncClientError("no transfer group: call create_group() first (or push with "
+                                            "transport='inline')")
+            if group.broken:
+                raise WeightSyncClientError(f"group {group.group_id} is broken; delete_group() and create_group() again")
+            assert self._buffers is not None
+            return group, CollectiveSink(self._loop, group.collective, self._buffers)
+        infos = self._server_limits()
+        for server, info in zip(self._servers, infos, strict=True):
+            if _TRANSPORTS[transport] not in info.transports:
+                raise WeightSyncClientError(f"{server.address} does not offer {transport} (it offers "
+                                            f"{[pb.Transport.Name(t) for t in info.transports]})")
+        if transport == "inline":
+            if self._host_buffers is None:
+                self._host_buffers = PackBuffers(torch.device("cpu"))
+            chunk = min(i.limits.max_chunk_bytes for i in infos)
+            return None, InlineSink(self._loop, self._host_buffers, chunk)
+        if len(self._servers) != 1:
+            raise WeightSyncClientError("SHM pushes to one server, on this host; use transport='inline' for several")
+        if self._ingress is None:
+            token = self._metadata[0][1].removeprefix("Bearer ") if self._metadata else None
+            self._ingress_lease = open_ingress(self._servers[0].address, infos[0].local_socket, token)
+            lease = self._ingress_lease
+            self._ingress = ShmSink(self._loop, lease.fd, lease.slot_bytes, lease.slot_count, self._timeout)
+        return None, self._ingress
+
+    def _server_limits(self) -> list[pb.GetServerInfoResponse]:
+        missing = [s for s in self._servers if s.address not in self._limits]
+        if missing:
+            for server, info in zip(self._servers, self.server_info(), strict=True):
+                self._limits[server.address] = info
+        return [self._limits[s.address] for s in self._servers]
 
     # -- verify ------------------------------------------------------------------
     @_serialized
@@ -498,6 +551,10 @@ class WeightSyncClient:
     def close(self) -> None:
         """Delete the group (if any) and close every channel."""
         try:
+            if self._ingress is not None:
+                self._ingress.close()
+                self._ingress_lease.close()  # type: ignore[union-attr]
+                self._ingress = self._ingress_lease = None
             if self._group is not None:
                 self.delete_group()
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import grpc.aio
@@ -29,6 +30,8 @@ class UpdateStream:
         self.ready: asyncio.Future[pb.UpdateReady] = loop.create_future()
         self.committed: asyncio.Future[pb.UpdateCommitted] = loop.create_future()
         self.applied = 0
+        self._applied_changed = threading.Condition()
+        self._taken = asyncio.Event()
         self.unresponsive = False
         """finish() gave up on this stream: the server did not end it in time (unreachable?)."""
         self.failure: WeightSyncRpcError | None = None
@@ -38,6 +41,7 @@ class UpdateStream:
     async def _requests(self):
         while True:
             message = await self._outgoing.get()
+            self._taken.set()
             if message is None:
                 return
             yield message
@@ -45,6 +49,28 @@ class UpdateStream:
     def send(self, message: pb.UpdateWeightsRequest | None) -> None:
         """Queue a message (None half-closes the stream). Call on the loop."""
         self._outgoing.put_nowait(message)
+
+    async def send_data(self, message: pb.UpdateWeightsRequest, backlog: int = 2) -> None:
+        """Queue a bulky message once gRPC took all but `backlog` of the queued ones: the trainer
+        thread waits here, so an INLINE push holds a few chunks in memory, not a whole model."""
+        while self._outgoing.qsize() >= backlog and self.failure is None:
+            self._taken.clear()
+            await self._taken.wait()
+        self._outgoing.put_nowait(message)
+
+    def wait_applied(self, count: int, timeout: float) -> bool:
+        """Block (trainer thread) until `count` buckets were applied, the stream failed, or timeout."""
+        with self._applied_changed:
+            return self._applied_changed.wait_for(lambda: self.applied >= count or self.failed, timeout)
+
+    def _bump_applied(self) -> None:
+        with self._applied_changed:
+            self.applied += 1
+            self._applied_changed.notify_all()
+
+    def _wake(self) -> None:
+        with self._applied_changed:
+            self._applied_changed.notify_all()
 
     @property
     def failed(self) -> bool:
@@ -65,9 +91,10 @@ class UpdateStream:
                 if kind == "ready":
                     self.ready.set_result(response.ready)
                 elif kind == "bucket_applied":
-                    self.applied += 1
+                    self._bump_applied()
                 elif kind == "aborting":
                     self.aborting = response.aborting
+                    self._wake()
                 elif kind == "committed":
                     self.committed.set_result(response.committed)
             error: WeightSyncRpcError | None = None
@@ -79,6 +106,8 @@ class UpdateStream:
             error = WeightSyncRpcError(self.server, grpc.StatusCode.CANCELLED, "CANCELLED", "cancelled", {})
         if error is not None:
             self.failure = error
+            self._wake()
+            self._taken.set()
             for future in (self.ready, self.committed):
                 if not future.done():
                     future.set_exception(error)

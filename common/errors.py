@@ -72,6 +72,10 @@ class Unauthenticated(WeightSyncError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(WeightSyncError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unimplemented(WeightSyncError):
     code = grpc.StatusCode.UNIMPLEMENTED
 
@@ -93,6 +97,7 @@ _BY_CODE: dict[grpc.StatusCode, type[WeightSyncError]] = {
         DataLoss,
         Unavailable,
         Unauthenticated,
+        PermissionDenied,
         Unimplemented,
         Internal,
     )

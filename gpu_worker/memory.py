@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -100,3 +101,14 @@ def map_arena(arena_id: int, fd: int, size_bytes: int) -> Arena:
         raise ValueError(f"arena {arena_id}: descriptor holds {actual} bytes, the manifest says {size_bytes}")
     mapping, data = _map_host(fd, size_bytes, populate=False)
     return Arena(arena_id, data, fd, mapping)
+
+
+def map_ingress(fd: int, size_bytes: int) -> torch.Tensor | None:
+    """The server's ingress, read-only (INLINE and SHM buckets arrive there)."""
+    if fd <= 0 or size_bytes <= 0:
+        return None
+    mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    os.close(fd)
+    with warnings.catch_warnings():  # read-only on purpose: torch warns that it cannot write
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.uint8)

@@ -39,6 +39,7 @@ from weightsync.common.fd_passing import send_fds
 from weightsync.common.shm_queue import ShmQueue
 from weightsync.gpu_worker.bucket_checks import arm_tail, check_tail, restore_tail, tail_nonce
 from weightsync.gpu_worker.groups import GroupTable
+from weightsync.gpu_worker.memory import map_ingress
 from weightsync.gpu_worker.store import WeightStore
 from weightsync.gpu_worker.update_plan import PlanCache, UpdatePlan, derive_update_plan
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -78,6 +79,7 @@ class Worker:
         self.events = events
         self.fd_channel = fd_channel
         self.store = WeightStore(self.device)
+        self.ingress = map_ingress(config.ingress_fd, config.ingress_bytes)
         self.groups = GroupTable(self.device)
         self.plans = PlanCache()
         self.sized: _SizedUpdate | None = None
@@ -91,6 +93,7 @@ class Worker:
             "abort_update": self._abort_update,
             "compute_checksums": self._compute_checksums,
             "restore_store": self._restore_store,
+            "export_store": self._export_store,
             "shutdown": self._shutdown,
         }
 
@@ -200,7 +203,8 @@ class Worker:
         if running is not None:
             raise FailedPrecondition("UPDATE_IN_PROGRESS", f"update {running.update_id} is still running",
                                      update_id=running.update_id)
-        self.groups.get(prepare.group_id)
+        if prepare.group_id:  # COLLECTIVE; INLINE and SHM buckets come through the ingress
+            self.groups.get(prepare.group_id)
         store = self.store
         plan = self.plans.get(prepare.plan_id, store.layout_version, prepare.mode == pb.UPDATE_MODE_STAGED) or derive_update_plan(
             plan=prepare.plan, plan_id=prepare.plan_id, mode=prepare.mode,
@@ -244,6 +248,9 @@ class Worker:
 
     def _receive_bucket(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         receive = command.receive_bucket
+        if receive.from_ingress:
+            self._receive_from_ingress(receive, event)
+            return
         update = self.store.current(receive.update_id)
         group = self.groups.get(update.group_id)
         sequence = receive.sequence
@@ -272,6 +279,38 @@ class Worker:
         except WeightSyncError:
             update.failed = True
             raise
+        event.bucket_received.size_bytes = self.store.apply_bucket(sequence, received, receive.checksum)
+        event.bucket_received.fast_path = route.receive_into_segment is not None
+
+    def _receive_from_ingress(self, receive: wpb.ReceiveBucketCommand, event: wpb.WorkerEvent) -> None:
+        """INLINE/SHM: the bucket (or one piece of it) is in the ingress already; copy it into the store."""
+        update = self.store.current(receive.update_id)
+        sequence = receive.sequence
+        event.bucket_received.sequence = sequence
+        if receive.discard or update.failed:
+            return
+        if self.ingress is None:
+            raise FailedPrecondition("INGRESS_MISSING", "this worker has no ingress mapped")
+        route = update.plan.routes[sequence] if 0 <= sequence < len(update.plan.routes) else None
+        if sequence != update.next_sequence or route is None or receive.size_bytes != route.size_bytes:
+            raise InvalidArgument("BUCKET_NOT_EXPECTED", f"bucket {sequence} of {receive.size_bytes} bytes is not "
+                                  f"the next one ({update.next_sequence})", bucket=sequence)
+        offset, length = receive.piece_offset_bytes, receive.piece_size_bytes or route.size_bytes
+        start = receive.ingress_offset_bytes
+        if start < 0 or start + length > self.ingress.numel() or offset < 0 or offset + length > route.size_bytes:
+            raise InvalidArgument("INGRESS_OUT_OF_RANGE", f"bucket {sequence}: piece [{offset}, +{length}) at "
+                                  f"ingress offset {start} does not fit", bucket=sequence)
+        arrived = self.ingress[start : start + length]
+        whole = offset == 0 and length == route.size_bytes
+        if offset == 0:
+            self.store.mark_started(sequence)
+        if whole and route.receive_into_segment is None:
+            received = arrived  # the general path copies each tensor straight from the ingress
+        else:
+            received = self.store.receive_buffer(sequence)  # the segment, or staging for a bucket in pieces
+            received[offset : offset + length].copy_(arrived)
+        if not whole and not receive.last_piece:
+            return
         event.bucket_received.size_bytes = self.store.apply_bucket(sequence, received, receive.checksum)
         event.bucket_received.fast_path = route.receive_into_segment is not None
 
@@ -309,6 +348,24 @@ class Worker:
         self.store.restore(restore.manifest, {a.arena_id: a.fd for a in restore.arenas}, list(restore.dirty))
         event.store_restored.tensor_count = len(self.store.tensors)
         log.info("store_restored", tensors=len(self.store.tensors), state=self.store.state)
+
+    def _export_store(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
+        """CUDA IPC handles of every arena, for an engine on the same GPU (host arenas go as fds)."""
+        exported = event.store_exported
+        for arena in self.store.arenas.values():
+            handle = exported.arenas.add(arena_id=arena.arena_id, size_bytes=arena.size_bytes, fd_index=-1)
+            if arena.shareable:
+                continue
+            (device, ipc, size, offset, counter, counter_offset, ipc_event, sync) = (
+                arena.data.untyped_storage()._share_cuda_())
+            handle.cuda.device = int(device)
+            handle.cuda.handle = bytes(ipc)
+            handle.cuda.allocation_size_bytes = int(size)
+            handle.cuda.offset_bytes = int(offset)
+            handle.cuda.ref_counter_handle = bytes(counter)
+            handle.cuda.ref_counter_offset = int(counter_offset)
+            handle.cuda.event_handle = bytes(ipc_event or b"")
+            handle.cuda.event_sync_required = bool(sync)
 
     def _compute_checksums(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         event.checksums_computed.tensors.extend(self.store.checksums(list(command.compute_checksums.names)))

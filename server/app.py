@@ -113,7 +113,7 @@ async def serve(config: ServerConfig, ready_file: str = "") -> int:
         await servicer.drain(config.shutdown_grace_seconds)
         await server.stop(grace=1.0)
     finally:
-        await servicer.supervisor.stop()
+        await servicer.stop()
     log.info("server_stopped")
     return 0
 

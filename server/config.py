@@ -38,6 +38,20 @@ class ServerConfig:
     """Cap on what all CPU workers' stores and buffers hold together; 0: only MemAvailable."""
     host_memory_reserve_bytes: int = 256 << 20
     """Host memory an update must leave free (for the server, engines, the OS)."""
+    ingress_slot_bytes: int = 64 << 20
+    """Bytes per ingress slot: the largest INLINE/SHM bucket. 0 disables both transports."""
+    ingress_slot_count: int = 2
+    """Ingress slots: INLINE and SHM keep this many buckets in flight."""
+    transfer_timeout_seconds: float = 60.0
+    """INLINE/SHM: longest wait for the client's next bytes, or for the workers to apply a bucket."""
+    local_socket: str = "auto"
+    """Unix socket for engines and SHM trainers; "auto": <tmpdir>/weightsync-<pid>.sock; "": none."""
+    local_allow_uids: tuple[int, ...] = ()
+    """Other uids the local socket serves (the server's own always)."""
+    engine_lease_timeout_seconds: float = 30.0
+    """Longest an update waits for engines to finish reading the bytes it would write."""
+    engines: tuple[str, ...] = ()
+    """Engines the server drives after each commit, as KIND=URL (e.g. vllm-http=http://127.0.0.1:8000)."""
     shutdown_grace_seconds: float = 10.0
     """SIGTERM: how long a running update may take to finish before it is aborted."""
     worker_call_timeout_seconds: float = 120.0
@@ -70,6 +84,13 @@ class ServerConfig:
                 f"queue_capacity_bytes ({self.queue_capacity_bytes}) must exceed max_message_bytes "
                 f"({self.max_message_bytes}) so a full plan fits in one worker command"
             )
+        if self.ingress_slot_bytes < 0 or (self.ingress_slot_bytes and self.ingress_slot_count < 2):
+            raise ValueError(f"ingress needs slot bytes >= 0 and at least 2 slots, got {self.ingress_slot_bytes} "
+                             f"x {self.ingress_slot_count}")
+        for spec in self.engines:
+            kind, sep, url = spec.partition("=")
+            if kind != "vllm-http" or not sep or not url.startswith(("http://", "https://")):
+                raise ValueError(f"--engine must be vllm-http=http://HOST:PORT, got {spec!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
@@ -102,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker-memory-limit-bytes", type=int)
     parser.add_argument("--host-memory-limit-bytes", type=int)
     parser.add_argument("--host-memory-reserve-bytes", type=int)
+    parser.add_argument("--ingress-slot-bytes", type=int, help="largest INLINE/SHM bucket; 0 disables them")
+    parser.add_argument("--ingress-slot-count", type=int)
+    parser.add_argument("--transfer-timeout-seconds", type=float)
+    parser.add_argument("--local-socket", help='unix socket for engines and SHM trainers ("auto", a path, or "")')
+    parser.add_argument("--local-allow-uid", type=int, action="append", help="another uid the local socket serves")
+    parser.add_argument("--engine-lease-timeout-seconds", type=float)
+    parser.add_argument("--engine", action="append",
+                        help="an engine to drive after each commit: vllm-http=http://127.0.0.1:8000 (repeatable)")
     parser.add_argument("--shutdown-grace-seconds", type=float)
     parser.add_argument("--log-level")
     parser.add_argument("--token-file", help="file holding the bearer token clients must send")
@@ -148,6 +177,10 @@ def config_from_args(argv: Sequence[str] | None, env: Mapping[str, str] | None =
         ("worker_memory_limit_bytes", int),
         ("host_memory_limit_bytes", int),
         ("host_memory_reserve_bytes", int),
+        ("ingress_slot_bytes", int),
+        ("ingress_slot_count", int),
+        ("transfer_timeout_seconds", float),
+        ("engine_lease_timeout_seconds", float),
         ("shutdown_grace_seconds", float),
     ):
         raw = pick(name)
@@ -155,6 +188,16 @@ def config_from_args(argv: Sequence[str] | None, env: Mapping[str, str] | None =
             values[name] = cast(raw)
     if (level := pick("log_level")) is not None:
         values["log_level"] = level
+    if (path := pick("local_socket")) is not None:
+        values["local_socket"] = path
+    if args.local_allow_uid:
+        values["local_allow_uids"] = tuple(args.local_allow_uid)
+    elif env.get(ENV_PREFIX + "LOCAL_ALLOW_UID"):
+        values["local_allow_uids"] = tuple(int(u) for u in env[ENV_PREFIX + "LOCAL_ALLOW_UID"].split(","))
+    if args.engine:
+        values["engines"] = tuple(args.engine)
+    elif env.get(ENV_PREFIX + "ENGINE"):
+        values["engines"] = tuple(e.strip() for e in env[ENV_PREFIX + "ENGINE"].split(",") if e.strip())
     token_file = pick("token_file")
     if token_file:
         with open(token_file, encoding="utf-8") as handle:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 
+from weightsync.server.engines import EngineRegistry
 from weightsync.server.state import PublishedVersion, Watchers, aggregate_store_state
 from weightsync.server.supervisor import Supervisor
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -13,8 +14,9 @@ from weightsync.v1 import weight_sync_service_pb2 as pb
 class Publisher:
     """Owns the published version; every state change goes out to watchers from here."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: Supervisor, engines: EngineRegistry) -> None:
         self._supervisor = supervisor
+        self.engines = engines
         self.version = PublishedVersion()
         self.watchers = Watchers()
         self.mixed = False
@@ -28,7 +30,8 @@ class Publisher:
         return state
 
     def event(self) -> pb.WatchWeightsResponse:
-        event = pb.WatchWeightsResponse(version=self.version.to_proto(), store_state=self.store_state())
+        event = pb.WatchWeightsResponse(version=self.version.to_proto(), store_state=self.store_state(),
+                                        engines=self.engines.protos())
         event.event_time.GetCurrentTime()
         return event
 

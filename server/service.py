@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import re
+import tempfile
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -31,7 +33,11 @@ from weightsync.common.plan_id import plan_id_of
 from weightsync.common.plan_validation import PlanSummary, validate_plan
 from weightsync.server.admission import MemoryAdmission
 from weightsync.server.config import ServerConfig
+from weightsync.server.engines import EngineRegistry
 from weightsync.server.groups import GroupRegistry
+from weightsync.server.ingress import Ingress
+from weightsync.server.leases import LeaseTable
+from weightsync.server.local_socket import LocalHandoff
 from weightsync.server.publisher import Publisher
 from weightsync.server.state import GroupRecord
 from weightsync.server.supervisor import Supervisor, WorkerHandle
@@ -74,6 +80,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
     def __init__(self, config: ServerConfig, health) -> None:  # health: grpc_health aio servicer
         self.config = config
         self.health = health
+        self.ingress = Ingress(config.ingress_slot_bytes, config.ingress_slot_count) if config.ingress_slot_bytes else None
         self.supervisor = Supervisor(
             config.devices,
             queue_capacity_bytes=config.queue_capacity_bytes,
@@ -82,8 +89,11 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             on_worker_died=self._on_worker_died,
             on_worker_started=self._on_worker_started,
             on_worker_unresponsive=self._on_worker_unresponsive,
+            ingress=self.ingress,
         )
-        self.publisher = Publisher(self.supervisor)
+        self.engines = EngineRegistry(on_change=lambda: self.publisher.publish_state())
+        self.publisher = Publisher(self.supervisor, self.engines)
+        self.leases = LeaseTable()
         self.groups = GroupRegistry(on_trainer_gone=self._release_group)
         self.plans = PlanCache()
         self.sessions = SessionServices(
@@ -92,8 +102,23 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             groups=self.groups,
             admission=MemoryAdmission(host_limit_bytes=config.host_memory_limit_bytes,
                                       reserve_bytes=config.host_memory_reserve_bytes),
+            leases=self.leases,
+            ingress=self.ingress,
             command_timeout=config.worker_call_timeout_seconds,
+            transfer_timeout=config.transfer_timeout_seconds,
+            lease_timeout=config.engine_lease_timeout_seconds,
+            max_chunk_bytes=max_chunk_bytes(config),
         )
+        self.local: LocalHandoff | None = None
+        if config.local_socket:
+            path = config.local_socket
+            if path == "auto":
+                path = os.path.join(tempfile.gettempdir(), f"weightsync-{os.getpid()}.sock")
+            self.local = LocalHandoff(
+                path, supervisor=self.supervisor, publisher=self.publisher, leases=self.leases, engines=self.engines,
+                ingress=self.ingress, token=config.token, allowed_uids=config.local_allow_uids,
+                command_timeout=config.worker_call_timeout_seconds,
+            )
         self.draining = False
         self.update_lock = asyncio.Lock()
         self.active_update: UpdateSession | None = None
@@ -103,7 +128,17 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
     async def start(self) -> None:
         await self.supervisor.start()
         self.groups.start()
+        if self.local is not None:
+            await self.local.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self) -> None:
+        """After the gRPC server stopped: the local socket, the workers, the ingress."""
+        if self.local is not None:
+            await self.local.stop()
+        await self.supervisor.stop()
+        if self.ingress is not None:
+            self.ingress.close()
 
     def _on_worker_died(self, worker: WorkerHandle) -> None:
         # The dead worker left every group; the others must leave too (a group missing a rank is unusable).
@@ -165,15 +200,28 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             server_version=SERVER_VERSION,
             workers=workers,
             backends=available_backends_for(self.supervisor.workers),
-            transports=[pb.TRANSPORT_COLLECTIVE],
+            transports=self.transports(),
             store_state=self.publisher.store_state(),
             current_version=self.publisher.version.to_proto(),
             limits=pb.ServerLimits(
                 max_tensors=self.config.max_tensors, max_plan_bytes=self.config.max_plan_bytes,
                 max_bucket_bytes=self.config.max_bucket_bytes, max_message_bytes=self.config.max_message_bytes,
+                max_chunk_bytes=self.sessions.max_chunk_bytes if self.ingress else 0,
+                ingress_slot_bytes=self.ingress.slot_bytes if self.ingress else 0,
+                ingress_slot_count=self.ingress.slot_count if self.ingress else 0,
             ),
             draining=self.draining,
+            engines=self.engines.protos(),
+            local_socket=self.local.path if self.local else "",
         )
+
+    def transports(self) -> list[int]:
+        offered = [pb.TRANSPORT_COLLECTIVE]
+        if self.ingress is not None:
+            offered.append(pb.TRANSPORT_INLINE)
+            if self.local is not None:  # SHM trainers map the ingress through the local socket
+                offered.append(pb.TRANSPORT_SHM)
+        return offered
 
     async def CreateTransferGroup(self, request: pb.CreateTransferGroupRequest, context) -> pb.CreateTransferGroupResponse:
         record = self._validate_group_request(request)
@@ -250,7 +298,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         if record is None:
             raise NotFound("GROUP_NOT_FOUND", f"no group {request.group_id!r}", group_id=request.group_id[:128])
         active = self.active_update
-        if active is not None and active.group.group_id == record.group_id and not active.finished:
+        if active is not None and active.group is record and not active.finished:
             raise FailedPrecondition(
                 "UPDATE_IN_PROGRESS", f"update {active.update_id} is running on group {record.group_id!r}",
                 group_id=record.group_id, update_id=active.update_id,
@@ -313,7 +361,8 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             )
         async with self.update_lock:
             update_id = uuid.uuid4().hex[:16]
-            structlog.contextvars.bind_contextvars(update_id=update_id, group_id=group.group_id)
+            structlog.contextvars.bind_contextvars(update_id=update_id, group_id=group.group_id if group else "",
+                                                   transport=pb.Transport.Name(begin.transport))
             session = UpdateSession(self.sessions, update_id, group, begin, plan, plan_id)
             self.active_update = session
             try:
@@ -324,29 +373,21 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             finally:
                 self.active_update = None
 
-    def _validate_begin(self, begin: pb.BeginUpdate) -> tuple[GroupRecord, tensor_pb2.WeightPlan, str, PlanSummary]:
+    def _validate_begin(self, begin: pb.BeginUpdate) -> tuple[GroupRecord | None, tensor_pb2.WeightPlan, str, PlanSummary]:
         if begin.transport == pb.TRANSPORT_UNSPECIFIED:
-            raise InvalidArgument("TRANSPORT_UNSPECIFIED", "transport is required (TRANSPORT_COLLECTIVE)")
-        if begin.transport in (pb.TRANSPORT_SHM, pb.TRANSPORT_INLINE):
-            raise Unimplemented("TRANSPORT_UNIMPLEMENTED", f"transport {pb.Transport.Name(begin.transport)} is not implemented yet")
-        if begin.transport != pb.TRANSPORT_COLLECTIVE:
+            raise InvalidArgument("TRANSPORT_UNSPECIFIED", "transport is required (TRANSPORT_COLLECTIVE, INLINE or SHM)")
+        if begin.transport not in pb.Transport.values():
             raise InvalidArgument("TRANSPORT_UNKNOWN", f"unknown transport number {begin.transport}", transport=begin.transport)
+        if begin.transport not in self.transports():
+            raise Unimplemented("TRANSPORT_UNAVAILABLE", f"transport {pb.Transport.Name(begin.transport)} is not "
+                                "offered by this server (see GetServerInfo.transports)", transport=begin.transport)
         if begin.mode == pb.UPDATE_MODE_UNSPECIFIED:
             raise InvalidArgument("MODE_UNSPECIFIED", "mode is required (UPDATE_MODE_IN_PLACE or UPDATE_MODE_STAGED)")
         if begin.mode not in (pb.UPDATE_MODE_IN_PLACE, pb.UPDATE_MODE_STAGED):
             raise InvalidArgument("MODE_UNKNOWN", f"unknown mode number {begin.mode}", mode=begin.mode)
         if not begin.version or len(begin.version.encode()) > MAX_VERSION_BYTES:
             raise InvalidArgument("VERSION_INVALID", f"version must be 1 to {MAX_VERSION_BYTES} bytes")
-        group = self.groups.get(begin.group_id)
-        if group is None:
-            raise NotFound("GROUP_NOT_FOUND", f"no group {begin.group_id!r}", group_id=begin.group_id[:128])
-        if group.state == pb.GROUP_STATE_BROKEN:
-            raise FailedPrecondition(
-                "GROUP_BROKEN", f"group {group.group_id!r} is broken ({group.broken_reason}); delete and recreate it",
-                group_id=group.group_id,
-            )
-        if group.state != pb.GROUP_STATE_READY:
-            raise FailedPrecondition("GROUP_NOT_READY", f"group {group.group_id!r} is still joining", group_id=group.group_id)
+        group = self._group_for(begin)
         has_plan = begin.HasField("plan")
         if has_plan and begin.plan_id:
             raise InvalidArgument("PLAN_AND_PLAN_ID", "set either plan or plan_id, not both")
@@ -363,6 +404,14 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             plan_id = begin.plan_id
         else:
             raise InvalidArgument("PLAN_MISSING", "begin needs a plan or a plan_id")
+        if begin.transport == pb.TRANSPORT_SHM and summary.max_bucket_bytes > self.ingress.slot_bytes:  # type: ignore[union-attr]
+            index = next(i for i, b in enumerate(plan.buckets) if b.size_bytes > self.ingress.slot_bytes)  # type: ignore[union-attr]
+            raise InvalidArgument(
+                "BUCKET_TOO_LARGE_FOR_INGRESS",
+                f"bucket {index} is {plan.buckets[index].size_bytes} bytes; SHM carries buckets of at most "
+                f"{self.ingress.slot_bytes} bytes (GetServerInfo.limits.ingress_slot_bytes): plan smaller buckets",  # type: ignore[union-attr]
+                bucket=index, size_bytes=plan.buckets[index].size_bytes, limit=self.ingress.slot_bytes,  # type: ignore[union-attr]
+            )
         self._require_serving()
         workers = self.supervisor.workers
         largest = max(w.store.tensor_count for w in workers)
@@ -373,6 +422,25 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
                 tensors=summary.tensor_count, expected=largest,
             )
         return group, plan, plan_id, summary
+
+    def _group_for(self, begin: pb.BeginUpdate) -> GroupRecord | None:
+        """COLLECTIVE: the READY group that carries the buckets. INLINE/SHM: none."""
+        if begin.transport != pb.TRANSPORT_COLLECTIVE:
+            if begin.group_id:
+                raise InvalidArgument("GROUP_ID_UNEXPECTED", f"{pb.Transport.Name(begin.transport)} needs no transfer "
+                                      "group: leave group_id empty", group_id=begin.group_id[:128])
+            return None
+        group = self.groups.get(begin.group_id)
+        if group is None:
+            raise NotFound("GROUP_NOT_FOUND", f"no group {begin.group_id!r}", group_id=begin.group_id[:128])
+        if group.state == pb.GROUP_STATE_BROKEN:
+            raise FailedPrecondition(
+                "GROUP_BROKEN", f"group {group.group_id!r} is broken ({group.broken_reason}); delete and recreate it",
+                group_id=group.group_id,
+            )
+        if group.state != pb.GROUP_STATE_READY:
+            raise FailedPrecondition("GROUP_NOT_READY", f"group {group.group_id!r} is still joining", group_id=group.group_id)
+        return group
 
     # -- shutdown ------------------------------------------------------------------
     async def drain(self, grace_seconds: float) -> None:
@@ -395,6 +463,11 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
     async def _wait_idle(self) -> None:
         while self.active_update is not None:
             await asyncio.sleep(0.05)
+
+
+def max_chunk_bytes(config: ServerConfig) -> int:
+    """Largest BucketChunk payload: a message's limit minus room for its other fields."""
+    return max(1, config.max_message_bytes - (64 << 10))
 
 
 def available_backends_for(workers: list[WorkerHandle]) -> list[int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from weightsync.v1 import local_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -31,6 +32,8 @@ class KeptStore:
     """The last manifest without its tensors (segments, arenas, dirty: what every commit changes)."""
     tensors: list[wpb.StoredTensorSpec] = field(default_factory=list)
     """The tensors, as last sent (only when the layout changed): not copied on every commit."""
+    written: dict[str, int] = field(default_factory=dict)
+    """Tensor name -> generation of the commit that last wrote it (engines read only what changed)."""
 
     @property
     def manifest(self) -> wpb.StoreManifest | None:
@@ -80,6 +83,24 @@ class KeptStore:
             command.arenas.add(arena_id=arena.arena_id, fd=self.fds[arena.arena_id])
         return command, [self.fds[a.arena_id] for a in manifest.arenas]
 
+    def mark_written(self, names, generation: int) -> None:
+        for name in names:
+            self.written[name] = generation
+
+    def locations(self) -> list[local_pb2.StoredTensorLocation]:
+        """Where every tensor's live bytes are, by arena (what an engine maps), sorted by name."""
+        assert self.layout is not None
+        segments = self.layout.segments
+        out = []
+        for t in sorted(self.tensors, key=lambda t: t.name):
+            live = segments[t.segment].live
+            out.append(local_pb2.StoredTensorLocation(
+                name=t.name, dtype=t.dtype, shape=t.shape, arena_id=live.arena_id,
+                offset_bytes=live.offset_bytes + t.offset_bytes, size_bytes=t.size_bytes,
+                written_generation=self.written.get(t.name, 0),
+            ))
+        return out
+
     def status(self, dirty: set[str]) -> wpb.StoreStatus:
         """The state the kept store will have once mapped again (dirty: half-written by a crash)."""
         assert self.layout is not None
@@ -98,3 +119,4 @@ class KeptStore:
         self.fds.clear()
         self.layout = None
         self.tensors = []
+        self.written = {}

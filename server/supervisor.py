@@ -29,6 +29,7 @@ import structlog
 from weightsync.common.errors import Unavailable, WeightSyncError, error_from_code
 from weightsync.common.fd_passing import recv_fds
 from weightsync.common.shm_queue import OwnedQueue, QueueCorrupted
+from weightsync.server.ingress import Ingress
 from weightsync.server.store_keeper import KeptStore
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
@@ -96,7 +97,9 @@ class Supervisor:
         on_worker_died: Callable[[WorkerHandle], None],
         on_worker_started: Callable[[WorkerHandle], None],
         on_worker_unresponsive: Callable[[WorkerHandle], None] = lambda worker: None,
+        ingress: Ingress | None = None,
     ) -> None:
+        self._ingress = ingress
         self._queue_capacity = queue_capacity_bytes
         self._log_level = log_level
         self._memory_limit = memory_limit_bytes
@@ -145,6 +148,8 @@ class Supervisor:
             parent_pid=os.getpid(),
             memory_limit_bytes=self._memory_limit,
             fd_channel=theirs.fileno(),
+            ingress_fd=self._ingress.fd if self._ingress is not None else 0,
+            ingress_bytes=self._ingress.size_bytes if self._ingress is not None else 0,
         )
         cmd = (worker.commands.segment_fd, worker.commands.doorbell_fd)
         evt = (worker.events.segment_fd, worker.events.doorbell_fd)
@@ -159,7 +164,8 @@ class Supervisor:
             worker.state = pb.WORKER_STATE_STARTING
         try:
             worker.process = subprocess.Popen(
-                argv, pass_fds=(*cmd, *evt, theirs.fileno(), *inherited), stdin=subprocess.DEVNULL
+                argv, pass_fds=(*cmd, *evt, theirs.fileno(), *inherited, *self._ingress_fds()),
+                stdin=subprocess.DEVNULL,
             )
         finally:
             theirs.close()  # the child has its copy; EOF on ours means it is gone
@@ -172,6 +178,9 @@ class Supervisor:
         worker.restore_command = restore
         log.info("worker_spawned", worker=worker.index, pid=worker.process.pid, device=worker.device,
                  restoring=restore is not None)
+
+    def _ingress_fds(self) -> tuple[int, ...]:
+        return (self._ingress.fd,) if self._ingress is not None else ()
 
     def _reap(self, worker: WorkerHandle) -> None:
         """The pidfd became readable: the process exited."""
@@ -296,7 +305,7 @@ class Supervisor:
     def _keep_store(self, worker: WorkerHandle, reported: wpb.UpdateCommitted | wpb.UpdateAborted) -> None:
         """Hold the arenas and manifest the worker just reported (see store_keeper.py)."""
         worker.writes_in_flight = set()
-        if not worker.host_memory or worker.channel is None:
+        if worker.channel is None:
             return
         try:
             fds = recv_fds(worker.channel, len(reported.sent_arena_ids)) if reported.sent_arena_ids else []

@@ -376,8 +376,9 @@ def test_rendezvous_timeout_leaves_nothing_behind(server, tracker):
         ({"mode": pb.UPDATE_MODE_UNSPECIFIED}, Code.INVALID_ARGUMENT, "MODE_UNSPECIFIED"),
         ({"mode": 7}, Code.INVALID_ARGUMENT, "MODE_UNKNOWN"),
         ({"transport": pb.TRANSPORT_UNSPECIFIED}, Code.INVALID_ARGUMENT, "TRANSPORT_UNSPECIFIED"),
-        ({"transport": pb.TRANSPORT_SHM}, Code.UNIMPLEMENTED, "TRANSPORT_UNIMPLEMENTED"),
-        ({"transport": pb.TRANSPORT_INLINE}, Code.UNIMPLEMENTED, "TRANSPORT_UNIMPLEMENTED"),
+        # INLINE and SHM carry no transfer group: a group id with them is a mistake, said as such.
+        ({"transport": pb.TRANSPORT_SHM}, Code.INVALID_ARGUMENT, "GROUP_ID_UNEXPECTED"),
+        ({"transport": pb.TRANSPORT_INLINE}, Code.INVALID_ARGUMENT, "GROUP_ID_UNEXPECTED"),
         ({"transport": 9}, Code.INVALID_ARGUMENT, "TRANSPORT_UNKNOWN"),
         ({"version": ""}, Code.INVALID_ARGUMENT, "VERSION_INVALID"),
         ({"version": "v" * 257}, Code.INVALID_ARGUMENT, "VERSION_INVALID"),

@@ -22,7 +22,10 @@ def test_server_info_before_any_update(server):
     assert [w.index for w in response.workers] == [0, 1]
     assert all(w.device == "cpu" and w.state == pb.WORKER_STATE_RUNNING for w in response.workers)
     assert list(response.backends) == [pb.BACKEND_GLOO]
-    assert list(response.transports) == [pb.TRANSPORT_COLLECTIVE]
+    assert list(response.transports) == [pb.TRANSPORT_COLLECTIVE, pb.TRANSPORT_INLINE, pb.TRANSPORT_SHM]
+    assert response.limits.ingress_slot_bytes == 64 << 20 and response.limits.ingress_slot_count == 2
+    assert response.limits.max_chunk_bytes == (32 << 20) - (64 << 10)
+    assert response.local_socket.endswith(".sock") and list(response.engines) == []
     assert response.store_state == pb.STORE_STATE_EMPTY
     assert response.current_version.generation == 0
 

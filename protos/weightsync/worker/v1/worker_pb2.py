@@ -23,11 +23,12 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from weightsync.v1 import local_pb2 as weightsync_dot_v1_dot_local__pb2
 from weightsync.v1 import tensor_pb2 as weightsync_dot_v1_dot_tensor__pb2
 from weightsync.v1 import weight_sync_service_pb2 as weightsync_dot_v1_dot_weight__sync__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!weightsync/worker/v1/worker.proto\x12\x14weightsync.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1aweightsync/v1/tensor.proto\x1a\'weightsync/v1/weight_sync_service.proto\"\xa2\x01\n\x0cWorkerConfig\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x11\n\tlog_level\x18\x03 \x01(\t\x12\x1c\n\x14queue_capacity_bytes\x18\x04 \x01(\x03\x12\x12\n\nparent_pid\x18\x05 \x01(\x05\x12\x1a\n\x12memory_limit_bytes\x18\x06 \x01(\x03\x12\x12\n\nfd_channel\x18\x07 \x01(\x05\"\xc3\x01\n\x10JoinGroupCommand\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\'\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32\x16.weightsync.v1.Backend\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"%\n\x11LeaveGroupCommand\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xb9\x01\n\x14PrepareUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\'\n\x04plan\x18\x03 \x01(\x0b\x32\x19.weightsync.v1.WeightPlan\x12\'\n\x04mode\x18\x04 \x01(\x0e\x32\x19.weightsync.v1.UpdateMode\x12\x19\n\x11\x61llow_new_tensors\x18\x05 \x01(\x08\x12\x0f\n\x07plan_id\x18\x06 \x01(\t\"*\n\x15\x41llocateUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"\x8b\x01\n\x14ReceiveBucketCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x03\x12)\n\x08\x63hecksum\x18\x03 \x01(\x0b\x32\x17.weightsync.v1.Checksum\x12\x0f\n\x07\x64iscard\x18\x04 \x01(\x08\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\"(\n\x13\x43ommitUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"\'\n\x12\x41\x62ortUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"(\n\x17\x43omputeChecksumsCommand\x12\r\n\x05names\x18\x01 \x03(\t\"\x11\n\x0fShutdownCommand\"\'\n\x07\x41renaFd\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x03\x12\n\n\x02\x66\x64\x18\x02 \x01(\x05\"\x8a\x01\n\x13RestoreStoreCommand\x12\x35\n\x08manifest\x18\x01 \x01(\x0b\x32#.weightsync.worker.v1.StoreManifest\x12-\n\x06\x61renas\x18\x02 \x03(\x0b\x32\x1d.weightsync.worker.v1.ArenaFd\x12\r\n\x05\x64irty\x18\x03 \x03(\t\"0\n\x06Region\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x03\"1\n\tArenaSpec\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"\x8e\x01\n\x0bSegmentSpec\x12\x12\n\nsize_bytes\x18\x01 \x01(\x03\x12*\n\x04live\x18\x02 \x01(\x0b\x32\x1c.weightsync.worker.v1.Region\x12,\n\x06shadow\x18\x03 \x01(\x0b\x32\x1c.weightsync.worker.v1.Region\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"\x8f\x01\n\x10StoredTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.weightsync.v1.Dtype\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0f\n\x07segment\x18\x04 \x01(\x05\x12\x14\n\x0coffset_bytes\x18\x05 \x01(\x03\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\"\xef\x01\n\rStoreManifest\x12/\n\x06\x61renas\x18\x01 \x03(\x0b\x32\x1f.weightsync.worker.v1.ArenaSpec\x12\x33\n\x08segments\x18\x02 \x03(\x0b\x32!.weightsync.worker.v1.SegmentSpec\x12\x37\n\x07tensors\x18\x03 \x03(\x0b\x32&.weightsync.worker.v1.StoredTensorSpec\x12\x18\n\x10tensors_included\x18\x04 \x01(\x08\x12\r\n\x05\x64irty\x18\x05 \x03(\t\x12\x16\n\x0elayout_version\x18\x06 \x01(\x03\"\xd1\x05\n\rWorkerCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x03\x12<\n\njoin_group\x18\x02 \x01(\x0b\x32&.weightsync.worker.v1.JoinGroupCommandH\x00\x12>\n\x0bleave_group\x18\x03 \x01(\x0b\x32\'.weightsync.worker.v1.LeaveGroupCommandH\x00\x12\x44\n\x0eprepare_update\x18\x04 \x01(\x0b\x32*.weightsync.worker.v1.PrepareUpdateCommandH\x00\x12\x44\n\x0ereceive_bucket\x18\x05 \x01(\x0b\x32*.weightsync.worker.v1.ReceiveBucketCommandH\x00\x12\x42\n\rcommit_update\x18\x06 \x01(\x0b\x32).weightsync.worker.v1.CommitUpdateCommandH\x00\x12@\n\x0c\x61\x62ort_update\x18\x07 \x01(\x0b\x32(.weightsync.worker.v1.AbortUpdateCommandH\x00\x12J\n\x11\x63ompute_checksums\x18\x08 \x01(\x0b\x32-.weightsync.worker.v1.ComputeChecksumsCommandH\x00\x12\x39\n\x08shutdown\x18\t \x01(\x0b\x32%.weightsync.worker.v1.ShutdownCommandH\x00\x12\x46\n\x0f\x61llocate_update\x18\n \x01(\x0b\x32+.weightsync.worker.v1.AllocateUpdateCommandH\x00\x12\x42\n\rrestore_store\x18\x0b \x01(\x0b\x32).weightsync.worker.v1.RestoreStoreCommandH\x00\x42\t\n\x07\x63ommand\"b\n\x0bStoreStatus\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.weightsync.v1.StoreState\x12\x14\n\x0ctensor_count\x18\x02 \x01(\x03\x12\x13\n\x0bstore_bytes\x18\x03 \x01(\x03\"U\n\rWorkerStarted\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\'\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x16.weightsync.v1.Backend\"5\n\x0bGroupJoined\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x14\n\x0cjoin_seconds\x18\x02 \x01(\x01\"\x1d\n\tGroupLeft\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x8d\x01\n\x0eUpdatePrepared\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x1e\n\x16\x66\x61st_path_bucket_count\x18\x02 \x01(\x03\x12\x14\n\x0cneeded_bytes\x18\x03 \x01(\x03\x12\x1e\n\x16\x64\x65vice_available_bytes\x18\x04 \x01(\x03\x12\x12\n\nheld_bytes\x18\x05 \x01(\x03\"I\n\x0e\x42ucketReceived\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x11\n\tfast_path\x18\x03 \x01(\x08\"s\n\x0fUpdateCommitted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x35\n\x08manifest\x18\x02 \x01(\x0b\x32#.weightsync.worker.v1.StoreManifest\x12\x16\n\x0esent_arena_ids\x18\x03 \x03(\x03\"q\n\rUpdateAborted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x35\n\x08manifest\x18\x02 \x01(\x0b\x32#.weightsync.worker.v1.StoreManifest\x12\x16\n\x0esent_arena_ids\x18\x03 \x03(\x03\"%\n\rStoreRestored\x12\x14\n\x0ctensor_count\x18\x01 \x01(\x03\"C\n\x11\x43hecksumsComputed\x12.\n\x07tensors\x18\x01 \x03(\x0b\x32\x1d.weightsync.v1.TensorChecksum\"\xcd\x01\n\rCommandFailed\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x43\n\x08metadata\x18\x04 \x03(\x0b\x32\x31.weightsync.worker.v1.CommandFailed.MetadataEntry\x12\x17\n\x0f\x62roken_group_id\x18\x05 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xcf\x05\n\x0bWorkerEvent\x12\x12\n\ncommand_id\x18\x01 \x01(\x03\x12\x30\n\x05store\x18\x02 \x01(\x0b\x32!.weightsync.worker.v1.StoreStatus\x12\x36\n\x07started\x18\x03 \x01(\x0b\x32#.weightsync.worker.v1.WorkerStartedH\x00\x12\x39\n\x0cgroup_joined\x18\x04 \x01(\x0b\x32!.weightsync.worker.v1.GroupJoinedH\x00\x12\x35\n\ngroup_left\x18\x05 \x01(\x0b\x32\x1f.weightsync.worker.v1.GroupLeftH\x00\x12?\n\x0fupdate_prepared\x18\x06 \x01(\x0b\x32$.weightsync.worker.v1.UpdatePreparedH\x00\x12?\n\x0f\x62ucket_received\x18\x07 \x01(\x0b\x32$.weightsync.worker.v1.BucketReceivedH\x00\x12\x41\n\x10update_committed\x18\x08 \x01(\x0b\x32%.weightsync.worker.v1.UpdateCommittedH\x00\x12=\n\x0eupdate_aborted\x18\t \x01(\x0b\x32#.weightsync.worker.v1.UpdateAbortedH\x00\x12\x45\n\x12\x63hecksums_computed\x18\n \x01(\x0b\x32\'.weightsync.worker.v1.ChecksumsComputedH\x00\x12=\n\x0e\x63ommand_failed\x18\x0b \x01(\x0b\x32#.weightsync.worker.v1.CommandFailedH\x00\x12=\n\x0estore_restored\x18\x0c \x01(\x0b\x32#.weightsync.worker.v1.StoreRestoredH\x00\x42\x07\n\x05\x65ventb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!weightsync/worker/v1/worker.proto\x12\x14weightsync.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x19weightsync/v1/local.proto\x1a\x1aweightsync/v1/tensor.proto\x1a\'weightsync/v1/weight_sync_service.proto\"\xcd\x01\n\x0cWorkerConfig\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x11\n\tlog_level\x18\x03 \x01(\t\x12\x1c\n\x14queue_capacity_bytes\x18\x04 \x01(\x03\x12\x12\n\nparent_pid\x18\x05 \x01(\x05\x12\x1a\n\x12memory_limit_bytes\x18\x06 \x01(\x03\x12\x12\n\nfd_channel\x18\x07 \x01(\x05\x12\x12\n\ningress_fd\x18\x08 \x01(\x05\x12\x15\n\ringress_bytes\x18\t \x01(\x03\"\xc3\x01\n\x10JoinGroupCommand\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\'\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32\x16.weightsync.v1.Backend\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"%\n\x11LeaveGroupCommand\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xb9\x01\n\x14PrepareUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\'\n\x04plan\x18\x03 \x01(\x0b\x32\x19.weightsync.v1.WeightPlan\x12\'\n\x04mode\x18\x04 \x01(\x0e\x32\x19.weightsync.v1.UpdateMode\x12\x19\n\x11\x61llow_new_tensors\x18\x05 \x01(\x08\x12\x0f\n\x07plan_id\x18\x06 \x01(\t\"*\n\x15\x41llocateUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"\x89\x02\n\x14ReceiveBucketCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x03\x12)\n\x08\x63hecksum\x18\x03 \x01(\x0b\x32\x17.weightsync.v1.Checksum\x12\x0f\n\x07\x64iscard\x18\x04 \x01(\x08\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x12\x14\n\x0c\x66rom_ingress\x18\x06 \x01(\x08\x12\x1c\n\x14ingress_offset_bytes\x18\x07 \x01(\x03\x12\x1a\n\x12piece_offset_bytes\x18\x08 \x01(\x03\x12\x18\n\x10piece_size_bytes\x18\t \x01(\x03\x12\x12\n\nlast_piece\x18\n \x01(\x08\"(\n\x13\x43ommitUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"\'\n\x12\x41\x62ortUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"(\n\x17\x43omputeChecksumsCommand\x12\r\n\x05names\x18\x01 \x03(\t\"\x11\n\x0fShutdownCommand\"\x14\n\x12\x45xportStoreCommand\";\n\rStoreExported\x12*\n\x06\x61renas\x18\x01 \x03(\x0b\x32\x1a.weightsync.v1.ArenaHandle\"\'\n\x07\x41renaFd\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x03\x12\n\n\x02\x66\x64\x18\x02 \x01(\x05\"\x8a\x01\n\x13RestoreStoreCommand\x12\x35\n\x08manifest\x18\x01 \x01(\x0b\x32#.weightsync.worker.v1.StoreManifest\x12-\n\x06\x61renas\x18\x02 \x03(\x0b\x32\x1d.weightsync.worker.v1.ArenaFd\x12\r\n\x05\x64irty\x18\x03 \x03(\t\"0\n\x06Region\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x03\"1\n\tArenaSpec\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"\x8e\x01\n\x0bSegmentSpec\x12\x12\n\nsize_bytes\x18\x01 \x01(\x03\x12*\n\x04live\x18\x02 \x01(\x0b\x32\x1c.weightsync.worker.v1.Region\x12,\n\x06shadow\x18\x03 \x01(\x0b\x32\x1c.weightsync.worker.v1.Region\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"\x8f\x01\n\x10StoredTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.weightsync.v1.Dtype\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0f\n\x07segment\x18\x04 \x01(\x05\x12\x14\n\x0coffset_bytes\x18\x05 \x01(\x03\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\"\xef\x01\n\rStoreManifest\x12/\n\x06\x61renas\x18\x01 \x03(\x0b\x32\x1f.weightsync.worker.v1.ArenaSpec\x12\x33\n\x08segments\x18\x02 \x03(\x0b\x32!.weightsync.worker.v1.SegmentSpec\x12\x37\n\x07tensors\x18\x03 \x03(\x0b\x32&.weightsync.worker.v1.StoredTensorSpec\x12\x18\n\x10tensors_included\x18\x04 \x01(\x08\x12\r\n\x05\x64irty\x18\x05 \x03(\t\x12\x16\n\x0elayout_version\x18\x06 \x01(\x03\"\x93\x06\n\rWorkerCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x03\x12<\n\njoin_group\x18\x02 \x01(\x0b\x32&.weightsync.worker.v1.JoinGroupCommandH\x00\x12>\n\x0bleave_group\x18\x03 \x01(\x0b\x32\'.weightsync.worker.v1.LeaveGroupCommandH\x00\x12\x44\n\x0eprepare_update\x18\x04 \x01(\x0b\x32*.weightsync.worker.v1.PrepareUpdateCommandH\x00\x12\x44\n\x0ereceive_bucket\x18\x05 \x01(\x0b\x32*.weightsync.worker.v1.ReceiveBucketCommandH\x00\x12\x42\n\rcommit_update\x18\x06 \x01(\x0b\x32).weightsync.worker.v1.CommitUpdateCommandH\x00\x12@\n\x0c\x61\x62ort_update\x18\x07 \x01(\x0b\x32(.weightsync.worker.v1.AbortUpdateCommandH\x00\x12J\n\x11\x63ompute_checksums\x18\x08 \x01(\x0b\x32-.weightsync.worker.v1.ComputeChecksumsCommandH\x00\x12\x39\n\x08shutdown\x18\t \x01(\x0b\x32%.weightsync.worker.v1.ShutdownCommandH\x00\x12\x46\n\x0f\x61llocate_update\x18\n \x01(\x0b\x32+.weightsync.worker.v1.AllocateUpdateCommandH\x00\x12\x42\n\rrestore_store\x18\x0b \x01(\x0b\x32).weightsync.worker.v1.RestoreStoreCommandH\x00\x12@\n\x0c\x65xport_store\x18\x0c \x01(\x0b\x32(.weightsync.worker.v1.ExportStoreCommandH\x00\x42\t\n\x07\x63ommand\"b\n\x0bStoreStatus\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.weightsync.v1.StoreState\x12\x14\n\x0ctensor_count\x18\x02 \x01(\x03\x12\x13\n\x0bstore_bytes\x18\x03 \x01(\x03\"U\n\rWorkerStarted\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\'\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x16.weightsync.v1.Backend\"5\n\x0bGroupJoined\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x14\n\x0cjoin_seconds\x18\x02 \x01(\x01\"\x1d\n\tGroupLeft\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x8d\x01\n\x0eUpdatePrepared\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x1e\n\x16\x66\x61st_path_bucket_count\x18\x02 \x01(\x03\x12\x14\n\x0cneeded_bytes\x18\x03 \x01(\x03\x12\x1e\n\x16\x64\x65vice_available_bytes\x18\x04 \x01(\x03\x12\x12\n\nheld_bytes\x18\x05 \x01(\x03\"I\n\x0e\x42ucketReceived\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x11\n\tfast_path\x18\x03 \x01(\x08\"s\n\x0fUpdateCommitted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x35\n\x08manifest\x18\x02 \x01(\x0b\x32#.weightsync.worker.v1.StoreManifest\x12\x16\n\x0esent_arena_ids\x18\x03 \x03(\x03\"q\n\rUpdateAborted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x35\n\x08manifest\x18\x02 \x01(\x0b\x32#.weightsync.worker.v1.StoreManifest\x12\x16\n\x0esent_arena_ids\x18\x03 \x03(\x03\"%\n\rStoreRestored\x12\x14\n\x0ctensor_count\x18\x01 \x01(\x03\"C\n\x11\x43hecksumsComputed\x12.\n\x07tensors\x18\x01 \x03(\x0b\x32\x1d.weightsync.v1.TensorChecksum\"\xcd\x01\n\rCommandFailed\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x43\n\x08metadata\x18\x04 \x03(\x0b\x32\x31.weightsync.worker.v1.CommandFailed.MetadataEntry\x12\x17\n\x0f\x62roken_group_id\x18\x05 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8e\x06\n\x0bWorkerEvent\x12\x12\n\ncommand_id\x18\x01 \x01(\x03\x12\x30\n\x05store\x18\x02 \x01(\x0b\x32!.weightsync.worker.v1.StoreStatus\x12\x36\n\x07started\x18\x03 \x01(\x0b\x32#.weightsync.worker.v1.WorkerStartedH\x00\x12\x39\n\x0cgroup_joined\x18\x04 \x01(\x0b\x32!.weightsync.worker.v1.GroupJoinedH\x00\x12\x35\n\ngroup_left\x18\x05 \x01(\x0b\x32\x1f.weightsync.worker.v1.GroupLeftH\x00\x12?\n\x0fupdate_prepared\x18\x06 \x01(\x0b\x32$.weightsync.worker.v1.UpdatePreparedH\x00\x12?\n\x0f\x62ucket_received\x18\x07 \x01(\x0b\x32$.weightsync.worker.v1.BucketReceivedH\x00\x12\x41\n\x10update_committed\x18\x08 \x01(\x0b\x32%.weightsync.worker.v1.UpdateCommittedH\x00\x12=\n\x0eupdate_aborted\x18\t \x01(\x0b\x32#.weightsync.worker.v1.UpdateAbortedH\x00\x12\x45\n\x12\x63hecksums_computed\x18\n \x01(\x0b\x32\'.weightsync.worker.v1.ChecksumsComputedH\x00\x12=\n\x0e\x63ommand_failed\x18\x0b \x01(\x0b\x32#.weightsync.worker.v1.CommandFailedH\x00\x12=\n\x0estore_restored\x18\x0c \x01(\x0b\x32#.weightsync.worker.v1.StoreRestoredH\x00\x12=\n\x0estore_exported\x18\r \x01(\x0b\x32#.weightsync.worker.v1.StoreExportedH\x00\x42\x07\n\x05\x65ventb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,66 +37,70 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMMANDFAILED_METADATAENTRY']._loaded_options = None
   _globals['_COMMANDFAILED_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERCONFIG']._serialized_start=161
-  _globals['_WORKERCONFIG']._serialized_end=323
-  _globals['_JOINGROUPCOMMAND']._serialized_start=326
-  _globals['_JOINGROUPCOMMAND']._serialized_end=521
-  _globals['_LEAVEGROUPCOMMAND']._serialized_start=523
-  _globals['_LEAVEGROUPCOMMAND']._serialized_end=560
-  _globals['_PREPAREUPDATECOMMAND']._serialized_start=563
-  _globals['_PREPAREUPDATECOMMAND']._serialized_end=748
-  _globals['_ALLOCATEUPDATECOMMAND']._serialized_start=750
-  _globals['_ALLOCATEUPDATECOMMAND']._serialized_end=792
-  _globals['_RECEIVEBUCKETCOMMAND']._serialized_start=795
-  _globals['_RECEIVEBUCKETCOMMAND']._serialized_end=934
-  _globals['_COMMITUPDATECOMMAND']._serialized_start=936
-  _globals['_COMMITUPDATECOMMAND']._serialized_end=976
-  _globals['_ABORTUPDATECOMMAND']._serialized_start=978
-  _globals['_ABORTUPDATECOMMAND']._serialized_end=1017
-  _globals['_COMPUTECHECKSUMSCOMMAND']._serialized_start=1019
-  _globals['_COMPUTECHECKSUMSCOMMAND']._serialized_end=1059
-  _globals['_SHUTDOWNCOMMAND']._serialized_start=1061
-  _globals['_SHUTDOWNCOMMAND']._serialized_end=1078
-  _globals['_ARENAFD']._serialized_start=1080
-  _globals['_ARENAFD']._serialized_end=1119
-  _globals['_RESTORESTORECOMMAND']._serialized_start=1122
-  _globals['_RESTORESTORECOMMAND']._serialized_end=1260
-  _globals['_REGION']._serialized_start=1262
-  _globals['_REGION']._serialized_end=1310
-  _globals['_ARENASPEC']._serialized_start=1312
-  _globals['_ARENASPEC']._serialized_end=1361
-  _globals['_SEGMENTSPEC']._serialized_start=1364
-  _globals['_SEGMENTSPEC']._serialized_end=1506
-  _globals['_STOREDTENSORSPEC']._serialized_start=1509
-  _globals['_STOREDTENSORSPEC']._serialized_end=1652
-  _globals['_STOREMANIFEST']._serialized_start=1655
-  _globals['_STOREMANIFEST']._serialized_end=1894
-  _globals['_WORKERCOMMAND']._serialized_start=1897
-  _globals['_WORKERCOMMAND']._serialized_end=2618
-  _globals['_STORESTATUS']._serialized_start=2620
-  _globals['_STORESTATUS']._serialized_end=2718
-  _globals['_WORKERSTARTED']._serialized_start=2720
-  _globals['_WORKERSTARTED']._serialized_end=2805
-  _globals['_GROUPJOINED']._serialized_start=2807
-  _globals['_GROUPJOINED']._serialized_end=2860
-  _globals['_GROUPLEFT']._serialized_start=2862
-  _globals['_GROUPLEFT']._serialized_end=2891
-  _globals['_UPDATEPREPARED']._serialized_start=2894
-  _globals['_UPDATEPREPARED']._serialized_end=3035
-  _globals['_BUCKETRECEIVED']._serialized_start=3037
-  _globals['_BUCKETRECEIVED']._serialized_end=3110
-  _globals['_UPDATECOMMITTED']._serialized_start=3112
-  _globals['_UPDATECOMMITTED']._serialized_end=3227
-  _globals['_UPDATEABORTED']._serialized_start=3229
-  _globals['_UPDATEABORTED']._serialized_end=3342
-  _globals['_STORERESTORED']._serialized_start=3344
-  _globals['_STORERESTORED']._serialized_end=3381
-  _globals['_CHECKSUMSCOMPUTED']._serialized_start=3383
-  _globals['_CHECKSUMSCOMPUTED']._serialized_end=3450
-  _globals['_COMMANDFAILED']._serialized_start=3453
-  _globals['_COMMANDFAILED']._serialized_end=3658
-  _globals['_COMMANDFAILED_METADATAENTRY']._serialized_start=3611
-  _globals['_COMMANDFAILED_METADATAENTRY']._serialized_end=3658
-  _globals['_WORKEREVENT']._serialized_start=3661
-  _globals['_WORKEREVENT']._serialized_end=4380
+  _globals['_WORKERCONFIG']._serialized_start=188
+  _globals['_WORKERCONFIG']._serialized_end=393
+  _globals['_JOINGROUPCOMMAND']._serialized_start=396
+  _globals['_JOINGROUPCOMMAND']._serialized_end=591
+  _globals['_LEAVEGROUPCOMMAND']._serialized_start=593
+  _globals['_LEAVEGROUPCOMMAND']._serialized_end=630
+  _globals['_PREPAREUPDATECOMMAND']._serialized_start=633
+  _globals['_PREPAREUPDATECOMMAND']._serialized_end=818
+  _globals['_ALLOCATEUPDATECOMMAND']._serialized_start=820
+  _globals['_ALLOCATEUPDATECOMMAND']._serialized_end=862
+  _globals['_RECEIVEBUCKETCOMMAND']._serialized_start=865
+  _globals['_RECEIVEBUCKETCOMMAND']._serialized_end=1130
+  _globals['_COMMITUPDATECOMMAND']._serialized_start=1132
+  _globals['_COMMITUPDATECOMMAND']._serialized_end=1172
+  _globals['_ABORTUPDATECOMMAND']._serialized_start=1174
+  _globals['_ABORTUPDATECOMMAND']._serialized_end=1213
+  _globals['_COMPUTECHECKSUMSCOMMAND']._serialized_start=1215
+  _globals['_COMPUTECHECKSUMSCOMMAND']._serialized_end=1255
+  _globals['_SHUTDOWNCOMMAND']._serialized_start=1257
+  _globals['_SHUTDOWNCOMMAND']._serialized_end=1274
+  _globals['_EXPORTSTORECOMMAND']._serialized_start=1276
+  _globals['_EXPORTSTORECOMMAND']._serialized_end=1296
+  _globals['_STOREEXPORTED']._serialized_start=1298
+  _globals['_STOREEXPORTED']._serialized_end=1357
+  _globals['_ARENAFD']._serialized_start=1359
+  _globals['_ARENAFD']._serialized_end=1398
+  _globals['_RESTORESTORECOMMAND']._serialized_start=1401
+  _globals['_RESTORESTORECOMMAND']._serialized_end=1539
+  _globals['_REGION']._serialized_start=1541
+  _globals['_REGION']._serialized_end=1589
+  _globals['_ARENASPEC']._serialized_start=1591
+  _globals['_ARENASPEC']._serialized_end=1640
+  _globals['_SEGMENTSPEC']._serialized_start=1643
+  _globals['_SEGMENTSPEC']._serialized_end=1785
+  _globals['_STOREDTENSORSPEC']._serialized_start=1788
+  _globals['_STOREDTENSORSPEC']._serialized_end=1931
+  _globals['_STOREMANIFEST']._serialized_start=1934
+  _globals['_STOREMANIFEST']._serialized_end=2173
+  _globals['_WORKERCOMMAND']._serialized_start=2176
+  _globals['_WORKERCOMMAND']._serialized_end=2963
+  _globals['_STORESTATUS']._serialized_start=2965
+  _globals['_STORESTATUS']._serialized_end=3063
+  _globals['_WORKERSTARTED']._serialized_start=3065
+  _globals['_WORKERSTARTED']._serialized_end=3150
+  _globals['_GROUPJOINED']._serialized_start=3152
+  _globals['_GROUPJOINED']._serialized_end=3205
+  _globals['_GROUPLEFT']._serialized_start=3207
+  _globals['_GROUPLEFT']._serialized_end=3236
+  _globals['_UPDATEPREPARED']._serialized_start=3239
+  _globals['_UPDATEPREPARED']._serialized_end=3380
+  _globals['_BUCKETRECEIVED']._serialized_start=3382
+  _globals['_BUCKETRECEIVED']._serialized_end=3455
+  _globals['_UPDATECOMMITTED']._serialized_start=3457
+  _globals['_UPDATECOMMITTED']._serialized_end=3572
+  _globals['_UPDATEABORTED']._serialized_start=3574
+  _globals['_UPDATEABORTED']._serialized_end=3687
+  _globals['_STORERESTORED']._serialized_start=3689
+  _globals['_STORERESTORED']._serialized_end=3726
+  _globals['_CHECKSUMSCOMPUTED']._serialized_start=3728
+  _globals['_CHECKSUMSCOMPUTED']._serialized_end=3795
+  _globals['_COMMANDFAILED']._serialized_start=3798
+  _globals['_COMMANDFAILED']._serialized_end=4003
+  _globals['_COMMANDFAILED_METADATAENTRY']._serialized_start=3956
+  _globals['_COMMANDFAILED_METADATAENTRY']._serialized_end=4003
+  _globals['_WORKEREVENT']._serialized_start=4006
+  _globals['_WORKEREVENT']._serialized_end=4788
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import duration_pb2 as _duration_pb2
+from weightsync.v1 import local_pb2 as _local_pb2
 from weightsync.v1 import tensor_pb2 as _tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as _weight_sync_service_pb2
 from google.protobuf.internal import containers as _containers
@@ -12,7 +13,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerConfig(_message.Message):
-    __slots__ = ("index", "device", "log_level", "queue_capacity_bytes", "parent_pid", "memory_limit_bytes", "fd_channel")
+    __slots__ = ("index", "device", "log_level", "queue_capacity_bytes", "parent_pid", "memory_limit_bytes", "fd_channel", "ingress_fd", "ingress_bytes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     LOG_LEVEL_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +21,8 @@ class WorkerConfig(_message.Message):
     PARENT_PID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     FD_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    INGRESS_FD_FIELD_NUMBER: _ClassVar[int]
+    INGRESS_BYTES_FIELD_NUMBER: _ClassVar[int]
     index: int
     device: str
     log_level: str
@@ -27,7 +30,9 @@ class WorkerConfig(_message.Message):
     parent_pid: int
     memory_limit_bytes: int
     fd_channel: int
-    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., log_level: _Optional[str] = ..., queue_capacity_bytes: _Optional[int] = ..., parent_pid: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., fd_channel: _Optional[int] = ...) -> None: ...
+    ingress_fd: int
+    ingress_bytes: int
+    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., log_level: _Optional[str] = ..., queue_capacity_bytes: _Optional[int] = ..., parent_pid: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., fd_channel: _Optional[int] = ..., ingress_fd: _Optional[int] = ..., ingress_bytes: _Optional[int] = ...) -> None: ...
 
 class JoinGroupCommand(_message.Message):
     __slots__ = ("group_id", "store_host", "store_port", "world_size", "rank", "backend", "timeout")
@@ -76,18 +81,28 @@ class AllocateUpdateCommand(_message.Message):
     def __init__(self, update_id: _Optional[str] = ...) -> None: ...
 
 class ReceiveBucketCommand(_message.Message):
-    __slots__ = ("update_id", "sequence", "checksum", "discard", "size_bytes")
+    __slots__ = ("update_id", "sequence", "checksum", "discard", "size_bytes", "from_ingress", "ingress_offset_bytes", "piece_offset_bytes", "piece_size_bytes", "last_piece")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     DISCARD_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FROM_INGRESS_FIELD_NUMBER: _ClassVar[int]
+    INGRESS_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIECE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIECE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_PIECE_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     sequence: int
     checksum: _tensor_pb2.Checksum
     discard: bool
     size_bytes: int
-    def __init__(self, update_id: _Optional[str] = ..., sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., discard: _Optional[bool] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    from_ingress: bool
+    ingress_offset_bytes: int
+    piece_offset_bytes: int
+    piece_size_bytes: int
+    last_piece: bool
+    def __init__(self, update_id: _Optional[str] = ..., sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., discard: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., from_ingress: _Optional[bool] = ..., ingress_offset_bytes: _Optional[int] = ..., piece_offset_bytes: _Optional[int] = ..., piece_size_bytes: _Optional[int] = ..., last_piece: _Optional[bool] = ...) -> None: ...
 
 class CommitUpdateCommand(_message.Message):
     __slots__ = ("update_id",)
@@ -110,6 +125,16 @@ class ComputeChecksumsCommand(_message.Message):
 class ShutdownCommand(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ExportStoreCommand(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StoreExported(_message.Message):
+    __slots__ = ("arenas",)
+    ARENAS_FIELD_NUMBER: _ClassVar[int]
+    arenas: _containers.RepeatedCompositeFieldContainer[_local_pb2.ArenaHandle]
+    def __init__(self, arenas: _Optional[_Iterable[_Union[_local_pb2.ArenaHandle, _Mapping]]] = ...) -> None: ...
 
 class ArenaFd(_message.Message):
     __slots__ = ("arena_id", "fd")
@@ -190,7 +215,7 @@ class StoreManifest(_message.Message):
     def __init__(self, arenas: _Optional[_Iterable[_Union[ArenaSpec, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[SegmentSpec, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[StoredTensorSpec, _Mapping]]] = ..., tensors_included: _Optional[bool] = ..., dirty: _Optional[_Iterable[str]] = ..., layout_version: _Optional[int] = ...) -> None: ...
 
 class WorkerCommand(_message.Message):
-    __slots__ = ("command_id", "join_group", "leave_group", "prepare_update", "receive_bucket", "commit_update", "abort_update", "compute_checksums", "shutdown", "allocate_update", "restore_store")
+    __slots__ = ("command_id", "join_group", "leave_group", "prepare_update", "receive_bucket", "commit_update", "abort_update", "compute_checksums", "shutdown", "allocate_update", "restore_store", "export_store")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     JOIN_GROUP_FIELD_NUMBER: _ClassVar[int]
     LEAVE_GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +227,7 @@ class WorkerCommand(_message.Message):
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_UPDATE_FIELD_NUMBER: _ClassVar[int]
     RESTORE_STORE_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_STORE_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     join_group: JoinGroupCommand
     leave_group: LeaveGroupCommand
@@ -213,7 +239,8 @@ class WorkerCommand(_message.Message):
     shutdown: ShutdownCommand
     allocate_update: AllocateUpdateCommand
     restore_store: RestoreStoreCommand
-    def __init__(self, command_id: _Optional[int] = ..., join_group: _Optional[_Union[JoinGroupCommand, _Mapping]] = ..., leave_group: _Optional[_Union[LeaveGroupCommand, _Mapping]] = ..., prepare_update: _Optional[_Union[PrepareUpdateCommand, _Mapping]] = ..., receive_bucket: _Optional[_Union[ReceiveBucketCommand, _Mapping]] = ..., commit_update: _Optional[_Union[CommitUpdateCommand, _Mapping]] = ..., abort_update: _Optional[_Union[AbortUpdateCommand, _Mapping]] = ..., compute_checksums: _Optional[_Union[ComputeChecksumsCommand, _Mapping]] = ..., shutdown: _Optional[_Union[ShutdownCommand, _Mapping]] = ..., allocate_update: _Optional[_Union[AllocateUpdateCommand, _Mapping]] = ..., restore_store: _Optional[_Union[RestoreStoreCommand, _Mapping]] = ...) -> None: ...
+    export_store: ExportStoreCommand
+    def __init__(self, command_id: _Optional[int] = ..., join_group: _Optional[_Union[JoinGroupCommand, _Mapping]] = ..., leave_group: _Optional[_Union[LeaveGroupCommand, _Mapping]] = ..., prepare_update: _Optional[_Union[PrepareUpdateCommand, _Mapping]] = ..., receive_bucket: _Optional[_Union[ReceiveBucketCommand, _Mapping]] = ..., commit_update: _Optional[_Union[CommitUpdateCommand, _Mapping]] = ..., abort_update: _Optional[_Union[AbortUpdateCommand, _Mapping]] = ..., compute_checksums: _Optional[_Union[ComputeChecksumsCommand, _Mapping]] = ..., shutdown: _Optional[_Union[ShutdownCommand, _Mapping]] = ..., allocate_update: _Optional[_Union[AllocateUpdateCommand, _Mapping]] = ..., restore_store: _Optional[_Union[RestoreStoreCommand, _Mapping]] = ..., export_store: _Optional[_Union[ExportStoreCommand, _Mapping]] = ...) -> None: ...
 
 class StoreStatus(_message.Message):
     __slots__ = ("state", "tensor_count", "store_bytes")
@@ -327,7 +354,7 @@ class CommandFailed(_message.Message):
     def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., broken_group_id: _Optional[str] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
-    __slots__ = ("command_id", "store", "started", "group_joined", "group_left", "update_prepared", "bucket_received", "update_committed", "update_aborted", "checksums_computed", "command_failed", "store_restored")
+    __slots__ = ("command_id", "store", "started", "group_joined", "group_left", "update_prepared", "bucket_received", "update_committed", "update_aborted", "checksums_computed", "command_failed", "store_restored", "store_exported")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +367,7 @@ class WorkerEvent(_message.Message):
     CHECKSUMS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FAILED_FIELD_NUMBER: _ClassVar[int]
     STORE_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    STORE_EXPORTED_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     store: StoreStatus
     started: WorkerStarted
@@ -352,4 +380,5 @@ class WorkerEvent(_message.Message):
     checksums_computed: ChecksumsComputed
     command_failed: CommandFailed
     store_restored: StoreRestored
-    def __init__(self, command_id: _Optional[int] = ..., store: _Optional[_Union[StoreStatus, _Mapping]] = ..., started: _Optional[_Union[WorkerStarted, _Mapping]] = ..., group_joined: _Optional[_Union[GroupJoined, _Mapping]] = ..., group_left: _Optional[_Union[GroupLeft, _Mapping]] = ..., update_prepared: _Optional[_Union[UpdatePrepared, _Mapping]] = ..., bucket_received: _Optional[_Union[BucketReceived, _Mapping]] = ..., update_committed: _Optional[_Union[UpdateCommitted, _Mapping]] = ..., update_aborted: _Optional[_Union[UpdateAborted, _Mapping]] = ..., checksums_computed: _Optional[_Union[ChecksumsComputed, _Mapping]] = ..., command_failed: _Optional[_Union[CommandFailed, _Mapping]] = ..., store_restored: _Optional[_Union[StoreRestored, _Mapping]] = ...) -> None: ...
+    store_exported: StoreExported
+    def __init__(self, command_id: _Optional[int] = ..., store: _Optional[_Union[StoreStatus, _Mapping]] = ..., started: _Optional[_Union[WorkerStarted, _Mapping]] = ..., group_joined: _Optional[_Union[GroupJoined, _Mapping]] = ..., group_left: _Optional[_Union[GroupLeft, _Mapping]] = ..., update_prepared: _Optional[_Union[UpdatePrepared, _Mapping]] = ..., bucket_received: _Optional[_Union[BucketReceived, _Mapping]] = ..., update_committed: _Optional[_Union[UpdateCommitted, _Mapping]] = ..., update_aborted: _Optional[_Union[UpdateAborted, _Mapping]] = ..., checksums_computed: _Optional[_Union[ChecksumsComputed, _Mapping]] = ..., command_failed: _Optional[_Union[CommandFailed, _Mapping]] = ..., store_restored: _Optional[_Union[StoreRestored, _Mapping]] = ..., store_exported: _Optional[_Union[StoreExported, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,166 @@
+"""Where a push's bucket bytes go, one class per transport.
+
+A sink does two things for bucket k: gives the bytes a place (`fill`: pack the
+bucket, or use the caller's own memory) and sends them (`send`: announce, then
+broadcast / chunk / nothing). PushRun (push.py) drives it and owns the rules
+common to all three; `finish` completes whatever is still in flight.
+
+  COLLECTIVE  pack into pack buffer k % 2 while bucket k-1 is on the wire;
+              at most one broadcast in flight.
+  INLINE      pack, then cut into BucketChunks queued on every stream (gRPC
+              flow control holds the trainer back when the server is slower).
+  SHM         pack straight into the server's ingress slot k % slots, once
+              the server applied the bucket that used it last.
+"""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+from typing import Protocol
+
+import grpc
+import torch
+
+from weightsync.client.errors import WeightSyncRpcError
+from weightsync.client.packing import PackBuffers, TensorSource, fill_bucket
+from weightsync.client.planning import PlannedBucket
+from weightsync.client.streams import UpdateStream
+from weightsync.common.collective import CollectiveError, CollectiveGroup
+from weightsync.v1 import tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+
+class Sink(Protocol):
+    transport: int
+    buffers: PackBuffers
+
+    def fill(self, index: int, bucket: PlannedBucket, source: TensorSource,
+             streams: list[UpdateStream]) -> tuple[torch.Tensor, bool]: ...
+
+    def send(self, index: int, payload: torch.Tensor, checksum: tensor_pb2.Checksum,
+             streams: list[UpdateStream]) -> BaseException | None: ...
+
+    def finish(self) -> BaseException | None: ...
+
+
+def announce(loop, streams: list[UpdateStream], index: int, size: int, checksum: tensor_pb2.Checksum) -> None:
+    message = pb.UpdateWeightsRequest(bucket_start=pb.BucketStart(sequence=index, checksum=checksum, size_bytes=size))
+    for stream in streams:
+        loop.call_soon(stream.send, message)
+
+
+class CollectiveSink:
+    """Broadcast each bucket to the group (rank 0 is us)."""
+
+    transport = pb.TRANSPORT_COLLECTIVE
+
+    def __init__(self, loop, collective: CollectiveGroup, buffers: PackBuffers) -> None:
+        self._loop = loop
+        self._collective = collective
+        self.buffers = buffers
+        self._in_flight = None  # the previous bucket's broadcast, still on the wire
+
+    def fill(self, index, bucket, source, streams):
+        # Buffer k % 2: bucket k-2 used it, and its broadcast completed before k-1's began.
+        return fill_bucket(self.buffers, bucket, index, source)
+
+    def send(self, index, payload, checksum, streams):
+        # Wait for bucket k-1 before starting bucket k: at most one broadcast in flight.
+        failure = self.finish()
+        if failure is not None:
+            return failure
+        # Announce first: workers join only announced broadcasts, at the announced length.
+        announce(self._loop, streams, index, payload.numel(), checksum)
+        self._in_flight = self._collective.broadcast_async(payload)
+        return None
+
+    def finish(self):
+        work, self._in_flight = self._in_flight, None
+        if work is None:
+            return None
+        try:
+            self._collective.wait(work)
+            return None
+        except CollectiveError as error:
+            return error
+
+
+class InlineSink:
+    """Send each bucket inside the UpdateWeights streams, in chunks."""
+
+    transport = pb.TRANSPORT_INLINE
+
+    def __init__(self, loop, buffers: PackBuffers, max_chunk_bytes: int) -> None:
+        self._loop = loop
+        self.buffers = buffers
+        self._chunk = max_chunk_bytes
+
+    def fill(self, index, bucket, source, streams):
+        return fill_bucket(self.buffers, bucket, index, source)
+
+    def send(self, index, payload, checksum, streams):
+        size = payload.numel()
+        announce(self._loop, streams, index, size, checksum)
+        data = payload.detach().cpu().numpy()
+        for offset in range(0, size, self._chunk):
+            chunk = pb.UpdateWeightsRequest(bucket_chunk=pb.BucketChunk(
+                sequence=index, offset_bytes=offset, data=data[offset : offset + self._chunk].tobytes()))
+            for stream in streams:
+                if stream.failed:
+                    return stream.reported_error
+                self._loop.run(stream.send_data(chunk))
+        return None
+
+    def finish(self):
+        return None
+
+
+class ShmSink:
+    """Write each bucket into the server's ingress (same host), then announce it."""
+
+    transport = pb.TRANSPORT_SHM
+
+    def __init__(self, loop, fd: int, slot_bytes: int, slot_count: int, timeout: float) -> None:
+        self._loop = loop
+        self._map = mmap.mmap(fd, slot_bytes * slot_count, flags=mmap.MAP_SHARED)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            ingress = torch.frombuffer(self._map, dtype=torch.uint8)
+        slots = [ingress[i * slot_bytes : (i + 1) * slot_bytes] for i in range(slot_count)]
+        self.buffers = PackBuffers(torch.device("cpu"), pair=slots)
+        self._slot_count = slot_count
+        self._timeout = timeout
+
+    def fill(self, index, bucket, source, streams):
+        # Bucket k reuses the slot of bucket k - slots: the server must have applied that one.
+        earlier = index - self._slot_count + 1
+        if earlier > 0:
+            for stream in streams:
+                if not stream.wait_applied(earlier, self._timeout):
+                    raise WeightSyncRpcError(stream.server, grpc.StatusCode.DEADLINE_EXCEEDED, "BUCKET_NOT_APPLIED",
+                                             f"bucket {earlier - 1} was not applied within {self._timeout:g} s", {})
+        payload, copied = fill_bucket(self.buffers, bucket, index, source)
+        if not copied:  # the caller's own memory: it still has to reach the slot
+            slot = self.buffers.pair[index % self._slot_count][: payload.numel()]
+            slot.copy_(payload)
+            payload = slot
+        return payload, True
+
+    def send(self, index, payload, checksum, streams):
+        for stream in streams:
+            if stream.failed:
+                return stream.reported_error
+        announce(self._loop, streams, index, payload.numel(), checksum)
+        return None
+
+    def finish(self):
+        return None
+
+    def close(self) -> None:
+        self.buffers.pair.clear()
+        self.buffers.views.clear()
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view outlives us; the GC unmaps it

@@ -1,0 +1,47 @@
+"""The ingress: host shared memory where bucket bytes arrive without a collective.
+
+One memfd, split into slots; bucket k of an INLINE or SHM update uses slot
+k % slot_count. INLINE: the server writes each BucketChunk into the slot. SHM:
+a trainer on the host maps the ingress (local socket) and writes the bucket
+itself. Either way every worker then copies the bucket from the slot into its
+store (they map the ingress read-only, inherited at spawn), so the bytes cross
+memory once per worker and never a socket. Slots are reused only after every
+worker applied the bucket that used them: the session waits (INLINE) or
+refuses an early announcement (SHM).
+
+Pages are touched on first use, not at start-up: an idle server holds no
+ingress memory.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+
+class Ingress:
+    """The server's side: owns the memfd, writes INLINE chunks."""
+
+    def __init__(self, slot_bytes: int, slot_count: int) -> None:
+        if slot_bytes <= 0 or slot_count < 2:
+            raise ValueError(f"ingress needs slot_bytes > 0 and at least 2 slots, got {slot_bytes} x {slot_count}")
+        self.slot_bytes = slot_bytes
+        self.slot_count = slot_count
+        self.size_bytes = slot_bytes * slot_count
+        self.fd = os.memfd_create("weightsync-ingress", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.size_bytes)
+        self._map = mmap.mmap(self.fd, self.size_bytes, flags=mmap.MAP_SHARED)
+        self.view = memoryview(self._map)
+
+    def slot_offset(self, sequence: int) -> int:
+        return (sequence % self.slot_count) * self.slot_bytes
+
+    def write(self, sequence: int, offset_bytes: int, data: bytes) -> None:
+        """Copy an INLINE chunk into bucket `sequence`'s slot (bounds checked by the caller)."""
+        start = self.slot_offset(sequence) + offset_bytes
+        self.view[start : start + len(data)] = data
+
+    def close(self) -> None:
+        self.view.release()
+        self._map.close()
+        os.close(self.fd)

@@ -1,0 +1,86 @@
+"""Read leases on a store: engines never see a torn version.
+
+An engine maps the store and copies from it while the trainer may already be
+pushing the next version. A lease pins the bytes of one committed generation
+until released (or the engine's connection closes):
+  - an IN_PLACE update writes the live bytes: it waits for every lease to go;
+  - a STAGED update writes the shadows, which hold no committed generation but
+    the previous one's bytes where the last commit swapped: it waits only for
+    leases on an older generation;
+  - while an IN_PLACE update writes, no lease is granted.
+Waits are bounded (--engine-lease-timeout); an engine copies for well under a
+second, so a wait that long means a stuck engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+
+from weightsync.common.errors import Unavailable
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: int
+    worker_index: int
+    generation: int
+    owner: int
+    """The connection holding it: closing it releases its leases."""
+
+
+class LeaseTable:
+    def __init__(self) -> None:
+        self.leases: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+        self._changed = asyncio.Condition()
+        self.writing_in_place = False
+        """An IN_PLACE update is writing live bytes: no new lease until it ends."""
+
+    async def _wait(self, ready, timeout: float, reason: str, message: str) -> None:
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(ready), timeout)
+            except TimeoutError:
+                raise Unavailable(reason, message) from None
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def grant(self, worker_index: int, generation_now, owner: int, timeout: float) -> Lease:
+        """A lease on the current generation (read after any IN_PLACE write finished)."""
+        await self._wait(lambda: not self.writing_in_place, timeout, "STORE_UPDATING",
+                         f"an IN_PLACE update kept writing the store for {timeout:g} s")
+        lease = Lease(next(self._ids), worker_index, generation_now(), owner)
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    async def release(self, lease_id: int, owner: int) -> Lease | None:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.owner != owner:
+            return None
+        del self.leases[lease_id]
+        await self._notify()
+        return lease
+
+    async def release_owner(self, owner: int) -> None:
+        for lease_id in [i for i, lease in self.leases.items() if lease.owner == owner]:
+            del self.leases[lease_id]
+        await self._notify()
+
+    async def before_write(self, *, staged: bool, generation: int, timeout: float) -> None:
+        """Wait until an update of this mode may write (see the module docstring)."""
+        def clear() -> bool:
+            return not any(not staged or lease.generation < generation for lease in self.leases.values())
+
+        await self._wait(clear, timeout, "ENGINE_READING",
+                         f"an engine kept reading the store for {timeout:g} s (its lease was not released)")
+        if not staged:
+            self.writing_in_place = True
+
+    async def write_done(self) -> None:
+        if self.writing_in_place:
+            self.writing_in_place = False
+            await self._notify()

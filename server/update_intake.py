@@ -1,0 +1,301 @@
+"""The reading half of an UpdateWeights stream: client messages in, worker receives out.
+
+Each BucketStart is checked and then, by transport:
+  - COLLECTIVE: forwarded at once to every worker, which joins the broadcast
+    that follows (so the client can pipeline bucket k+1 behind bucket k). A
+    wrong announcement is still joined, at the announced length, and dropped,
+    so the sender never hangs.
+  - INLINE: the BucketChunks that follow are written into the bucket's ingress
+    slot (after the workers released it: until then the stream is not read,
+    which is gRPC's back-pressure); a complete bucket is forwarded.
+  - SHM: the client wrote the slot before announcing; it is forwarded at once.
+    An announcement that reuses a slot before BucketApplied freed it is refused.
+The driver (update_session.py) awaits the forwarded receives in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+
+from weightsync.common.errors import DeadlineExceeded, InvalidArgument, WeightSyncError
+from weightsync.v1 import tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
+from weightsync.worker.v1 import worker_pb2 as wpb
+
+if TYPE_CHECKING:
+    from weightsync.server.supervisor import WorkerHandle
+    from weightsync.server.update_session import UpdateSession
+
+log = structlog.get_logger("weightsync.update")
+
+KNOWN_CHECKSUMS = (tensor_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED, tensor_pb2.CHECKSUM_ALGORITHM_WS64)
+
+
+# -- what the reader hands the driver ------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """A bucket (or a piece of one) every worker is receiving."""
+
+    sequence: int
+    receives: list[tuple[WorkerHandle, asyncio.Future[wpb.WorkerEvent]]]
+    discard: bool
+    last: bool = True
+    """False for a piece that does not complete its bucket (INLINE buckets larger than a slot)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    error: WeightSyncError
+
+
+@dataclass(frozen=True, slots=True)
+class ShuttingDown:
+    pass
+
+
+Item = Bucket | Commit | Abort | Closed | Failed | ShuttingDown
+
+
+@dataclass(slots=True)
+class _Filling:
+    """An INLINE bucket whose chunks are arriving, one ingress slot (piece) at a time."""
+
+    sequence: int
+    size_bytes: int
+    checksum: tensor_pb2.Checksum
+    received: int = 0
+    piece_start: int = 0
+    """Where the piece now filling its slot starts in the bucket."""
+
+
+class BucketIntake:
+    """Reads one stream's messages after Begin (see the module docstring)."""
+
+    def __init__(self, session: UpdateSession) -> None:
+        self.s = session
+        self.filling: _Filling | None = None
+
+    @property
+    def transport(self) -> int:
+        return self.s.begin.transport
+
+    async def read(self, requests: AsyncIterator[pb.UpdateWeightsRequest]) -> None:
+        inbox = self.s.inbox
+        try:
+            async for request in requests:
+                kind = request.WhichOneof("message")
+                try:
+                    if kind == "bucket_start":
+                        await self._announce(request.bucket_start)
+                    elif kind == "bucket_chunk":
+                        await self._chunk(request.bucket_chunk)
+                    elif kind in ("commit", "abort"):
+                        self._refuse_if_filling()
+                        await inbox.put(Commit() if kind == "commit" else Abort(request.abort.reason))
+                        return
+                    else:
+                        self._refuse(InvalidArgument("UNEXPECTED_MESSAGE", f"unexpected {kind or 'empty'} message after begin"))
+                except WeightSyncError as error:  # e.g. a worker is not running
+                    self._refuse(error)
+            await inbox.put(Closed())
+        except asyncio.CancelledError:
+            raise
+        except WeightSyncError as error:  # e.g. MESSAGE_MALFORMED from the parsing layer
+            self._refuse(error)
+            await inbox.put(Closed())
+        except Exception as error:  # noqa: BLE001 - the stream broke: same as closing it
+            log.info("update_stream_broken", error=type(error).__name__)
+            await inbox.put(Closed())
+
+    def _refuse(self, error: WeightSyncError) -> None:
+        """Fail the update; the driver tells the client at once."""
+        if self.s.failure is None:
+            self.s.fail(error)
+            self.s.inbox.put_nowait(Failed(error))
+
+    # -- announcements -------------------------------------------------------------
+    def _check(self, start: pb.BucketStart) -> WeightSyncError | None:
+        """Why a BucketStart cannot be received into the store, if it cannot."""
+        sequence, buckets = start.sequence, len(self.s.plan.buckets)
+        announced = self.s.announced
+        if sequence < announced:
+            return InvalidArgument("BUCKET_OUT_OF_ORDER", f"bucket {sequence} was already announced; expected "
+                                   f"{announced}", bucket=sequence, expected=announced)
+        if sequence >= buckets:
+            return InvalidArgument("BUCKET_OUT_OF_RANGE", f"bucket {sequence} announced; the plan has {buckets}",
+                                   bucket=sequence, buckets=buckets)
+        if sequence != announced:
+            return InvalidArgument("BUCKET_OUT_OF_ORDER", f"bucket {sequence} announced, expected {announced}",
+                                   bucket=sequence, expected=announced)
+        planned = self.s.plan.buckets[sequence].size_bytes
+        if start.size_bytes and start.size_bytes != planned:
+            return InvalidArgument(
+                "BUCKET_SIZE_MISMATCH",
+                f"bucket {sequence} is {planned} bytes in the plan but is announced as {start.size_bytes} bytes",
+                bucket=sequence, planned_bytes=planned, announced_bytes=start.size_bytes,
+            )
+        if start.checksum.algorithm not in KNOWN_CHECKSUMS:
+            return InvalidArgument("CHECKSUM_ALGORITHM_UNKNOWN", f"bucket {sequence} has unknown checksum algorithm "
+                                   f"{start.checksum.algorithm}", bucket=sequence)
+        if self.transport == pb.TRANSPORT_SHM:
+            return self._check_slot(sequence)
+        return None
+
+    def _check_slot(self, sequence: int) -> WeightSyncError | None:
+        """SHM: the client may write bucket k's slot only after BucketApplied(k - slots) came back."""
+        slots = self.s.services.ingress.slot_count
+        if sequence - slots >= self.s.applied:
+            return InvalidArgument(
+                "SHM_SLOT_BUSY",
+                f"bucket {sequence} was announced before bucket {sequence - slots} (same ingress slot) was applied: "
+                "wait for its BucketApplied before writing the slot",
+                bucket=sequence, slot=sequence % slots,
+            )
+        return None
+
+    async def _announce(self, start: pb.BucketStart) -> None:
+        self._refuse_if_filling()
+        if self.s.failure is None:
+            refusal = self._check(start)
+            if refusal is not None:
+                self._refuse(refusal)
+        if self.s.failure is None:
+            self.s.announced += 1
+            size = self.s.plan.buckets[start.sequence].size_bytes
+            if self.transport == pb.TRANSPORT_INLINE:
+                self.filling = _Filling(start.sequence, size, start.checksum)
+                await self._claim_slot()
+                if size == 0:
+                    self._forward_piece(last=True)
+                return
+            shm = self.transport == pb.TRANSPORT_SHM
+            await self.s.inbox.put(self.s.forward(
+                start.sequence, start.checksum, discard=False, size=size,
+                ingress_offset=self.s.services.ingress.slot_offset(start.sequence) if shm else None))
+            if shm:
+                self.s.pieces_sent += 1
+            return
+        if self.transport == pb.TRANSPORT_COLLECTIVE:
+            await self._drain(start)
+
+    async def _drain(self, start: pb.BucketStart) -> None:
+        """The update is failing: join the announced broadcast at its length, or break the group."""
+        length = self._announced_length(start)
+        if length is None:
+            # Nothing can receive it: the sender's broadcast fails at the group timeout, so the group breaks.
+            assert self.s.failure is not None and self.s.group is not None
+            self.s.services.groups.mark_broken(self.s.group.group_id, f"{self.s.failure.reason}: bucket "
+                                               f"{start.sequence} was announced with a length the workers cannot drain")
+            await self.s.inbox.put(Failed(self.s.failure))
+            return
+        await self.s.inbox.put(self.s.forward(start.sequence, start.checksum, discard=True, size=length))
+
+    def _announced_length(self, start: pb.BucketStart) -> int | None:
+        """The length of the broadcast that follows a BucketStart, if it is known and drainable."""
+        if start.size_bytes < 0:
+            return None
+        length = start.size_bytes
+        if not length:
+            if not 0 <= start.sequence < len(self.s.plan.buckets):
+                return None
+            length = self.s.plan.buckets[start.sequence].size_bytes
+        # Draining costs a scratch buffer of that length on every worker: no more than the plan's largest bucket.
+        return length if length <= max(b.size_bytes for b in self.s.plan.buckets) else None
+
+    # -- INLINE ----------------------------------------------------------------------
+    # A bucket arrives in chunks; its bytes fill ingress slots one after another, each slot
+    # holding one piece (a bucket no larger than a slot is one piece). A full piece goes to the
+    # workers at once, so a bucket of any size streams through slots the workers keep freeing.
+    async def _claim_slot(self) -> None:
+        """Piece p reuses the slot of piece p - slots: wait until the workers applied that one.
+        Meanwhile the stream is not read, so gRPC flow control holds the client back."""
+        pieces, slots = self.s.pieces_sent, self.s.services.ingress.slot_count
+        try:
+            await asyncio.wait_for(self.s.wait_pieces(pieces - slots + 1), self.s.bucket_timeout)
+        except TimeoutError:
+            raise DeadlineExceeded("INGRESS_SLOT_TIMEOUT", f"the workers did not apply an earlier piece within "
+                                   f"{self.s.bucket_timeout:g} s") from None
+
+    async def _chunk(self, chunk: pb.BucketChunk) -> None:
+        if self.s.failure is not None:
+            return  # the update is failing: chunks are dropped, nothing waits for them
+        filling = self.filling
+        data = chunk.data
+        error = None
+        if self.transport != pb.TRANSPORT_INLINE or filling is None or chunk.sequence != filling.sequence:
+            error = InvalidArgument("CHUNK_UNEXPECTED", f"a chunk for bucket {chunk.sequence}, which is not being sent",
+                                    bucket=chunk.sequence)
+        elif chunk.offset_bytes != filling.received:
+            error = InvalidArgument("CHUNK_OUT_OF_ORDER", f"bucket {chunk.sequence}: chunk at offset "
+                                    f"{chunk.offset_bytes}, expected {filling.received}", bucket=chunk.sequence,
+                                    offset_bytes=chunk.offset_bytes, expected=filling.received)
+        elif not 0 < len(data) <= self.s.services.max_chunk_bytes:
+            error = InvalidArgument("CHUNK_SIZE_INVALID", f"bucket {chunk.sequence}: a chunk of {len(data)} bytes "
+                                    f"(1 to {self.s.services.max_chunk_bytes})", bucket=chunk.sequence,
+                                    size_bytes=len(data))
+        elif chunk.offset_bytes + len(data) > filling.size_bytes:
+            error = InvalidArgument("CHUNK_OVERFLOW", f"bucket {chunk.sequence}: a chunk ends at byte "
+                                    f"{chunk.offset_bytes + len(data)}, past the bucket's {filling.size_bytes}",
+                                    bucket=chunk.sequence, size_bytes=filling.size_bytes)
+        if error is not None:
+            self._refuse(error)
+            return
+        assert filling is not None
+        ingress = self.s.services.ingress
+        view = memoryview(data)
+        while view:
+            room = ingress.slot_bytes - (filling.received - filling.piece_start)
+            part, view = view[:room], view[room:]
+            ingress.write(self.s.pieces_sent, filling.received - filling.piece_start, part)
+            filling.received += len(part)
+            done = filling.received == filling.size_bytes
+            if done or filling.received - filling.piece_start == ingress.slot_bytes:
+                self._forward_piece(last=done)
+                if not done:
+                    await self._claim_slot()
+                    if self.s.failure is not None:
+                        return
+
+    def _forward_piece(self, *, last: bool) -> None:
+        filling = self.filling
+        assert filling is not None
+        ingress = self.s.services.ingress
+        piece = self.s.forward(filling.sequence, filling.checksum, discard=False, size=filling.size_bytes,
+                               ingress_offset=ingress.slot_offset(self.s.pieces_sent),
+                               piece_offset=filling.piece_start, piece_size=filling.received - filling.piece_start,
+                               last=last)
+        self.s.pieces_sent += 1
+        self.s.inbox.put_nowait(piece)
+        filling.piece_start = filling.received
+        if last:
+            self.filling = None
+
+    def _refuse_if_filling(self) -> None:
+        filling = self.filling
+        if filling is not None and self.s.failure is None:
+            self.filling = None
+            self._refuse(InvalidArgument(
+                "BUCKET_INCOMPLETE", f"bucket {filling.sequence} got {filling.received} of its "
+                f"{filling.size_bytes} bytes before the next message", bucket=filling.sequence,
+                received=filling.received, size_bytes=filling.size_bytes,
+            ))

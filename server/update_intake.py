@@ -164,7 +164,7 @@ class BucketIntake:
     def _check_slot(self, sequence: int) -> WeightSyncError | None:
         """SHM: the client may write bucket k's slot only after BucketApplied(k - slots) came back."""
         slots = self.s.services.ingress.slot_count
-        if sequence - slots >= self.s.applied:
+        if sequence - slots >= self.s.applied_sent:
             return InvalidArgument(
                 "SHM_SLOT_BUSY",
                 f"bucket {sequence} was announced before bucket {sequence - slots} (same ingress slot) was applied: "

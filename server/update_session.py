@@ -95,6 +95,8 @@ class UpdateSession:
     aborting_sent: bool = False
     announced: int = 0
     applied: int = 0
+    applied_sent: int = 0
+    """BucketApplied messages written to the client: what it can have seen (SHM slot reuse)."""
     applied_bytes: int = 0
     pieces_sent: int = 0
     """Ingress pieces forwarded (INLINE/SHM): piece p uses slot p % slot_count."""
@@ -102,6 +104,8 @@ class UpdateSession:
     """Ingress pieces the workers finished with (their slots are free again)."""
     progress: asyncio.Event = field(default_factory=asyncio.Event)
     """Set whenever a piece or bucket was done or the update failed (frees ingress slots)."""
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once the update failed: the driver stops waiting for buckets and tells the client."""
     prepared: bool = False
     finished: bool = False
     fast_path_count: int = 0
@@ -153,6 +157,7 @@ class UpdateSession:
                     message = await self._bucket_done(item)
                     if message is not None:
                         yield message
+                        self.applied_sent += 1
                 elif isinstance(item, Commit):
                     if self.failure is None:
                         yield await self._commit()
@@ -212,9 +217,18 @@ class UpdateSession:
 
     async def _bucket_done(self, bucket: Bucket) -> pb.UpdateWeightsResponse | None:
         supervisor = self.services.supervisor
-        results = await asyncio.gather(
+        waiting = asyncio.ensure_future(asyncio.gather(
             *(supervisor.result(w, f, self.bucket_timeout) for w, f in bucket.receives), return_exceptions=True
-        )
+        ))
+        failing = asyncio.ensure_future(self.failed.wait())
+        await asyncio.wait({waiting, failing}, return_when=asyncio.FIRST_COMPLETED)
+        failing.cancel()
+        if not waiting.done():
+            # The update failed meanwhile (the reader refused a message): say so now; the abort
+            # path settles this bucket's receives (_settle_receives).
+            waiting.cancel()
+            return None
+        results = waiting.result()
         errors = [r for r in results if isinstance(r, BaseException)]
         for error in errors:
             self._note_broken(error)
@@ -275,6 +289,7 @@ class UpdateSession:
             return
         self.failure = error
         self.progress.set()
+        self.failed.set()
         self._note_broken(error)
         log.warning("update_failing", reason=error.reason, message=error.message)
 

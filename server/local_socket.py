@@ -167,6 +167,11 @@ class LocalHandoff:
             return await self._release(peer, request.release_version), []
         if kind == "open_ingress":
             return self._open_ingress()
+        if kind == "get_status":
+            worker = peer.worker
+            return local_pb2.LocalResponse(get_status=local_pb2.GetStatusResponse(
+                version=self._publisher.version.to_proto(),
+                store_state=pb.STORE_STATE_LOST if worker.lost else worker.store.state)), []
         raise InvalidArgument("REQUEST_UNKNOWN", f"unknown local request {kind!r}")
 
     # -- requests -------------------------------------------------------------------

@@ -96,7 +96,7 @@ class UpdateSession:
     announced: int = 0
     applied: int = 0
     applied_sent: int = 0
-    """BucketApplied messages written to the client: what it can have seen (SHM slot reuse)."""
+    """BucketApplied messages handed to the client's stream: what it can have seen (SHM slot reuse)."""
     applied_bytes: int = 0
     pieces_sent: int = 0
     """Ingress pieces forwarded (INLINE/SHM): piece p uses slot p % slot_count."""
@@ -156,8 +156,9 @@ class UpdateSession:
                 if isinstance(item, Bucket):
                     message = await self._bucket_done(item)
                     if message is not None:
-                        yield message
+                        # Counted when handed to gRPC: the client may act on it before we resume.
                         self.applied_sent += 1
+                        yield message
                 elif isinstance(item, Commit):
                     if self.failure is None:
                         yield await self._commit()

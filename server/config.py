@@ -60,6 +60,12 @@ class ServerConfig:
     """structlog level."""
     token: str = field(default="", repr=False)
     """Bearer token required on every RPC but health; empty disables auth."""
+    token_file: str = ""
+    """Where the token was read from (SIGHUP reads it again)."""
+    health_listen: str = ""
+    """host:port of a plaintext port serving only grpc.health.v1.Health (probes when --listen has TLS)."""
+    metrics_listen: str = ""
+    """host:port of plaintext HTTP /metrics (Prometheus); empty: off."""
     tls_cert: str = ""
     """PEM certificate chain file; enables TLS with tls_key."""
     tls_key: str = ""
@@ -69,6 +75,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         parse_address(self.listen, allow_port_zero=True, what="listen")
+        for name in ("health_listen", "metrics_listen"):
+            if getattr(self, name):
+                parse_address(getattr(self, name), allow_port_zero=True, what=name.replace("_", "-"))
         if not self.devices:
             raise ValueError("at least one worker device is required")
         for device in self.devices:
@@ -133,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="an engine to drive after each commit: vllm-http=http://127.0.0.1:8000 (repeatable)")
     parser.add_argument("--shutdown-grace-seconds", type=float)
     parser.add_argument("--log-level")
-    parser.add_argument("--token-file", help="file holding the bearer token clients must send")
+    parser.add_argument("--token-file", help="file holding the bearer token clients must send (SIGHUP re-reads it)")
+    parser.add_argument("--health-listen", help="host:port of a plaintext health-only gRPC port (for probes)")
+    parser.add_argument("--metrics-listen", help="host:port of Prometheus /metrics (plaintext HTTP)")
     parser.add_argument("--tls-cert")
     parser.add_argument("--tls-key")
     parser.add_argument("--tls-client-ca")
@@ -200,11 +211,13 @@ def config_from_args(argv: Sequence[str] | None, env: Mapping[str, str] | None =
         values["engines"] = tuple(e.strip() for e in env[ENV_PREFIX + "ENGINE"].split(",") if e.strip())
     token_file = pick("token_file")
     if token_file:
-        with open(token_file, encoding="utf-8") as handle:
-            token = handle.read().strip()
-        if not token:
-            raise ValueError(f"token file {token_file} is empty")
-        values["token"] = token
+        from weightsync.server.credentials import read_token
+
+        values["token"] = read_token(token_file)
+        values["token_file"] = token_file
+    for name in ("health_listen", "metrics_listen"):
+        if (raw := pick(name)) is not None:
+            values[name] = raw
     for name in ("tls_cert", "tls_key", "tls_client_ca"):
         if (raw := pick(name)) is not None:
             values[name] = raw

@@ -9,13 +9,18 @@
 - Errors: a WeightSyncError becomes its status code with one ErrorInfo; any
   other exception becomes INTERNAL with a generic message, the traceback going
   to the log only.
-- Logging context: the RPC method is bound for everything logged below.
+- Logging context: the RPC method, and a W3C `traceparent` when the caller sends
+  one (its trace and parent span ids), are bound for everything logged below,
+  the update id included: a trainer's trace finds the server's log lines.
+- Metrics: every finished RPC is counted by method and status code.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -26,11 +31,13 @@ from google.protobuf.message import DecodeError
 
 from weightsync.common.errors import Internal, InvalidArgument, Unauthenticated, WeightSyncError
 from weightsync.server.errors import rich_status
+from weightsync.server.metrics import Metrics
 
 log = structlog.get_logger("weightsync.rpc")
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 SERVICE_PREFIX = "/weightsync.v1."
+TRACEPARENT = re.compile(r"^(?!ff)[0-9a-f]{2}-(?!0{32})([0-9a-f]{32})-(?!0{16})([0-9a-f]{16})-[0-9a-f]{2}(-.*)?$")
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: WeightSyncError) -> None:
@@ -43,10 +50,16 @@ def _internal(method: str, error: BaseException) -> WeightSyncError:
 
 
 class EdgeInterceptor(grpc.aio.ServerInterceptor):
-    """Authentication, parsing and error mapping for every RPC."""
+    """Authentication, parsing, error mapping, trace context and metrics for every RPC."""
 
-    def __init__(self, token: str = "") -> None:
-        self._expected = f"Bearer {token}".encode() if token else b""
+    def __init__(self, token: Callable[[], str] = lambda: "", metrics: Metrics | None = None) -> None:
+        self._token = token  # read per call: SIGHUP may have replaced it
+        self._metrics = metrics
+
+    @property
+    def _expected(self) -> bytes:
+        token = self._token()
+        return f"Bearer {token}".encode() if token else b""
 
     async def intercept_service(
         self,
@@ -61,7 +74,7 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
             return _refusing_handler(refused, Unauthenticated("TOKEN_INVALID", "missing or invalid bearer token"))
         if handler is None or not method.startswith(SERVICE_PREFIX):
             return handler
-        return _wrap(handler, method)
+        return _wrap(handler, method, self._metrics)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
         for key, value in details.invocation_metadata or ():
@@ -95,21 +108,40 @@ def _parse(deserializer: Callable[[bytes], Any], raw: bytes) -> Any:
         raise InvalidArgument("MESSAGE_MALFORMED", f"request could not be parsed: {error}") from error
 
 
+def _trace_context(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    """The caller's W3C trace context, if it sent a valid `traceparent`."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            match = TRACEPARENT.match(value if isinstance(value, str) else value.decode(errors="replace"))
+            if match:
+                return {"trace_id": match.group(1), "parent_span_id": match.group(2)}
+    return {}
+
+
 @contextlib.asynccontextmanager
-async def _mapped_errors(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
+async def _mapped_errors(context: grpc.aio.ServicerContext, method: str, metrics: Metrics | None) -> AsyncIterator[None]:
     """The one place where exceptions become statuses."""
-    with structlog.contextvars.bound_contextvars(rpc=method):
+    code = "OK"
+    with structlog.contextvars.bound_contextvars(rpc=method, **_trace_context(context)):
         try:
             yield
         except WeightSyncError as error:
+            code = error.code.name
             await _abort(context, error)
         except grpc.aio.AbortError:
             raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
         except Exception as error:  # noqa: BLE001
+            code = "INTERNAL"
             await _abort(context, _internal(method, error))
+        finally:
+            if metrics is not None:
+                metrics.rpcs.labels(method=method.rsplit("/", 1)[-1], code=code).inc()
 
 
-def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+def _wrap(handler: grpc.RpcMethodHandler, method: str, metrics: Metrics | None) -> grpc.RpcMethodHandler:
     parse = handler.request_deserializer
     serialize = handler.response_serializer
 
@@ -117,7 +149,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         inner = handler.unary_unary
 
         async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            async with _mapped_errors(context, method):
+            async with _mapped_errors(context, method, metrics):
                 return await inner(_parse(parse, raw), context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, None, serialize)
@@ -126,7 +158,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         inner_stream = handler.unary_stream
 
         async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async with _mapped_errors(context, method):
+            async with _mapped_errors(context, method, metrics):
                 async for response in inner_stream(_parse(parse, raw), context):
                     yield response
 
@@ -139,7 +171,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
             yield _parse(parse, raw)
 
     async def stream_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async with _mapped_errors(context, method):
+        async with _mapped_errors(context, method, metrics):
             async for response in inner_bidi(parsed(requests), context):
                 yield response
 

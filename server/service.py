@@ -13,6 +13,7 @@ import datetime
 import os
 import re
 import tempfile
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -39,6 +40,7 @@ from weightsync.server.groups import GroupRegistry
 from weightsync.server.ingress import Ingress
 from weightsync.server.leases import LeaseTable
 from weightsync.server.local_socket import LocalHandoff
+from weightsync.server.metrics import Metrics, StateCollector
 from weightsync.server.publisher import Publisher
 from weightsync.server.state import GroupRecord
 from weightsync.server.supervisor import Supervisor, WorkerHandle
@@ -78,9 +80,10 @@ class PlanCache:
 
 
 class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
-    def __init__(self, config: ServerConfig, health) -> None:  # health: grpc_health aio servicer
+    def __init__(self, config: ServerConfig, health, metrics: Metrics | None = None) -> None:
         self.config = config
-        self.health = health
+        self.health = health  # the grpc_health aio servicer, shared with the plaintext health port
+        self.metrics = metrics or Metrics()
         self.ingress = Ingress(config.ingress_slot_bytes, config.ingress_slot_count) if config.ingress_slot_bytes else None
         self.supervisor = Supervisor(
             config.devices,
@@ -109,7 +112,9 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             transfer_timeout=config.transfer_timeout_seconds,
             lease_timeout=config.engine_lease_timeout_seconds,
             max_chunk_bytes=max_chunk_bytes(config),
+            metrics=self.metrics,
         )
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.local: LocalHandoff | None = None
         if config.local_socket:
             path = config.local_socket
@@ -132,13 +137,15 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
 
     # -- lifecycle hooks -------------------------------------------------------------
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.metrics.watch(StateCollector(self._info_from_any_thread, self._groups_from_any_thread))
         await self.supervisor.start()
         self.groups.start()
         if self.local is not None:
             await self.local.start()
         for driver in self.drivers:
             driver.start()
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        await self.set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self) -> None:
         """After the gRPC server stopped: the engine drivers, the local socket, the workers, the ingress."""
@@ -150,26 +157,44 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         if self.ingress is not None:
             self.ingress.close()
 
+    def _info_from_any_thread(self) -> pb.GetServerInfoResponse:
+        """For the metrics thread: a consistent snapshot, taken on the event loop."""
+        return self._on_loop(self.info)
+
+    def _groups_from_any_thread(self) -> list[pb.TransferGroup]:
+        return self._on_loop(lambda: [g.to_proto() for g in self.groups.sorted()])
+
+    def _on_loop(self, read):
+        loop = self._loop
+        if loop is None or loop.is_closed() or threading.get_ident() == getattr(loop, "_thread_id", None):
+            return read()
+
+        async def call():
+            return read()
+
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(timeout=10)
+
     def _on_worker_died(self, worker: WorkerHandle) -> None:
+        self.metrics.worker_restarts.labels(worker=str(worker.index)).inc()
         # The dead worker left every group; the others must leave too (a group missing a rank is unusable).
         self.groups.mark_all_broken(f"WORKER_DIED: worker {worker.index} died")
         for record in list(self.groups.records.values()):
             self._spawn(self._leave_everywhere(record.group_id))
-        self._spawn(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        self._spawn(self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
         self.publisher.publish_state()
 
     def _on_worker_started(self, worker: WorkerHandle) -> None:
         if self.supervisor.all_running and not self.draining:
-            self._spawn(self._set_health(health_pb2.HealthCheckResponse.SERVING))
+            self._spawn(self.set_health(health_pb2.HealthCheckResponse.SERVING))
         self.publisher.publish_state()
 
     def _on_worker_unresponsive(self, worker: WorkerHandle) -> None:
-        self._spawn(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        self._spawn(self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def _release_group(self, record: GroupRecord) -> None:
         await self._leave_everywhere(record.group_id)
 
-    async def _set_health(self, status: int) -> None:
+    async def set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
@@ -197,6 +222,9 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
 
     # -- RPCs ----------------------------------------------------------------------
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.GetServerInfoResponse:
+        return self.info()
+
+    def info(self) -> pb.GetServerInfoResponse:
         workers = [
             pb.WorkerInfo(
                 index=w.index, device=w.device, backend=w.backend, state=w.state,

@@ -36,6 +36,7 @@ from weightsync.server.admission import MemoryAdmission
 from weightsync.server.groups import GroupRegistry
 from weightsync.server.ingress import Ingress
 from weightsync.server.leases import LeaseTable
+from weightsync.server.metrics import Metrics
 from weightsync.server.publisher import Publisher
 from weightsync.server.state import GroupRecord
 from weightsync.server.supervisor import Supervisor, WorkerHandle
@@ -77,6 +78,7 @@ class SessionServices:
     lease_timeout: float
     """Longest an update waits for engines to release the bytes it would write."""
     max_chunk_bytes: int
+    metrics: Metrics
 
 
 @dataclass(slots=True)
@@ -180,9 +182,13 @@ class UpdateSession:
                     yield self._aborting_message()
             assert self.failure is not None
             raise self.failure
+        except WeightSyncError as error:  # refused in prepare or commit: recorded as what it was
+            self.fail(error)
+            raise
         finally:
             if reader is not None:
                 reader.cancel()
+            self._record()
             if not self.finished:
                 # Shielded: the abort must reach the workers even if this
                 # handler is being cancelled (client gone).
@@ -284,6 +290,21 @@ class UpdateSession:
         return pb.UpdateWeightsResponse(
             committed=pb.UpdateCommitted(version=version.to_proto(), size_bytes=self.applied_bytes, duration=duration)
         )
+
+    def _record(self) -> None:
+        """Metrics of this update, once, whatever its end."""
+        labels = {"transport": pb.Transport.Name(self.begin.transport).removeprefix("TRANSPORT_").lower(),
+                  "mode": pb.UpdateMode.Name(self.begin.mode).removeprefix("UPDATE_MODE_").lower()}
+        metrics = self.services.metrics
+        committed = self.finished and self.failure is None
+        metrics.update_seconds.labels(outcome="committed" if committed else "failed", **labels).observe(
+            time.monotonic() - self.started)
+        metrics.buckets.labels(transport=labels["transport"]).inc(self.applied)
+        if committed:
+            metrics.update_bytes.labels(**labels).observe(self.applied_bytes)
+        else:
+            error = self.failure or Aborted("ABORTED", "the update did not commit")
+            metrics.failures.labels(reason=error.reason, code=error.code.name).inc()
 
     def fail(self, error: WeightSyncError) -> None:
         if self.failure is not None:

@@ -52,6 +52,8 @@ class ServerProcess:
     process: subprocess.Popen
     port: int
     log_path: Path
+    ready: dict = field(default_factory=dict)
+    """The server's ready file: port, pid, health_port, metrics_port."""
 
     @property
     def address(self) -> str:
@@ -96,7 +98,8 @@ def start_server(tmp_path: Path, *extra: str, workers: int = 2, env: dict | None
             process.kill()
             raise RuntimeError(f"server not ready:\n{log_path.read_text()}")
         time.sleep(0.05)
-    return ServerProcess(process, json.loads(ready.read_text())["port"], log_path)
+    announced = json.loads(ready.read_text())
+    return ServerProcess(process, announced["port"], log_path, announced)
 
 
 def error_reason(error: grpc.RpcError) -> str:

@@ -52,6 +52,7 @@ demo-multihost: install
 lint: install $(BUF)
 	cd protos && ../$(BUF) lint
 	$(PY) -m ruff check .
+	$(VENV)/bin/hadolint Dockerfile
 
 proto: install
 	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --pyi_out=protos \

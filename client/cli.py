@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--bucket-size-mb", type=int, default=256)
             command.add_argument("--allow-new-tensors", action="store_true")
             command.add_argument("--no-verify", action="store_true", help="skip the checksum comparison after commit")
+            command.add_argument("--transport", choices=("collective", "inline", "shm"), default="collective",
+                                 help="collective: a Gloo/NCCL group; inline: inside gRPC (any proxy); shm: same host")
+            command.add_argument("--store-host", help="address this host's rendezvous store listens on (collective)")
+            command.add_argument("--store-port", type=int, default=0,
+                                 help="fixed port for the rendezvous store (collective; default: a free one)")
     return parser
 
 
@@ -137,10 +142,11 @@ def _push(args: argparse.Namespace) -> int:
 
     tensors = load_checkpoints(args.checkpoint)
     with _client(args, _servers(args.to)) as client:
-        client.create_group(timeout=args.timeout)
+        if args.transport == "collective":
+            client.create_group(timeout=args.timeout, store_host=args.store_host, store_port=args.store_port)
         result = client.push(
-            tensors, version=args.version, mode=args.mode, bucket_size_bytes=args.bucket_size_mb << 20,
-            allow_new_tensors=args.allow_new_tensors,
+            tensors, version=args.version, mode=args.mode, transport=args.transport,
+            bucket_size_bytes=args.bucket_size_mb << 20, allow_new_tensors=args.allow_new_tensors,
         )
         verified = "skipped"
         if not args.no_verify:

@@ -213,12 +213,16 @@ class WeightSyncClient:
         timeout: float = 60.0,
         group_id: str | None = None,
         store_host: str | None = None,
+        store_port: int = 0,
     ) -> str:
         """Join every server's workers and this process (rank 0) in one group.
 
         backend "auto" picks NCCL when this process has CUDA and every server
         offers NCCL, else Gloo. A server's refusal is raised at once; on any
         failure only the groups this call created are deleted. Returns the group id.
+        store_host/store_port: where this process's rendezvous store listens (default:
+        the address that routes to the first server, a free port); a fixed port lets a
+        mesh or firewall rule name it.
         """
         if self._group is not None:
             raise WeightSyncClientError(f"group {self._group.group_id} exists; delete_group() first")
@@ -242,7 +246,7 @@ class WeightSyncClient:
         first = parse_address(self._servers[0].address)
         host = store_host or local_address_towards(first.host, first.port)
         delta = datetime.timedelta(seconds=timeout)
-        store = host_store(host, delta)
+        store = host_store(host, delta, store_port)
         device = torch.device("cuda", torch.cuda.current_device()) if chosen == pb.BACKEND_NCCL else torch.device("cpu")
         log.info("group_creating", group_id=group_id, world_size=world_size, backend=pb.Backend.Name(chosen))
         rendezvous = Rendezvous(group_id=group_id, backend=chosen, store=store, world_size=world_size,

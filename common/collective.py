@@ -203,6 +203,6 @@ def connect_store(host: str, port: int, timeout: datetime.timedelta) -> TCPStore
         raise RendezvousTimeout(f"could not connect to the TCPStore at {host}:{port}: {error}") from error
 
 
-def host_store(host: str, timeout: datetime.timedelta) -> TCPStore:
-    """Open a TCPStore server on a free port (the trainer's side)."""
-    return TCPStore(host, 0, None, True, timeout, wait_for_workers=False)
+def host_store(host: str, timeout: datetime.timedelta, port: int = 0) -> TCPStore:
+    """Open a TCPStore server (the trainer's side) on `port`, or a free one."""
+    return TCPStore(host, port, None, True, timeout, wait_for_workers=False)

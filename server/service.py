@@ -17,6 +17,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from importlib.metadata import version
 
 import structlog
 from grpc_health.v1 import health_pb2
@@ -53,7 +54,7 @@ from weightsync.worker.v1 import worker_pb2 as wpb
 log = structlog.get_logger("weightsync.service")
 
 SERVICE_NAME = "weightsync.v1.WeightSyncService"
-SERVER_VERSION = "0.2.0"
+SERVER_VERSION = version("weightsync")
 GROUP_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 DEFAULT_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 MAX_GROUP_TIMEOUT = datetime.timedelta(hours=1)

@@ -18,23 +18,20 @@ second thread's push waits for the first to finish).
 from __future__ import annotations
 
 import asyncio
-import datetime
 import functools
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Literal
 
-import grpc
-import grpc.aio
 import structlog
 import torch
 
+from weightsync.client import groups
 from weightsync.client._loop import LoopThread
 from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
+from weightsync.client.groups import TransferGroup
 from weightsync.client.ingress import IngressLease, open_ingress
 from weightsync.client.packing import PackBuffers, TensorSource, is_zero_copy
 from weightsync.client.plan_cache import CachedPlan, PlanCache, fingerprint
@@ -45,7 +42,7 @@ from weightsync.client.planning import (
     plan_proto,
 )
 from weightsync.client.push import Endpoint, PushRun
-from weightsync.client.rendezvous import Rendezvous
+from weightsync.client.servers import Server, ServerSet
 from weightsync.client.sinks import CollectiveSink, InlineSink, ShmSink, Sink
 from weightsync.client.types import (
     PushProgress,
@@ -56,12 +53,10 @@ from weightsync.client.types import (
 )
 from weightsync.common.address import parse_address
 from weightsync.common.checksum import ws64
-from weightsync.common.collective import CollectiveGroup, host_store, local_address_towards
 from weightsync.common.layout import DEFAULT_BUCKET_BYTES
 from weightsync.common.limits import DEFAULT_MAX_MESSAGE_BYTES
 from weightsync.common.plan_id import plan_id_of
 from weightsync.v1 import weight_sync_service_pb2 as pb
-from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("weightsync.client")
 
@@ -70,28 +65,6 @@ Transport = Literal["collective", "inline", "shm"]
 _MODES = {"in_place": pb.UPDATE_MODE_IN_PLACE, "staged": pb.UPDATE_MODE_STAGED}
 _TRANSPORTS = {"collective": pb.TRANSPORT_COLLECTIVE, "inline": pb.TRANSPORT_INLINE, "shm": pb.TRANSPORT_SHM}
 PROGRESS_BAR_MIN_BYTES = 256 << 20
-
-
-@dataclass(slots=True)
-class _Server:
-    address: str
-    channel: grpc.aio.Channel
-    stub: pb_grpc.WeightSyncServiceStub
-    workers: int = 0
-    rank_offset: int = 0
-
-
-@dataclass(slots=True)
-class _Group:
-    group_id: str
-    backend: int
-    world_size: int
-    timeout: datetime.timedelta
-    device: torch.device
-    collective: CollectiveGroup
-    store: object
-    """The rendezvous TCPStore: kept listening for the group's life (servers probe it)."""
-    broken: bool = False
 
 
 def _serialized(method):
@@ -147,12 +120,13 @@ class WeightSyncClient:
             raise ValueError("at least one server address is required")
         for address in addresses:
             parse_address(address, what="server address")
-        self._metadata = ((("authorization", f"Bearer {token}"),) if token else ()) + tuple(metadata)
-        self._timeout = timeout
         self._lock = threading.RLock()
         self._loop = LoopThread()
-        self._servers = self._loop.run(self._open_channels(addresses, tls, max_message_bytes))
-        self._group: _Group | None = None
+        self._servers = ServerSet(
+            self._loop, addresses, tls=tls, timeout=timeout, max_message_bytes=max_message_bytes,
+            metadata=((("authorization", f"Bearer {token}"),) if token else ()) + tuple(metadata),
+        )
+        self._group: TransferGroup | None = None
         self._buffers: PackBuffers | None = None
         self._host_buffers: PackBuffers | None = None
         """Pack buffers of INLINE pushes (no group needed)."""
@@ -162,47 +136,14 @@ class WeightSyncClient:
         """GetServerInfo of each server, fetched once for INLINE/SHM limits."""
         self._plans = PlanCache()
 
-    # -- channels ------------------------------------------------------------------
-    async def _open_channels(self, addresses: list[str], tls: TlsConfig | None, max_message_bytes: int) -> list[_Server]:
-        options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
-        out = []
-        for address in addresses:
-            if tls is None:
-                channel = grpc.aio.insecure_channel(address, options=options)
-            else:
-                creds = grpc.ssl_channel_credentials(
-                    root_certificates=_read(tls.ca_cert),
-                    private_key=_read(tls.client_key),
-                    certificate_chain=_read(tls.client_cert),
-                )
-                opts = options + ([("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else [])
-                channel = grpc.aio.secure_channel(address, creds, options=opts)
-            out.append(_Server(address, channel, pb_grpc.WeightSyncServiceStub(channel)))
-        return out
-
-    async def _unary(self, server: _Server, method: str, request, timeout: float | None = None):
-        try:
-            return await getattr(server.stub, method)(request, metadata=self._metadata, timeout=timeout or self._timeout)
-        except grpc.aio.AioRpcError as error:
-            raise WeightSyncRpcError.from_rpc(server.address, error) from None
-
     # -- queries ------------------------------------------------------------------
     def server_info(self) -> list[pb.GetServerInfoResponse]:
         """GetServerInfo of every server, in order."""
-        return self._loop.run(self._infos())
-
-    async def _infos(self) -> list[pb.GetServerInfoResponse]:
-        return list(await asyncio.gather(*(self._unary(s, "GetServerInfo", pb.GetServerInfoRequest()) for s in self._servers)))
+        return self._servers.each("GetServerInfo", pb.GetServerInfoRequest())
 
     def list_groups(self) -> dict[str, list[pb.TransferGroup]]:
-        async def run():
-            answers = await asyncio.gather(*(self._unary(s, "ListTransferGroups", pb.ListTransferGroupsRequest()) for s in self._servers))
-            return {s.address: list(a.groups) for s, a in zip(self._servers, answers, strict=True)}
-
-        return self._loop.run(run())
+        answers = self._servers.each("ListTransferGroups", pb.ListTransferGroupsRequest())
+        return {address: list(a.groups) for address, a in zip(self._servers.addresses, answers, strict=True)}
 
     # -- groups ------------------------------------------------------------------
     @_serialized
@@ -215,7 +156,7 @@ class WeightSyncClient:
         store_host: str | None = None,
         store_port: int = 0,
     ) -> str:
-        """Join every server's workers and this process (rank 0) in one group.
+        """Join every server's workers and this process (rank 0) in one group (COLLECTIVE pushes).
 
         backend "auto" picks NCCL when this process has CUDA and every server
         offers NCCL, else Gloo. A server's refusal is raised at once; on any
@@ -226,118 +167,12 @@ class WeightSyncClient:
         """
         if self._group is not None:
             raise WeightSyncClientError(f"group {self._group.group_id} exists; delete_group() first")
-        infos = self.server_info()
-        offered = [set(i.backends) for i in infos]
-        if backend == "auto":
-            use_nccl = torch.cuda.is_available() and all(pb.BACKEND_NCCL in o for o in offered)
-            chosen = pb.BACKEND_NCCL if use_nccl else pb.BACKEND_GLOO
-        else:
-            chosen = {"gloo": pb.BACKEND_GLOO, "nccl": pb.BACKEND_NCCL}[backend]
-        for server, info, backends in zip(self._servers, infos, offered, strict=True):
-            if chosen not in backends:
-                raise WeightSyncClientError(f"{server.address} does not offer {pb.Backend.Name(chosen)}")
-            server.workers = len(info.workers)
-        offset = 1
-        for server in self._servers:
-            server.rank_offset = offset
-            offset += server.workers
-        world_size = offset
-        group_id = group_id or f"ws-{uuid.uuid4().hex[:12]}"
-        first = parse_address(self._servers[0].address)
-        host = store_host or local_address_towards(first.host, first.port)
-        delta = datetime.timedelta(seconds=timeout)
-        store = host_store(host, delta, store_port)
-        device = torch.device("cuda", torch.cuda.current_device()) if chosen == pb.BACKEND_NCCL else torch.device("cpu")
-        log.info("group_creating", group_id=group_id, world_size=world_size, backend=pb.Backend.Name(chosen))
-        rendezvous = Rendezvous(group_id=group_id, backend=chosen, store=store, world_size=world_size,
-                                timeout=delta, device=device, local_address=host)
-        created, failure = self._loop.run(self._create_everywhere(group_id, host, store.port, world_size, chosen, delta))
-        if failure is None:
-            try:
-                collective = rendezvous.result(timeout + 10)
-            except BaseException:
-                self._clean_up(created, group_id)
-                raise
-        else:
-            rendezvous.abandon()
-            self._clean_up(created, group_id)
-            raise failure
-        self._group = _Group(group_id, chosen, world_size, delta, device, collective, store)
-        self._buffers = self._buffers if self._buffers and self._buffers.device == device else PackBuffers(device)
-        log.info("group_ready", group_id=group_id)
-        return group_id
-
-    async def _create_everywhere(
-        self, group_id: str, host: str, port: int, world_size: int, backend: int, timeout: datetime.timedelta
-    ) -> tuple[list[_Server], BaseException | None]:
-        """CreateTransferGroup on every server at once; returns at the first refusal, without
-        waiting for the others' rendezvous (they fail at its deadline, and are cleaned up then)."""
-
-        def request(server: _Server) -> pb.CreateTransferGroupRequest:
-            message = pb.CreateTransferGroupRequest(
-                group_id=group_id, store_host=host, store_port=port, world_size=world_size,
-                rank_offset=server.rank_offset, backend=backend,
-            )
-            message.timeout.FromTimedelta(timeout)
-            return message
-
-        calls = {
-            asyncio.ensure_future(self._unary(s, "CreateTransferGroup", request(s), timeout.total_seconds() + 30)): s
-            for s in self._servers
-        }
-        created: list[_Server] = []
-        failure: BaseException | None = None
-        pending = set(calls)
-        while pending and failure is None:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for call in done:
-                if call.exception() is None:
-                    created.append(calls[call])
-                else:
-                    failure = failure or call.exception()
-        if pending:
-            asyncio.ensure_future(self._delete_when_created({c: calls[c] for c in pending}, group_id))
-        return created, failure
-
-    async def _delete_when_created(self, calls: dict[asyncio.Future, _Server], group_id: str) -> None:
-        await asyncio.wait(calls)
-        request = pb.DeleteTransferGroupRequest(group_id=group_id)
-        for call, server in calls.items():
-            if not call.cancelled() and call.exception() is None:
-                try:
-                    await self._unary(server, "DeleteTransferGroup", request)
-                except WeightSyncRpcError as error:
-                    log.warning("group_cleanup_failed", server=server.address, error=str(error))
-
-    def _delete_on(self, servers: list[_Server], group_id: str) -> list[WeightSyncRpcError]:
-        """Delete the group on these servers only (the ones where this client created it).
-        Returns the failures; a group already gone counts as deleted."""
-        async def delete(server: _Server) -> None:
-            request = pb.DeleteTransferGroupRequest(group_id=group_id)
-            for attempt in range(3):
-                try:
-                    await self._unary(server, "DeleteTransferGroup", request)
-                    return
-                except WeightSyncRpcError as error:
-                    if error.code == grpc.StatusCode.NOT_FOUND:
-                        return
-                    # A connection reset right after a network blip, or the update still finishing.
-                    retry = error.code == grpc.StatusCode.UNAVAILABLE or error.reason == "UPDATE_IN_PROGRESS"
-                    if not retry or attempt == 2:
-                        raise
-                await asyncio.sleep(0.5 * (attempt + 1))
-
-        async def run():
-            return await asyncio.gather(*(delete(s) for s in servers), return_exceptions=True)
-
-        if not servers:
-            return []
-        return [r for r in self._loop.run(run()) if isinstance(r, WeightSyncRpcError)]
-
-    def _clean_up(self, servers: list[_Server], group_id: str) -> None:
-        """Best effort after a failed create: the original error is what the caller must see."""
-        for error in self._delete_on(servers, group_id):
-            log.warning("group_cleanup_failed", group_id=group_id, server=error.server, error=str(error))
+        group = groups.create(self._servers, backend=backend, timeout=timeout, group_id=group_id,
+                              store_host=store_host, store_port=store_port)
+        self._group = group
+        if self._buffers is None or self._buffers.device != group.device:
+            self._buffers = PackBuffers(group.device)
+        return group.group_id
 
     @_serialized
     def delete_group(self) -> None:
@@ -347,19 +182,8 @@ class WeightSyncClient:
         group by itself once it sees this client's rendezvous store close, within seconds.
         Raises WeightSyncClientError naming the servers that refused to delete it."""
         group, self._group = self._group, None
-        if group is None:
-            return
-        group.collective.close()
-        failures = self._delete_on(self._servers, group.group_id)
-        unreachable = [e for e in failures if e.code == grpc.StatusCode.UNAVAILABLE]
-        for error in unreachable:
-            # Our rendezvous store closes with the group: the server sees that and drops it itself.
-            log.warning("group_delete_unreachable", group_id=group.group_id, server=error.server, error=str(error))
-        refused = [e for e in failures if e.code != grpc.StatusCode.UNAVAILABLE]
-        if refused:
-            where = ", ".join(f"{e.server} ({e.code.name} {e.reason})" for e in refused)
-            raise WeightSyncClientError(f"group {group.group_id} could not be deleted on {where}")
-        log.info("group_deleted", group_id=group.group_id)
+        if group is not None:
+            groups.delete(self._servers, group)
 
     @property
     def group_id(self) -> str | None:
@@ -441,9 +265,9 @@ class WeightSyncClient:
         total = sum(b.spec.size_bytes for b in planned)
         bar = _progress_bar(total, version, show_progress)
         run = PushRun(
-            loop=self._loop, endpoints=[Endpoint(s.address, s.stub) for s in self._servers],
-            metadata=self._metadata, rpc_timeout=self._timeout,
-            commit_timeout=(group.timeout.total_seconds() if group else self._timeout) + 30,
+            loop=self._loop, endpoints=[Endpoint(s.address, s.stub) for s in self._servers.servers],
+            metadata=self._servers.metadata, rpc_timeout=self._servers.timeout,
+            commit_timeout=(group.timeout.total_seconds() if group else self._servers.timeout) + 30,
             group_id=group.group_id if group else "", sink=sink, plans=self._plans, planned=planned,
             plan=cached.plan, plan_id=cached.plan_id, source=source, version=version, mode=_MODES[mode],
             allow_new_tensors=allow_new_tensors,
@@ -459,7 +283,7 @@ class WeightSyncClient:
         finally:
             if bar is not None:
                 bar.close()
-        self._plans.committed(cached, [s.address for s in self._servers])
+        self._plans.committed(cached, self._servers.addresses)
         seconds = time.perf_counter() - started
         result = PushResult(
             version=version,
@@ -475,7 +299,7 @@ class WeightSyncClient:
                  gbps=round(result.gigabytes_per_second, 3), buckets=len(planned))
         return result
 
-    def _sink(self, transport: str) -> tuple[_Group | None, Sink]:
+    def _sink(self, transport: str) -> tuple[TransferGroup | None, Sink]:
         """The group (COLLECTIVE only) and where this push's bytes go."""
         if transport == "collective":
             group = self._group
@@ -487,30 +311,27 @@ class WeightSyncClient:
             assert self._buffers is not None
             return group, CollectiveSink(self._loop, group.collective, self._buffers)
         infos = self._server_limits()
-        for server, info in zip(self._servers, infos, strict=True):
+        for address, info in zip(self._servers.addresses, infos, strict=True):
             if _TRANSPORTS[transport] not in info.transports:
-                raise WeightSyncClientError(f"{server.address} does not offer {transport} (it offers "
+                raise WeightSyncClientError(f"{address} does not offer {transport} (it offers "
                                             f"{[pb.Transport.Name(t) for t in info.transports]})")
         if transport == "inline":
             if self._host_buffers is None:
                 self._host_buffers = PackBuffers(torch.device("cpu"))
             chunk = min(i.limits.max_chunk_bytes for i in infos)
             return None, InlineSink(self._loop, self._host_buffers, chunk)
-        if len(self._servers) != 1:
+        if len(self._servers.servers) != 1:
             raise WeightSyncClientError("SHM pushes to one server, on this host; use transport='inline' for several")
         if self._ingress is None:
-            token = next((v.removeprefix("Bearer ") for k, v in self._metadata if k == "authorization"), None)
-            self._ingress_lease = open_ingress(self._servers[0].address, infos[0].local_socket, token)
+            self._ingress_lease = open_ingress(self._servers.addresses[0], infos[0].local_socket, self._servers.token)
             lease = self._ingress_lease
-            self._ingress = ShmSink(self._loop, lease.fd, lease.slot_bytes, lease.slot_count, self._timeout)
+            self._ingress = ShmSink(self._loop, lease.fd, lease.slot_bytes, lease.slot_count, self._servers.timeout)
         return None, self._ingress
 
     def _server_limits(self) -> list[pb.GetServerInfoResponse]:
-        missing = [s for s in self._servers if s.address not in self._limits]
-        if missing:
-            for server, info in zip(self._servers, self.server_info(), strict=True):
-                self._limits[server.address] = info
-        return [self._limits[s.address] for s in self._servers]
+        if any(a not in self._limits for a in self._servers.addresses):
+            self._limits.update(zip(self._servers.addresses, self.server_info(), strict=True))
+        return [self._limits[a] for a in self._servers.addresses]
 
     # -- verify ------------------------------------------------------------------
     @_serialized
@@ -524,12 +345,12 @@ class WeightSyncClient:
         async def fetch():
             request = pb.GetTensorChecksumsRequest(names=sorted(local))
             return await asyncio.gather(
-                *(self._fetch_checksums(s, request) for s in self._servers)
+                *(self._fetch_checksums(s, request) for s in self._servers.servers)
             )
 
         answers = self._loop.run(fetch())
         mismatches = []
-        for server, answer in zip(self._servers, answers, strict=True):
+        for server, answer in zip(self._servers.servers, answers, strict=True):
             for worker in answer.workers:
                 remote = {t.name: t.checksum.value for t in worker.tensors}
                 for name, value in local.items():
@@ -537,15 +358,15 @@ class WeightSyncClient:
                         mismatches.append(TensorMismatch(server.address, worker.worker_index, name, value, remote.get(name)))
         return VerifyResult(len(local), tuple(mismatches))
 
-    async def _fetch_checksums(self, server: _Server, request: pb.GetTensorChecksumsRequest):
+    async def _fetch_checksums(self, server: Server, request: pb.GetTensorChecksumsRequest):
         """Every worker's checksums of the named tensors; a name a server lacks is left out."""
-        timeout = max(self._timeout, 300)
+        timeout = max(self._servers.timeout, 300)
         try:
-            return await self._unary(server, "GetTensorChecksums", request, timeout)
+            return await self._servers.unary(server, "GetTensorChecksums", request, timeout)
         except WeightSyncRpcError as error:
             if error.reason != "TENSOR_NOT_FOUND":
                 raise
-        answer = await self._unary(server, "GetTensorChecksums", pb.GetTensorChecksumsRequest(), timeout)
+        answer = await self._servers.unary(server, "GetTensorChecksums", pb.GetTensorChecksumsRequest(), timeout)
         wanted = set(request.names)
         for worker in answer.workers:
             kept = [t for t in worker.tensors if t.name in wanted]
@@ -565,11 +386,8 @@ class WeightSyncClient:
             if self._group is not None:
                 self.delete_group()
         finally:
-            async def close_all():
-                await asyncio.gather(*(s.channel.close() for s in self._servers))
-
             try:
-                self._loop.run(close_all(), timeout=10)
+                self._servers.close()
             finally:
                 self._loop.stop()
 
@@ -583,13 +401,6 @@ class WeightSyncClient:
             if kind is None:
                 raise
             log.warning("close_failed", error=str(error))  # the error already in flight matters more
-
-
-def _read(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    with open(path, "rb") as handle:
-        return handle.read()
 
 
 def _progress_bar(total: int, version: str, show: bool | None):

@@ -1,0 +1,173 @@
+"""Creating and deleting a transfer group (COLLECTIVE pushes) across the SDK's servers.
+
+Rank 0's rendezvous runs in a thread while CreateTransferGroup goes to every
+server at once, so a server's refusal comes back at once (rendezvous.py). On
+failure only the servers where this call created the group are cleaned up; a
+group nobody can reach is dropped by its server when it sees the trainer's
+store close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import structlog
+import torch
+
+from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
+from weightsync.client.rendezvous import Rendezvous
+from weightsync.client.servers import Server, ServerSet
+from weightsync.common.address import parse_address
+from weightsync.common.collective import CollectiveGroup, host_store, local_address_towards
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+log = structlog.get_logger("weightsync.client")
+
+
+@dataclass(slots=True)
+class TransferGroup:
+    group_id: str
+    backend: int
+    world_size: int
+    timeout: datetime.timedelta
+    device: torch.device
+    collective: CollectiveGroup
+    store: object
+    """The rendezvous TCPStore: kept listening for the group's life (servers probe it)."""
+    broken: bool = False
+
+
+def create(servers: ServerSet, *, backend: str, timeout: float, group_id: str | None, store_host: str | None,
+           store_port: int) -> TransferGroup:
+    """Join every server's workers and this process (rank 0) in one group (see WeightSyncClient.create_group)."""
+    infos = servers.each("GetServerInfo", pb.GetServerInfoRequest())
+    offered = [set(i.backends) for i in infos]
+    if backend == "auto":
+        use_nccl = torch.cuda.is_available() and all(pb.BACKEND_NCCL in o for o in offered)
+        chosen = pb.BACKEND_NCCL if use_nccl else pb.BACKEND_GLOO
+    else:
+        chosen = {"gloo": pb.BACKEND_GLOO, "nccl": pb.BACKEND_NCCL}[backend]
+    for server, info, backends in zip(servers.servers, infos, offered, strict=True):
+        if chosen not in backends:
+            raise WeightSyncClientError(f"{server.address} does not offer {pb.Backend.Name(chosen)}")
+        server.workers = len(info.workers)
+    offset = 1
+    for server in servers.servers:
+        server.rank_offset = offset
+        offset += server.workers
+    world_size = offset
+    group_id = group_id or f"ws-{uuid.uuid4().hex[:12]}"
+    first = parse_address(servers.servers[0].address)
+    host = store_host or local_address_towards(first.host, first.port)
+    delta = datetime.timedelta(seconds=timeout)
+    store = host_store(host, delta, store_port)
+    device = torch.device("cuda", torch.cuda.current_device()) if chosen == pb.BACKEND_NCCL else torch.device("cpu")
+    log.info("group_creating", group_id=group_id, world_size=world_size, backend=pb.Backend.Name(chosen))
+    rendezvous = Rendezvous(group_id=group_id, backend=chosen, store=store, world_size=world_size,
+                            timeout=delta, device=device, local_address=host)
+    created, failure = servers.loop.run(_create_everywhere(servers, group_id, host, store.port, world_size, chosen, delta))
+    if failure is None:
+        try:
+            collective = rendezvous.result(timeout + 10)
+        except BaseException:
+            _clean_up(servers, created, group_id)
+            raise
+    else:
+        rendezvous.abandon()
+        _clean_up(servers, created, group_id)
+        raise failure
+    log.info("group_ready", group_id=group_id)
+    return TransferGroup(group_id, chosen, world_size, delta, device, collective, store)
+
+
+async def _create_everywhere(
+    servers: ServerSet, group_id: str, host: str, port: int, world_size: int, backend: int, timeout: datetime.timedelta
+) -> tuple[list[Server], BaseException | None]:
+    """CreateTransferGroup on every server at once; returns at the first refusal, without
+    waiting for the others' rendezvous (they fail at its deadline, and are cleaned up then)."""
+
+    def request(server: Server) -> pb.CreateTransferGroupRequest:
+        message = pb.CreateTransferGroupRequest(
+            group_id=group_id, store_host=host, store_port=port, world_size=world_size,
+            rank_offset=server.rank_offset, backend=backend,
+        )
+        message.timeout.FromTimedelta(timeout)
+        return message
+
+    calls = {
+        asyncio.ensure_future(servers.unary(s, "CreateTransferGroup", request(s), timeout.total_seconds() + 30)): s
+        for s in servers.servers
+    }
+    created: list[Server] = []
+    failure: BaseException | None = None
+    pending = set(calls)
+    while pending and failure is None:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for call in done:
+            if call.exception() is None:
+                created.append(calls[call])
+            else:
+                failure = failure or call.exception()
+    if pending:
+        asyncio.ensure_future(_delete_when_created(servers, {c: calls[c] for c in pending}, group_id))
+    return created, failure
+
+
+async def _delete_when_created(servers: ServerSet, calls: dict[asyncio.Future, Server], group_id: str) -> None:
+    await asyncio.wait(calls)
+    request = pb.DeleteTransferGroupRequest(group_id=group_id)
+    for call, server in calls.items():
+        if not call.cancelled() and call.exception() is None:
+            try:
+                await servers.unary(server, "DeleteTransferGroup", request)
+            except WeightSyncRpcError as error:
+                log.warning("group_cleanup_failed", server=server.address, error=str(error))
+
+
+def _delete_on(servers: ServerSet, targets: list[Server], group_id: str) -> list[WeightSyncRpcError]:
+    """Delete the group on these servers only; returns the failures (a group already gone is deleted)."""
+    async def delete(server: Server) -> None:
+        request = pb.DeleteTransferGroupRequest(group_id=group_id)
+        for attempt in range(3):
+            try:
+                await servers.unary(server, "DeleteTransferGroup", request)
+                return
+            except WeightSyncRpcError as error:
+                if error.code == grpc.StatusCode.NOT_FOUND:
+                    return
+                # A connection reset right after a network blip, or the update still finishing.
+                retry = error.code == grpc.StatusCode.UNAVAILABLE or error.reason == "UPDATE_IN_PROGRESS"
+                if not retry or attempt == 2:
+                    raise
+            await asyncio.sleep(0.5 * (attempt + 1))
+
+    async def run():
+        return await asyncio.gather(*(delete(s) for s in targets), return_exceptions=True)
+
+    if not targets:
+        return []
+    return [r for r in servers.loop.run(run()) if isinstance(r, WeightSyncRpcError)]
+
+
+def _clean_up(servers: ServerSet, targets: list[Server], group_id: str) -> None:
+    """Best effort after a failed create: the original error is what the caller must see."""
+    for error in _delete_on(servers, targets, group_id):
+        log.warning("group_cleanup_failed", group_id=group_id, server=error.server, error=str(error))
+
+
+def delete(servers: ServerSet, group: TransferGroup) -> None:
+    """Tear the group down on every server and locally (see WeightSyncClient.delete_group)."""
+    group.collective.close()
+    failures = _delete_on(servers, servers.servers, group.group_id)
+    for error in (e for e in failures if e.code == grpc.StatusCode.UNAVAILABLE):
+        # Our rendezvous store closes with the group: the server sees that and drops it itself.
+        log.warning("group_delete_unreachable", group_id=group.group_id, server=error.server, error=str(error))
+    refused = [e for e in failures if e.code != grpc.StatusCode.UNAVAILABLE]
+    if refused:
+        where = ", ".join(f"{e.server} ({e.code.name} {e.reason})" for e in refused)
+        raise WeightSyncClientError(f"group {group.group_id} could not be deleted on {where}")
+    log.info("group_deleted", group_id=group.group_id)

@@ -1,0 +1,89 @@
+"""The SDK's channels to its servers, and the calls every other part makes through them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from weightsync.client._loop import LoopThread
+from weightsync.client.errors import WeightSyncRpcError
+from weightsync.client.types import TlsConfig
+from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
+
+
+@dataclass(slots=True)
+class Server:
+    address: str
+    channel: grpc.aio.Channel
+    stub: pb_grpc.WeightSyncServiceStub
+    workers: int = 0
+    rank_offset: int = 0
+
+
+class ServerSet:
+    """One channel per server, on the SDK's loop; calls carry the token and extra metadata."""
+
+    def __init__(self, loop: LoopThread, addresses: list[str], *, tls: TlsConfig | None, metadata: tuple,
+                 timeout: float, max_message_bytes: int) -> None:
+        self.loop = loop
+        self.metadata = metadata
+        self.timeout = timeout
+        self.servers: list[Server] = loop.run(self._open(addresses, tls, max_message_bytes))
+
+    async def _open(self, addresses: list[str], tls: TlsConfig | None, max_message_bytes: int) -> list[Server]:
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        out = []
+        for address in addresses:
+            if tls is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                creds = grpc.ssl_channel_credentials(
+                    root_certificates=_read(tls.ca_cert),
+                    private_key=_read(tls.client_key),
+                    certificate_chain=_read(tls.client_cert),
+                )
+                opts = options + ([("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else [])
+                channel = grpc.aio.secure_channel(address, creds, options=opts)
+            out.append(Server(address, channel, pb_grpc.WeightSyncServiceStub(channel)))
+        return out
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+    @property
+    def token(self) -> str | None:
+        return next((v.removeprefix("Bearer ") for k, v in self.metadata if k == "authorization"), None)
+
+    async def unary(self, server: Server, method: str, request, timeout: float | None = None):
+        try:
+            return await getattr(server.stub, method)(request, metadata=self.metadata, timeout=timeout or self.timeout)
+        except grpc.aio.AioRpcError as error:
+            raise WeightSyncRpcError.from_rpc(server.address, error) from None
+
+    def each(self, method: str, request, timeout: float | None = None, servers: Sequence[Server] | None = None) -> list:
+        """The same call on every server (or the given ones), at once; the first error is raised."""
+        async def run():
+            return await asyncio.gather(*(self.unary(s, method, request, timeout) for s in servers or self.servers))
+
+        return list(self.loop.run(run()))
+
+    def close(self) -> None:
+        async def close_all():
+            await asyncio.gather(*(s.channel.close() for s in self.servers))
+
+        self.loop.run(close_all(), timeout=10)
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as handle:
+        return handle.read()

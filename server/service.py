@@ -15,24 +15,19 @@ import re
 import tempfile
 import threading
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from importlib.metadata import version
 
 import structlog
 from grpc_health.v1 import health_pb2
 
-from weightsync.common.collective import available_backends
 from weightsync.common.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     Unavailable,
-    Unimplemented,
 )
-from weightsync.common.plan_id import plan_id_of
-from weightsync.common.plan_validation import PlanSummary, validate_plan
 from weightsync.server.admission import MemoryAdmission
 from weightsync.server.config import ServerConfig
 from weightsync.server.engine_driver import VllmHttpDriver
@@ -43,10 +38,19 @@ from weightsync.server.leases import LeaseTable
 from weightsync.server.local_socket import LocalHandoff
 from weightsync.server.metrics import Metrics, StateCollector
 from weightsync.server.publisher import Publisher
+from weightsync.server.requests import (
+    PlanCache,
+    available_backends_for,
+    check_begin,
+    group_for,
+    group_record,
+    max_chunk_bytes,
+    plan_for,
+    require_full_update_of_empty_stores,
+)
 from weightsync.server.state import GroupRecord
 from weightsync.server.supervisor import Supervisor, WorkerHandle
 from weightsync.server.update_session import SessionServices, UpdateSession
-from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 from weightsync.worker.v1 import worker_pb2 as wpb
@@ -61,23 +65,6 @@ MAX_GROUP_TIMEOUT = datetime.timedelta(hours=1)
 MAX_VERSION_BYTES = 256
 JOIN_MARGIN_SECONDS = 2.0
 """Workers answer a join by its deadline (+1 s); this much more before the server gives up on them."""
-
-
-class PlanCache:
-    """Validated plans by their content id. Filled on commit only (caches change on success)."""
-
-    def __init__(self, capacity: int = 8) -> None:
-        self._plans: OrderedDict[str, tuple[tensor_pb2.WeightPlan, PlanSummary]] = OrderedDict()
-        self._capacity = capacity
-
-    def get(self, plan_id: str) -> tuple[tensor_pb2.WeightPlan, PlanSummary] | None:
-        return self._plans.get(plan_id)
-
-    def remember(self, plan_id: str, plan: tensor_pb2.WeightPlan, summary: PlanSummary) -> None:
-        self._plans[plan_id] = (plan, summary)
-        self._plans.move_to_end(plan_id)
-        while len(self._plans) > self._capacity:
-            self._plans.popitem(last=False)
 
 
 class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
@@ -263,7 +250,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         return offered
 
     async def CreateTransferGroup(self, request: pb.CreateTransferGroupRequest, context) -> pb.CreateTransferGroupResponse:
-        record = self._validate_group_request(request)
+        record = group_record(request, self.supervisor.workers)
         if record.group_id in self.groups:
             raise AlreadyExists("GROUP_ALREADY_EXISTS", f"group {record.group_id!r} already exists", group_id=record.group_id)
         self._require_serving()
@@ -298,39 +285,6 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             record.state = pb.GROUP_STATE_READY
         log.info("group_ready")
         return pb.CreateTransferGroupResponse(group=record.to_proto())
-
-    def _validate_group_request(self, request: pb.CreateTransferGroupRequest) -> GroupRecord:
-        if not GROUP_ID_PATTERN.match(request.group_id):
-            raise InvalidArgument(
-                "GROUP_ID_INVALID", "group_id must be 1 to 128 characters of [A-Za-z0-9._-]", group_id=request.group_id[:128]
-            )
-        if not request.store_host:
-            raise InvalidArgument("STORE_HOST_MISSING", "store_host is required")
-        if not 1 <= request.store_port <= 65535:
-            raise InvalidArgument("STORE_PORT_INVALID", f"store_port {request.store_port} is not 1..65535", store_port=request.store_port)
-        if request.backend == pb.BACKEND_UNSPECIFIED:
-            raise InvalidArgument("BACKEND_UNSPECIFIED", "backend is required (BACKEND_GLOO or BACKEND_NCCL)")
-        supported = available_backends_for(self.supervisor.workers)
-        if request.backend not in supported:
-            raise InvalidArgument(
-                "BACKEND_UNSUPPORTED",
-                f"backend {request.backend} is not supported by this server's workers "
-                f"(supported: {[pb.Backend.Name(b) for b in supported]})",
-                backend=request.backend,
-            )
-        workers = len(self.supervisor.workers)
-        if request.world_size < 2 or request.rank_offset < 1 or request.rank_offset + workers > request.world_size:
-            raise InvalidArgument(
-                "RANKS_DO_NOT_FIT",
-                f"this server's {workers} workers need ranks rank_offset..rank_offset+{workers - 1} "
-                f"inside 1..world_size-1; got rank_offset {request.rank_offset}, world_size {request.world_size}",
-                world_size=request.world_size, rank_offset=request.rank_offset, workers=workers,
-            )
-        timeout = request.timeout.ToTimedelta() if request.HasField("timeout") else DEFAULT_GROUP_TIMEOUT
-        if not datetime.timedelta(0) < timeout <= MAX_GROUP_TIMEOUT:
-            raise InvalidArgument("TIMEOUT_INVALID", f"timeout must be in (0, 3600] s, got {timeout.total_seconds():g}")
-        return GroupRecord(request.group_id, request.world_size, request.rank_offset, request.backend, timeout,
-                           request.store_host, request.store_port)
 
     async def DeleteTransferGroup(self, request: pb.DeleteTransferGroupRequest, context) -> pb.DeleteTransferGroupResponse:
         record = self.groups.get(request.group_id)
@@ -390,7 +344,12 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         if first.WhichOneof("message") != "begin":
             raise InvalidArgument("BEGIN_MISSING", "the first message must be begin")
         begin = first.begin
-        group, plan, plan_id, summary = self._validate_begin(begin)
+        check_begin(begin, self.transports())
+        group = group_for(begin, self.groups)
+        plan, plan_id, summary = plan_for(begin, self.plans, self.config.limits,
+                                          self.ingress.slot_bytes if self.ingress else 0)
+        self._require_serving()
+        require_full_update_of_empty_stores(self.supervisor.workers, summary)
         if self.update_lock.locked():
             active = self.active_update
             raise FailedPrecondition(
@@ -411,75 +370,6 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
                     yield response
             finally:
                 self.active_update = None
-
-    def _validate_begin(self, begin: pb.BeginUpdate) -> tuple[GroupRecord | None, tensor_pb2.WeightPlan, str, PlanSummary]:
-        if begin.transport == pb.TRANSPORT_UNSPECIFIED:
-            raise InvalidArgument("TRANSPORT_UNSPECIFIED", "transport is required (TRANSPORT_COLLECTIVE, INLINE or SHM)")
-        if begin.transport not in pb.Transport.values():
-            raise InvalidArgument("TRANSPORT_UNKNOWN", f"unknown transport number {begin.transport}", transport=begin.transport)
-        if begin.transport not in self.transports():
-            raise Unimplemented("TRANSPORT_UNAVAILABLE", f"transport {pb.Transport.Name(begin.transport)} is not "
-                                "offered by this server (see GetServerInfo.transports)", transport=begin.transport)
-        if begin.mode == pb.UPDATE_MODE_UNSPECIFIED:
-            raise InvalidArgument("MODE_UNSPECIFIED", "mode is required (UPDATE_MODE_IN_PLACE or UPDATE_MODE_STAGED)")
-        if begin.mode not in (pb.UPDATE_MODE_IN_PLACE, pb.UPDATE_MODE_STAGED):
-            raise InvalidArgument("MODE_UNKNOWN", f"unknown mode number {begin.mode}", mode=begin.mode)
-        if not begin.version or len(begin.version.encode()) > MAX_VERSION_BYTES:
-            raise InvalidArgument("VERSION_INVALID", f"version must be 1 to {MAX_VERSION_BYTES} bytes")
-        group = self._group_for(begin)
-        has_plan = begin.HasField("plan")
-        if has_plan and begin.plan_id:
-            raise InvalidArgument("PLAN_AND_PLAN_ID", "set either plan or plan_id, not both")
-        if has_plan:
-            plan = begin.plan
-            summary = validate_plan(plan, self.config.limits)
-            plan_id = plan_id_of(plan)
-        elif begin.plan_id:
-            cached = self.plans.get(begin.plan_id)
-            if cached is None:
-                raise NotFound("PLAN_NOT_FOUND", f"plan {begin.plan_id!r} is not held here; send the full plan",
-                               plan_id=begin.plan_id[:64])
-            plan, summary = cached  # validated when it was first sent; its id is its content
-            plan_id = begin.plan_id
-        else:
-            raise InvalidArgument("PLAN_MISSING", "begin needs a plan or a plan_id")
-        if begin.transport == pb.TRANSPORT_SHM and summary.max_bucket_bytes > self.ingress.slot_bytes:  # type: ignore[union-attr]
-            index = next(i for i, b in enumerate(plan.buckets) if b.size_bytes > self.ingress.slot_bytes)  # type: ignore[union-attr]
-            raise InvalidArgument(
-                "BUCKET_TOO_LARGE_FOR_INGRESS",
-                f"bucket {index} is {plan.buckets[index].size_bytes} bytes; SHM carries buckets of at most "
-                f"{self.ingress.slot_bytes} bytes (GetServerInfo.limits.ingress_slot_bytes): plan smaller buckets",  # type: ignore[union-attr]
-                bucket=index, size_bytes=plan.buckets[index].size_bytes, limit=self.ingress.slot_bytes,  # type: ignore[union-attr]
-            )
-        self._require_serving()
-        workers = self.supervisor.workers
-        largest = max(w.store.tensor_count for w in workers)
-        if any(w.store.state == pb.STORE_STATE_EMPTY for w in workers) and summary.tensor_count < largest:
-            raise FailedPrecondition(
-                "STORE_EMPTY",
-                f"a worker's store is empty (restarted); send a full update of all {largest} tensors first",
-                tensors=summary.tensor_count, expected=largest,
-            )
-        return group, plan, plan_id, summary
-
-    def _group_for(self, begin: pb.BeginUpdate) -> GroupRecord | None:
-        """COLLECTIVE: the READY group that carries the buckets. INLINE/SHM: none."""
-        if begin.transport != pb.TRANSPORT_COLLECTIVE:
-            if begin.group_id:
-                raise InvalidArgument("GROUP_ID_UNEXPECTED", f"{pb.Transport.Name(begin.transport)} needs no transfer "
-                                      "group: leave group_id empty", group_id=begin.group_id[:128])
-            return None
-        group = self.groups.get(begin.group_id)
-        if group is None:
-            raise NotFound("GROUP_NOT_FOUND", f"no group {begin.group_id!r}", group_id=begin.group_id[:128])
-        if group.state == pb.GROUP_STATE_BROKEN:
-            raise FailedPrecondition(
-                "GROUP_BROKEN", f"group {group.group_id!r} is broken ({group.broken_reason}); delete and recreate it",
-                group_id=group.group_id,
-            )
-        if group.state != pb.GROUP_STATE_READY:
-            raise FailedPrecondition("GROUP_NOT_READY", f"group {group.group_id!r} is still joining", group_id=group.group_id)
-        return group
 
     # -- shutdown ------------------------------------------------------------------
     async def drain(self, grace_seconds: float) -> None:
@@ -502,18 +392,6 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
     async def _wait_idle(self) -> None:
         while self.active_update is not None:
             await asyncio.sleep(0.05)
-
-
-def max_chunk_bytes(config: ServerConfig) -> int:
-    """Largest BucketChunk payload: a message's limit minus room for its other fields."""
-    return max(1, config.max_message_bytes - (64 << 10))
-
-
-def available_backends_for(workers: list[WorkerHandle]) -> list[int]:
-    """Gloo for CPU workers; NCCL when the workers sit on CUDA devices (and the build has it)."""
-    if any(w.device.startswith("cuda") for w in workers) and pb.BACKEND_NCCL in available_backends():
-        return [pb.BACKEND_NCCL]
-    return [pb.BACKEND_GLOO]
 
 
 __all__ = ["WeightSyncServicer", "SERVICE_NAME"]

@@ -419,7 +419,7 @@ def test_plan_id_not_cached(server, tracker):
     bad.buckets[0].tensors[0].shape[:] = [32, 64]  # same size, other shape
     error = begin_error(server, begin_message(group_id, bad))
     assert_error(error, Code.INVALID_ARGUMENT, "TENSOR_SHAPE_MISMATCH")
-    from weightsync.server.service import plan_id_of
+    from weightsync.common.plan_id import plan_id_of
 
     error = begin_error(server, begin_message(group_id, plan_id=plan_id_of(bad)))
     assert_error(error, Code.NOT_FOUND, "PLAN_NOT_FOUND")

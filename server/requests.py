@@ -1,0 +1,168 @@
+"""Checking what a request asks for, before the server acts on it.
+
+Every function raises the domain error (INVALID_ARGUMENT, NOT_FOUND,
+FAILED_PRECONDITION, ...) that names what is wrong, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from collections import OrderedDict
+
+from weightsync.common.collective import available_backends
+from weightsync.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unimplemented
+from weightsync.common.plan_id import plan_id_of
+from weightsync.common.plan_validation import PlanLimits, PlanSummary, validate_plan
+from weightsync.server.config import ServerConfig
+from weightsync.server.groups import GroupRegistry
+from weightsync.server.state import GroupRecord
+from weightsync.server.supervisor import WorkerHandle
+from weightsync.v1 import tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+GROUP_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+DEFAULT_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+MAX_GROUP_TIMEOUT = datetime.timedelta(hours=1)
+MAX_VERSION_BYTES = 256
+
+
+class PlanCache:
+    """Validated plans by their content id. Filled on commit only (caches change on success)."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self._plans: OrderedDict[str, tuple[tensor_pb2.WeightPlan, PlanSummary]] = OrderedDict()
+        self._capacity = capacity
+
+    def get(self, plan_id: str) -> tuple[tensor_pb2.WeightPlan, PlanSummary] | None:
+        return self._plans.get(plan_id)
+
+    def remember(self, plan_id: str, plan: tensor_pb2.WeightPlan, summary: PlanSummary) -> None:
+        self._plans[plan_id] = (plan, summary)
+        self._plans.move_to_end(plan_id)
+        while len(self._plans) > self._capacity:
+            self._plans.popitem(last=False)
+
+
+def group_record(request: pb.CreateTransferGroupRequest, workers: list[WorkerHandle]) -> GroupRecord:
+    """The group a CreateTransferGroupRequest asks for, or INVALID_ARGUMENT saying what is wrong."""
+    if not GROUP_ID_PATTERN.match(request.group_id):
+        raise InvalidArgument(
+            "GROUP_ID_INVALID", "group_id must be 1 to 128 characters of [A-Za-z0-9._-]", group_id=request.group_id[:128]
+        )
+    if not request.store_host:
+        raise InvalidArgument("STORE_HOST_MISSING", "store_host is required")
+    if not 1 <= request.store_port <= 65535:
+        raise InvalidArgument("STORE_PORT_INVALID", f"store_port {request.store_port} is not 1..65535", store_port=request.store_port)
+    if request.backend == pb.BACKEND_UNSPECIFIED:
+        raise InvalidArgument("BACKEND_UNSPECIFIED", "backend is required (BACKEND_GLOO or BACKEND_NCCL)")
+    supported = available_backends_for(workers)
+    if request.backend not in supported:
+        raise InvalidArgument(
+            "BACKEND_UNSUPPORTED",
+            f"backend {request.backend} is not supported by this server's workers "
+            f"(supported: {[pb.Backend.Name(b) for b in supported]})",
+            backend=request.backend,
+        )
+    workers = len(workers)
+    if request.world_size < 2 or request.rank_offset < 1 or request.rank_offset + workers > request.world_size:
+        raise InvalidArgument(
+            "RANKS_DO_NOT_FIT",
+            f"this server's {workers} workers need ranks rank_offset..rank_offset+{workers - 1} "
+            f"inside 1..world_size-1; got rank_offset {request.rank_offset}, world_size {request.world_size}",
+            world_size=request.world_size, rank_offset=request.rank_offset, workers=workers,
+        )
+    timeout = request.timeout.ToTimedelta() if request.HasField("timeout") else DEFAULT_GROUP_TIMEOUT
+    if not datetime.timedelta(0) < timeout <= MAX_GROUP_TIMEOUT:
+        raise InvalidArgument("TIMEOUT_INVALID", f"timeout must be in (0, 3600] s, got {timeout.total_seconds():g}")
+    return GroupRecord(request.group_id, request.world_size, request.rank_offset, request.backend, timeout,
+                       request.store_host, request.store_port)
+
+
+def check_begin(begin: pb.BeginUpdate, offered: list[int]) -> None:
+    """Transport, mode and version of a BeginUpdate, before anything else is looked at."""
+    if begin.transport == pb.TRANSPORT_UNSPECIFIED:
+        raise InvalidArgument("TRANSPORT_UNSPECIFIED", "transport is required (TRANSPORT_COLLECTIVE, INLINE or SHM)")
+    if begin.transport not in pb.Transport.values():
+        raise InvalidArgument("TRANSPORT_UNKNOWN", f"unknown transport number {begin.transport}", transport=begin.transport)
+    if begin.transport not in offered:
+        raise Unimplemented("TRANSPORT_UNAVAILABLE", f"transport {pb.Transport.Name(begin.transport)} is not "
+                            "offered by this server (see GetServerInfo.transports)", transport=begin.transport)
+    if begin.mode == pb.UPDATE_MODE_UNSPECIFIED:
+        raise InvalidArgument("MODE_UNSPECIFIED", "mode is required (UPDATE_MODE_IN_PLACE or UPDATE_MODE_STAGED)")
+    if begin.mode not in (pb.UPDATE_MODE_IN_PLACE, pb.UPDATE_MODE_STAGED):
+        raise InvalidArgument("MODE_UNKNOWN", f"unknown mode number {begin.mode}", mode=begin.mode)
+    if not begin.version or len(begin.version.encode()) > MAX_VERSION_BYTES:
+        raise InvalidArgument("VERSION_INVALID", f"version must be 1 to {MAX_VERSION_BYTES} bytes")
+
+
+def plan_for(begin: pb.BeginUpdate, plans: PlanCache, limits: PlanLimits,
+             ingress_slot_bytes: int) -> tuple[tensor_pb2.WeightPlan, str, PlanSummary]:
+    """The update's plan (sent, or held under its content id), validated, and its id."""
+    has_plan = begin.HasField("plan")
+    if has_plan and begin.plan_id:
+        raise InvalidArgument("PLAN_AND_PLAN_ID", "set either plan or plan_id, not both")
+    if has_plan:
+        plan = begin.plan
+        summary = validate_plan(plan, limits)
+        plan_id = plan_id_of(plan)
+    elif begin.plan_id:
+        cached = plans.get(begin.plan_id)
+        if cached is None:
+            raise NotFound("PLAN_NOT_FOUND", f"plan {begin.plan_id!r} is not held here; send the full plan",
+                           plan_id=begin.plan_id[:64])
+        plan, summary = cached  # validated when it was first sent; its id is its content
+        plan_id = begin.plan_id
+    else:
+        raise InvalidArgument("PLAN_MISSING", "begin needs a plan or a plan_id")
+    if begin.transport == pb.TRANSPORT_SHM and summary.max_bucket_bytes > ingress_slot_bytes:
+        index = next(i for i, b in enumerate(plan.buckets) if b.size_bytes > ingress_slot_bytes)
+        raise InvalidArgument(
+            "BUCKET_TOO_LARGE_FOR_INGRESS",
+            f"bucket {index} is {plan.buckets[index].size_bytes} bytes; SHM carries buckets of at most "
+            f"{ingress_slot_bytes} bytes (GetServerInfo.limits.ingress_slot_bytes): plan smaller buckets",
+            bucket=index, size_bytes=plan.buckets[index].size_bytes, limit=ingress_slot_bytes,
+        )
+    return plan, plan_id, summary
+
+
+def require_full_update_of_empty_stores(workers: list[WorkerHandle], summary: PlanSummary) -> None:
+    """A restarted worker with an empty store (CUDA) takes only a full update."""
+    largest = max(w.store.tensor_count for w in workers)
+    if any(w.store.state == pb.STORE_STATE_EMPTY for w in workers) and summary.tensor_count < largest:
+        raise FailedPrecondition(
+            "STORE_EMPTY",
+            f"a worker's store is empty (restarted); send a full update of all {largest} tensors first",
+            tensors=summary.tensor_count, expected=largest,
+        )
+
+def group_for(begin: pb.BeginUpdate, groups: GroupRegistry) -> GroupRecord | None:
+    """COLLECTIVE: the READY group that carries the buckets. INLINE/SHM: none."""
+    if begin.transport != pb.TRANSPORT_COLLECTIVE:
+        if begin.group_id:
+            raise InvalidArgument("GROUP_ID_UNEXPECTED", f"{pb.Transport.Name(begin.transport)} needs no transfer "
+                                  "group: leave group_id empty", group_id=begin.group_id[:128])
+        return None
+    group = groups.get(begin.group_id)
+    if group is None:
+        raise NotFound("GROUP_NOT_FOUND", f"no group {begin.group_id!r}", group_id=begin.group_id[:128])
+    if group.state == pb.GROUP_STATE_BROKEN:
+        raise FailedPrecondition(
+            "GROUP_BROKEN", f"group {group.group_id!r} is broken ({group.broken_reason}); delete and recreate it",
+            group_id=group.group_id,
+        )
+    if group.state != pb.GROUP_STATE_READY:
+        raise FailedPrecondition("GROUP_NOT_READY", f"group {group.group_id!r} is still joining", group_id=group.group_id)
+    return group
+
+
+def max_chunk_bytes(config: ServerConfig) -> int:
+    """Largest BucketChunk payload: a message's limit minus room for its other fields."""
+    return max(1, config.max_message_bytes - (64 << 10))
+
+
+def available_backends_for(workers: list[WorkerHandle]) -> list[int]:
+    """Gloo for CPU workers; NCCL when the workers sit on CUDA devices (and the build has it)."""
+    if any(w.device.startswith("cuda") for w in workers) and pb.BACKEND_NCCL in available_backends():
+        return [pb.BACKEND_NCCL]
+    return [pb.BACKEND_GLOO]

@@ -30,7 +30,6 @@ from weightsync.common.checksum import tensor_checksum
 from weightsync.common.collective import CollectiveError
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
-from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("weightsync.client")
 
@@ -45,7 +44,7 @@ class Endpoint:
     """One server as a push sees it."""
 
     address: str
-    stub: pb_grpc.WeightSyncServiceStub
+    update_weights: grpc.aio.StreamStreamMultiCallable
 
 
 @dataclass(slots=True)
@@ -139,7 +138,7 @@ class PushRun:
         for attempt in (0, 1):
             streams = []
             for endpoint in self.endpoints:
-                stream = UpdateStream(endpoint.address, endpoint.stub, self.metadata)
+                stream = UpdateStream(endpoint.address, endpoint.update_weights, self.metadata)
                 begin = pb.BeginUpdate(group_id=self.group_id, version=self.version, mode=self.mode,
                                        transport=self.sink.transport, allow_new_tensors=self.allow_new_tensors)
                 if by_id:

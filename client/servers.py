@@ -12,6 +12,7 @@ import grpc.aio
 from weightsync.client._loop import LoopThread
 from weightsync.client.errors import WeightSyncRpcError
 from weightsync.client.types import TlsConfig
+from weightsync.client.wire import update_weights_call
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
 
@@ -20,6 +21,8 @@ class Server:
     address: str
     channel: grpc.aio.Channel
     stub: pb_grpc.WeightSyncServiceStub
+    update_weights: grpc.aio.StreamStreamMultiCallable
+    """UpdateWeights taking pre-encoded chunks too (wire.py)."""
     workers: int = 0
     rank_offset: int = 0
 
@@ -51,7 +54,7 @@ class ServerSet:
                 )
                 opts = options + ([("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else [])
                 channel = grpc.aio.secure_channel(address, creds, options=opts)
-            out.append(Server(address, channel, pb_grpc.WeightSyncServiceStub(channel)))
+            out.append(Server(address, channel, pb_grpc.WeightSyncServiceStub(channel), update_weights_call(channel)))
         return out
 
     @property

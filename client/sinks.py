@@ -26,6 +26,7 @@ from weightsync.client.errors import WeightSyncRpcError
 from weightsync.client.packing import PackBuffers, TensorSource, fill_bucket
 from weightsync.client.planning import PlannedBucket
 from weightsync.client.streams import UpdateStream
+from weightsync.client.wire import encode_bucket_chunk
 from weightsync.common.collective import CollectiveError, CollectiveGroup
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -102,10 +103,9 @@ class InlineSink:
     def send(self, index, payload, checksum, streams):
         size = payload.numel()
         announce(self._loop, streams, index, size, checksum)
-        data = payload.detach().cpu().numpy()
+        data = memoryview(payload.detach().cpu().numpy())
         for offset in range(0, size, self._chunk):
-            chunk = pb.UpdateWeightsRequest(bucket_chunk=pb.BucketChunk(
-                sequence=index, offset_bytes=offset, data=data[offset : offset + self._chunk].tobytes()))
+            chunk = encode_bucket_chunk(index, offset, data[offset : offset + self._chunk])
             for stream in streams:
                 if stream.failed:
                     return stream.reported_error

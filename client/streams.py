@@ -12,7 +12,6 @@ from weightsync.client.errors import UpdateFailed, WeightSyncRpcError
 from weightsync.common.collective import CollectiveError
 from weightsync.common.errors import status_code
 from weightsync.v1 import weight_sync_service_pb2 as pb
-from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
 
 class UpdateStream:
@@ -22,10 +21,10 @@ class UpdateStream:
     the trainer thread between buckets (single writes, safe under the GIL).
     """
 
-    def __init__(self, server: str, stub: pb_grpc.WeightSyncServiceStub, metadata: tuple) -> None:
+    def __init__(self, server: str, update_weights: grpc.aio.StreamStreamMultiCallable, metadata: tuple) -> None:
         self.server = server
-        self._outgoing: asyncio.Queue[pb.UpdateWeightsRequest | None] = asyncio.Queue()
-        self._call = stub.UpdateWeights(self._requests(), metadata=metadata)
+        self._outgoing: asyncio.Queue[pb.UpdateWeightsRequest | bytes | None] = asyncio.Queue()
+        self._call = update_weights(self._requests(), metadata=metadata)
         loop = asyncio.get_running_loop()
         self.ready: asyncio.Future[pb.UpdateReady] = loop.create_future()
         self.committed: asyncio.Future[pb.UpdateCommitted] = loop.create_future()
@@ -50,7 +49,7 @@ class UpdateStream:
         """Queue a message (None half-closes the stream). Call on the loop."""
         self._outgoing.put_nowait(message)
 
-    async def send_data(self, message: pb.UpdateWeightsRequest, backlog: int = 2) -> None:
+    async def send_data(self, message: pb.UpdateWeightsRequest | bytes, backlog: int = 2) -> None:
         """Queue a bulky message once gRPC took all but `backlog` of the queued ones: the trainer
         thread waits here, so an INLINE push holds a few chunks in memory, not a whole model."""
         while self._outgoing.qsize() >= backlog and self.failure is None:

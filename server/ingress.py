@@ -36,7 +36,7 @@ class Ingress:
     def slot_offset(self, sequence: int) -> int:
         return (sequence % self.slot_count) * self.slot_bytes
 
-    def write(self, sequence: int, offset_bytes: int, data: bytes) -> None:
+    def write(self, sequence: int, offset_bytes: int, data: bytes | memoryview) -> None:
         """Copy an INLINE chunk into bucket `sequence`'s slot (bounds checked by the caller)."""
         start = self.slot_offset(sequence) + offset_bytes
         self.view[start : start + len(data)] = data

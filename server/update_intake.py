@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from weightsync.common.errors import DeadlineExceeded, InvalidArgument, WeightSyncError
+from weightsync.server.wire import ChunkView
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
@@ -236,7 +237,7 @@ class BucketIntake:
             raise DeadlineExceeded("INGRESS_SLOT_TIMEOUT", f"the workers did not apply an earlier piece within "
                                    f"{self.s.bucket_timeout:g} s") from None
 
-    async def _chunk(self, chunk: pb.BucketChunk) -> None:
+    async def _chunk(self, chunk: pb.BucketChunk | ChunkView) -> None:
         if self.s.failure is not None:
             return  # the update is failing: chunks are dropped, nothing waits for them
         filling = self.filling

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench import machine, report, workloads
+from bench import transports as transport_bench
 from bench.baselines import packed_source, strided_subset
 from bench.harness import (
     FULL,
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction,
                         help="also time weightsync with checksums=True and raw with the SDK's bucket plan "
                              "(default: on in full runs)")
-    parser.add_argument("--only", choices=["main", "latency", "scaling", "load"], action="append",
+    parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports"], action="append",
                         help="run only these parts (repeatable); default: all")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, receiver_threads=args.receiver_threads)
     if args.diagnostics is not None:
         cfg = replace(cfg, diagnostics=args.diagnostics)
-    parts = set(args.only or ["main", "latency", "scaling", "load"])
+    parts = set(args.only or ["main", "latency", "scaling", "load", "transports"])
     if args.per_tensor_limit is not None:
         cfg = replace(cfg, per_tensor_limit=args.per_tensor_limit)
     if args.trainer_threads is not None:
@@ -249,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
             scaling["tensor_count"] = scaling_count(h)
             scaling["bytes"] = scaling_bytes(h)
             scaling["receivers"] = scaling_receivers(h)
+        transports = None
+        if "transports" in parts:
+            transports = transport_bench.run(h, [workloads.dense(cfg.dense_scale), workloads.moe(cfg.moe_scale)])
         server_starts = h.server_starts
         control_load = None
         if "load" in parts:
@@ -268,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "one_tensor_update_ms": None if latency_ms is None else round(latency_ms, 3),
         "scaling": scaling,
         "load": control_load,
+        "transports": transports,
     }
     meta = {
         "config": asdict(cfg),
@@ -294,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{control_load['median_loaded_seconds']:.3f} s against {control_load['median_quiet_seconds']:.3f} s without "
             f"them ({control_load['slowdown'] * 100:+.1f}%, medians of alternated runs).\n"
         )
+    if transports is not None:
+        markdown += transport_bench.markdown(transports)
     (out_dir / "latest.md").write_text(markdown)
     log(f"done in {seconds:.0f} s; wrote {out_dir}/latest.json, latest.md, latest.meta.json and {len(plots)} plots")
     print(report.summary(results, meta))

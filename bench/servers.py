@@ -34,7 +34,8 @@ def shm_names_of(pid: int) -> set[str]:
 class Server:
     """`python -m weightsync.server.cli --workers N --device cpu`, as a user starts it."""
 
-    def __init__(self, workers: int, workdir: Path, start_timeout: float = 180.0, env: dict | None = None) -> None:
+    def __init__(self, workers: int, workdir: Path, start_timeout: float = 180.0, env: dict | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
         self.workers = workers
         tag = uuid.uuid4().hex[:6]
         ready = workdir / f"server-{workers}w-{tag}.ready"
@@ -44,7 +45,7 @@ class Server:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "weightsync.server.cli", "--listen", "127.0.0.1:0",
                  "--workers", str(workers), "--device", "cpu", "--ready-file", str(ready),
-                 "--log-level", "warning"],
+                 "--log-level", "warning", *extra],
                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + start_timeout

@@ -39,7 +39,7 @@ class ServerConfig:
     host_memory_reserve_bytes: int = 256 << 20
     """Host memory an update must leave free (for the server, engines, the OS)."""
     ingress_slot_bytes: int = 64 << 20
-    """Bytes per ingress slot: the largest INLINE/SHM bucket. 0 disables both transports."""
+    """Bytes per ingress slot: the largest SHM bucket (INLINE buckets stream through the slots). 0 disables both."""
     ingress_slot_count: int = 2
     """Ingress slots: INLINE and SHM keep this many buckets in flight."""
     transfer_timeout_seconds: float = 60.0
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker-memory-limit-bytes", type=int)
     parser.add_argument("--host-memory-limit-bytes", type=int)
     parser.add_argument("--host-memory-reserve-bytes", type=int)
-    parser.add_argument("--ingress-slot-bytes", type=int, help="largest INLINE/SHM bucket; 0 disables them")
+    parser.add_argument("--ingress-slot-bytes", type=int, help="bytes per ingress slot: the largest SHM bucket (INLINE buckets stream through slots); 0 disables both")
     parser.add_argument("--ingress-slot-count", type=int)
     parser.add_argument("--transfer-timeout-seconds", type=float)
     parser.add_argument("--local-socket", help='unix socket for engines and SHM trainers ("auto", a path, or "")')

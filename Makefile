@@ -1,13 +1,17 @@
-# weightsync: make demo | make test | make lint | make proto | make run | make bench
+# weightsync: make demo | make test | make lint | make proto | make stubs | make run | make bench
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-BUF := .tools/node_modules/.bin/buf
+# buf, protoc-gen-es and tsc, pinned in tools/package-lock.json.
+TOOLS := tools/node_modules/.package-lock.json
+BUF := tools/node_modules/.bin/buf
+# The Node.js trainer (examples/node), pinned in its own lockfile; tests run it.
+NODE_TRAINER := examples/node/node_modules/.package-lock.json
 PROTOS := $(wildcard protos/weightsync/v1/*.proto) $(wildcard protos/weightsync/worker/v1/*.proto)
 
-.PHONY: install engine-install test test-multihost test-engines lint proto run demo demo-multihost demo-engine bench bench-quick clean
+.PHONY: install engine-install stubs test test-multihost test-engines lint proto run demo demo-multihost demo-engine bench bench-quick clean
 
 # torch first, with an exact pin: on this machine it is a CPU build on local
 # disk; a looser requirement could pull a multi-GB CUDA build.
@@ -35,11 +39,13 @@ $(ENGINE_STAMP): pyproject.toml
 
 engine-install: $(ENGINE_STAMP)
 
-$(BUF):
-	mkdir -p .tools
-	cd .tools && npm install --no-audit --no-fund --silent @bufbuild/buf@1.75.0
+$(TOOLS): tools/package.json tools/package-lock.json
+	cd tools && npm ci --no-audit --no-fund --silent
 
-test: install
+$(NODE_TRAINER): examples/node/package.json examples/node/package-lock.json
+	cd examples/node && npm ci --no-audit --no-fund --silent
+
+test: install $(TOOLS) $(NODE_TRAINER)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # Three network namespaces on one machine (needs root; skipped with a reason otherwise).
@@ -49,7 +55,7 @@ test-multihost: install
 demo-multihost: install
 	$(PY) tests/multihost/demo.py
 
-lint: install $(BUF)
+lint: install $(TOOLS)
 	cd protos && ../$(BUF) lint
 	$(PY) -m ruff check .
 	$(VENV)/bin/hadolint Dockerfile
@@ -57,6 +63,16 @@ lint: install $(BUF)
 proto: install
 	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --pyi_out=protos \
 	  --grpc_python_out=protos $(PROTOS)
+
+# Stubs for other languages from buf.gen.yaml (managed mode sets go_package, java_package, ...);
+# the TypeScript ones are type-checked.
+stubs: install $(TOOLS)
+	rm -rf build/stubs
+	$(BUF) generate --template protos/buf.gen.yaml
+	ln -sfn ../../tools/node_modules build/stubs/node_modules
+	tools/node_modules/.bin/tsc --noEmit --strict --target es2022 --module esnext \
+	  --moduleResolution bundler build/stubs/ts/weightsync/v1/*.ts
+	@ls build/stubs
 
 run: install
 	$(VENV)/bin/weightsync-server --listen 127.0.0.1:50051 --workers 2 --device cpu
@@ -71,4 +87,4 @@ bench-quick: install
 	$(PY) -m bench --quick
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) .tools .pytest_cache
+	rm -rf $(VENV) $(ENGINE_VENV) tools/node_modules examples/node/node_modules build .pytest_cache

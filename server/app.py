@@ -14,13 +14,13 @@ import grpc.aio
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from weightsync.common.address import parse_address
 from weightsync.server.config import ServerConfig
 from weightsync.server.credentials import Credentials
 from weightsync.server.interceptors import EdgeInterceptor
 from weightsync.server.metrics import Metrics
+from weightsync.server.reflection import enable_reflection
 from weightsync.server.service import SERVICE_NAME, WeightSyncServicer
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
@@ -29,12 +29,10 @@ log = structlog.get_logger("weightsync.server")
 
 
 def _configure_reflection(server: grpc.aio.Server) -> None:
-    names = (
+    enable_reflection(server, (
         pb.DESCRIPTOR.services_by_name["WeightSyncService"].full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
+    ))
 
 
 def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:

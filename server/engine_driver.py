@@ -18,6 +18,7 @@ goes to GetServerInfo.engines and WatchWeights.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -33,6 +34,9 @@ log = structlog.get_logger("weightsync.engine_driver")
 POLL_SECONDS = 5.0
 """How often vLLM's version is checked between commits (a restarted vLLM is warm-started)."""
 REQUEST_TIMEOUT_SECONDS = 300.0
+RETRY_SECONDS = (5.0, 10.0, 30.0, 60.0, 300.0)
+"""A version vLLM refused is tried again after these delays (then every 300 s), or at once when
+vLLM restarts; a new commit is tried at once."""
 
 
 class EngineUnreachable(Exception):
@@ -51,6 +55,12 @@ class VllmHttpDriver:
     _task: asyncio.Task | None = None
     _initialized: bool = False
     _applied_generation: int = -1
+    _applied_label: str | None = None
+    """The weight_version we last set in vLLM; another one means another instance (warm-start it)."""
+    _failed: tuple[int, str | None] | None = None
+    """(generation, vLLM's version then) of the last refused apply."""
+    _failures: int = 0
+    _retry_at: float = 0.0
 
     @staticmethod
     def from_spec(spec: str, index: int, **parts) -> VllmHttpDriver:
@@ -62,18 +72,28 @@ class VllmHttpDriver:
         self._task = asyncio.ensure_future(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         events = self.publisher.watchers.subscribe()
         try:
             while True:
                 await self._converge()
-                try:
-                    await asyncio.wait_for(events.get(), POLL_SECONDS)
-                except TimeoutError:
-                    pass
+                # Sleep until a new commit or the poll. Every other event (most of them engine-state
+                # changes, our own included) is not a reason to call vLLM again: waking on those
+                # would spin while vLLM is down or keeps refusing a version.
+                seen = self.publisher.version.generation
+                deadline = loop.time() + POLL_SECONDS
+                while self.publisher.version.generation == seen and (left := deadline - loop.time()) > 0:
+                    try:
+                        await asyncio.wait_for(events.get(), left)
+                    except TimeoutError:
+                        break
         finally:
             self.publisher.watchers.unsubscribe(events)
 
@@ -82,13 +102,16 @@ class VllmHttpDriver:
         version = self.publisher.version
         if version.generation == 0:
             return
+        served = None
         try:
             served = (await self._call("GET", "/weight_info")).get("weight_version")
+            if served != self._applied_label:
+                # Not what we set last: a new instance (or a restart) holds its own weights: all of them.
+                self._initialized, self._applied_generation, self._applied_label = False, -1, None
             if served == version.version and self._applied_generation == version.generation:
                 return
-            if served != version.version:
-                # Not what we applied last: a new instance (or a restart) holds its own weights.
-                self._initialized, self._applied_generation = False, -1
+            if self._failed == (version.generation, served) and asyncio.get_running_loop().time() < self._retry_at:
+                return  # refused a moment ago, nothing changed since: wait before asking again
             self.engines.applying(self.name)
             await self._apply(version.version, version.generation)
         except EngineUnreachable as error:
@@ -96,10 +119,18 @@ class VllmHttpDriver:
             self.engines.unreachable(self.name, str(error))
             return
         except RuntimeError as error:
+            if "VERSION_GONE" in str(error):
+                return  # a newer commit replaced it while vLLM read: its event brings us back at once
+            self._failed = (version.generation, served)
+            self._retry_at = asyncio.get_running_loop().time() + RETRY_SECONDS[min(self._failures,
+                                                                                  len(RETRY_SECONDS) - 1)]
+            self._failures += 1
             self.engines.failed(self.name, str(error))
-            log.warning("engine_apply_failed", engine=self.name, error=str(error))
+            log.warning("engine_apply_failed", engine=self.name, version=version.version,
+                        generation=version.generation, error=str(error))
             return
-        self._applied_generation = version.generation
+        self._applied_generation, self._applied_label = version.generation, version.version
+        self._failed, self._failures = None, 0
         self.engines.applied(self.name, version)
         log.info("engine_applied", engine=self.name, version=version.version, generation=version.generation)
 
@@ -111,6 +142,8 @@ class VllmHttpDriver:
         await self._call("POST", "/pause?mode=keep")
         try:
             await self._call("POST", "/start_weight_update")
+            # vLLM's worker reads generation `generation` (VERSION_GONE if a newer commit replaced it)
+            # and loads what was written since the one it serves; on an error it keeps its weights.
             await self._call("POST", "/update_weights", {"update_info": {
                 "generation": generation, "since_generation": self._applied_generation}})
             await self._call("POST", "/finish_weight_update", {"weight_version": label})

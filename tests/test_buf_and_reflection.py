@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +183,25 @@ def test_buf_generate_makes_java_csharp_cpp_and_typescript(tmp_path) -> None:
                           *map(str, sorted((out / "ts/weightsync/v1").glob("*.ts")))],
                          capture_output=True, text=True, timeout=300)
     assert tsc.returncode == 0, tsc.stdout + tsc.stderr
+
+
+# -- the README's own lines ----------------------------------------------------------------
+def readme_inspection_lines() -> list[str]:
+    """Every `grpcurl ...` and `buf curl ...` line of the README's code blocks."""
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()
+            if line.startswith(("grpcurl ", "buf curl "))]
+
+
+@needs_buf
+@needs_grpcurl
+def test_the_readmes_grpcurl_and_buf_curl_lines_work(plain) -> None:
+    lines = readme_inspection_lines()
+    assert any(line.startswith("grpcurl ") for line in lines) and any(line.startswith("buf curl ") for line in lines)
+    for line in lines:
+        argv = shlex.split(line.replace("localhost:50051", plain.address))
+        argv = [str(GRPCURL)] + argv[1:] if argv[0] == "grpcurl" else [str(BUF)] + argv[1:]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, f"{line}: {result.stderr}"
+        assert "weightsync.v1.WeightSyncService" in result.stdout or '"workers"' in result.stdout, line

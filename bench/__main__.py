@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench import engine_apply, machine, report, workloads
+from bench import engine_apply, machine, node_inline, report, workloads
 from bench import transports as transport_bench
 from bench.baselines import packed_source, strided_subset
 from bench.harness import (
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction,
                         help="also time weightsync with checksums=True and raw with the SDK's bucket plan "
                              "(default: on in full runs)")
-    parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine"], action="append",
+    parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine", "node"], action="append",
                         help="run only these parts (repeatable); default: all")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, receiver_threads=args.receiver_threads)
     if args.diagnostics is not None:
         cfg = replace(cfg, diagnostics=args.diagnostics)
-    parts = set(args.only or ["main", "latency", "scaling", "load", "transports", "engine"])
+    parts = set(args.only or ["main", "latency", "scaling", "load", "transports", "engine", "node"])
     if args.per_tensor_limit is not None:
         cfg = replace(cfg, per_tensor_limit=args.per_tensor_limit)
     if args.trainer_threads is not None:
@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         if "transports" in parts:
             transports = transport_bench.run(h, [workloads.dense(cfg.dense_scale), workloads.moe(cfg.moe_scale)])
         engine = engine_apply.run(h, workloads.dense(cfg.dense_scale)) if "engine" in parts else None
+        node = node_inline.run(h, workloads.dense(cfg.dense_scale)) if "node" in parts else None
         server_starts = h.server_starts
         control_load = None
         if "load" in parts:
@@ -275,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "load": control_load,
         "transports": transports,
         "engine_apply": engine,
+        "node_inline": node,
     }
     meta = {
         "config": asdict(cfg),
@@ -305,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         markdown += transport_bench.markdown(transports)
     if engine is not None:
         markdown += engine_apply.markdown(engine)
+    if node is not None:
+        markdown += node_inline.markdown(node)
     (out_dir / "latest.md").write_text(markdown)
     log(f"done in {seconds:.0f} s; wrote {out_dir}/latest.json, latest.md, latest.meta.json and {len(plots)} plots")
     print(report.summary(results, meta))

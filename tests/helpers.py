@@ -3,6 +3,7 @@ torch.distributed and the generated stubs (deliberately not the SDK)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -100,6 +101,25 @@ def start_server(tmp_path: Path, *extra: str, workers: int = 2, env: dict | None
         time.sleep(0.05)
     announced = json.loads(ready.read_text())
     return ServerProcess(process, announced["port"], log_path, announced)
+
+
+@contextlib.contextmanager
+def running_server(tmp_path: Path, *extra: str, workers: int = 2) -> Iterator[ServerProcess]:
+    """start_server for a fixture: the server must then stop cleanly (exit 0) on SIGTERM."""
+    server = start_server(tmp_path, *extra, workers=workers)
+    try:
+        yield server
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()[-3000:]
+
+
+@contextlib.contextmanager
+def sdk_client(server: ServerProcess) -> Iterator:
+    from weightsync.client import WeightSyncClient
+
+    with WeightSyncClient(server.address) as client:
+        yield client
 
 
 def error_reason(error: grpc.RpcError) -> str:

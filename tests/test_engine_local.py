@@ -16,11 +16,11 @@ import grpc
 import pytest
 import torch
 
-from weightsync.client import UpdateFailed, WeightSyncClient
+from weightsync.client import UpdateFailed
 from weightsync.engine import EngineClient, EngineError, ModuleFollower, apply_to_module
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-from helpers import start_server, wait_for
+from helpers import running_server, sdk_client, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -46,14 +46,13 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("engine"), "--engine-lease-timeout-seconds", "3")
-    yield server
-    assert server.stop() == 0, server.log()[-3000:]
+    with running_server(tmp_path_factory.mktemp("engine"), "--engine-lease-timeout-seconds", "3") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def trainer(node):
-    with WeightSyncClient(node.address) as client:
+    with sdk_client(node) as client:
         yield client
 
 

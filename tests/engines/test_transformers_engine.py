@@ -23,10 +23,9 @@ transformers = pytest.importorskip("transformers", reason="transformers is in th
 import tiny_model  # noqa: E402
 import transformers_engine  # noqa: E402
 
-from weightsync.client import WeightSyncClient  # noqa: E402
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 
-from helpers import start_server, wait_for  # noqa: E402
+from helpers import running_server, sdk_client, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 ENGINE = Path(transformers_engine.__file__)
@@ -78,14 +77,13 @@ class EngineProcess:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("transformers-engine"), workers=1)
-    yield server
-    assert server.stop() == 0, server.log()[-3000:]
+    with running_server(tmp_path_factory.mktemp("transformers-engine"), workers=1) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def trainer(node):
-    with WeightSyncClient(node.address) as client:
+    with sdk_client(node) as client:
         yield client
 
 

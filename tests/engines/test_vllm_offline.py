@@ -8,9 +8,6 @@ tokens with those of a vLLM cold-started from a checkpoint of the same version.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import tiny_model
 import torch
@@ -18,7 +15,6 @@ import torch
 if problem := tiny_model.vllm_problem():
     pytest.skip(problem, allow_module_level=True)
 
-from weightsync.client import WeightSyncClient  # noqa: E402
 from weightsync.engine.vllm_backend import (  # noqa: E402
     WeightSyncInitInfo,
     WeightSyncUpdateError,
@@ -27,7 +23,7 @@ from weightsync.engine.vllm_backend import (  # noqa: E402
 from weightsync.engine.vllm_follow import follow  # noqa: E402
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 
-from helpers import start_server, wait_for  # noqa: E402
+from helpers import running_server, sdk_client, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 NAME = "offline"
@@ -35,14 +31,13 @@ NAME = "offline"
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("vllm-offline"), workers=1)
-    yield server
-    assert server.stop() == 0, server.log()[-3000:]
+    with running_server(tmp_path_factory.mktemp("vllm-offline"), workers=1) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def trainer(node):
-    with WeightSyncClient(node.address) as client:
+    with sdk_client(node) as client:
         yield client
 
 
@@ -111,16 +106,7 @@ def test_part_of_a_fused_layer_takes_the_rest_from_the_store(llm, follower, trai
 
 
 def test_staged_update_aborted_by_a_killed_trainer_changes_nothing(llm, follower, node, cold):
-    before = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
-    trainer = subprocess.run([sys.executable, tiny_model.__file__, "push-killed", node.address, "7", "killed"],
-                             capture_output=True, text=True, timeout=120)
-    assert trainer.returncode == -9 and "KILLED" in trainer.stdout, trainer.stdout + trainer.stderr[-2000:]
-
-    def settled():
-        info = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
-        return info if info.store_state == pb.STORE_STATE_CONSISTENT else None
-
-    info = wait_for(settled, timeout=60)
+    before, info = tiny_model.kill_a_trainer_mid_push(node)
     assert info.current_version.version == before.current_version.version == "fused"
     assert info.current_version.generation == before.current_version.generation
     assert follower.apply_pending() is False

@@ -9,7 +9,6 @@ token ids), a weightsync server started with --engine, and a trainer pushing wit
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +20,10 @@ import torch
 if problem := tiny_model.vllm_problem():
     pytest.skip(problem, allow_module_level=True)
 
-from weightsync.client import WeightSyncClient  # noqa: E402
 from weightsync.engine.vllm_follow import follow  # noqa: E402
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 
-from helpers import start_server, wait_for  # noqa: E402
+from helpers import running_server, sdk_client, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 DRIVEN = "vllm-http"  # the driver's engine name (the first --engine)
@@ -87,14 +85,14 @@ def vllm(checkpoints, cold, tmp_path_factory):  # cold first: its in-process LLM
 
 @pytest.fixture(scope="module")
 def node(vllm, tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("vllm-node"), "--engine", f"vllm-http={vllm.url}", workers=1)
-    yield server
-    assert server.stop() == 0, server.log()[-3000:]
+    with running_server(tmp_path_factory.mktemp("vllm-node"), "--engine", f"vllm-http={vllm.url}",
+                        workers=1) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def trainer(node):
-    with WeightSyncClient(node.address) as client:
+    with sdk_client(node) as client:
         yield client
 
 
@@ -148,16 +146,7 @@ def test_driven_partial_updates(vllm, node, trainer, versions, cold):
 
 
 def test_staged_update_aborted_by_a_killed_trainer_leaves_vllm_serving(vllm, node, cold):
-    before = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
-    trainer = subprocess.run([sys.executable, tiny_model.__file__, "push-killed", node.address, "7", "killed"],
-                             capture_output=True, text=True, timeout=120)
-    assert trainer.returncode == -9 and "KILLED" in trainer.stdout, trainer.stdout + trainer.stderr[-2000:]
-
-    def settled():
-        info = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
-        return info if info.store_state == pb.STORE_STATE_CONSISTENT else None
-
-    info = wait_for(settled, timeout=60)
+    before, info = tiny_model.kill_a_trainer_mid_push(node)
     assert info.current_version == before.current_version
     assert vllm.tokens() == cold["fused"]
     assert vllm.weight_version() == "fused"

@@ -230,6 +230,26 @@ def push_killed(address: str, seed: int, version: str) -> int:
     return 3
 
 
+def kill_a_trainer_mid_push(node, seed: int = 7, version: str = "killed"):
+    """Run push_killed against `node` (a tests.helpers.ServerProcess) in a process of its own and
+    wait until the store settles; returns GetServerInfo (before, after)."""
+    import subprocess
+
+    from weightsync.v1 import weight_sync_service_pb2 as pb
+
+    from helpers import wait_for
+
+    def info():
+        return node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+
+    before = info()
+    trainer = subprocess.run([sys.executable, __file__, "push-killed", node.address, str(seed), version],
+                             capture_output=True, text=True, timeout=120)
+    assert trainer.returncode == -9 and "KILLED" in trainer.stdout, trainer.stdout + trainer.stderr[-2000:]
+    after = wait_for(lambda: (i := info()).store_state == pb.STORE_STATE_CONSISTENT and i, timeout=60)
+    return before, after
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["cold-tokens"]:
         print("COLD " + json.dumps(cold_tokens(argv[1:])), flush=True)

@@ -39,8 +39,11 @@ $(ENGINE_STAMP): pyproject.toml
 
 engine-install: $(ENGINE_STAMP)
 
+# npm install, not npm ci: buf's per-platform binaries are optional dependencies, and a lockfile
+# written where the registry offers only this platform's lacks the others, which npm ci refuses.
+# npm install still takes every version from the lockfile.
 $(TOOLS): tools/package.json tools/package-lock.json
-	cd tools && npm ci --no-audit --no-fund --silent
+	cd tools && npm install --no-audit --no-fund --silent
 
 $(NODE_TRAINER): examples/node/package.json examples/node/package-lock.json
 	cd examples/node && npm ci --no-audit --no-fund --silent

@@ -2,192 +2,210 @@
 'use strict';
 // A Node.js trainer for weightsync: pushes a safetensors file over INLINE and checks every tensor.
 //
-//   node trainer.js --server HOST:PORT --file model.safetensors --version v1 [--mode staged|in_place]
-//        [--token T] [--ca ca.pem] [--bucket-bytes N] [--allow-new-tensors] [--tensor-checksums] [--json]
-//        [--abort-after-buckets K]       send K buckets, then abort; check that nothing changed
-//        [--corrupt-checksum-bucket K]   announce a wrong WS64 for bucket K (the server must refuse)
+//   node trainer.js --server HOST:PORT --file model.safetensors --version v1 [options]
 //
-// What it does is docs/data-plane.md, "INLINE": GetServerInfo for the limits, a plan with every
-// tensor's WS64, then UpdateWeights: begin -> ready, per bucket bucket_start + chunks, commit ->
-// committed. Then GetTensorChecksums: every worker's WS64 of every tensor must equal its own.
-// Exit 0 on success (for --abort-after-buckets: aborted and unchanged); otherwise one line on
-// stderr, "error: CODE REASON: message", and exit 1.
+//   --token T                    bearer token (the server's --token-file)
+//   --ca ca.pem [--server-name N]  TLS, trusting ca.pem (and checking the name N)
+//   --mode staged|in_place       default staged
+//   --allow-new-tensors          add tensors the store does not hold (the first push into an empty
+//                                store defines it either way)
+//   --bucket-bytes N             largest bucket (default 64 MiB; a larger tensor gets its own)
+//   --chunk-bytes N              largest BucketChunk payload (default 4 MiB, at most the server's
+//                                max_chunk_bytes)
+//   --tensor-checksums           put every tensor's WS64 in the plan too (bucket WS64s always)
+//   --no-checksums               send no WS64 at all (the check after commit still runs)
+//   --json                       one JSON line on stdout: the summary, or {"error": ...}
+//   --timeout S                  deadline of each unary call (default 60)
+// Fault injection, to show what the server does:
+//   --abort-after-buckets K      send K buckets, wait until they were applied, then abandon the
+//                                update (STAGED only); check that the store did not change
+//   --abort-by abort|cancel      abandon with an `abort` message (default) or by cancelling the call
+//   --corrupt-checksum-bucket K  announce a wrong WS64 for bucket K (the server must refuse it)
+//
+// What it does is docs/data-plane.md, "INLINE": GetServerInfo for the limits, a plan cut from the
+// file, then UpdateWeights (lib/push.js). Then GetTensorChecksums: every worker's WS64 of every
+// tensor must equal its own, at the committed generation.
+// Exit 0 on success (for --abort-after-buckets: abandoned, and the store unchanged); otherwise one
+// line on stderr, "error: CODE REASON: message" (the reason from the status's ErrorInfo), exit 1;
+// exit 2 for a wrong command line.
 
-const { once } = require('events');
-const { readSafetensors } = require('./lib/safetensors');
-const { planBuckets, bucketBytes, weightPlan, checksum } = require('./lib/plan');
-const { ws64 } = require('./lib/ws64');
-const { connect, unary, describeError } = require('./lib/service');
-
-function parseArgs(argv) {
-  const args = { mode: 'staged', bucketBytes: 16 << 20, token: '', ca: '', version: '', json: false,
-    allowNewTensors: false, tensorChecksums: false, abortAfterBuckets: -1, corruptChecksumBucket: -1 };
-  const flags = { '--server': 'server', '--file': 'file', '--token': 'token', '--ca': 'ca', '--version': 'version',
-    '--mode': 'mode', '--bucket-bytes': 'bucketBytes', '--abort-after-buckets': 'abortAfterBuckets',
-    '--corrupt-checksum-bucket': 'corruptChecksumBucket' };
-  for (let i = 0; i < argv.length; i++) {
-    const flag = argv[i];
-    if (flag === '--json') args.json = true;
-    else if (flag === '--allow-new-tensors') args.allowNewTensors = true;
-    else if (flag === '--tensor-checksums') args.tensorChecksums = true;
-    else if (flags[flag] && i + 1 < argv.length) args[flags[flag]] = argv[++i];
-    else throw new UsageError(`unknown or incomplete argument ${flag}`);
-  }
-  for (const key of ['bucketBytes', 'abortAfterBuckets', 'corruptChecksumBucket']) args[key] = Number(args[key]);
-  if (!args.server || !args.file || !args.version) throw new UsageError('--server, --file and --version are required');
-  if (!['staged', 'in_place'].includes(args.mode)) throw new UsageError('--mode is staged or in_place');
-  if (!(args.bucketBytes >= 8)) throw new UsageError('--bucket-bytes must be at least 8');
-  return args;
-}
+const { SafetensorsFile } = require('./lib/safetensors');
+const { planBuckets, tensorChecksums } = require('./lib/plan');
+const { push } = require('./lib/push');
+const { connect, unary, describeError, isGrpcError, codeName, grpc } = require('./lib/service');
 
 class UsageError extends Error {}
 
-/** The UpdateWeights stream as a few awaitable steps. */
-class UpdateStream {
-  constructor(client, metadata) {
-    this.call = client.UpdateWeights(metadata);
-    this.responses = [];
-    this.waiters = [];
-    this.ended = new Promise((resolve) => {
-      this.call.on('status', (status) => resolve(status));
-    });
-    this.call.on('data', (response) => {
-      this.responses.push(response);
-      this.wake();
-    });
-    this.call.on('error', (error) => {
-      this.error = error;
-      this.wake();
-    });
-    this.call.on('end', () => {
-      this.finished = true;
-      this.wake();
-    });
-  }
+const VALUE_FLAGS = {
+  '--server': 'server', '--file': 'file', '--version': 'version', '--version-label': 'version', '--token': 'token',
+  '--ca': 'ca', '--server-name': 'serverName', '--mode': 'mode', '--bucket-bytes': 'bucketBytes',
+  '--chunk-bytes': 'chunkBytes', '--timeout': 'timeout', '--abort-after-buckets': 'abortAfterBuckets',
+  '--abort-by': 'abortBy', '--corrupt-checksum-bucket': 'corruptChecksumBucket',
+};
+const SWITCHES = { '--json': 'json', '--allow-new-tensors': 'allowNewTensors', '--tensor-checksums': 'tensorChecksums',
+  '--no-checksums': 'noChecksums' };
+const NUMBERS = ['bucketBytes', 'chunkBytes', 'timeout', 'abortAfterBuckets', 'corruptChecksumBucket'];
 
-  wake() {
-    for (const waiter of this.waiters.splice(0)) waiter();
+function parseArgs(argv) {
+  const args = { mode: 'staged', bucketBytes: 64 << 20, chunkBytes: 4 << 20, timeout: 60, token: '', ca: '',
+    serverName: '', version: '', abortAfterBuckets: -1, abortBy: 'abort', corruptChecksumBucket: -1 };
+  for (const name of Object.values(SWITCHES)) args[name] = false;
+  for (let i = 0; i < argv.length; i++) {
+    const flag = argv[i];
+    if (SWITCHES[flag]) args[SWITCHES[flag]] = true;
+    else if (VALUE_FLAGS[flag] && i + 1 < argv.length) args[VALUE_FLAGS[flag]] = argv[++i];
+    else throw new UsageError(`unknown or incomplete argument ${flag}`);
   }
-
-  /** Write, honouring gRPC flow control: wait for 'drain' when the buffer is full. */
-  async write(message) {
-    if (this.error) throw this.error;
-    if (!this.call.write(message)) await Promise.race([once(this.call, 'drain'), this.ended]);
+  for (const key of NUMBERS) {
+    args[key] = Number(args[key]);
+    const flag = Object.keys(VALUE_FLAGS).find((f) => VALUE_FLAGS[f] === key);
+    if (!Number.isSafeInteger(args[key]) && key !== 'timeout') throw new UsageError(`${flag} needs an integer`);
   }
-
-  /** The next response of one of `kinds` (others, e.g. bucket_applied, are counted and skipped). */
-  async next(...kinds) {
-    for (;;) {
-      const index = this.responses.findIndex((r) => kinds.includes(r.message));
-      if (index >= 0) return this.responses.splice(index, 1)[0];
-      const aborting = this.responses.find((r) => r.message === 'aborting');
-      if (aborting && !kinds.includes('aborting')) {
-        await this.ended;
-        throw this.error || new Error(`aborted: ${aborting.aborting.reason}`);
-      }
-      if (this.error) throw this.error;
-      if (this.finished) throw new Error(`the stream ended before ${kinds.join('/')}`);
-      await new Promise((resolve) => this.waiters.push(resolve));
-    }
+  if (!(args.timeout > 0)) throw new UsageError('--timeout needs a positive number of seconds');
+  if (!args.server || !args.file || !args.version) throw new UsageError('--server, --file and --version are required');
+  if (!['staged', 'in_place'].includes(args.mode)) throw new UsageError('--mode is staged or in_place');
+  if (!['abort', 'cancel'].includes(args.abortBy)) throw new UsageError('--abort-by is abort or cancel');
+  if (args.bucketBytes < 8) throw new UsageError('--bucket-bytes must be at least 8');
+  if (args.chunkBytes < 1) throw new UsageError('--chunk-bytes must be at least 1');
+  if (args.abortAfterBuckets >= 0 && args.mode !== 'staged') {
+    // IN_PLACE promises no such thing: an abandoned IN_PLACE update leaves the store INCONSISTENT.
+    throw new UsageError('--abort-after-buckets checks that nothing changed, which only --mode staged promises');
   }
+  if (args.noChecksums && (args.tensorChecksums || args.corruptChecksumBucket >= 0)) {
+    throw new UsageError('--no-checksums excludes --tensor-checksums and --corrupt-checksum-bucket');
+  }
+  return args;
 }
 
-async function push(client, metadata, args, file, buckets, limits) {
-  const maxChunk = Number(limits.maxChunkBytes) || 4 << 20;
-  const stream = new UpdateStream(client, metadata);
-  const started = process.hrtime.bigint();
-  await stream.write({ begin: { version: args.version, plan: weightPlan(buckets, file.data, { tensorChecksums: args.tensorChecksums }), mode: args.mode === 'staged'
-    ? 'UPDATE_MODE_STAGED' : 'UPDATE_MODE_IN_PLACE', transport: 'TRANSPORT_INLINE', allowNewTensors: args.allowNewTensors } });
-  const ready = (await stream.next('ready')).ready;
-  let sentBytes = 0;
-  for (let k = 0; k < buckets.length; k++) {
-    if (k === args.abortAfterBuckets) {
-      await stream.write({ abort: { reason: `node trainer: --abort-after-buckets ${k}` } });
-      stream.call.end();
-      return { aborted: true, status: await stream.ended, updateId: ready.updateId, bucketsSent: k };
-    }
-    const bytes = bucketBytes(buckets[k], file.data);
-    let sum = ws64(bytes);
-    if (k === args.corruptChecksumBucket) sum ^= 1n;
-    await stream.write({ bucketStart: { sequence: String(k), sizeBytes: String(bytes.length), checksum: checksum(sum) } });
-    for (let offset = 0; offset < bytes.length; offset += maxChunk) {
-      const data = bytes.subarray(offset, Math.min(offset + maxChunk, bytes.length));
-      await stream.write({ bucketChunk: { sequence: String(k), offsetBytes: String(offset), data } });
-    }
-    sentBytes += bytes.length;
+/** Every worker's WS64 of every tensor (dtype and shape too) against our own, at `generation`. */
+async function verify(client, metadata, args, workerCount, file, sums, generation) {
+  const response = await unary(client, metadata, 'GetTensorChecksums', { names: [] }, args.timeout);
+  if (Number(response.version.generation) !== generation) {
+    throw new Error(`another update committed meanwhile: the store is at generation ${response.version.generation}, not ${generation}`);
   }
-  await stream.write({ commit: {} });
-  const committed = (await stream.next('committed')).committed;
-  stream.call.end();
-  const status = await stream.ended;
-  if (status.code !== 0) throw stream.error || new Error(status.details);
-  const seconds = Number(process.hrtime.bigint() - started) / 1e9;
-  return { aborted: false, updateId: ready.updateId, version: committed.version, bytes: sentBytes, seconds };
-}
-
-/** Every worker's WS64 of every tensor against our own; returns the names that differ. */
-async function verify(client, metadata, tensors) {
-  const response = await unary(client, metadata, 'GetTensorChecksums', { names: [] });
-  const own = new Map(tensors.map((t) => [t.name, ws64(t.data).toString()]));
+  if (response.workers.length !== workerCount) {
+    throw new Error(`GetTensorChecksums answered for ${response.workers.length} workers, the server has ${workerCount}`);
+  }
   const wrong = [];
   for (const worker of response.workers) {
-    const seen = new Map(worker.tensors.map((t) => [t.name, t.checksum && t.checksum.value]));
-    for (const [name, value] of own) {
-      if (seen.get(name) !== value) wrong.push(`worker ${worker.workerIndex}: ${name}`);
+    const held = new Map(worker.tensors.map((t) => [t.name, t]));
+    for (const tensor of file.tensors) {
+      const got = held.get(tensor.name);
+      const same = got && got.dtype === tensor.dtype && got.shape.join(',') === tensor.shape.join(',')
+        && got.checksum && got.checksum.value === sums.get(tensor.name).toString();
+      if (!same) wrong.push(`worker ${worker.workerIndex}: ${tensor.name}`);
     }
   }
-  return { wrong, workers: response.workers.length, version: response.version };
+  if (wrong.length) throw new Error(`${wrong.length} tensors differ from the file, e.g. ${wrong[0]}`);
+  return { workers: response.workers.length, tensorsVerified: response.workers.length * file.tensors.length };
 }
 
-async function snapshot(client, metadata) {
-  const info = await unary(client, metadata, 'GetServerInfo', {});
-  const sums = await unary(client, metadata, 'GetTensorChecksums', { names: [] });
+/** What an abandoned update must not change: the published version, the store state, every checksum. */
+async function snapshot(client, metadata, args) {
+  const info = await unary(client, metadata, 'GetServerInfo', {}, args.timeout);
+  const sums = await unary(client, metadata, 'GetTensorChecksums', { names: [] }, args.timeout);
   return { version: info.currentVersion, storeState: info.storeState, checksums: JSON.stringify(sums.workers) };
+}
+
+async function run(args, file, client, metadata) {
+  const info = await unary(client, metadata, 'GetServerInfo', {}, args.timeout);
+  if (!info.transports.includes('TRANSPORT_INLINE')) throw new Error(`${args.server} does not offer INLINE`);
+  const maxBucket = Number(info.limits.maxBucketBytes) || args.bucketBytes;
+  const buckets = planBuckets(file.tensors, Math.min(args.bucketBytes, maxBucket));
+  if (args.abortAfterBuckets > buckets.length) {
+    throw new UsageError(`--abort-after-buckets ${args.abortAfterBuckets}: the plan has ${buckets.length} buckets`);
+  }
+  const before = args.abortAfterBuckets >= 0 ? await snapshot(client, metadata, args) : null;
+  const started = process.hrtime.bigint();
+  // Tensor checksums in the plan are part of the push; otherwise they are computed after it, to check.
+  const planSums = args.tensorChecksums ? tensorChecksums(file, file.tensors) : null;
+  const maxChunk = Number(info.limits.maxChunkBytes);
+  const result = await push(client, metadata, file, buckets, {
+    version: args.version, mode: args.mode, allowNewTensors: args.allowNewTensors,
+    chunkBytes: maxChunk > 0 ? Math.min(args.chunkBytes, maxChunk) : args.chunkBytes,
+    checksums: !args.noChecksums, tensorSums: planSums, abortAfterBuckets: args.abortAfterBuckets,
+    abortBy: args.abortBy, corruptChecksumBucket: args.corruptChecksumBucket,
+  });
+  if (result.aborted) return abandoned(client, metadata, args, before, result);
+  const seconds = Number(process.hrtime.bigint() - started) / 1e9;
+  const generation = Number(result.version.generation);
+  const sums = planSums || tensorChecksums(file, file.tensors);
+  const check = await verify(client, metadata, args, info.workers.length, file, sums, generation);
+  return { aborted: false, version: result.version.version, generation, updateId: result.updateId,
+    planId: result.planId, bytes: result.bytes, tensors: file.tensors.length, buckets: buckets.length,
+    chunks: result.chunks, fastPathBuckets: result.fastPathBuckets, seconds, gbps: result.bytes / seconds / 1e9,
+    verifiedWorkers: check.workers, tensorsVerified: check.tensorsVerified };
+}
+
+/** Until the store is no longer UPDATING (WatchWeights sends the state at once, then every change).
+ * A cancelled call ends on our side at once; the server finishes the abort a moment later. */
+function settled(client, metadata, args) {
+  return new Promise((resolve, reject) => {
+    const call = client.WatchWeights({}, metadata, { deadline: Date.now() + args.timeout * 1000 });
+    call.on('data', (event) => {
+      if (event.storeState !== 'STORE_STATE_UPDATING') {
+        resolve(event);
+        call.cancel();
+      }
+    });
+    call.on('error', (error) => {
+      if (error.code !== grpc.status.CANCELLED) reject(error);
+    });
+  });
+}
+
+async function abandoned(client, metadata, args, before, result) {
+  await settled(client, metadata, args);
+  const after = await snapshot(client, metadata, args);
+  const unchanged = after.version.version === before.version.version
+    && after.version.generation === before.version.generation
+    && after.storeState === before.storeState && after.checksums === before.checksums;
+  const ended = result.error ? describeError(result.error) : { codeName: codeName(result.status.code), reason: '' };
+  const summary = { aborted: true, abortBy: args.abortBy, bucketsSent: result.bucketsSent,
+    bucketsApplied: result.bucketsApplied, status: ended.codeName, reason: ended.reason, unchanged,
+    version: after.version.version, generation: Number(after.version.generation), storeState: after.storeState };
+  if (!unchanged) throw new Error(`the abandoned STAGED update changed the store: ${JSON.stringify(summary)}`);
+  return summary;
+}
+
+function report(args, summary) {
+  if (args.json) console.log(JSON.stringify(summary));
+  else if (summary.aborted) {
+    console.log(`abandoned after ${summary.bucketsSent} buckets (${summary.status} ${summary.reason}); the server `
+      + `still holds ${summary.version} (generation ${summary.generation}), unchanged`);
+  } else {
+    console.log(`committed ${summary.version} (generation ${summary.generation}): ${summary.tensors} tensors, `
+      + `${(summary.bytes / 1e6).toFixed(1)} MB in ${summary.seconds.toFixed(3)} s (${summary.gbps.toFixed(2)} GB/s); `
+      + `every tensor verified on ${summary.verifiedWorkers} workers`);
+  }
 }
 
 async function main(argv) {
   const args = parseArgs(argv);
-  const file = readSafetensors(args.file);
-  const { tensors } = file;
-  const { client, metadata } = connect(args.server, { token: args.token, caFile: args.ca });
+  const file = new SafetensorsFile(args.file);
+  const { client, metadata } = connect(args.server, { token: args.token, caFile: args.ca, serverName: args.serverName });
   try {
-    const info = await unary(client, metadata, 'GetServerInfo', {});
-    if (!info.transports.includes('TRANSPORT_INLINE')) throw new Error(`${args.server} does not offer INLINE`);
-    const buckets = planBuckets(tensors, Math.min(args.bucketBytes, Number(info.limits.maxBucketBytes) || args.bucketBytes));
-    const before = args.abortAfterBuckets >= 0 ? await snapshot(client, metadata) : null;
-    const result = await push(client, metadata, args, file, buckets, info.limits);
-    let summary;
-    if (result.aborted) {
-      const after = await snapshot(client, metadata);
-      const unchanged = after.version.generation === before.version.generation && after.checksums === before.checksums;
-      summary = { aborted: true, bucketsSent: result.bucketsSent, status: result.status.code, unchanged,
-        version: after.version.version, generation: Number(after.version.generation), storeState: after.storeState };
-      if (!unchanged) throw new Error(`the aborted update changed the store: ${JSON.stringify(summary)}`);
-    } else {
-      const check = await verify(client, metadata, tensors);
-      if (check.wrong.length) throw new Error(`${check.wrong.length} tensor checksums differ, e.g. ${check.wrong[0]}`);
-      summary = { aborted: false, version: result.version.version, generation: Number(result.version.generation),
-        bytes: result.bytes, tensors: tensors.length, buckets: buckets.length, seconds: result.seconds,
-        gbps: result.bytes / result.seconds / 1e9, verifiedWorkers: check.workers };
-    }
-    if (args.json) console.log(JSON.stringify(summary));
-    else if (summary.aborted) console.log(`aborted after ${summary.bucketsSent} buckets; the server still holds ${summary.version} (generation ${summary.generation}), unchanged`);
-    else console.log(`committed ${summary.version} (generation ${summary.generation}): ${summary.tensors} tensors, ${(summary.bytes / 1e6).toFixed(1)} MB in ${summary.seconds.toFixed(3)} s; every tensor verified on ${summary.verifiedWorkers} workers`);
+    report(args, await run(args, file, client, metadata));
   } finally {
     client.close();
+    file.close();
   }
 }
 
-main(process.argv.slice(2)).then(() => process.exit(0), (error) => {
+function fail(error, json) {
   if (error instanceof UsageError) {
     process.stderr.write(`usage error: ${error.message}\n`);
-    process.exit(2);
+    return 2;
   }
-  if (error && typeof error.code === 'number' && error.metadata) {
-    const e = describeError(error);
-    process.stderr.write(`error: ${e.codeName} ${e.reason}: ${e.message}\n`);
-  } else {
-    process.stderr.write(`error: ${error && error.message ? error.message : error}\n`);
+  const e = isGrpcError(error) ? describeError(error) : null;
+  const line = e ? `${e.codeName} ${e.reason || '(no ErrorInfo)'}: ${e.message}` : (error && error.message) || String(error);
+  if (json) {
+    const detail = e ? { code: e.codeName, reason: e.reason, message: e.message, metadata: e.metadata } : { message: line };
+    console.log(JSON.stringify({ error: detail }));
   }
-  process.exit(1);
-});
+  process.stderr.write(`error: ${line}\n`);
+  return 1;
+}
+
+const argv = process.argv.slice(2);
+main(argv).then(() => process.exit(0), (error) => process.exit(fail(error, argv.includes('--json'))));

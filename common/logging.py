@@ -91,3 +91,35 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
         logger_factory=LineLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
+    # asyncio ("exception was never retrieved"), grpc and torch log through the standard library:
+    # their records, tracebacks included, become one structlog line each, not free text.
+    root = logging.getLogger()
+    root.handlers[:] = [StructlogBridge()]
+    root.setLevel(max(numeric, logging.INFO))
+
+
+class StructlogBridge(logging.Handler):
+    """A standard-library handler that re-emits each record as one structlog event."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            logger = structlog.get_logger(record.name)
+            fields: dict[str, Any] = {"logger": record.name}
+            if record.exc_info and record.exc_info[0] is not None:
+                fields["exc_info"] = record.exc_info
+            method = getattr(logger, record.levelname.lower(), logger.error)
+            method(record.getMessage(), **fields)
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)
+
+
+def log_loop_exception(loop: Any, context: dict[str, Any]) -> None:
+    """asyncio's exception handler for the server's loop: one structured line, traceback as a field."""
+    error = context.get("exception")
+    fields: dict[str, Any] = {"asyncio_message": context.get("message", "")}
+    if error is not None:
+        fields["exc_info"] = (type(error), error, error.__traceback__)
+    for key in ("task", "future", "handle"):
+        if key in context:
+            fields[key] = repr(context[key])[:200]
+    structlog.get_logger("weightsync.asyncio").error("asyncio_unhandled", **fields)

@@ -16,12 +16,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from weightsync.common.address import parse_address
+from weightsync.common.logging import log_loop_exception
 from weightsync.server.config import ServerConfig
 from weightsync.server.credentials import Credentials
 from weightsync.server.interceptors import EdgeInterceptor
 from weightsync.server.metrics import Metrics
+from weightsync.server.node import SERVICE_NAME, Node
 from weightsync.server.reflection import enable_reflection
-from weightsync.server.service import SERVICE_NAME, WeightSyncServicer
+from weightsync.server.service import WeightSyncServicer
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
@@ -50,7 +52,7 @@ class Assembled:
     """Everything serve() runs: the gRPC server, its parts, and the side ports."""
 
     server: grpc.aio.Server
-    servicer: WeightSyncServicer
+    node: Node
     port: int
     credentials: Credentials
     metrics: Metrics
@@ -68,13 +70,13 @@ def build_server(config: ServerConfig) -> Assembled:
     credentials = Credentials(config)
     metrics = Metrics()
     server = grpc.aio.server(interceptors=[EdgeInterceptor(lambda: credentials.token, metrics)], options=options)
-    # Bind first: the servicer creates the workers' shared-memory queues, which
+    # Bind first: the node creates the workers' shared-memory queues, which
     # a failed bind would otherwise leak.
     port = _bind(server, config.listen, credentials.server_credentials())
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    assembled = Assembled(server, WeightSyncServicer(config, health, metrics), port, credentials, metrics)
-    pb_grpc.add_WeightSyncServiceServicer_to_server(assembled.servicer, server)
+    assembled = Assembled(server, Node(config, health, credentials, metrics), port, credentials, metrics)
+    pb_grpc.add_WeightSyncServiceServicer_to_server(WeightSyncServicer(assembled.node), server)
     _configure_reflection(server)
     if config.health_listen:
         # Probes cannot speak TLS (kubelet's gRPC probe): a plaintext port with only the health service.
@@ -84,9 +86,9 @@ def build_server(config: ServerConfig) -> Assembled:
     return assembled
 
 
-async def _started(servicer: WeightSyncServicer, stop: asyncio.Event) -> bool:
+async def _started(node: Node, stop: asyncio.Event) -> bool:
     """Start the workers unless a signal comes first (SIGTERM always wins, even mid-start)."""
-    starting = asyncio.ensure_future(servicer.start())
+    starting = asyncio.ensure_future(node.start())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():
@@ -102,19 +104,20 @@ async def serve(config: ServerConfig, ready_file: str = "") -> int:
     """Run until SIGTERM/SIGINT; SIGHUP reloads the token and certificates. Returns the exit code."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(log_loop_exception)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     built = build_server(config)
     loop.add_signal_handler(signal.SIGHUP, built.credentials.reload)
-    servicer = built.servicer
+    node = built.node
     try:
-        await servicer.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await node.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if built.health_server is not None:
             await built.health_server.start()  # probes get NOT_SERVING while the workers start
         if config.metrics_listen:
             address = parse_address(config.metrics_listen, allow_port_zero=True)
             built.metrics_port = built.metrics.serve(address.host, address.port)
-        if not await _started(servicer, stop):
+        if not await _started(node, stop):
             return 0
         await built.server.start()
         host = config.listen.rpartition(":")[0]
@@ -128,12 +131,12 @@ async def serve(config: ServerConfig, ready_file: str = "") -> int:
             os.replace(tmp, ready_file)
         await stop.wait()
         log.info("server_draining", grace_seconds=config.shutdown_grace_seconds)
-        await servicer.drain(config.shutdown_grace_seconds)
+        await node.drain(config.shutdown_grace_seconds)
         await built.server.stop(grace=1.0)
         if built.health_server is not None:
             await built.health_server.stop(grace=0.5)
     finally:
-        await servicer.stop()
+        await node.stop()
         built.metrics.stop()
     log.info("server_stopped")
     return 0

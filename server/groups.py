@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from weightsync.server.state import GroupRecord
+from weightsync.server.tasks import supervised
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 log = structlog.get_logger("weightsync.groups")
@@ -68,7 +69,7 @@ class GroupRegistry:
 
     # -- liveness ------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.ensure_future(self._watch())
+        self._task = asyncio.ensure_future(supervised("group_watch", self._watch))
 
     def stop(self) -> None:
         if self._task is not None:

@@ -38,10 +38,15 @@ class Publisher:
     def publish_state(self) -> None:
         self.watchers.publish(self.event())
 
+    @property
+    def next_generation(self) -> int:
+        """The generation the next commit publishes (the one place it is computed)."""
+        return self.version.generation + 1
+
     def publish_version(self, label: str) -> PublishedVersion:
         self.version = PublishedVersion(
             version=label,
-            generation=self.version.generation + 1,
+            generation=self.next_generation,
             commit_time=datetime.datetime.now(datetime.UTC),
         )
         self.mixed = False

@@ -31,6 +31,7 @@ from weightsync.common.fd_passing import recv_fds
 from weightsync.common.shm_queue import OwnedQueue, QueueCorrupted
 from weightsync.server.ingress import Ingress
 from weightsync.server.store_keeper import KeptStore
+from weightsync.server.tasks import supervised
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -83,6 +84,47 @@ class WorkerHandle:
     def host_memory(self) -> bool:
         return self.device == "cpu"
 
+    @property
+    def alive(self) -> bool:
+        """The process runs and takes commands (an UNRESPONSIVE one may only be slow: it queues them)."""
+        return self.state in (pb.WORKER_STATE_RUNNING, pb.WORKER_STATE_UNRESPONSIVE)
+
+    @property
+    def store_state(self) -> int:
+        """What this worker's store holds, as GetServerInfo and engines see it."""
+        return pb.STORE_STATE_LOST if self.lost else self.store.state
+
+
+@dataclass(frozen=True, slots=True)
+class FanOut:
+    """Every addressed worker's answer to one command: its event, or the error it ended with.
+    All answers are in before a FanOut exists, so no worker is left mid-command."""
+
+    answers: list[tuple[WorkerHandle, wpb.WorkerEvent | BaseException]]
+
+    @property
+    def errors(self) -> list[BaseException]:
+        return [a for _, a in self.answers if isinstance(a, BaseException)]
+
+    @property
+    def events(self) -> list[wpb.WorkerEvent]:
+        """Every event, in worker order; raises the first error if any worker failed."""
+        errors = self.errors
+        if errors:
+            raise errors[0]
+        return [a for _, a in self.answers]  # type: ignore[misc]
+
+    def raise_first(self) -> None:
+        """The first worker's error, if any worker failed."""
+        errors = self.errors
+        if errors:
+            raise errors[0]
+
+    def log_errors(self, event: str, **context: object) -> None:
+        for worker, answer in self.answers:
+            if isinstance(answer, BaseException):
+                log.warning(event, worker=worker.index, error=str(answer), **context)
+
 
 class Supervisor:
     """Owns every worker process, its two queues and its fd channel."""
@@ -122,7 +164,7 @@ class Supervisor:
         for worker in self.workers:
             self._loop.add_reader(worker.events.doorbell_fd, self._drain_events, worker)
             self._spawn(worker)
-        self._watch = asyncio.ensure_future(self._watch_heartbeats())
+        self._watch = asyncio.ensure_future(supervised("heartbeat_watch", self._watch_heartbeats))
         await self.wait_started()
 
     async def wait_started(self, timeout: float = STARTUP_TIMEOUT_SECONDS) -> None:
@@ -139,7 +181,6 @@ class Supervisor:
         inherited: list[int] = []
         if worker.kept.restorable:
             restore, inherited = worker.kept.restore_command(worker.writes_in_flight)
-        worker.writes_in_flight = set()
         config = wpb.WorkerConfig(
             index=worker.index,
             device=worker.device,
@@ -163,16 +204,28 @@ class Supervisor:
         if worker.state != pb.WORKER_STATE_RESTARTING:  # a restart stays RESTARTING until ready
             worker.state = pb.WORKER_STATE_STARTING
         try:
-            worker.process = subprocess.Popen(
+            process = subprocess.Popen(
                 argv, pass_fds=(*cmd, *evt, theirs.fileno(), *inherited, *self._ingress_fds()),
                 stdin=subprocess.DEVNULL,
             )
+        except OSError:
+            ours.close()
+            raise
         finally:
             theirs.close()  # the child has its copy; EOF on ours means it is gone
+        try:
+            pidfd = os.pidfd_open(process.pid)
+        except OSError:
+            process.kill()  # a worker nobody could see exit must not run
+            process.wait()
+            ours.close()
+            raise
+        worker.process = process
+        worker.writes_in_flight = set()  # now in the restore command; kept until here for a retried spawn
         if worker.channel is not None:
             worker.channel.close()
         worker.channel = ours
-        worker.pidfd = os.pidfd_open(worker.process.pid)
+        worker.pidfd = pidfd
         assert self._loop is not None
         self._loop.add_reader(worker.pidfd, self._reap, worker)
         worker.restore_command = restore
@@ -218,8 +271,16 @@ class Supervisor:
 
     def _respawn(self, worker: WorkerHandle) -> None:
         self._respawns.pop(worker.index, None)
-        if not self._stopping:
+        if self._stopping:
+            return
+        try:
             self._spawn(worker)
+        except OSError as error:  # Popen or pidfd_open: out of processes, memory, descriptors
+            worker.quick_failures += 1
+            delay = min(0.5 * 2 ** worker.quick_failures, MAX_BACKOFF_SECONDS)
+            log.error("worker_respawn_failed", worker=worker.index, error=str(error), retry_in_seconds=delay)
+            assert self._loop is not None
+            self._respawns[worker.index] = self._loop.call_later(delay, self._respawn, worker)
 
     def _fail_pending(self, worker: WorkerHandle, error: WeightSyncError) -> None:
         pending, worker.pending = worker.pending, {}
@@ -248,6 +309,8 @@ class Supervisor:
             self._handle_event(worker, event)
 
     def _handle_event(self, worker: WorkerHandle, event: wpb.WorkerEvent) -> None:
+        if worker.state == pb.WORKER_STATE_UNRESPONSIVE:
+            self._responsive_again(worker)  # it answered: alive, whatever its heartbeat said a moment ago
         if event.HasField("store"):
             worker.store = event.store
             if worker.lost and event.store.state == pb.STORE_STATE_CONSISTENT:
@@ -331,14 +394,17 @@ class Supervisor:
                     log.error("worker_unresponsive", worker=worker.index, silent_seconds=round(silent or 0, 1))
                     self._on_unresponsive(worker)
                 elif not stalled and worker.state == pb.WORKER_STATE_UNRESPONSIVE:
-                    log.info("worker_responsive_again", worker=worker.index)
-                    worker.state = pb.WORKER_STATE_RUNNING
-                    self._on_started(worker)
+                    self._responsive_again(worker)
+
+    def _responsive_again(self, worker: WorkerHandle) -> None:
+        log.info("worker_responsive_again", worker=worker.index)
+        worker.state = pb.WORKER_STATE_RUNNING
+        self._on_started(worker)
 
     # -- commands ------------------------------------------------------------------
     def submit(self, worker: WorkerHandle, **command: object) -> asyncio.Future[wpb.WorkerEvent]:
         """Enqueue one command now (synchronously, so commands keep their order)."""
-        if worker.state != pb.WORKER_STATE_RUNNING:
+        if not worker.alive:
             raise Unavailable(
                 "WORKER_UNAVAILABLE",
                 f"worker {worker.index} is {pb.WorkerState.Name(worker.state)}",
@@ -385,15 +451,35 @@ class Supervisor:
         return await self.result(worker, self.submit(worker, **command), timeout)
 
     async def call_all(self, timeout: float, **command: object) -> list[wpb.WorkerEvent]:
-        """The same command to every worker, concurrently; the first failure is raised
-        after all have answered (so no worker is left mid-command)."""
-        results = await asyncio.gather(
-            *(self.call(w, timeout, **command) for w in self.workers), return_exceptions=True
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return list(results)  # type: ignore[arg-type]
+        """The same command to every worker; the first failure is raised after all answered."""
+        return (await self.fan_out(timeout, **command)).events
+
+    def alive_workers(self) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.alive]
+
+    async def fan_out(self, timeout: float, workers: list[WorkerHandle] | None = None,
+                      command_for: Callable[[WorkerHandle], dict[str, object]] | None = None,
+                      **command: object) -> FanOut:
+        """One command to each of `workers` (default: all), concurrently; `command_for` gives a
+        worker its own command. Every answer is collected, errors included."""
+        targets = self.workers if workers is None else workers
+        return await self.settle(
+            [(w, self.submit_or_refusal(w, **(command_for(w) if command_for else command))) for w in targets], timeout)
+
+    def submit_or_refusal(self, worker: WorkerHandle, **command: object) -> asyncio.Future[wpb.WorkerEvent]:
+        try:
+            return self.submit(worker, **command)
+        except WeightSyncError as error:
+            assert self._loop is not None
+            refused: asyncio.Future[wpb.WorkerEvent] = self._loop.create_future()
+            refused.set_exception(error)
+            return refused
+
+    async def settle(self, submitted: list[tuple[WorkerHandle, asyncio.Future[wpb.WorkerEvent]]],
+                     timeout: float) -> FanOut:
+        """Await already submitted commands (see result()), every one of them."""
+        results = await asyncio.gather(*(self.result(w, f, timeout) for w, f in submitted), return_exceptions=True)
+        return FanOut(list(zip((w for w, _ in submitted), results, strict=True)))
 
     # -- shutdown ------------------------------------------------------------------
     async def stop(self) -> None:

@@ -10,7 +10,9 @@ Each BucketStart is checked and then, by transport:
     which is gRPC's back-pressure); a complete bucket is forwarded.
   - SHM: the client wrote the slot before announcing; it is forwarded at once.
     An announcement that reuses a slot before BucketApplied freed it is refused.
-The driver (update_session.py) awaits the forwarded receives in order.
+The driver (update_session.py) awaits the forwarded receives in order. The intake
+owns the announcements, the ingress piece counter and the forwarding; it sees
+its session only through IntakeSession, and never writes the session's state.
 """
 
 from __future__ import annotations
@@ -18,19 +20,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
 from weightsync.common.errors import DeadlineExceeded, InvalidArgument, WeightSyncError
+from weightsync.server.ingress import Ingress
+from weightsync.server.supervisor import Supervisor, WorkerHandle
 from weightsync.server.wire import ChunkView
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
-
-if TYPE_CHECKING:
-    from weightsync.server.supervisor import WorkerHandle
-    from weightsync.server.update_session import UpdateSession
 
 log = structlog.get_logger("weightsync.update")
 
@@ -89,16 +89,51 @@ class _Filling:
     """Where the piece now filling its slot starts in the bucket."""
 
 
+class IntakeSession(Protocol):
+    """What the intake needs from its update session, and all it may change there (fail it)."""
+
+    update_id: str
+    plan: tensor_pb2.WeightPlan
+    inbox: asyncio.Queue[Item]
+
+    @property
+    def failure(self) -> WeightSyncError | None: ...
+
+    @property
+    def applied_sent(self) -> int:
+        """BucketApplied messages handed to the client: what it can have seen (SHM slot reuse)."""
+
+    @property
+    def bucket_timeout(self) -> float: ...
+
+    @property
+    def in_place(self) -> bool: ...
+
+    def fail(self, error: WeightSyncError) -> None: ...
+
+    def break_group(self, why: str) -> None:
+        """The group is unusable: a broadcast was announced that nobody can receive."""
+
+    async def wait_pieces(self, count: int) -> None:
+        """Until the workers finished `count` ingress pieces, or the update failed."""
+
+
 class BucketIntake:
     """Reads one stream's messages after Begin (see the module docstring)."""
 
-    def __init__(self, session: UpdateSession) -> None:
+    def __init__(self, session: IntakeSession, *, transport: int, supervisor: Supervisor, ingress: Ingress | None,
+                 max_chunk_bytes: int) -> None:
         self.s = session
+        self.transport = transport
+        self.supervisor = supervisor
+        self.ingress = ingress
+        self.max_chunk_bytes = max_chunk_bytes
         self.filling: _Filling | None = None
-
-    @property
-    def transport(self) -> int:
-        return self.s.begin.transport
+        self.announced = 0
+        self.pieces_sent = 0
+        """Ingress pieces forwarded (INLINE/SHM): piece p uses slot p % slot_count."""
+        self.receives: list[tuple[WorkerHandle, asyncio.Future[wpb.WorkerEvent]]] = []
+        """Every receive_bucket submitted; the session's abort path settles the ones nobody awaited."""
 
     async def read(self, requests: AsyncIterator[pb.UpdateWeightsRequest]) -> None:
         inbox = self.s.inbox
@@ -110,9 +145,13 @@ class BucketIntake:
                         await self._announce(request.bucket_start)
                     elif kind == "bucket_chunk":
                         await self._chunk(request.bucket_chunk)
-                    elif kind in ("commit", "abort"):
+                    elif kind == "commit":
                         self._refuse_if_filling()
-                        await inbox.put(Commit() if kind == "commit" else Abort(request.abort.reason))
+                        await inbox.put(Commit())
+                        return
+                    elif kind == "abort":
+                        self.filling = None  # a client abort is an abort, wherever it comes
+                        await inbox.put(Abort(request.abort.reason))
                         return
                     else:
                         self._refuse(InvalidArgument("UNEXPECTED_MESSAGE", f"unexpected {kind or 'empty'} message after begin"))
@@ -138,7 +177,7 @@ class BucketIntake:
     def _check(self, start: pb.BucketStart) -> WeightSyncError | None:
         """Why a BucketStart cannot be received into the store, if it cannot."""
         sequence, buckets = start.sequence, len(self.s.plan.buckets)
-        announced = self.s.announced
+        announced = self.announced
         if sequence < announced:
             return InvalidArgument("BUCKET_OUT_OF_ORDER", f"bucket {sequence} was already announced; expected "
                                    f"{announced}", bucket=sequence, expected=announced)
@@ -164,7 +203,8 @@ class BucketIntake:
 
     def _check_slot(self, sequence: int) -> WeightSyncError | None:
         """SHM: the client may write bucket k's slot only after BucketApplied(k - slots) came back."""
-        slots = self.s.services.ingress.slot_count
+        assert self.ingress is not None
+        slots = self.ingress.slot_count
         if sequence - slots >= self.s.applied_sent:
             return InvalidArgument(
                 "SHM_SLOT_BUSY",
@@ -181,7 +221,7 @@ class BucketIntake:
             if refusal is not None:
                 self._refuse(refusal)
         if self.s.failure is None:
-            self.s.announced += 1
+            self.announced += 1
             size = self.s.plan.buckets[start.sequence].size_bytes
             if self.transport == pb.TRANSPORT_INLINE:
                 self.filling = _Filling(start.sequence, size, start.checksum)
@@ -190,13 +230,15 @@ class BucketIntake:
                     self._forward_piece(last=True)
                 return
             shm = self.transport == pb.TRANSPORT_SHM
-            await self.s.inbox.put(self.s.forward(
+            assert not shm or self.ingress is not None
+            await self.s.inbox.put(self.forward(
                 start.sequence, start.checksum, discard=False, size=size,
-                ingress_offset=self.s.services.ingress.slot_offset(start.sequence) if shm else None))
+                ingress_offset=self.ingress.slot_offset(start.sequence) if shm and self.ingress else None))
             if shm:
-                self.s.pieces_sent += 1
+                self.pieces_sent += 1
             return
         if self.transport == pb.TRANSPORT_COLLECTIVE:
+            # Every refused announcement is drained: the trainer's broadcast follows regardless.
             await self._drain(start)
 
     async def _drain(self, start: pb.BucketStart) -> None:
@@ -204,12 +246,12 @@ class BucketIntake:
         length = self._announced_length(start)
         if length is None:
             # Nothing can receive it: the sender's broadcast fails at the group timeout, so the group breaks.
-            assert self.s.failure is not None and self.s.group is not None
-            self.s.services.groups.mark_broken(self.s.group.group_id, f"{self.s.failure.reason}: bucket "
-                                               f"{start.sequence} was announced with a length the workers cannot drain")
+            assert self.s.failure is not None
+            self.s.break_group(f"{self.s.failure.reason}: bucket {start.sequence} was announced with a length the "
+                               "workers cannot drain")
             await self.s.inbox.put(Failed(self.s.failure))
             return
-        await self.s.inbox.put(self.s.forward(start.sequence, start.checksum, discard=True, size=length))
+        await self.s.inbox.put(self.forward(start.sequence, start.checksum, discard=True, size=length))
 
     def _announced_length(self, start: pb.BucketStart) -> int | None:
         """The length of the broadcast that follows a BucketStart, if it is known and drainable."""
@@ -230,7 +272,8 @@ class BucketIntake:
     async def _claim_slot(self) -> None:
         """Piece p reuses the slot of piece p - slots: wait until the workers applied that one.
         Meanwhile the stream is not read, so gRPC flow control holds the client back."""
-        pieces, slots = self.s.pieces_sent, self.s.services.ingress.slot_count
+        assert self.ingress is not None
+        pieces, slots = self.pieces_sent, self.ingress.slot_count
         try:
             await asyncio.wait_for(self.s.wait_pieces(pieces - slots + 1), self.s.bucket_timeout)
         except TimeoutError:
@@ -250,9 +293,9 @@ class BucketIntake:
             error = InvalidArgument("CHUNK_OUT_OF_ORDER", f"bucket {chunk.sequence}: chunk at offset "
                                     f"{chunk.offset_bytes}, expected {filling.received}", bucket=chunk.sequence,
                                     offset_bytes=chunk.offset_bytes, expected=filling.received)
-        elif not 0 < len(data) <= self.s.services.max_chunk_bytes:
+        elif not 0 < len(data) <= self.max_chunk_bytes:
             error = InvalidArgument("CHUNK_SIZE_INVALID", f"bucket {chunk.sequence}: a chunk of {len(data)} bytes "
-                                    f"(1 to {self.s.services.max_chunk_bytes})", bucket=chunk.sequence,
+                                    f"(1 to {self.max_chunk_bytes})", bucket=chunk.sequence,
                                     size_bytes=len(data))
         elif chunk.offset_bytes + len(data) > filling.size_bytes:
             error = InvalidArgument("CHUNK_OVERFLOW", f"bucket {chunk.sequence}: a chunk ends at byte "
@@ -261,13 +304,13 @@ class BucketIntake:
         if error is not None:
             self._refuse(error)
             return
-        assert filling is not None
-        ingress = self.s.services.ingress
+        assert filling is not None and self.ingress is not None
+        ingress = self.ingress
         view = memoryview(data)
         while view:
             room = ingress.slot_bytes - (filling.received - filling.piece_start)
             part, view = view[:room], view[room:]
-            ingress.write(self.s.pieces_sent, filling.received - filling.piece_start, part)
+            ingress.write(self.pieces_sent, filling.received - filling.piece_start, part)
             filling.received += len(part)
             done = filling.received == filling.size_bytes
             if done or filling.received - filling.piece_start == ingress.slot_bytes:
@@ -279,13 +322,12 @@ class BucketIntake:
 
     def _forward_piece(self, *, last: bool) -> None:
         filling = self.filling
-        assert filling is not None
-        ingress = self.s.services.ingress
-        piece = self.s.forward(filling.sequence, filling.checksum, discard=False, size=filling.size_bytes,
-                               ingress_offset=ingress.slot_offset(self.s.pieces_sent),
-                               piece_offset=filling.piece_start, piece_size=filling.received - filling.piece_start,
-                               last=last)
-        self.s.pieces_sent += 1
+        assert filling is not None and self.ingress is not None
+        piece = self.forward(filling.sequence, filling.checksum, discard=False, size=filling.size_bytes,
+                             ingress_offset=self.ingress.slot_offset(self.pieces_sent),
+                             piece_offset=filling.piece_start, piece_size=filling.received - filling.piece_start,
+                             last=last)
+        self.pieces_sent += 1
         self.s.inbox.put_nowait(piece)
         filling.piece_start = filling.received
         if last:
@@ -300,3 +342,24 @@ class BucketIntake:
                 f"{filling.size_bytes} bytes before the next message", bucket=filling.sequence,
                 received=filling.received, size_bytes=filling.size_bytes,
             ))
+
+    # -- forwarding ----------------------------------------------------------------------
+    def forward(self, sequence: int, checksum: tensor_pb2.Checksum, *, discard: bool, size: int,
+                ingress_offset: int | None = None, piece_offset: int = 0, piece_size: int = 0,
+                last: bool = True) -> Bucket:
+        """Every worker receives bucket `sequence` now: it joins the broadcast that follows, or
+        copies the bucket (or one piece of it) from the ingress at `ingress_offset`. A worker that
+        cannot take the command (it died) answers with its error; the others still get theirs,
+        so none of them waits on a broadcast the rest never joined."""
+        command = wpb.ReceiveBucketCommand(update_id=self.s.update_id, sequence=sequence, checksum=checksum,
+                                           discard=discard, size_bytes=size, from_ingress=ingress_offset is not None,
+                                           ingress_offset_bytes=ingress_offset or 0, piece_offset_bytes=piece_offset,
+                                           piece_size_bytes=piece_size, last_piece=last)
+        names = {t.name for t in self.s.plan.buckets[sequence].tensors} if not discard and self.s.in_place else ()
+        receives = []
+        for worker in self.supervisor.workers:
+            if names:
+                worker.writes_in_flight.update(names)
+            receives.append((worker, self.supervisor.submit_or_refusal(worker, receive_bucket=command)))
+        self.receives.extend(receives)
+        return Bucket(sequence, receives, discard, last)

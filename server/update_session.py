@@ -39,7 +39,8 @@ from weightsync.server.leases import LeaseTable
 from weightsync.server.metrics import Metrics
 from weightsync.server.publisher import Publisher
 from weightsync.server.state import GroupRecord
-from weightsync.server.supervisor import Supervisor, WorkerHandle
+from weightsync.server.supervisor import Supervisor
+from weightsync.server.tasks import finish_despite_cancel, retrieve_quietly
 from weightsync.server.update_intake import (
     Abort,
     Bucket,
@@ -91,17 +92,13 @@ class UpdateSession:
     plan: tensor_pb2.WeightPlan
     plan_id: str
     inbox: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
-    receives: list[tuple[WorkerHandle, asyncio.Future[wpb.WorkerEvent]]] = field(default_factory=list)
-    """Every receive_bucket submitted; the abort path settles the ones nobody awaited."""
+    intake: BucketIntake | None = None
     failure: WeightSyncError | None = None
     aborting_sent: bool = False
-    announced: int = 0
     applied: int = 0
     applied_sent: int = 0
     """BucketApplied messages handed to the client's stream: what it can have seen (SHM slot reuse)."""
     applied_bytes: int = 0
-    pieces_sent: int = 0
-    """Ingress pieces forwarded (INLINE/SHM): piece p uses slot p % slot_count."""
     pieces_done: int = 0
     """Ingress pieces the workers finished with (their slots are free again)."""
     progress: asyncio.Event = field(default_factory=asyncio.Event)
@@ -122,6 +119,10 @@ class UpdateSession:
     @property
     def in_place(self) -> bool:
         return self.begin.mode == pb.UPDATE_MODE_IN_PLACE
+
+    def break_group(self, why: str) -> None:
+        if self.group is not None:
+            self.services.groups.mark_broken(self.group.group_id, why)
 
     def request_shutdown(self) -> None:
         """Server is draining and the grace period ran out."""
@@ -147,7 +148,10 @@ class UpdateSession:
                 update_id=self.update_id, plan_id=self.plan_id, bucket_count=len(self.plan.buckets),
                 fast_path_bucket_count=self.fast_path_count,
             ))
-            reader = asyncio.create_task(BucketIntake(self).read(requests))
+            services = self.services
+            self.intake = BucketIntake(self, transport=self.begin.transport, supervisor=services.supervisor,
+                                       ingress=services.ingress, max_chunk_bytes=services.max_chunk_bytes)
+            reader = asyncio.create_task(self.intake.read(requests))
             idle = self.bucket_timeout
             while True:
                 try:
@@ -186,13 +190,19 @@ class UpdateSession:
             self.fail(error)
             raise
         finally:
-            if reader is not None:
-                reader.cancel()
+            # To its end even if this handler is cancelled, once or again (a client that aborts
+            # and then cancels): the workers' abort, the engines' leases, the group's idle mark.
+            await finish_despite_cancel(self._finish(reader))
+
+    async def _finish(self, reader: asyncio.Task[None] | None) -> None:
+        if reader is not None:
+            reader.cancel()
+            retrieve_quietly(reader)
+        try:
             self._record()
             if not self.finished:
-                # Shielded: the abort must reach the workers even if this
-                # handler is being cancelled (client gone).
-                await asyncio.shield(self._abort_workers())
+                await self._abort_workers()
+        finally:
             await self.services.leases.write_done()
             if self.group is not None:
                 self.group.updating = False
@@ -212,21 +222,15 @@ class UpdateSession:
         answers = [(w, e.update_prepared) for w, e in zip(supervisor.workers, events, strict=True)]
         if any(p.needed_bytes for _, p in answers):
             self.services.admission.check(answers)
-            allocate = wpb.AllocateUpdateCommand(update_id=self.update_id)
-            results = await asyncio.gather(
-                *(supervisor.call(w, timeout, allocate_update=allocate) for w, p in answers if p.needed_bytes),
-                return_exceptions=True,
-            )
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
+            sized = [w for w, p in answers if p.needed_bytes]
+            allocated = await supervisor.fan_out(timeout, sized, allocate_update=wpb.AllocateUpdateCommand(
+                update_id=self.update_id))
+            allocated.raise_first()
         self.fast_path_count = min(p.fast_path_bucket_count for _, p in answers)
 
     async def _bucket_done(self, bucket: Bucket) -> pb.UpdateWeightsResponse | None:
         supervisor = self.services.supervisor
-        waiting = asyncio.ensure_future(asyncio.gather(
-            *(supervisor.result(w, f, self.bucket_timeout) for w, f in bucket.receives), return_exceptions=True
-        ))
+        waiting = asyncio.ensure_future(supervisor.settle(bucket.receives, self.bucket_timeout))
         failing = asyncio.ensure_future(self.failed.wait())
         await asyncio.wait({waiting, failing}, return_when=asyncio.FIRST_COMPLETED)
         failing.cancel()
@@ -234,9 +238,11 @@ class UpdateSession:
             # The update failed meanwhile (the reader refused a message): say so now; the abort
             # path settles this bucket's receives (_settle_receives).
             waiting.cancel()
+            retrieve_quietly(waiting)
             return None
-        results = waiting.result()
-        errors = [r for r in results if isinstance(r, BaseException)]
+        settled = waiting.result()
+        results = [answer for _, answer in settled.answers]
+        errors = settled.errors
         for error in errors:
             self._note_broken(error)
         if not errors:
@@ -266,18 +272,15 @@ class UpdateSession:
             self.fail(error)
             raise error
         supervisor = self.services.supervisor
-        command = wpb.CommitUpdateCommand(update_id=self.update_id)
-        results = await asyncio.gather(
-            *(supervisor.call(w, self.services.command_timeout, commit_update=command) for w in supervisor.workers),
-            return_exceptions=True,
-        )
-        failures = [r for r in results if isinstance(r, BaseException)]
+        committed = await supervisor.fan_out(self.services.command_timeout,
+                                             commit_update=wpb.CommitUpdateCommand(update_id=self.update_id))
+        failures = committed.errors
         if failures:
-            if len(failures) < len(results):
+            if len(failures) < len(committed.answers):
                 self.services.publisher.mixed = True  # some workers hold the new weights, some the old
             raise failures[0]
         self.finished = True
-        generation = self.services.publisher.version.generation + 1
+        generation = self.services.publisher.next_generation
         names = [t.name for b in self.plan.buckets for t in b.tensors]
         for worker in supervisor.workers:
             worker.kept.mark_written(names, generation)  # before watchers hear of it: engines read what changed
@@ -332,23 +335,15 @@ class UpdateSession:
             return
         supervisor = self.services.supervisor
         settled = asyncio.ensure_future(self._settle_receives())
-        running = [w for w in supervisor.workers if w.state == pb.WORKER_STATE_RUNNING]
-        abort = wpb.AbortUpdateCommand(update_id=self.update_id)
-        results = await asyncio.gather(
-            *(supervisor.call(w, self.bucket_timeout, abort_update=abort) for w in running), return_exceptions=True
-        )
+        aborted = await supervisor.fan_out(self.bucket_timeout, supervisor.alive_workers(),
+                                           abort_update=wpb.AbortUpdateCommand(update_id=self.update_id))
         await settled
+        aborted.log_errors("abort_failed_on_worker")
         if self.group is not None and self.group.state == pb.GROUP_STATE_BROKEN:
             # Every worker leaves: a group that failed one collective is unusable for all.
-            leave = wpb.LeaveGroupCommand(group_id=self.group.group_id)
-            results += await asyncio.gather(
-                *(supervisor.call(w, self.services.command_timeout, leave_group=leave)
-                  for w in supervisor.workers if w.state == pb.WORKER_STATE_RUNNING),
-                return_exceptions=True,
-            )
-        for result in results:
-            if isinstance(result, BaseException):
-                log.warning("abort_failed_on_worker", error=str(result))
+            left = await supervisor.fan_out(self.services.command_timeout, supervisor.alive_workers(),
+                                            leave_group=wpb.LeaveGroupCommand(group_id=self.group.group_id))
+            left.log_errors("leave_failed_on_worker")
         log.info("update_aborted", reason=self.failure.reason if self.failure else "")
         self.services.publisher.publish_state()
 
@@ -361,32 +356,11 @@ class UpdateSession:
         in that answer must still mark the group BROKEN, or the server would
         keep a group the workers already dropped.
         """
-        receives, self.receives = self.receives, []
-        supervisor = self.services.supervisor
-        results = await asyncio.gather(
-            *(supervisor.result(w, f, self.bucket_timeout) for w, f in receives), return_exceptions=True
-        )
-        for result in results:
+        if self.intake is None:
+            return
+        receives, self.intake.receives = self.intake.receives, []
+        settled = await self.services.supervisor.settle(receives, self.bucket_timeout)
+        for result in settled.errors:
             if isinstance(result, WeightSyncError):
                 self.fail(result)
                 self._note_broken(result)
-
-    # -- the reader's hand-off ---------------------------------------------------
-    def forward(self, sequence: int, checksum: tensor_pb2.Checksum, *, discard: bool, size: int,
-                ingress_offset: int | None = None, piece_offset: int = 0, piece_size: int = 0,
-                last: bool = True) -> Bucket:
-        """Every worker receives bucket `sequence` now: it joins the broadcast that follows, or
-        copies the bucket (or one piece of it) from the ingress at `ingress_offset`."""
-        supervisor = self.services.supervisor
-        command = wpb.ReceiveBucketCommand(update_id=self.update_id, sequence=sequence, checksum=checksum,
-                                           discard=discard, size_bytes=size, from_ingress=ingress_offset is not None,
-                                           ingress_offset_bytes=ingress_offset or 0, piece_offset_bytes=piece_offset,
-                                           piece_size_bytes=piece_size, last_piece=last)
-        names = {t.name for t in self.plan.buckets[sequence].tensors} if not discard and self.in_place else ()
-        receives = []
-        for worker in supervisor.workers:
-            if names:
-                worker.writes_in_flight.update(names)
-            receives.append((worker, supervisor.submit(worker, receive_bucket=command)))
-        self.receives.extend(receives)
-        return Bucket(sequence, receives, discard, last)

@@ -1,4 +1,4 @@
-"""Checking what a request asks for, before the server acts on it.
+"""Checking what a request asks for, before the server acts on it (no state of its own).
 
 Every function raises the domain error (INVALID_ARGUMENT, NOT_FOUND,
 FAILED_PRECONDITION, ...) that names what is wrong, and changes nothing.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import re
-from collections import OrderedDict
 
 from weightsync.common.collective import available_backends
 from weightsync.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unimplemented
@@ -16,6 +15,7 @@ from weightsync.common.plan_id import plan_id_of
 from weightsync.common.plan_validation import PlanLimits, PlanSummary, validate_plan
 from weightsync.server.config import ServerConfig
 from weightsync.server.groups import GroupRegistry
+from weightsync.server.plan_cache import PlanCache
 from weightsync.server.state import GroupRecord
 from weightsync.server.supervisor import WorkerHandle
 from weightsync.v1 import tensor_pb2
@@ -25,23 +25,6 @@ GROUP_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 DEFAULT_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 MAX_GROUP_TIMEOUT = datetime.timedelta(hours=1)
 MAX_VERSION_BYTES = 256
-
-
-class PlanCache:
-    """Validated plans by their content id. Filled on commit only (caches change on success)."""
-
-    def __init__(self, capacity: int = 8) -> None:
-        self._plans: OrderedDict[str, tuple[tensor_pb2.WeightPlan, PlanSummary]] = OrderedDict()
-        self._capacity = capacity
-
-    def get(self, plan_id: str) -> tuple[tensor_pb2.WeightPlan, PlanSummary] | None:
-        return self._plans.get(plan_id)
-
-    def remember(self, plan_id: str, plan: tensor_pb2.WeightPlan, summary: PlanSummary) -> None:
-        self._plans[plan_id] = (plan, summary)
-        self._plans.move_to_end(plan_id)
-        while len(self._plans) > self._capacity:
-            self._plans.popitem(last=False)
 
 
 def group_record(request: pb.CreateTransferGroupRequest, workers: list[WorkerHandle]) -> GroupRecord:

@@ -1,10 +1,15 @@
-"""Issue 9, defects 19 and 20: the README and the proto comments tell the truth."""
+"""Issue 9, defects 19 and 20: the README and the proto comments tell the truth.
+
+And docs/data-plane.md lists every error reason a trainer can meet, with the codes the
+source raises it with: a reason added to the server without a row in its table fails here.
+"""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from weightsync.common import errors
 from weightsync.common.collective import RENDEZVOUS_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,3 +39,100 @@ def test_the_proto_names_the_real_rendezvous_prefix():
     comment = proto[start : proto.index("string group_id = 1;", start)]
     assert f'PrefixStore("{RENDEZVOUS_PREFIX}<group_id>"' in comment
     assert "not init_process_group" in comment
+
+
+# -- docs/data-plane.md: every error reason ------------------------------------------------
+DATA_PLANE = (ROOT / "docs/data-plane.md").read_text()
+SOURCE_DIRS = ("server", "gpu_worker", "common")
+
+# Raised in the source but never reaching a trainer; none of these may sit in the tables.
+INTERNAL_ONLY = {
+    "ABORTED",  # only a metrics label for an update that ended without a recorded failure
+    "BUCKET_NOT_EXPECTED",  # a worker re-checking what the server refused first (BUCKET_OUT_OF_ORDER, ...)
+    "COMMAND_UNKNOWN",  # a server-to-worker command the worker does not know (mismatched builds)
+    "INGRESS_MISSING",  # a worker checking the server's ingress commands
+    "INGRESS_OUT_OF_RANGE",  # the same
+    "SERVER_STOPPING",  # pending worker commands failed after the gRPC server stopped: no caller left
+    "STORE_NOT_EMPTY",  # a restarted worker restoring its kept store
+    "UPDATE_NOT_PREPARED",  # a worker asked about an update it did not prepare (a server bug)
+}
+# Met only by engines (acquire_version / release_version): in the doc's Engines table instead.
+ENGINE_ONLY = {"LEASE_NOT_FOUND", "VERSION_GONE", "STORE_LOST", "STORE_INCONSISTENT"}
+# UPPER_SNAKE_CASE string literals in the source that are no ErrorInfo reason.
+NOT_REASONS = {
+    "LOCAL_ALLOW_UID",  # the WEIGHTSYNC_LOCAL_ALLOW_UID environment variable
+    "NCCL_SOCKET_IFNAME",  # an environment variable NCCL reads
+    "SERVICE_NAME",  # a Python name in __all__
+}
+
+_CODE_OF_CLASS = {
+    cls.__name__: cls.code.name
+    for cls in vars(errors).values()
+    if isinstance(cls, type) and issubclass(cls, errors.WeightSyncError)
+}
+# `SomeError("REASON"`, over line breaks: the reason and the code it is raised with.
+_RAISED = re.compile(r"\b(" + "|".join(_CODE_OF_CLASS) + r')\(\s*"([A-Z][A-Z0-9_]*)"')
+# Any literal that looks like a reason: catches reasons passed through a variable
+# (e.g. `kind(reason, ...)`, `self._wait(..., "ENGINE_READING", ...)`).
+_LITERAL = re.compile(r'"([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+)"')
+_ROW = re.compile(r"^\| `([A-Z][A-Z0-9_]*)` \| ([A-Z_]+) \|", re.MULTILINE)
+
+
+def _source() -> str:
+    return "\n".join(p.read_text() for d in SOURCE_DIRS for p in sorted((ROOT / d).rglob("*.py")))
+
+
+def _raised_with_codes() -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for cls, reason in _RAISED.findall(_source()):
+        found.setdefault(reason, set()).add(_CODE_OF_CLASS[cls])
+    return found
+
+
+def _raised() -> set[str]:
+    return (set(_raised_with_codes()) | set(_LITERAL.findall(_source()))) - NOT_REASONS
+
+
+def _section(heading: str) -> str:
+    start = DATA_PLANE.index(f"\n## {heading}")
+    end = DATA_PLANE.find("\n## ", start + 1)
+    return DATA_PLANE[start : end if end >= 0 else None]
+
+
+def _table(heading: str) -> dict[str, set[str]]:
+    rows: dict[str, set[str]] = {}
+    for reason, code in _ROW.findall(_section(heading)):
+        rows.setdefault(reason, set()).add(code)
+    return rows
+
+
+TRAINER = _table("Error reasons")
+ENGINES = _table("Engines")
+
+
+def test_the_scan_finds_the_reasons():
+    raised = _raised_with_codes()
+    assert len(raised) > 80 and raised["PLAN_NOT_FOUND"] == {"NOT_FOUND"}, sorted(raised)
+    assert {"ENGINE_READING", "COLLECTIVE_TIMEOUT", "WORKER_TIMEOUT"} <= _raised() - set(raised)  # via variables
+    assert len(TRAINER) > 80 and len(ENGINES) >= 6
+
+
+def test_every_reason_a_trainer_can_meet_is_in_the_data_plane_table():
+    raised = _raised()
+    missing = raised - INTERNAL_ONLY - ENGINE_ONLY - set(TRAINER)
+    assert not missing, f"reasons raised in {SOURCE_DIRS} but not in docs/data-plane.md's table: {sorted(missing)}"
+    assert not ENGINE_ONLY - set(ENGINES), sorted(ENGINE_ONLY - set(ENGINES))
+
+
+def test_the_tables_list_only_reasons_the_source_raises():
+    raised = _raised()
+    assert not (set(TRAINER) | set(ENGINES)) - raised, sorted((set(TRAINER) | set(ENGINES)) - raised)
+    assert INTERNAL_ONLY | ENGINE_ONLY <= raised, "an exclusion names a reason the source no longer raises"
+    assert not INTERNAL_ONLY & (set(TRAINER) | set(ENGINES)), "an internal reason is documented: drop it from INTERNAL_ONLY"
+
+
+def test_the_tables_give_each_reason_the_code_it_is_raised_with():
+    documented = {r: TRAINER.get(r, set()) | ENGINES.get(r, set()) for r in set(TRAINER) | set(ENGINES)}
+    wrong = {r: (codes, documented[r]) for r, codes in _raised_with_codes().items()
+             if r in documented and not codes <= documented[r]}
+    assert not wrong, f"reason: (raised with, documented): {wrong}"

@@ -31,7 +31,14 @@ class WeightSyncServiceStub:
 
     Every error carries a google.rpc.Status with exactly one
     google.rpc.ErrorInfo (domain "weightsync", reason in UPPER_SNAKE_CASE,
-    offending tensor or bucket in metadata).
+    offending tensor or bucket in metadata) in the grpc-status-details-bin
+    trailer; these protos do not import google.rpc (get status.proto and
+    error_details.proto from googleapis). docs/data-plane.md lists every reason.
+
+    With a bearer token configured (server --token-file: the file's content,
+    leading and trailing whitespace such as its newline removed), every call
+    but grpc.health.v1.Health needs the metadata entry
+    `authorization: Bearer <token>`; otherwise UNAUTHENTICATED (TOKEN_INVALID).
     """
 
     def __init__(self, channel):
@@ -83,7 +90,14 @@ class WeightSyncServiceServicer:
 
     Every error carries a google.rpc.Status with exactly one
     google.rpc.ErrorInfo (domain "weightsync", reason in UPPER_SNAKE_CASE,
-    offending tensor or bucket in metadata).
+    offending tensor or bucket in metadata) in the grpc-status-details-bin
+    trailer; these protos do not import google.rpc (get status.proto and
+    error_details.proto from googleapis). docs/data-plane.md lists every reason.
+
+    With a bearer token configured (server --token-file: the file's content,
+    leading and trailing whitespace such as its newline removed), every call
+    but grpc.health.v1.Health needs the metadata entry
+    `authorization: Bearer <token>`; otherwise UNAUTHENTICATED (TOKEN_INVALID).
     """
 
     def GetServerInfo(self, request, context):
@@ -125,11 +139,16 @@ class WeightSyncServiceServicer:
         collective broadcast (COLLECTIVE), bucket_chunk messages in this stream
         (INLINE), or nothing (SHM: the client wrote them into the ingress slot
         before announcing). docs/data-plane.md spells out each.
+        A refused begin (PLAN_NOT_FOUND included) ends the stream with its
+        status before any message: no `ready`, no `aborting`.
         The client may announce and broadcast bucket k+1 before bucket_applied(k)
         arrives. If the server sends `aborting`, the client announces no further
         bucket, completes the broadcasts it already announced, then sends `abort`;
         the stream ends with the status described in `aborting`. A client `abort`
-        or a dropped stream aborts the update on every worker.
+        sent before any `aborting` ends the stream ABORTED (ABORTED_BY_CLIENT),
+        wherever it falls, also in the middle of an INLINE bucket; closing the
+        stream before commit ends it ABORTED (STREAM_CLOSED). Either way the
+        update is aborted on every worker.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -204,7 +223,14 @@ class WeightSyncService:
 
     Every error carries a google.rpc.Status with exactly one
     google.rpc.ErrorInfo (domain "weightsync", reason in UPPER_SNAKE_CASE,
-    offending tensor or bucket in metadata).
+    offending tensor or bucket in metadata) in the grpc-status-details-bin
+    trailer; these protos do not import google.rpc (get status.proto and
+    error_details.proto from googleapis). docs/data-plane.md lists every reason.
+
+    With a bearer token configured (server --token-file: the file's content,
+    leading and trailing whitespace such as its newline removed), every call
+    but grpc.health.v1.Health needs the metadata entry
+    `authorization: Bearer <token>`; otherwise UNAUTHENTICATED (TOKEN_INVALID).
     """
 
     @staticmethod

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import structlog
 
 from weightsync.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from weightsync.server.node import SERVER_VERSION, SERVICE_NAME, Node
+from weightsync.server.node import SERVICE_NAME, Node
 from weightsync.server.request_checks import (
     check_begin,
     group_for,
@@ -159,4 +159,4 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
                 self.node.active_update = None
 
 
-__all__ = ["WeightSyncServicer", "SERVICE_NAME", "SERVER_VERSION"]
+__all__ = ["WeightSyncServicer", "SERVICE_NAME"]

@@ -274,8 +274,6 @@ def test_an_unknown_plan_id_ends_the_stream_not_found_with_no_ready(node, commit
 
 
 # -- abort ------------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="server change pending: a client abort mid INLINE bucket ends "
-                   "INVALID_ARGUMENT BUCKET_INCOMPLETE today; remove this marker once it ends ABORTED_BY_CLIENT")
 @pytest.mark.parametrize("mode", [pb.UPDATE_MODE_STAGED, pb.UPDATE_MODE_IN_PLACE], ids=["staged", "in-place"])
 def test_a_client_abort_in_the_middle_of_an_inline_bucket_is_aborted_by_client(node, committed, mode):
     model = small_model(Committed.seed + 4000)

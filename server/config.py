@@ -83,6 +83,11 @@ class ServerConfig:
         for device in self.devices:
             if device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
                 raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
+        gpus = [d for d in self.devices if d != "cpu"]
+        repeated = sorted({d for d in gpus if gpus.count(d) > 1})
+        if repeated:
+            raise ValueError(f"device {repeated[0]} is listed {gpus.count(repeated[0])} times: one worker per GPU "
+                             "(NCCL refuses two ranks of a group on one GPU); list each GPU once")
         for name in ("max_tensors", "max_plan_bytes", "max_bucket_bytes", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -11,7 +11,7 @@ BUF := tools/node_modules/.bin/buf
 NODE_TRAINER := examples/node/node_modules/.package-lock.json
 PROTOS := $(wildcard protos/weightsync/v1/*.proto) $(wildcard protos/weightsync/worker/v1/*.proto)
 
-.PHONY: install engine-install stubs test test-multihost test-engines lint proto run demo demo-multihost demo-engine bench bench-quick clean
+.PHONY: install engine-install stubs test test-gpu test-multihost test-engines lint proto run demo demo-multihost demo-engine bench bench-quick clean
 
 # torch first, with an exact pin: on this machine it is a CPU build on local
 # disk; a looser requirement could pull a multi-GB CUDA build.
@@ -58,6 +58,12 @@ test-engines: engine-install
 # vLLM serves a tiny Qwen2 while this trainer fine-tunes a copy and pushes after every step.
 demo-engine: engine-install
 	$(ENGINE_PY) -m weightsync.engine.demo
+
+# The GPU suite (tests/gpu): skips with reasons, and exits 0, on a machine without CUDA. On a GPU
+# machine whose own python has a CUDA torch: make test-gpu GPU_PY=python3 (no virtualenv is built).
+GPU_PY ?= $(PY)
+test-gpu: $(if $(filter $(PY),$(GPU_PY)),install)
+	$(GPU_PY) -m pytest -q -rs -p no:cacheprovider tests/gpu
 
 # Three network namespaces on one machine (needs root; skipped with a reason otherwise).
 test-multihost: install

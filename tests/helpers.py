@@ -84,11 +84,14 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(tmp_path: Path, *extra: str, workers: int = 2, env: dict | None = None) -> ServerProcess:
+def start_server(tmp_path: Path, *extra: str, workers: int = 2, env: dict | None = None,
+                 devices: str = "") -> ServerProcess:
+    """A server process; `devices` (e.g. "cuda:0") instead of `workers` CPU workers."""
     ready = tmp_path / f"ready-{uuid.uuid4().hex[:6]}.json"
     log_path = tmp_path / f"server-{uuid.uuid4().hex[:6]}.log"
-    argv = [sys.executable, "-m", "weightsync.server.cli", "--listen", "127.0.0.1:0", "--workers", str(workers),
-            "--device", "cpu", "--ready-file", str(ready), *extra]
+    placement = ["--devices", devices] if devices else ["--workers", str(workers), "--device", "cpu"]
+    argv = [sys.executable, "-m", "weightsync.server.cli", "--listen", "127.0.0.1:0", *placement,
+            "--ready-file", str(ready), *extra]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 90

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from weightsync.common import dtypes
+from weightsync.common import dtypes, patches
 from weightsync.common.errors import InvalidArgument
 from weightsync.v1 import tensor_pb2
 
@@ -41,6 +41,8 @@ class PlanSummary:
     tensor_count: int
     total_bytes: int
     max_bucket_bytes: int
+    patch_count: int = 0
+    """Tensors sent as patches (they need BeginUpdate.base_generation)."""
 
 
 def validate_plan(plan: tensor_pb2.WeightPlan, limits: PlanLimits) -> PlanSummary:
@@ -49,11 +51,13 @@ def validate_plan(plan: tensor_pb2.WeightPlan, limits: PlanLimits) -> PlanSummar
         raise InvalidArgument("PLAN_EMPTY", "the plan has no buckets")
     names: set[str] = set()
     tensor_count = 0
+    patched = 0
     total_bytes = 0
     largest = 0
     for index, bucket in enumerate(plan.buckets):
         _validate_bucket(index, bucket, limits, names)
         tensor_count += len(bucket.tensors)
+        patched += sum(1 for t in bucket.tensors if patches.is_patch(t.encoding))
         total_bytes += bucket.size_bytes
         largest = max(largest, bucket.size_bytes)
         if tensor_count > limits.max_tensors:
@@ -71,7 +75,7 @@ def validate_plan(plan: tensor_pb2.WeightPlan, limits: PlanLimits) -> PlanSummar
                 limit=limits.max_plan_bytes,
                 bucket=index,
             )
-    return PlanSummary(tensor_count, total_bytes, largest)
+    return PlanSummary(tensor_count, total_bytes, largest, patched)
 
 
 def _validate_bucket(
@@ -127,6 +131,23 @@ def _validate_bucket(
         previous_end, previous_name = end, spec.name
 
 
+def _encoded_size(index: int, spec: tensor_pb2.TensorSpec, numel: int, itemsize: int) -> int:
+    """Bytes the tensor takes in its bucket: whole, or as a patch (see TensorEncoding)."""
+    if spec.encoding in patches.DENSE_ENCODINGS:
+        if spec.patch_count:
+            raise InvalidArgument("PATCH_COUNT_INVALID", f"tensor {spec.name!r} is dense but has patch_count "
+                                  f"{spec.patch_count}", bucket=index, tensor=spec.name)
+        return numel * itemsize
+    if not patches.is_patch(spec.encoding):
+        raise InvalidArgument("TENSOR_ENCODING_UNKNOWN", f"tensor {spec.name!r} has unknown encoding "
+                              f"{spec.encoding}", bucket=index, tensor=spec.name, encoding=spec.encoding)
+    if not 1 <= spec.patch_count <= numel:
+        raise InvalidArgument("PATCH_COUNT_INVALID", f"tensor {spec.name!r}: patch_count {spec.patch_count} is not "
+                              f"1 to its {numel} elements", bucket=index, tensor=spec.name,
+                              patch_count=spec.patch_count, numel=numel)
+    return patches.patch_size_bytes(spec.encoding, numel, spec.patch_count, itemsize)
+
+
 def _validate_tensor(index: int, spec: tensor_pb2.TensorSpec, names: set[str]) -> None:
     name = spec.name
     if not name:
@@ -157,19 +178,21 @@ def _validate_tensor(index: int, spec: tensor_pb2.TensorSpec, names: set[str]) -
                 tensor=name,
             )
     numel = math.prod(spec.shape)
-    expected = numel * itemsize
-    if expected > MAX_TENSOR_BYTES:
+    dense_bytes = numel * itemsize
+    if dense_bytes > MAX_TENSOR_BYTES:
         raise InvalidArgument(
             "TENSOR_SHAPE_TOO_LARGE",
-            f"tensor {name!r} with shape {list(spec.shape)} would be {expected} bytes",
+            f"tensor {name!r} with shape {list(spec.shape)} would be {dense_bytes} bytes",
             bucket=index,
             tensor=name,
         )
+    expected = _encoded_size(index, spec, numel, itemsize)
     if spec.size_bytes != expected:
+        what = (f"shape {list(spec.shape)} of {itemsize}-byte elements" if not patches.is_patch(spec.encoding) else
+                f"a {tensor_pb2.TensorEncoding.Name(spec.encoding)} patch of {spec.patch_count} elements")
         raise InvalidArgument(
             "TENSOR_SIZE_MISMATCH",
-            f"tensor {name!r}: size_bytes is {spec.size_bytes}, but shape {list(spec.shape)} of "
-            f"{itemsize}-byte elements needs {expected}",
+            f"tensor {name!r}: size_bytes is {spec.size_bytes}, but {what} needs {expected}",
             bucket=index,
             tensor=name,
             size_bytes=spec.size_bytes,
@@ -185,6 +208,12 @@ def _validate_tensor(index: int, spec: tensor_pb2.TensorSpec, names: set[str]) -
             offset_bytes=spec.offset_bytes,
         )
     algorithm = spec.checksum.algorithm
+    if patches.is_patch(spec.encoding) and algorithm != tensor_pb2.CHECKSUM_ALGORITHM_WS64:
+        raise InvalidArgument(
+            "PATCH_CHECKSUM_MISSING",
+            f"tensor {name!r} is a patch: its checksum (WS64 of the whole tensor after the patch) is required",
+            bucket=index, tensor=name,
+        )
     if algorithm not in (
         tensor_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED,
         tensor_pb2.CHECKSUM_ALGORITHM_WS64,

@@ -119,6 +119,24 @@ def require_full_update_of_empty_stores(workers: list[WorkerHandle], summary: Pl
             tensors=summary.tensor_count, expected=largest,
         )
 
+def require_base(begin: pb.BeginUpdate, summary: PlanSummary, generation: int, store_state: int) -> None:
+    """Patches apply to one committed generation: the one this store holds, whole, or none."""
+    if summary.patch_count and begin.base_generation < 1:
+        raise InvalidArgument("BASE_GENERATION_MISSING", f"the plan sends {summary.patch_count} tensors as patches "
+                              "but names no base_generation (the committed generation they apply to)",
+                              patched_tensors=summary.patch_count)
+    if begin.base_generation < 0:
+        raise InvalidArgument("BASE_GENERATION_MISSING", f"base_generation {begin.base_generation} is negative")
+    if begin.base_generation and (begin.base_generation != generation or store_state != pb.STORE_STATE_CONSISTENT):
+        raise FailedPrecondition(
+            "BASE_MISMATCH",
+            f"the update applies to generation {begin.base_generation}; this store holds generation {generation} "
+            f"({pb.StoreState.Name(store_state)}): send it dense",
+            base_generation=begin.base_generation, current_generation=generation,
+            store_state=pb.StoreState.Name(store_state),
+        )
+
+
 def group_for(begin: pb.BeginUpdate, groups: GroupRegistry) -> GroupRecord | None:
     """COLLECTIVE: the READY group that carries the buckets. INLINE/SHM: none."""
     if begin.transport != pb.TRANSPORT_COLLECTIVE:

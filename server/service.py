@@ -19,6 +19,7 @@ from weightsync.server.request_checks import (
     group_for,
     group_record,
     plan_for,
+    require_base,
     require_full_update_of_empty_stores,
 )
 from weightsync.server.update_session import UpdateSession
@@ -140,6 +141,8 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
                                           self.node.ingress.slot_bytes if self.node.ingress else 0)
         self.node.require_serving()
         require_full_update_of_empty_stores(self.node.supervisor.workers, summary)
+        publisher = self.node.publisher
+        require_base(begin, summary, publisher.version.generation, publisher.store_state())
         self.node.require_idle()
         async with self.node.update_lock:
             update_id = uuid.uuid4().hex[:16]

@@ -27,6 +27,14 @@ class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CHECKSUM_ALGORITHM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
     CHECKSUM_ALGORITHM_WS64: _ClassVar[ChecksumAlgorithm]
+
+class TensorEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TENSOR_ENCODING_UNSPECIFIED: _ClassVar[TensorEncoding]
+    TENSOR_ENCODING_DENSE: _ClassVar[TensorEncoding]
+    TENSOR_ENCODING_PATCH_POSITIONS: _ClassVar[TensorEncoding]
+    TENSOR_ENCODING_PATCH_GAPS: _ClassVar[TensorEncoding]
+    TENSOR_ENCODING_PATCH_BITMASK: _ClassVar[TensorEncoding]
 DTYPE_UNSPECIFIED: Dtype
 DTYPE_FLOAT32: Dtype
 DTYPE_FLOAT16: Dtype
@@ -42,6 +50,11 @@ DTYPE_INT64: Dtype
 DTYPE_BOOL: Dtype
 CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_WS64: ChecksumAlgorithm
+TENSOR_ENCODING_UNSPECIFIED: TensorEncoding
+TENSOR_ENCODING_DENSE: TensorEncoding
+TENSOR_ENCODING_PATCH_POSITIONS: TensorEncoding
+TENSOR_ENCODING_PATCH_GAPS: TensorEncoding
+TENSOR_ENCODING_PATCH_BITMASK: TensorEncoding
 
 class Checksum(_message.Message):
     __slots__ = ("algorithm", "value")
@@ -52,20 +65,24 @@ class Checksum(_message.Message):
     def __init__(self, algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., value: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset_bytes", "size_bytes", "checksum")
+    __slots__ = ("name", "dtype", "shape", "offset_bytes", "size_bytes", "checksum", "encoding", "patch_count")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    PATCH_COUNT_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: Dtype
     shape: _containers.RepeatedScalarFieldContainer[int]
     offset_bytes: int
     size_bytes: int
     checksum: Checksum
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ...) -> None: ...
+    encoding: TensorEncoding
+    patch_count: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ..., encoding: _Optional[_Union[TensorEncoding, str]] = ..., patch_count: _Optional[int] = ...) -> None: ...
 
 class BucketSpec(_message.Message):
     __slots__ = ("size_bytes", "tensors")

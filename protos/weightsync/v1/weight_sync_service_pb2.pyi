@@ -256,7 +256,7 @@ class ListTransferGroupsResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[TransferGroup, _Mapping]]] = ...) -> None: ...
 
 class BeginUpdate(_message.Message):
-    __slots__ = ("group_id", "version", "plan", "plan_id", "mode", "transport", "allow_new_tensors")
+    __slots__ = ("group_id", "version", "plan", "plan_id", "mode", "transport", "allow_new_tensors", "base_generation")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,7 @@ class BeginUpdate(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NEW_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     version: str
     plan: _tensor_pb2.WeightPlan
@@ -271,7 +272,8 @@ class BeginUpdate(_message.Message):
     mode: UpdateMode
     transport: Transport
     allow_new_tensors: bool
-    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., plan_id: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., allow_new_tensors: _Optional[bool] = ...) -> None: ...
+    base_generation: int
+    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., plan_id: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., allow_new_tensors: _Optional[bool] = ..., base_generation: _Optional[int] = ...) -> None: ...
 
 class BucketStart(_message.Message):
     __slots__ = ("sequence", "checksum", "size_bytes")

@@ -1,0 +1,213 @@
+"""Patches: a tensor sent as the elements that changed (positions and new values), not whole.
+
+The byte layout (also in tensor.proto, TensorEncoding, and docs/data-plane.md):
+
+    [index section][zero padding to a multiple of the element size][values: count elements]
+
+  POSITIONS  count element positions (row-major, strictly increasing), little-endian int32
+             when the tensor has at most 2^31 elements, int64 otherwise.
+  GAPS       count little-endian uint16 gaps: g[0] = p[0], g[k] = p[k] - p[k-1] - 1; only for
+             patches whose every gap (and first position) is below 65536.
+  BITMASK    ceil(numel / 8) bytes, bit j of byte b (least significant first) set for element
+             8b + j; bits past numel are 0; count is the number of bits set.
+
+Values are overwritten, not added, in the tensor's dtype, in increasing position order.
+
+WS64 is linear in a tensor's 64-bit words, so the WS64 of the patched tensor follows from the
+WS64 before and the words the patch touches: `ws64_after_patch` costs O(count), not O(size).
+Everything runs with torch ops on the tensor's own device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.common.checksum import COLUMN_FACTOR, ROW_WORDS, as_bytes
+from weightsync.common.errors import InvalidArgument
+from weightsync.v1 import tensor_pb2
+
+POSITIONS = tensor_pb2.TENSOR_ENCODING_PATCH_POSITIONS
+GAPS = tensor_pb2.TENSOR_ENCODING_PATCH_GAPS
+BITMASK = tensor_pb2.TENSOR_ENCODING_PATCH_BITMASK
+PATCH_ENCODINGS = (POSITIONS, GAPS, BITMASK)
+DENSE_ENCODINGS = (tensor_pb2.TENSOR_ENCODING_UNSPECIFIED, tensor_pb2.TENSOR_ENCODING_DENSE)
+MAX_GAP = (1 << 16) - 1
+_MASK64 = (1 << 64) - 1
+
+
+def is_patch(encoding: int) -> bool:
+    return encoding in PATCH_ENCODINGS
+
+
+def position_bytes(numel: int) -> int:
+    """Width of one POSITIONS entry."""
+    return 4 if numel <= 1 << 31 else 8
+
+
+def index_bytes(encoding: int, numel: int, count: int) -> int:
+    if encoding == POSITIONS:
+        return count * position_bytes(numel)
+    if encoding == GAPS:
+        return count * 2
+    if encoding == BITMASK:
+        return -(-numel // 8)
+    raise ValueError(f"not a patch encoding: {encoding}")
+
+
+def values_offset(encoding: int, numel: int, count: int, itemsize: int) -> int:
+    index = index_bytes(encoding, numel, count)
+    return -(-index // itemsize) * itemsize
+
+
+def patch_size_bytes(encoding: int, numel: int, count: int, itemsize: int) -> int:
+    """Bytes of a patch of `count` elements in a bucket."""
+    return values_offset(encoding, numel, count, itemsize) + count * itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class PatchChoice:
+    encoding: int
+    size_bytes: int
+
+
+def smallest_encoding(positions: torch.Tensor, numel: int, itemsize: int) -> PatchChoice:
+    """The smallest eligible encoding for these (sorted, unique) positions."""
+    count = positions.numel()
+    choices = [PatchChoice(POSITIONS, patch_size_bytes(POSITIONS, numel, count, itemsize)),
+               PatchChoice(BITMASK, patch_size_bytes(BITMASK, numel, count, itemsize))]
+    if count and int(_gaps(positions).max().item()) <= MAX_GAP:
+        choices.append(PatchChoice(GAPS, patch_size_bytes(GAPS, numel, count, itemsize)))
+    return min(choices, key=lambda c: (c.size_bytes, c.encoding))
+
+
+def _gaps(positions: torch.Tensor) -> torch.Tensor:
+    previous = torch.cat([positions.new_full((1,), -1), positions[:-1]])
+    return positions - previous - 1
+
+
+# -- the trainer's side ------------------------------------------------------------------------
+def bits_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat integer view of a tensor's raw bits, so -0.0 differs from 0.0 and NaN payloads count."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    return flat.view(width)
+
+
+def changed_positions(base: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Sorted int64 positions of the elements whose bits differ (both tensors on one device)."""
+    return torch.nonzero(bits_of(base) != bits_of(new), as_tuple=False).reshape(-1)
+
+
+def encode_patch(new: torch.Tensor, positions: torch.Tensor, encoding: int, out: torch.Tensor) -> None:
+    """Write the patch of `new` at `positions` into `out` (uint8, exactly patch_size_bytes long)."""
+    flat = new.detach().reshape(-1)
+    numel, count, itemsize = flat.numel(), positions.numel(), flat.element_size()
+    start = values_offset(encoding, numel, count, itemsize)
+    index_end = index_bytes(encoding, numel, count)
+    if encoding == POSITIONS:
+        width = torch.int32 if position_bytes(numel) == 4 else torch.int64
+        out[:index_end].copy_(positions.to(width).view(torch.uint8))
+    elif encoding == GAPS:
+        out[:index_end].copy_(_gaps(positions).to(torch.int32).to(torch.int16).view(torch.uint8))
+    elif encoding == BITMASK:
+        mask = torch.zeros(index_end * 8, dtype=torch.uint8, device=positions.device)
+        mask[positions] = 1
+        weights = (1 << torch.arange(8, dtype=torch.int32, device=positions.device)).to(torch.uint8)
+        out[:index_end].copy_((mask.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8))
+    else:
+        raise ValueError(f"not a patch encoding: {encoding}")
+    out[index_end:start].zero_()
+    out[start:].copy_(as_bytes(bits_of(flat).index_select(0, positions.to(flat.device))))
+
+
+# -- the receiver's side -----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class DecodedPatch:
+    positions: torch.Tensor
+    """int64, strictly increasing, each in [0, numel)."""
+    values: torch.Tensor
+    """uint8, count * itemsize bytes: the new elements' bytes in position order."""
+
+
+def decode_patch(data: torch.Tensor, *, encoding: int, numel: int, count: int, itemsize: int,
+                 tensor: str) -> DecodedPatch:
+    """Read a patch from its bytes in a bucket; INVALID_ARGUMENT for indices out of range, out of
+    order or repeated, or a bitmask whose bits disagree with the count."""
+    index_end = index_bytes(encoding, numel, count)
+    raw = data[:index_end]
+    if encoding == POSITIONS:
+        width = torch.int32 if position_bytes(numel) == 4 else torch.int64
+        positions = _aligned(raw).view(width).to(torch.int64)
+    elif encoding == GAPS:
+        gaps = _aligned(raw).view(torch.int16).to(torch.int64) & 0xFFFF
+        positions = torch.cumsum(gaps + 1, dim=0) - 1
+    elif encoding == BITMASK:
+        bits = (raw.unsqueeze(1).to(torch.int32) >> torch.arange(8, dtype=torch.int32, device=raw.device)) & 1
+        flags = bits.reshape(-1)
+        if int(flags[numel:].sum().item()):
+            raise InvalidArgument("PATCH_INDEX_OUT_OF_RANGE", f"tensor {tensor!r}: its bitmask sets bits past its "
+                                  f"{numel} elements", tensor=tensor, numel=numel)
+        positions = torch.nonzero(flags[:numel], as_tuple=False).reshape(-1)
+        if positions.numel() != count:
+            raise InvalidArgument("PATCH_COUNT_MISMATCH", f"tensor {tensor!r}: its bitmask sets {positions.numel()} "
+                                  f"bits, the plan says {count} changed elements", tensor=tensor,
+                                  bits=positions.numel(), patch_count=count)
+    else:
+        raise InvalidArgument("TENSOR_ENCODING_UNKNOWN", f"tensor {tensor!r} has encoding {encoding}", tensor=tensor)
+    if count and (int(positions[0].item()) < 0 or int(positions[-1].item()) >= numel):
+        raise InvalidArgument("PATCH_INDEX_OUT_OF_RANGE", f"tensor {tensor!r}: a patch position is outside "
+                              f"[0, {numel})", tensor=tensor, numel=numel)
+    if count > 1 and not bool((positions[1:] > positions[:-1]).all().item()):
+        raise InvalidArgument("PATCH_INDEX_UNSORTED", f"tensor {tensor!r}: patch positions must be strictly "
+                              "increasing (sorted, no repeats)", tensor=tensor)
+    start = values_offset(encoding, numel, count, itemsize)
+    return DecodedPatch(positions, data[start: start + count * itemsize])
+
+
+def _aligned(raw: torch.Tensor) -> torch.Tensor:
+    return raw if raw.data_ptr() % 8 == 0 else raw.clone()
+
+
+def apply_patch(target: torch.Tensor, patch: DecodedPatch) -> None:
+    """Overwrite target's elements at the patch's positions (target: the tensor, any shape)."""
+    flat = bits_of(target)
+    flat.index_copy_(0, patch.positions.to(flat.device), patch.values.to(flat.device).view(flat.dtype))
+
+
+# -- WS64 in O(changed) ------------------------------------------------------------------------
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def ws64_after_patch(old_ws64: int, current: torch.Tensor, patch: DecodedPatch) -> int:
+    """WS64 of `current` once the patch is applied, from its WS64 now, reading only the 64-bit
+    words the patch touches (exact: every sum is modulo 2^64, as in the definition)."""
+    if not patch.positions.numel():
+        return old_ws64
+    raw = as_bytes(current)
+    n, device = raw.numel(), raw.device
+    itemsize = patch.values.numel() // patch.positions.numel()
+    starts = patch.positions.to(device) * itemsize
+    word_of = starts // 8
+    words = torch.unique(word_of)
+    lanes = words.unsqueeze(1) * 8 + torch.arange(8, device=device)
+    inside = lanes < n
+    old = torch.zeros(words.numel(), 8, dtype=torch.uint8, device=device)
+    old[inside] = raw[lanes[inside]]
+    new = old.clone().reshape(-1)
+    slot = torch.searchsorted(words, word_of) * 8 + starts % 8
+    element_lanes = (slot.unsqueeze(1) + torch.arange(itemsize, device=device)).reshape(-1)
+    new[element_lanes] = patch.values.to(device)
+    weights = (words // ROW_WORDS + 1) + _signed(COLUMN_FACTOR) * (words % ROW_WORDS + 1)
+    delta = ((new.view(-1, 8).view(torch.int64).reshape(-1) - old.view(torch.int64).reshape(-1)) * weights).sum()
+    return (old_ws64 + int(delta.item())) & _MASK64
+
+
+def numel_of(spec: tensor_pb2.TensorSpec) -> int:
+    return math.prod(spec.shape)

@@ -1,0 +1,185 @@
+"""Sending only what changed: the trainer's copy of what it last committed, and the per-tensor
+choice between the whole tensor and a patch.
+
+The SDK keeps, per WeightSyncClient, one copy of every tensor it last committed (the same bytes
+as the model: memory equal to the model's size, on the host or on the tensors' device) with the
+WS64 of each. The next push compares raw bits against that copy, per tensor:
+  - a sample of its elements first: a tensor that plainly changed too much goes dense without
+    paying for a full comparison (so a push where most of the model changed costs about what
+    dense costs);
+  - otherwise every element: the changed positions, the smallest encoding (positions, gaps,
+    bitmask), sent as a patch when that is at most PATCH_WORTH of the dense bytes.
+Each patch carries the WS64 of the whole new tensor, computed from the copy's WS64 in O(changed).
+The copy changes only after every server committed (caches change on success only).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from weightsync.common.checksum import ws64
+from weightsync.common.patches import (
+    DecodedPatch,
+    PatchChoice,
+    apply_patch,
+    bits_of,
+    changed_positions,
+    encode_patch,
+    smallest_encoding,
+    ws64_after_patch,
+)
+
+Delta = Literal["auto"] | bool
+PATCH_WORTH = 0.5
+"""A patch is sent when it is at most this fraction of the tensor's dense bytes: below it the
+smaller transfer pays for the comparison and the receiver's scatter (bench --only delta)."""
+SAMPLE_ELEMENTS = 4096
+"""Elements compared before the full comparison; a tensor whose sample says 'dense' skips it."""
+MIN_PATCH_ELEMENTS = 1024
+"""Smaller tensors always go dense: their patch saves less than its bookkeeping costs."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPatch:
+    """One tensor's patch, encoded as it goes into a bucket."""
+
+    data: torch.Tensor
+    """uint8, the patch's bytes (tensor.proto, TensorEncoding)."""
+    encoding: int
+    count: int
+    checksum: int
+    """WS64 of the whole tensor after the patch."""
+    positions: torch.Tensor
+
+
+@dataclass(slots=True)
+class DeltaChoice:
+    """What one push sends: patches by name (everything else dense), against which base."""
+
+    base_generation: int
+    patches: dict[str, TensorPatch] = field(default_factory=dict)
+    unchanged: set[str] = field(default_factory=set)
+    """Bit for bit what the base holds: not sent at all (their generation on the node stays)."""
+
+    @property
+    def patched_bytes(self) -> int:
+        return sum(p.data.numel() for p in self.patches.values())
+
+
+def _layout(named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+    return tuple((name, t.dtype, tuple(t.shape)) for name, t in named)
+
+
+class DeltaBase:
+    """The tensors this client last committed, the generation they are at on each server, and
+    their WS64s."""
+
+    def __init__(self, *, host_copy: bool = False) -> None:
+        self.host_copy = host_copy
+        """Keep the copy in host memory (a GPU trainer short of device memory); comparing then
+        reads the new tensors across the bus."""
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.checksums: dict[str, int] = {}
+        self.generations: dict[str, int] = {}
+        """Server address -> the generation it committed these tensors at."""
+        self.layout: tuple = ()
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def base_for(self, named: list[tuple[str, torch.Tensor]], addresses: list[str]) -> int:
+        """The generation a patch would apply to on every one of `addresses`, or 0 (send dense):
+        nothing kept, another layout, or servers at different generations."""
+        if not self.tensors or _layout(named) != self.layout:
+            return 0
+        generations = {self.generations.get(a, 0) for a in addresses}
+        return generations.pop() if len(generations) == 1 and 0 not in generations else 0
+
+    def choose(self, named: list[tuple[str, torch.Tensor]], base_generation: int) -> DeltaChoice:
+        """Per tensor, patch or dense (see the module docstring)."""
+        choice = DeltaChoice(base_generation)
+        for name, tensor in named:
+            patch = self._patch_of(name, tensor)
+            if patch == "unchanged":
+                choice.unchanged.add(name)
+            elif patch is not None:
+                choice.patches[name] = patch
+        if len(choice.unchanged) == len(named):  # nothing changed: the version still moves, by one small tensor
+            choice.unchanged.discard(min(named, key=lambda item: item[1].numel() * item[1].element_size())[0])
+        return choice
+
+    def _patch_of(self, name: str, tensor: torch.Tensor) -> TensorPatch | Literal["unchanged"] | None:
+        """A patch, "unchanged", or None (dense)."""
+        base = self.tensors.get(name)
+        if base is None:
+            return None
+        new = tensor.detach()
+        if base.device != new.device:
+            base = base.to(new.device)
+        numel, itemsize = new.numel(), new.element_size()
+        dense = numel * itemsize
+        if numel >= MIN_PATCH_ELEMENTS:
+            stride = max(1, numel // SAMPLE_ELEMENTS)
+            sampled = int((bits_of(base)[::stride] != bits_of(new)[::stride]).sum().item()) / math.ceil(numel / stride)
+            smallest = min(sampled * (2 + itemsize), 1 / 8 + sampled * itemsize) * numel
+            if smallest > 1.5 * PATCH_WORTH * dense:
+                return None  # plainly too many changes: skip the full comparison
+        positions = changed_positions(base, new)
+        if not positions.numel():
+            return "unchanged"
+        if numel < MIN_PATCH_ELEMENTS:
+            return None
+        chosen: PatchChoice = smallest_encoding(positions, numel, itemsize)
+        if chosen.size_bytes > PATCH_WORTH * dense:
+            return None
+        data = torch.empty(chosen.size_bytes, dtype=torch.uint8, device=new.device)
+        encode_patch(new, positions, chosen.encoding, data)
+        start = chosen.size_bytes - positions.numel() * itemsize
+        decoded = DecodedPatch(positions, data[start:])
+        checksum = ws64_after_patch(self.checksums[name], base, decoded)
+        return TensorPatch(data, chosen.encoding, positions.numel(), checksum, positions)
+
+    # -- after every server committed ---------------------------------------------------------
+    def committed(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None,
+                  generations: dict[str, int]) -> None:
+        """Take what was committed: patched tensors are patched in the copy (O(changed)), the
+        others copied whole."""
+        layout = _layout(named)
+        if layout != self.layout:
+            self.tensors, self.checksums = {}, {}
+        patches = choice.patches if choice is not None else {}
+        unchanged = choice.unchanged if choice is not None else set()
+        for name, tensor in named:
+            if name in unchanged and name in self.tensors:
+                continue
+            patch = patches.get(name)
+            kept = self.tensors.get(name)
+            if patch is not None and kept is not None:
+                itemsize = tensor.element_size()
+                values = patch.data[patch.data.numel() - patch.count * itemsize:]
+                apply_patch(kept, DecodedPatch(patch.positions.to(kept.device), values.to(kept.device)))
+                self.checksums[name] = patch.checksum
+                continue
+            device = torch.device("cpu") if self.host_copy else tensor.device
+            if kept is None or kept.shape != tensor.shape or kept.device != device:
+                kept = torch.empty(tensor.shape, dtype=tensor.dtype, device=device,
+                                   pin_memory=self.host_copy and tensor.is_cuda)
+                self.tensors[name] = kept
+            kept.copy_(tensor.detach())
+            if kept.is_cuda or tensor.is_cuda:
+                torch.cuda.current_stream(tensor.device if tensor.is_cuda else kept.device).synchronize()
+            self.checksums[name] = ws64(kept)
+        self.layout = layout
+        self.generations = dict(generations)
+
+    def forget(self, address: str | None = None) -> None:
+        """A server's generation is unknown (it refused our base): next time it gets dense."""
+        if address is None:
+            self.generations = {}
+        else:
+            self.generations.pop(address, None)

@@ -73,7 +73,7 @@ def build_server(config: ServerConfig) -> Assembled:
     port = _bind(server, config.listen, credentials.server_credentials())
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    assembled = Assembled(server, WeightSyncServicer(config, health, metrics), port, credentials, metrics)
+    assembled = Assembled(server, WeightSyncServicer(config, health, metrics, credentials=credentials), port, credentials, metrics)
     pb_grpc.add_WeightSyncServiceServicer_to_server(assembled.servicer, server)
     _configure_reflection(server)
     if config.health_listen:

@@ -30,6 +30,7 @@ from weightsync.common.errors import (
 )
 from weightsync.server.admission import MemoryAdmission
 from weightsync.server.config import ServerConfig
+from weightsync.server.credentials import Credentials
 from weightsync.server.engine_driver import VllmHttpDriver
 from weightsync.server.engines import EngineRegistry
 from weightsync.server.groups import GroupRegistry
@@ -68,8 +69,10 @@ JOIN_MARGIN_SECONDS = 2.0
 
 
 class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
-    def __init__(self, config: ServerConfig, health, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: ServerConfig, health, metrics: Metrics | None = None, *,
+                 credentials: Credentials) -> None:
         self.config = config
+        self.credentials = credentials  # the one source of truth for the token: SIGHUP reloads it
         self.health = health  # the grpc_health aio servicer, shared with the plaintext health port
         self.metrics = metrics or Metrics()
         self.ingress = Ingress(config.ingress_slot_bytes, config.ingress_slot_count) if config.ingress_slot_bytes else None
@@ -110,12 +113,12 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
                 path = os.path.join(tempfile.gettempdir(), f"weightsync-{os.getpid()}.sock")
             self.local = LocalHandoff(
                 path, supervisor=self.supervisor, publisher=self.publisher, leases=self.leases, engines=self.engines,
-                ingress=self.ingress, token=config.token, allowed_uids=config.local_allow_uids,
+                ingress=self.ingress, credentials=self.credentials, allowed_uids=config.local_allow_uids,
                 command_timeout=config.worker_call_timeout_seconds,
             )
         self.drivers = [
             VllmHttpDriver.from_spec(spec, i, publisher=self.publisher, engines=self.engines,
-                                     local_socket=self.local.path if self.local else "", token=config.token)
+                                     local_socket=self.local.path if self.local else "", credentials=self.credentials)
             for i, spec in enumerate(config.engines)
         ]
         self.draining = False

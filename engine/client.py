@@ -7,6 +7,16 @@ memory: the arenas' descriptors, mapped MAP_SHARED, PROT_READ; CUDA: IPC
 handles, same GPU). Nothing is copied until the engine copies it into its own
 model; releasing says whether the engine now serves that version, which the
 server reports in GetServerInfo.engines and WatchWeights.
+
+GPU identity: a CUDA engine attaches with its GPU's UUID, and the server
+picks the worker on that GPU (never by ordinal: this process may number its
+GPUs otherwise). An IPC handle names its GPU's UUID too; it is opened on this
+process's ordinal for that UUID. Arenas are mapped once and kept while the
+worker process that exported them lives (AcquireVersionResponse.worker_
+incarnation); a new incarnation's arenas replace the old mappings, which
+close when their last view goes. Releasing first waits for every copy this
+process queued on the store's GPU(s): an IN_PLACE update may overwrite
+those bytes as soon as the lease is gone.
 """
 
 from __future__ import annotations
@@ -15,13 +25,23 @@ import datetime
 import mmap
 import os
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import grpc
 import torch
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from weightsync.common import dtypes
-from weightsync.common.errors import status_code
+from weightsync.common.device_identity import (
+    cuda_ordinal,
+    cuda_uuid,
+    is_cuda,
+    local_ordinal,
+    visible_uuids,
+)
+from weightsync.common.errors import WeightSyncError, status_code
 from weightsync.common.local_wire import LocalConnection, close_fds
 from weightsync.v1 import local_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -41,9 +61,30 @@ class EngineError(Exception):
 
 @dataclass(slots=True)
 class _Mapped:
-    inode: int
+    identity: tuple
+    """What makes it the same memory: the inode (host), or (worker incarnation, GPU UUID, IPC handle,
+    offset) (CUDA). Arena ids alone are reused by a restarted store."""
     data: torch.Tensor
     mapping: mmap.mmap | None
+
+
+def cuda_identity(incarnation: int, arena: local_pb2.ArenaHandle) -> tuple:
+    cuda = arena.cuda
+    return (incarnation, cuda.device_uuid, bytes(cuda.handle), cuda.offset_bytes, arena.size_bytes)
+
+
+def devices_to_synchronize(devices: Iterable[torch.device]) -> list[torch.device]:
+    """The CUDA devices whose queued work must finish before a lease goes, sorted.
+
+    A copy out of the store runs on a stream of the store's device (torch runs a cross-device copy
+    on the source's stream), so finishing the store's devices finishes every read of its bytes.
+    Host memory is read synchronously."""
+    return sorted({d for d in devices if d.type == "cuda"}, key=lambda d: d.index or 0)
+
+
+def synchronize_devices(devices: Iterable[torch.device]) -> None:
+    for device in devices_to_synchronize(devices):
+        torch.cuda.synchronize(device)  # every stream of this process on that device
 
 
 @dataclass(slots=True)
@@ -59,6 +100,8 @@ class StoreSnapshot:
     """Name -> generation of the commit that last wrote the tensor."""
     released: bool = False
     applied: bool = field(default=False, repr=False)
+    devices: frozenset[torch.device] = frozenset()
+    """Where the mapped store lives: release() waits for this process's work on them first."""
 
     @property
     def generation(self) -> int:
@@ -69,9 +112,17 @@ class StoreSnapshot:
         return sorted(n for n, g in self.written.items() if g > generation or generation < 0)
 
     def release(self, *, applied: bool, error: str = "") -> None:
-        if not self.released:
-            self.released = True
-            self.client._release(self.lease_id, applied=applied, error=error)
+        """Give the version back. First waits until every copy queued from the store's bytes (on a
+        GPU: asynchronous) has finished: once released, an IN_PLACE update may overwrite them."""
+        if self.released:
+            return
+        self.released = True
+        try:
+            synchronize_devices(self.devices)
+        except Exception as failure:  # noqa: BLE001 - a broken device: release anyway, saying so
+            applied = False
+            error = error or f"DEVICE_SYNC_FAILED: {type(failure).__name__}: {failure}"
+        self.client._release(self.lease_id, applied=applied, error=error)
 
     def __enter__(self) -> StoreSnapshot:
         return self
@@ -95,7 +146,10 @@ class EngineClient:
         timeout: float = 60.0,
     ) -> None:
         """server: the node's gRPC address (its local socket is looked up with GetServerInfo), or
-        socket_path: the local socket itself. worker: an index, or -1 for the first on `device`."""
+        socket_path: the local socket itself. device: this engine's device ("cpu", "cuda:N" in this
+        process's numbering). worker: an index, or -1 for the worker on `device` (a GPU: the worker
+        on the same physical GPU, found by UUID)."""
+        device_uuid = _own_uuid(device) if worker < 0 else ""
         if socket_path is None:
             if server is None:
                 raise ValueError("give server (host:port) or socket_path")
@@ -104,10 +158,18 @@ class EngineClient:
         self.name = name
         self._connection = LocalConnection(socket_path, timeout)
         self._mapped: dict[int, _Mapped] = {}
-        attached = self._request(attach_store=local_pb2.AttachStoreRequest(
-            engine_name=name, worker_index=worker, device=device, token=token or ""))[0].attach_store
+        self._visible: list[str] | None = None
+        """This process's GPUs' UUIDs by ordinal, asked once."""
+        try:
+            attached = self._request(attach_store=local_pb2.AttachStoreRequest(
+                engine_name=name, worker_index=worker, device=device, token=token or "",
+                device_uuid=device_uuid))[0].attach_store
+        except BaseException:
+            self._connection.close()
+            raise
         self.worker_index = attached.worker_index
         self.device = attached.device
+        self.device_uuid = attached.device_uuid
 
     # -- requests --------------------------------------------------------------------
     def _request(self, **kwargs) -> tuple[local_pb2.LocalResponse, list[int]]:
@@ -129,35 +191,58 @@ class EngineClient:
         response, fds = self._request(acquire_version=request)
         acquired = response.acquire_version
         try:
-            arenas = {a.arena_id: self._map(a, fds) for a in acquired.arenas}
-        except BaseException:
+            arenas = {a.arena_id: self._map(a, fds, acquired.worker_incarnation) for a in acquired.arenas}
+            self._forget_unlisted(arenas)
+            tensors = {t.name: _view(arenas[t.arena_id], t) for t in acquired.tensors}
+        except BaseException as error:
             close_fds(fds)
-            self._release(acquired.lease_id, applied=False, error="could not map the store")
+            self._release(acquired.lease_id, applied=False, error=f"could not map the store: {error}")
             raise
         close_fds(fds)  # mapped: the descriptors are not needed any more
-        tensors = {t.name: _view(arenas[t.arena_id], t) for t in acquired.tensors}
         written = {t.name: t.written_generation for t in acquired.tensors}
-        return StoreSnapshot(self, acquired.lease_id, acquired.version, tensors, written)
+        return StoreSnapshot(self, acquired.lease_id, acquired.version, tensors, written,
+                             devices=frozenset(a.device for a in arenas.values()))
 
     def _release(self, lease_id: int, *, applied: bool, error: str) -> None:
         self._request(release_version=local_pb2.ReleaseVersionRequest(lease_id=lease_id, applied=applied,
                                                                       error=error[:2000]))
 
     # -- mapping ------------------------------------------------------------------------
-    def _map(self, arena: local_pb2.ArenaHandle, fds: list[int]) -> torch.Tensor:
+    def _map(self, arena: local_pb2.ArenaHandle, fds: list[int], incarnation: int) -> torch.Tensor:
+        """The arena's bytes, mapped once per memory: a later acquire of the same memory reuses the
+        mapping (so CUDA IPC reference counts stay at one per arena, not one per acquire)."""
         if arena.fd_index < 0:
-            return _open_cuda(arena)
-        fd = fds[arena.fd_index]
-        inode = os.fstat(fd).st_ino  # a restarted store may reuse arena ids, never memfd inodes
+            identity = cuda_identity(incarnation, arena)
+        else:
+            identity = ("host", os.fstat(fds[arena.fd_index]).st_ino)  # memfd inodes are never reused
         known = self._mapped.get(arena.arena_id)
-        if known is not None and known.inode == inode:
+        if known is not None and known.identity == identity:
             return known.data
-        mapping = mmap.mmap(fd, arena.size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        with warnings.catch_warnings():  # read-only on purpose: torch warns that it cannot write
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(mapping, dtype=torch.uint8)
-        self._mapped[arena.arena_id] = _Mapped(inode, data, mapping)
+        self._mapped.pop(arena.arena_id, None)  # the old memory goes once its last view does
+        if arena.fd_index < 0:
+            data, mapping = self._open_cuda(arena), None
+        else:
+            mapping = mmap.mmap(fds[arena.fd_index], arena.size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            with warnings.catch_warnings():  # read-only on purpose: torch warns that it cannot write
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._mapped[arena.arena_id] = _Mapped(identity, data, mapping)
         return data
+
+    def _forget_unlisted(self, listed: dict[int, torch.Tensor]) -> None:
+        """Drop mappings of arenas the store no longer lists."""
+        for arena_id in [a for a in self._mapped if a not in listed]:
+            del self._mapped[arena_id]
+
+    def _open_cuda(self, arena: local_pb2.ArenaHandle) -> torch.Tensor:
+        """Map a CUDA worker's arena through its IPC handle, on this process's ordinal of its GPU."""
+        if self._visible is None:
+            self._visible = visible_uuids()
+        try:
+            ordinal = local_ordinal(arena.cuda.device_uuid, self._visible)
+        except WeightSyncError as error:
+            raise EngineError(error.reason, error.message, error.code, error.metadata) from None
+        return _open_cuda(arena, ordinal)
 
     def close(self) -> None:
         self._connection.close()
@@ -177,22 +262,55 @@ def _view(arena: torch.Tensor, t: local_pb2.StoredTensorLocation) -> torch.Tenso
     return arena[t.offset_bytes : t.offset_bytes + t.size_bytes].view(dtype).view(tuple(t.shape))
 
 
-def _open_cuda(arena: local_pb2.ArenaHandle) -> torch.Tensor:
-    """Map a CUDA worker's arena through its IPC handle (same GPU, another process)."""
+def _open_cuda(arena: local_pb2.ArenaHandle, ordinal: int) -> torch.Tensor:
+    """Map a CUDA worker's arena through its IPC handle (same GPU, another process), as cuda:ordinal
+    of this process (the handle's own `device` is the worker's numbering, not ours)."""
     cuda = arena.cuda
     storage = torch.UntypedStorage._new_shared_cuda(  # noqa: SLF001 - torch's own IPC entry point
-        cuda.device, cuda.handle, cuda.allocation_size_bytes, cuda.offset_bytes, cuda.ref_counter_handle,
+        ordinal, cuda.handle, cuda.allocation_size_bytes, cuda.offset_bytes, cuda.ref_counter_handle,
         cuda.ref_counter_offset, cuda.event_handle or None, cuda.event_sync_required,
     )
-    data = torch.empty(0, dtype=torch.uint8, device=f"cuda:{cuda.device}").set_(storage)
+    data = torch.empty(0, dtype=torch.uint8, device=f"cuda:{ordinal}").set_(storage)
     return data[: arena.size_bytes]
+
+
+def _own_uuid(device: str) -> str:
+    """This process's GPU UUID for a CUDA `device` ("" for CPU); EngineError if it has no such GPU."""
+    if not is_cuda(device):
+        return ""
+    try:
+        return cuda_uuid(cuda_ordinal(device))
+    except (ValueError, RuntimeError, AssertionError) as error:  # AssertionError: a CPU build of torch
+        raise EngineError("DEVICE_UNAVAILABLE", f"this process has no CUDA device {device!r}: {error}",
+                          metadata={"device": device}) from None
 
 
 def _local_socket_of(server: str, token: str | None, timeout: float) -> str:
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    with grpc.insecure_channel(server) as channel:
-        info = pb_grpc.WeightSyncServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest(), metadata=metadata,
-                                                                    timeout=timeout)
+    try:
+        with grpc.insecure_channel(server) as channel:
+            info = pb_grpc.WeightSyncServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest(),
+                                                                        metadata=metadata, timeout=timeout)
+    except grpc.RpcError as error:
+        raise _engine_error(server, error) from None
     if not info.local_socket:
         raise EngineError("LOCAL_SOCKET_DISABLED", f"{server} has no local socket (--local-socket)")
     return info.local_socket
+
+
+def _engine_error(server: str, error: grpc.RpcError) -> EngineError:
+    """A refused gRPC call as an EngineError: its code, and the ErrorInfo reason and metadata."""
+    code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = error.details() if callable(getattr(error, "details", None)) else str(error)
+    reason, metadata = "", {}
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a malformed status is still an error
+        status = None
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            reason, metadata = info.reason, dict(info.metadata)
+    if not reason:
+        reason = "SERVER_UNREACHABLE" if code == grpc.StatusCode.UNAVAILABLE else code.name
+    return EngineError(reason, f"{server}: {code.name}: {details}", code, metadata)

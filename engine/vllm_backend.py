@@ -7,7 +7,9 @@ plugin in vllm_plugin.py registers it). vLLM's weight-transfer calls map to:
   init_weight_transfer_engine {"init_info": {"local_socket": PATH | "server": HOST:PORT,
                                              "worker": -1, "engine_name": "", "token": ""}}
       attach an EngineClient to the worker store on this device (the node's
-      weightsync server; its local socket).
+      weightsync server; its local socket). worker -1 (what the server's
+      driver sends): each vLLM worker (tensor-parallel rank) finds the
+      weightsync worker on its own GPU by UUID, whatever its CUDA ordinal.
   start_weight_update
       opens a session; touches nothing.
   update_weights {"update_info": {"generation": 0, "since_generation": -1}}
@@ -101,7 +103,8 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     server: str = ""
     """The server's gRPC address (host:port); its local socket is looked up."""
     worker: int = -1
-    """The weightsync worker whose store to read; -1: the first one on this worker's device."""
+    """The weightsync worker whose store to read; -1: the one on this vLLM worker's own device (a GPU:
+    the same physical GPU, by UUID; so every tensor-parallel rank reads the store on its GPU)."""
     engine_name: str = ""
     """Empty when the server drives this vLLM (--engine) and reports for it; else the name the
     server shows in GetServerInfo.engines (kind "local")."""
@@ -263,6 +266,21 @@ def _checkpoint_shapes(model_config) -> dict[str, tuple[int, ...]] | None:
     return shapes
 
 
+def _described(error: BaseException, text: str) -> str:
+    """`text` and the notes a cleanup added to the error (they do not survive pickling otherwise)."""
+    notes = getattr(error, "__notes__", None) or []
+    return "; ".join([text, *notes])
+
+
+def _release_after_failure(snapshot: StoreSnapshot, error: str) -> None:
+    """Release a version that was not applied; a failure to release is logged, so that the error
+    being raised is the apply's own (the lease goes with the connection anyway)."""
+    try:
+        snapshot.release(applied=False, error=error)
+    except Exception as release_error:  # noqa: BLE001 - the caller raises the real error
+        logger.error("weightsync: releasing the version failed: %r (after: %s)", release_error, error)
+
+
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
@@ -340,16 +358,17 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
             if names:
                 self._load(snapshot, names, stats)
         except WeightSyncUpdateError as error:
-            message = f"{label} not applied, the engine keeps its weights: {error.detail}"
-            snapshot.release(applied=False, error=f"{error.reason}: {message}")
+            message = f"{label} not applied, the engine keeps its weights: {_described(error, error.detail)}"
+            _release_after_failure(snapshot, f"{error.reason}: {message}")
             logger.warning("weightsync: %s: %s", error.reason, message)
             raise WeightSyncUpdateError(error.reason, message) from None
         except BaseException as error:
-            message = f"{label} not applied: {type(error).__name__}: {error}"
-            snapshot.release(applied=False, error=f"LOAD_FAILED: {message}")
+            message = f"{label} not applied: {type(error).__name__}: {_described(error, str(error))}"
+            _release_after_failure(snapshot, f"LOAD_FAILED: {message}")
             logger.warning("weightsync: LOAD_FAILED: %s", message)
             raise WeightSyncUpdateError("LOAD_FAILED", message) from error
-        # Finalized: every byte is in the model's own tensors, the lease can go.
+        # Finalized: every byte is in the model's own tensors; release() waits for the GPU copies
+        # out of the store to finish before the lease goes.
         snapshot.release(applied=True)
         stats.total_s = time.perf_counter() - started
         self.last_apply = stats
@@ -432,9 +451,15 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
                     if partial:
                         raise WeightSyncUpdateError("LAYER_INCOMPLETE", f"the store does not hold every weight of "
                                                     f"layer(s) {', '.join(partial[:3])}")
-        except BaseException:
-            self._discard_unprocessed()
-            finalize_layerwise_reload(self.model, self.model_config)
+        except BaseException as failure:
+            # Put the layers back, but the load's own error is the one raised: a failure while
+            # restoring is logged and noted on it, never raised in its place.
+            try:
+                self._discard_unprocessed()
+                finalize_layerwise_reload(self.model, self.model_config)
+            except Exception as cleanup_error:  # noqa: BLE001 - reported with the original error
+                logger.error("weightsync: restoring the layers after a failed load failed too: %r", cleanup_error)
+                failure.add_note(f"restoring the layers failed too: {cleanup_error!r}")
             raise
         stats.tensors = len(fed)
         finalize_started = time.perf_counter()

@@ -66,12 +66,14 @@ class VllmFollower:
         self._failed_generation = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        # This connection only reads the status; vLLM's worker attaches on its own, as `name`.
-        self._status = EngineClient(server=server, socket_path=socket_path, name="", worker=worker, token=token,
-                                    timeout=timeout)
+        # This connection only reads the version and store state, so any worker does (this process
+        # may have no GPU at all): the given one, else worker 0. vLLM's workers attach on their own,
+        # as `name`, each to the worker on its own GPU (worker -1: by UUID) unless one was given.
+        self._status = EngineClient(server=server, socket_path=socket_path, name="",
+                                    worker=worker if worker >= 0 else 0, token=token, timeout=timeout)
         try:
             llm.init_weight_transfer_engine({"init_info": {
-                "local_socket": self._status.socket_path, "worker": self._status.worker_index,
+                "local_socket": self._status.socket_path, "worker": worker,
                 "engine_name": name, "token": token or "", "timeout_s": timeout}})
         except BaseException:
             self._status.close()

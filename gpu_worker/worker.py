@@ -350,22 +350,16 @@ class Worker:
         log.info("store_restored", tensors=len(self.store.tensors), state=self.store.state)
 
     def _export_store(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
-        """CUDA IPC handles of every arena, for an engine on the same GPU (host arenas go as fds)."""
+        """This worker's GPU UUID and the CUDA IPC handles of its committed arenas, for an engine on
+        the same GPU (host arenas go as fds); each arena is shared once per process (cuda_export.py)."""
+        from weightsync.gpu_worker.cuda_export import ArenaExporter, committed_arena_ids
+
+        exporter = getattr(self, "_arena_exporter", None)
+        if exporter is None:
+            exporter = self._arena_exporter = ArenaExporter.for_device(self.device)
         exported = event.store_exported
-        for arena in self.store.arenas.values():
-            handle = exported.arenas.add(arena_id=arena.arena_id, size_bytes=arena.size_bytes, fd_index=-1)
-            if arena.shareable:
-                continue
-            (device, ipc, size, offset, counter, counter_offset, ipc_event, sync) = (
-                arena.data.untyped_storage()._share_cuda_())
-            handle.cuda.device = int(device)
-            handle.cuda.handle = bytes(ipc)
-            handle.cuda.allocation_size_bytes = int(size)
-            handle.cuda.offset_bytes = int(offset)
-            handle.cuda.ref_counter_handle = bytes(counter)
-            handle.cuda.ref_counter_offset = int(counter_offset)
-            handle.cuda.event_handle = bytes(ipc_event or b"")
-            handle.cuda.event_sync_required = bool(sync)
+        exported.device_uuid = exporter.device_uuid
+        exported.arenas.extend(exporter.export(self.store.arenas, committed_arena_ids(self.store)))
 
     def _compute_checksums(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         event.checksums_computed.tensors.extend(self.store.checksums(list(command.compute_checksums.names)))

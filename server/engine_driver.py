@@ -13,12 +13,24 @@ e.g. it restarted: a warm start) the driver calls vLLM's weight-transfer routes:
 vLLM's worker then reads the node's store through weightsync.engine (the
 weightsync backend: engine/vllm_backend.py). What vLLM serves, and since when,
 goes to GetServerInfo.engines and WatchWeights.
+
+The driver is a supervised background task: whatever vLLM answers (an HTTP
+error, a 200 that is not a JSON object, garbage bytes), the attempt fails
+with a typed reason that GetServerInfo.engines shows as last_error, is tried
+again with backoff, and the next commit is driven at once. An unexpected
+error is logged and the loop goes on; stop() never raises, so the server's
+shutdown always reaches the local socket and the workers.
+
+vLLM's workers resolve the weightsync worker on their own GPU (worker -1:
+by GPU UUID, so each tensor-parallel rank reads the store on its device).
+The bearer token is read from the server's Credentials at each
+initialization; after a SIGHUP reload vLLM is initialized again, so it
+attaches with the current token.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -26,6 +38,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from weightsync.server.credentials import Credentials
 from weightsync.server.engines import EngineRegistry
 from weightsync.server.publisher import Publisher
 
@@ -34,13 +47,55 @@ log = structlog.get_logger("weightsync.engine_driver")
 POLL_SECONDS = 5.0
 """How often vLLM's version is checked between commits (a restarted vLLM is warm-started)."""
 REQUEST_TIMEOUT_SECONDS = 300.0
+MAX_ANSWER_BYTES = 1 << 20
+"""vLLM's weight-transfer routes answer a few bytes of JSON; more than this is not such an answer."""
 RETRY_SECONDS = (5.0, 10.0, 30.0, 60.0, 300.0)
 """A version vLLM refused is tried again after these delays (then every 300 s), or at once when
 vLLM restarts; a new commit is tried at once."""
+RESUME_AFTER_FAILURE_SECONDS = 30.0
+LOOP_RETRY_SECONDS = (1.0, 5.0, 30.0)
+"""After an unexpected error in the driver loop itself (a bug): wait, then carry on."""
 
 
-class EngineUnreachable(Exception):
-    pass
+class EngineCallFailed(Exception):
+    """One call to the engine did not give a usable answer; `reason` is machine-readable."""
+
+    reason = "ENGINE_CALL_FAILED"
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.args[0] if self.args else ''}"
+
+
+class EngineUnreachable(EngineCallFailed):
+    """No answer at all (connection refused, reset, timed out)."""
+
+    reason = "ENGINE_UNREACHABLE"
+
+
+class EngineRefused(EngineCallFailed):
+    """An HTTP error status."""
+
+    reason = "ENGINE_REFUSED"
+
+
+class EngineAnswerMalformed(EngineCallFailed):
+    """A success status whose body is not a JSON object (garbage bytes, `[]`, a wrong type)."""
+
+    reason = "ENGINE_ANSWER_MALFORMED"
+
+
+def parse_answer(method: str, path: str, text: bytes) -> dict:
+    """The JSON object vLLM answered; EngineAnswerMalformed for anything else. Empty means {}."""
+    if not text.strip():
+        return {}
+    try:
+        answer = json.loads(text)
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError both are ValueErrors
+        raise EngineAnswerMalformed(f"{method} {path}: not JSON ({error}): {text[:200]!r}") from None
+    if not isinstance(answer, dict):
+        raise EngineAnswerMalformed(f"{method} {path}: expected a JSON object, got {type(answer).__name__}: "
+                                    f"{text[:200]!r}")
+    return answer
 
 
 @dataclass(slots=True)
@@ -50,10 +105,11 @@ class VllmHttpDriver:
     publisher: Publisher
     engines: EngineRegistry
     local_socket: str
-    worker_index: int = 0
-    token: str = ""
+    credentials: Credentials
     _task: asyncio.Task | None = None
     _initialized: bool = False
+    _initialized_at_reload: int = -1
+    """credentials.reloads when vLLM was initialized: a later reload initializes it again."""
     _applied_generation: int = -1
     _applied_label: str | None = None
     """The weight_version we last set in vLLM; another one means another instance (warm-start it)."""
@@ -70,32 +126,59 @@ class VllmHttpDriver:
     def start(self) -> None:
         self.engines.register(self.name, "vllm-http", self.url)
         self._task = asyncio.ensure_future(self._run())
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        # _run only ends by cancellation; anything else is a bug, and must not go unnoticed.
+        log.error("engine_driver_ended", engine=self.name, error=repr(error))
+        self.engines.failed(self.name, f"DRIVER_STOPPED: the driver stopped: {error!r}")
 
     async def stop(self) -> None:
+        """Stop driving; never raises (the server's shutdown must go on)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if task is None:
+            return
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        except Exception as error:  # noqa: BLE001 - already logged by _ended; shutdown goes on
+            log.warning("engine_driver_stopped_with_error", engine=self.name, error=repr(error))
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         events = self.publisher.watchers.subscribe()
+        errors = 0
         try:
             while True:
-                await self._converge()
-                # Sleep until a new commit or the poll. Every other event (most of them engine-state
-                # changes, our own included) is not a reason to call vLLM again: waking on those
-                # would spin while vLLM is down or keeps refusing a version.
-                seen = self.publisher.version.generation
-                deadline = loop.time() + POLL_SECONDS
-                while self.publisher.version.generation == seen and (left := deadline - loop.time()) > 0:
-                    try:
-                        await asyncio.wait_for(events.get(), left)
-                    except TimeoutError:
-                        break
+                try:
+                    await self._converge()
+                    await self._wait_for_commit_or_poll(events)
+                    errors = 0
+                except Exception as error:  # noqa: BLE001 - supervised: logged, reported, and we go on
+                    delay = LOOP_RETRY_SECONDS[min(errors, len(LOOP_RETRY_SECONDS) - 1)]
+                    errors += 1
+                    log.exception("engine_driver_error", engine=self.name, retry_seconds=delay)
+                    self.engines.failed(self.name, f"DRIVER_ERROR: {error!r}")
+                    await asyncio.sleep(delay)
         finally:
             self.publisher.watchers.unsubscribe(events)
+
+    async def _wait_for_commit_or_poll(self, events: asyncio.Queue) -> None:
+        """Sleep until a new commit or the poll. Every other event (most of them engine-state
+        changes, our own included) is not a reason to call vLLM again: waking on those would spin
+        while vLLM is down or keeps refusing a version."""
+        loop = asyncio.get_running_loop()
+        seen = self.publisher.version.generation
+        deadline = loop.time() + POLL_SECONDS
+        while self.publisher.version.generation == seen and (left := deadline - loop.time()) > 0:
+            try:
+                await asyncio.wait_for(events.get(), left)
+            except TimeoutError:
+                return
 
     async def _converge(self) -> None:
         """Make vLLM serve the node's version, if it does not already."""
@@ -105,6 +188,9 @@ class VllmHttpDriver:
         served = None
         try:
             served = (await self._call("GET", "/weight_info")).get("weight_version")
+            if served is not None and not isinstance(served, str):
+                raise EngineAnswerMalformed(f"GET /weight_info: weight_version is {type(served).__name__}, "
+                                            f"not a string: {served!r}"[:300])
             if served != self._applied_label:
                 # Not what we set last: a new instance (or a restart) holds its own weights: all of them.
                 self._initialized, self._applied_generation, self._applied_label = False, -1, None
@@ -118,16 +204,17 @@ class VllmHttpDriver:
             self._initialized = False
             self.engines.unreachable(self.name, str(error))
             return
-        except RuntimeError as error:
+        except EngineCallFailed as error:
             if "VERSION_GONE" in str(error):
                 return  # a newer commit replaced it while vLLM read: its event brings us back at once
-            self._failed = (version.generation, served)
-            self._retry_at = asyncio.get_running_loop().time() + RETRY_SECONDS[min(self._failures,
-                                                                                  len(RETRY_SECONDS) - 1)]
+            self._failed = (version.generation, served if isinstance(served, str) else None)
+            delay = RETRY_SECONDS[min(self._failures, len(RETRY_SECONDS) - 1)]
+            self._retry_at = asyncio.get_running_loop().time() + delay
             self._failures += 1
-            self.engines.failed(self.name, str(error))
+            text = "; ".join([str(error), *getattr(error, "__notes__", ())])  # a failed /resume, too
+            self.engines.failed(self.name, text)
             log.warning("engine_apply_failed", engine=self.name, version=version.version,
-                        generation=version.generation, error=str(error))
+                        generation=version.generation, reason=error.reason, error=text, retry_seconds=delay)
             return
         self._applied_generation, self._applied_label = version.generation, version.version
         self._failed, self._failures = None, 0
@@ -135,10 +222,14 @@ class VllmHttpDriver:
         log.info("engine_applied", engine=self.name, version=version.version, generation=version.generation)
 
     async def _apply(self, label: str, generation: int) -> None:
+        if self._initialized and self._initialized_at_reload != self.credentials.reloads:
+            self._initialized = False  # the token may have changed: vLLM must attach with the current one
         if not self._initialized:
+            reloads = self.credentials.reloads
+            # worker -1: each of vLLM's workers attaches to the weightsync worker on its own GPU.
             await self._call("POST", "/init_weight_transfer_engine", {"init_info": {
-                "local_socket": self.local_socket, "worker": self.worker_index, "token": self.token}})
-            self._initialized = True
+                "local_socket": self.local_socket, "worker": -1, "token": self.credentials.token}})
+            self._initialized, self._initialized_at_reload = True, reloads
         await self._call("POST", "/pause?mode=keep")
         try:
             await self._call("POST", "/start_weight_update")
@@ -147,8 +238,18 @@ class VllmHttpDriver:
             await self._call("POST", "/update_weights", {"update_info": {
                 "generation": generation, "since_generation": self._applied_generation}})
             await self._call("POST", "/finish_weight_update", {"weight_version": label})
-        finally:
-            await self._call("POST", "/resume")
+        except BaseException as failure:
+            # Resume even so, but the failure is what the caller must see: a resume error is logged
+            # and attached to it as a note, never raised in its place. Bounded: this also runs when
+            # the server stops mid-apply.
+            try:
+                await asyncio.wait_for(self._call("POST", "/resume"), RESUME_AFTER_FAILURE_SECONDS)
+            except Exception as resume_error:  # noqa: BLE001 - reported with the original error
+                log.warning("engine_resume_failed", engine=self.name, error=str(resume_error),
+                            after=str(failure))
+                failure.add_note(f"and /resume failed too: {resume_error}")
+            raise
+        await self._call("POST", "/resume")
 
     async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         return await asyncio.get_running_loop().run_in_executor(None, self._http, method, path, body)
@@ -159,10 +260,14 @@ class VllmHttpDriver:
                                          headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_SECONDS) as response:  # noqa: S310 - operator's URL
-                text = response.read()
+                text = response.read(MAX_ANSWER_BYTES + 1)
         except urllib.error.HTTPError as error:
-            detail = error.read().decode(errors="replace")[:1000]
-            raise RuntimeError(f"{method} {path}: HTTP {error.code}: {detail}") from None
+            detail = error.read(1000).decode(errors="replace")
+            raise EngineRefused(f"{method} {path}: HTTP {error.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as error:
             raise EngineUnreachable(f"{method} {path}: {error}") from None
-        return json.loads(text) if text else {}
+        except Exception as error:  # noqa: BLE001 - http.client's HTTPException (not HTTP at all) and the like
+            raise EngineAnswerMalformed(f"{method} {path}: {type(error).__name__}: {error}") from None
+        if len(text) > MAX_ANSWER_BYTES:
+            raise EngineAnswerMalformed(f"{method} {path}: an answer over {MAX_ANSWER_BYTES} bytes")
+        return parse_answer(method, path, text)

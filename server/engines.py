@@ -27,6 +27,8 @@ class EngineRecord:
     applied_time: datetime.datetime | None = None
     commit_to_serving: float | None = None
     last_error: str = ""
+    before_applying: int = pb.ENGINE_STATE_UNSPECIFIED
+    """The state it had when it started applying: what it returns to when it applies nothing."""
 
     def to_proto(self) -> pb.EngineStatus:
         status = pb.EngineStatus(name=self.name, kind=self.kind, endpoint=self.endpoint, state=self.state,
@@ -60,7 +62,17 @@ class EngineRegistry:
         return record
 
     def applying(self, name: str) -> None:
+        record = self.records.get(name)
+        if record is not None and record.state != pb.ENGINE_STATE_APPLYING:
+            record.before_applying = record.state
         self._set(name, state=pb.ENGINE_STATE_APPLYING)
+
+    def not_applied(self, name: str) -> None:
+        """It read a version and applied none of it, without an error: back to what it was (it
+        still serves applied_version), never left APPLYING."""
+        record = self.records.get(name)
+        if record is not None and record.state == pb.ENGINE_STATE_APPLYING:
+            self._set(name, state=record.before_applying)
 
     def applied(self, name: str, version: PublishedVersion) -> None:
         now = datetime.datetime.now(datetime.UTC)

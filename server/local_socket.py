@@ -8,11 +8,20 @@ acquires the current version (a lease, see leases.py): it gets the arenas as
 read-only descriptors (CPU) or CUDA IPC handles, and every tensor's place in
 them; it copies what changed into its model and releases, saying whether it
 now serves that version. An SHM trainer opens the ingress instead.
+
+The token is read from the server's Credentials at every check, never
+copied: after a SIGHUP rotation the new token attaches and the old one is
+refused, here as on gRPC. A connection attached with the old token is
+refused at its next request (but release_version, which only gives back).
+A CUDA engine is matched to the worker on its own GPU by UUID (see
+common/device_identity.py); the IPC handles it gets name that UUID and the
+worker incarnation they belong to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hmac
 import itertools
@@ -24,6 +33,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from weightsync.common.device_identity import WorkerDevice, is_cuda, pick_worker
 from weightsync.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -35,10 +45,12 @@ from weightsync.common.errors import (
 )
 from weightsync.common.fd_passing import peer_uid
 from weightsync.common.local_wire import LocalWireError, read_frame, write_frame
+from weightsync.server.credentials import Credentials
 from weightsync.server.engines import EngineRegistry
 from weightsync.server.ingress import Ingress
 from weightsync.server.leases import LeaseTable
 from weightsync.server.publisher import Publisher
+from weightsync.server.state import PublishedVersion
 from weightsync.server.supervisor import Supervisor, WorkerHandle
 from weightsync.v1 import local_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -48,6 +60,8 @@ log = structlog.get_logger("weightsync.local")
 
 ENGINE_NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 DEFAULT_WAIT_SECONDS = 30.0
+ACCEPT_RETRY_SECONDS = (0.05, 0.2, 1.0)
+"""accept() failing (out of descriptors, ...): wait this long, then the next, and try again."""
 
 
 @dataclass(slots=True)
@@ -58,8 +72,10 @@ class _Peer:
     uid: int
     worker: WorkerHandle | None = None
     engine_name: str = ""
-    leases: dict[int, int] = field(default_factory=dict)
-    """lease id -> generation it pins."""
+    presented: str = field(default="", repr=False)
+    """The token this peer attached with, checked again at each request (the server's may rotate)."""
+    leases: dict[int, PublishedVersion] = field(default_factory=dict)
+    """lease id -> the version it pins."""
 
 
 class LocalHandoff:
@@ -72,7 +88,7 @@ class LocalHandoff:
         leases: LeaseTable,
         engines: EngineRegistry,
         ingress: Ingress | None,
-        token: str,
+        credentials: Credentials,
         allowed_uids: tuple[int, ...],
         command_timeout: float,
     ) -> None:
@@ -82,13 +98,12 @@ class LocalHandoff:
         self._leases = leases
         self._engines = engines
         self._ingress = ingress
-        self._token = token
+        self._credentials = credentials
         self._uids = {os.getuid(), *allowed_uids}
         self._command_timeout = command_timeout
         self._ids = itertools.count(1)
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._exports: dict[tuple[int, int], local_pb2.ArenaHandle] = {}
 
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -102,29 +117,52 @@ class LocalHandoff:
         listener.listen(64)
         listener.setblocking(False)
         self._listener = listener
-        self._tasks.add(asyncio.ensure_future(self._accept()))
+        self._track(asyncio.ensure_future(self._accept()))
         log.info("local_socket_listening", path=self.path)
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
+        """Stop accepting, end every connection, remove the socket file. Never raises: the
+        server's shutdown goes on to the workers whatever happened here."""
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        if tasks:
+            for result in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(result, Exception):
+                    log.error("local_task_failed", error=repr(result))
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        log.info("local_socket_closed", path=self.path)
+
+    def _track(self, task: asyncio.Task) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a bug: say so, never silently
+            log.error("local_task_died", error=repr(task.exception()))
 
     async def _accept(self) -> None:
+        """Accept connections until stopped; a failing accept (EMFILE, ...) is logged and retried."""
         loop = asyncio.get_running_loop()
         assert self._listener is not None
+        failures = 0
         while True:
-            conn, _ = await loop.sock_accept(self._listener)
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as error:
+                delay = ACCEPT_RETRY_SECONDS[min(failures, len(ACCEPT_RETRY_SECONDS) - 1)]
+                failures += 1
+                log.error("local_accept_failed", error=str(error), retry_seconds=delay, failures=failures)
+                await asyncio.sleep(delay)
+                continue
+            failures = 0
             conn.setblocking(False)
-            task = asyncio.ensure_future(self._serve(conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._track(asyncio.ensure_future(self._serve(conn)))
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -158,9 +196,12 @@ class LocalHandoff:
     async def _dispatch(self, peer: _Peer, request: local_pb2.LocalRequest) -> tuple[local_pb2.LocalResponse, list[int]]:
         kind = request.WhichOneof("request")
         if kind == "attach_store":
-            return self._attach(peer, request.attach_store), []
+            return await self._attach(peer, request.attach_store), []
         if peer.worker is None:
             raise FailedPrecondition("NOT_ATTACHED", "send attach_store first")
+        if kind != "release_version":  # giving a lease back needs no credentials
+            self._check_token(peer.presented, "the server's token changed since this connection attached; "
+                                              "attach again with the new token")
         if kind == "acquire_version":
             return await self._acquire(peer, request.acquire_version)
         if kind == "release_version":
@@ -175,29 +216,51 @@ class LocalHandoff:
         raise InvalidArgument("REQUEST_UNKNOWN", f"unknown local request {kind!r}")
 
     # -- requests -------------------------------------------------------------------
-    def _attach(self, peer: _Peer, attach: local_pb2.AttachStoreRequest) -> local_pb2.LocalResponse:
-        if self._token and not hmac.compare_digest(attach.token.encode(), self._token.encode()):
-            raise Unauthenticated("TOKEN_INVALID", "missing or invalid token")
+    def _check_token(self, presented: str, message: str = "missing or invalid token") -> None:
+        token = self._credentials.token  # read now: SIGHUP may have replaced it
+        if token and not hmac.compare_digest(presented.encode(), token.encode()):
+            raise Unauthenticated("TOKEN_INVALID", message)
+
+    async def _attach(self, peer: _Peer, attach: local_pb2.AttachStoreRequest) -> local_pb2.LocalResponse:
+        self._check_token(attach.token)
         if attach.engine_name and not ENGINE_NAME.match(attach.engine_name):
             raise InvalidArgument("ENGINE_NAME_INVALID", "engine_name must be 1 to 128 characters of [A-Za-z0-9._:-]")
         workers = self._supervisor.workers
-        if attach.worker_index >= 0:
-            if attach.worker_index >= len(workers):
-                raise NotFound("WORKER_NOT_FOUND", f"no worker {attach.worker_index}; this server has {len(workers)}",
-                               worker=attach.worker_index, workers=len(workers))
-            worker = workers[attach.worker_index]
-        else:
-            worker = next((w for w in workers if w.device == (attach.device or "cpu")), None)
-            if worker is None:
-                raise NotFound("WORKER_NOT_FOUND", f"no worker on device {attach.device!r}",
-                               device=attach.device, devices=",".join(w.device for w in workers))
+        if attach.worker_index < 0 and attach.device_uuid:
+            await self._learn_device_uuids()
+        index = pick_worker([self._identity(w) for w in workers], worker_index=attach.worker_index,
+                            device=attach.device, device_uuid=attach.device_uuid)
+        worker = workers[index]
         peer.worker = worker
         peer.engine_name = attach.engine_name
+        peer.presented = attach.token
         if attach.engine_name:
             self._engines.register(attach.engine_name, "local", f"worker:{worker.index}")
         return local_pb2.LocalResponse(attach_store=local_pb2.AttachStoreResponse(
             worker_index=worker.index, device=worker.device, version=self._publisher.version.to_proto(),
-            store_state=pb.STORE_STATE_LOST if worker.lost else worker.store.state))
+            store_state=pb.STORE_STATE_LOST if worker.lost else worker.store.state,
+            device_uuid=worker.kept.exports.uuid(worker.restart_count)))
+
+    @staticmethod
+    def _identity(worker: WorkerHandle) -> WorkerDevice:
+        return WorkerDevice(worker.index, worker.device, worker.kept.exports.uuid(worker.restart_count),
+                            running=worker.state == pb.WORKER_STATE_RUNNING)
+
+    async def _learn_device_uuids(self) -> None:
+        """Ask every running CUDA worker whose GPU UUID is not known (for its incarnation) to export."""
+        unknown = [w for w in self._supervisor.workers if is_cuda(w.device) and w.state == pb.WORKER_STATE_RUNNING
+                   and not w.kept.exports.uuid(w.restart_count)]
+        results = await asyncio.gather(*(self._export(w) for w in unknown), return_exceptions=True)
+        for worker, result in zip(unknown, results, strict=True):
+            if isinstance(result, BaseException):  # that worker cannot be matched now; pick_worker says so
+                log.warning("device_uuid_unknown", worker=worker.index, error=str(result))
+
+    async def _export(self, worker: WorkerHandle) -> None:
+        """One ExportStoreCommand; its answer is kept only if the same worker process is still there."""
+        incarnation = worker.restart_count
+        event = await self._supervisor.call(worker, self._command_timeout, export_store=wpb.ExportStoreCommand())
+        exported = event.store_exported
+        worker.kept.exports.absorb(incarnation, worker.restart_count, exported.device_uuid, list(exported.arenas))
 
     async def _acquire(self, peer: _Peer, acquire: local_pb2.AcquireVersionRequest):
         worker = peer.worker
@@ -206,6 +269,7 @@ class LocalHandoff:
         lease = await self._leases.grant(worker.index, lambda: self._publisher.version.generation, peer.conn_id, wait)
         try:
             version = self._publisher.version
+            incarnation = worker.restart_count
             if acquire.generation and acquire.generation != version.generation:
                 raise FailedPrecondition("VERSION_GONE", f"generation {acquire.generation} is not held; the store "
                                          f"holds generation {version.generation}", generation=acquire.generation,
@@ -213,21 +277,26 @@ class LocalHandoff:
             self._require_readable(worker)
             kept = worker.kept
             response = local_pb2.AcquireVersionResponse(lease_id=lease.lease_id, version=version.to_proto(),
-                                                        tensors=kept.locations())
+                                                        tensors=kept.locations(), worker_incarnation=incarnation)
             fds: list[int] = []
-            exported = await self._device_handles(worker) if not worker.host_memory else {}
             assert kept.layout is not None
-            for arena in kept.layout.arenas:
-                handle = response.arenas.add(arena_id=arena.arena_id, size_bytes=arena.size_bytes, fd_index=-1)
+            wanted = kept.live_arena_ids()
+            exported = await self._device_handles(worker, wanted) if not worker.host_memory else {}
+            if worker.restart_count != incarnation or kept.layout is None:
+                raise FailedPrecondition("STORE_LOST", "the worker died while its store was being exported",
+                                         worker=worker.index)
+            sizes = {a.arena_id: a.size_bytes for a in kept.layout.arenas}
+            for arena_id in wanted:
+                handle = response.arenas.add(arena_id=arena_id, size_bytes=sizes[arena_id], fd_index=-1)
                 if worker.host_memory:
                     handle.fd_index = len(fds)
-                    fds.append(kept.fds[arena.arena_id])
+                    fds.append(kept.fds[arena_id])
                 else:
-                    handle.cuda.CopyFrom(exported[arena.arena_id].cuda)
+                    handle.cuda.CopyFrom(exported[arena_id].cuda)
         except BaseException:
             await self._leases.release(lease.lease_id, peer.conn_id)
             raise
-        peer.leases[lease.lease_id] = version.generation
+        peer.leases[lease.lease_id] = version
         if peer.engine_name:
             self._engines.applying(peer.engine_name)
         return local_pb2.LocalResponse(acquire_version=response), fds
@@ -244,26 +313,30 @@ class LocalHandoff:
                                             "repairs the store"))
         raise FailedPrecondition(why[0], why[1], worker=worker.index, store_state=pb.StoreState.Name(state))
 
-    async def _device_handles(self, worker: WorkerHandle) -> dict[int, local_pb2.ArenaHandle]:
-        """CUDA IPC handles of a device store's arenas, asked of the worker once per arena."""
-        assert worker.kept.layout is not None
-        wanted = {a.arena_id for a in worker.kept.layout.arenas}
-        if not all((worker.index, a) in self._exports for a in wanted):
-            event = await self._supervisor.call(worker, self._command_timeout, export_store=wpb.ExportStoreCommand())
-            for handle in event.store_exported.arenas:
-                self._exports[(worker.index, handle.arena_id)] = handle
-        return {a: self._exports[(worker.index, a)] for a in wanted}
+    async def _device_handles(self, worker: WorkerHandle, wanted: list[int]) -> dict[int, local_pb2.ArenaHandle]:
+        """CUDA IPC handles of the committed arenas, asked of this worker process once per arena
+        (kept with its store, see store_keeper.DeviceExports: a restarted worker's are new)."""
+        held = worker.kept.exports.lookup(worker.restart_count, wanted)
+        if held is None:
+            await self._export(worker)
+            held = worker.kept.exports.lookup(worker.restart_count, wanted)
+        if held is None:
+            raise FailedPrecondition("STORE_LOST", f"worker {worker.index} did not export every arena of its "
+                                     "committed store (it restarted, or lost it)", worker=worker.index)
+        return held
 
     async def _release(self, peer: _Peer, release: local_pb2.ReleaseVersionRequest) -> local_pb2.LocalResponse:
-        generation = peer.leases.pop(release.lease_id, None)
+        version = peer.leases.pop(release.lease_id, None)
         lease = await self._leases.release(release.lease_id, peer.conn_id)
-        if lease is None or generation is None:
+        if lease is None or version is None:
             raise NotFound("LEASE_NOT_FOUND", f"no lease {release.lease_id} on this connection", lease=release.lease_id)
         if peer.engine_name:
             if release.error:
                 self._engines.failed(peer.engine_name, release.error)
-            elif release.applied and generation == self._publisher.version.generation:
-                self._engines.applied(peer.engine_name, self._publisher.version)
+            elif release.applied:
+                self._engines.applied(peer.engine_name, version)  # the version it read, even if a newer one exists
+            else:
+                self._engines.not_applied(peer.engine_name)  # looked, kept what it serves: no longer APPLYING
         return local_pb2.LocalResponse(release_version=local_pb2.ReleaseVersionResponse())
 
     def _open_ingress(self) -> tuple[local_pb2.LocalResponse, list[int]]:

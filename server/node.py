@@ -93,12 +93,12 @@ class Node:
                 path = os.path.join(tempfile.gettempdir(), f"weightsync-{os.getpid()}.sock")
             self.local = LocalHandoff(
                 path, supervisor=self.supervisor, publisher=self.publisher, leases=self.leases, engines=self.engines,
-                ingress=self.ingress, token=credentials.token, allowed_uids=config.local_allow_uids,
+                ingress=self.ingress, credentials=credentials, allowed_uids=config.local_allow_uids,
                 command_timeout=config.worker_call_timeout_seconds,
             )
         self.drivers = [
             VllmHttpDriver.from_spec(spec, i, publisher=self.publisher, engines=self.engines,
-                                     local_socket=self.local.path if self.local else "", token=credentials.token)
+                                     local_socket=self.local.path if self.local else "", credentials=credentials)
             for i, spec in enumerate(config.engines)
         ]
         self.draining = False

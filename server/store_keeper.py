@@ -9,7 +9,11 @@ the store stays CONSISTENT, or INCONSISTENT when an IN_PLACE update was
 writing. Engines on the host map the same arenas read-only (issue 10).
 
 A CUDA worker's store is device memory: nothing is kept, and a dead worker's
-store is LOST.
+store is LOST. What the server does keep for it is the worker's GPU UUID and
+the CUDA IPC handles it exported (DeviceExports): they are valid for that
+worker process only, so they are keyed by its incarnation (restart count)
+and dropped with the store when it dies. A restarted worker numbers its
+arenas from 1 again; a handle of its predecessor would name dead memory.
 """
 
 from __future__ import annotations
@@ -20,6 +24,49 @@ from dataclasses import dataclass, field
 from weightsync.v1 import local_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
+
+
+@dataclass(slots=True)
+class DeviceExports:
+    """A CUDA worker's GPU UUID and exported arena handles, for one incarnation of the worker."""
+
+    incarnation: int = -1
+    """The worker's restart count when these were exported; -1: nothing held."""
+    device_uuid: str = ""
+    handles: dict[int, local_pb2.ArenaHandle] = field(default_factory=dict)
+    """arena id -> its IPC handle (committed arenas only)."""
+
+    def valid_for(self, incarnation: int) -> bool:
+        return self.incarnation == incarnation and incarnation >= 0
+
+    def uuid(self, incarnation: int) -> str:
+        """The GPU UUID if known for this incarnation, else ""."""
+        return self.device_uuid if self.valid_for(incarnation) else ""
+
+    def lookup(self, incarnation: int, arena_ids) -> dict[int, local_pb2.ArenaHandle] | None:
+        """The handles of these arenas, or None if one is not held for this incarnation."""
+        if not self.valid_for(incarnation) or not all(a in self.handles for a in arena_ids):
+            return None
+        return {a: self.handles[a] for a in arena_ids}
+
+    def absorb(self, incarnation: int, current: int, device_uuid: str,
+               arenas: list[local_pb2.ArenaHandle]) -> bool:
+        """Take what incarnation `incarnation` exported, unless the worker restarted meanwhile
+        (`current` is its incarnation now); True if taken."""
+        if incarnation != current:
+            return False  # answered by a process that is gone: its handles name dead memory
+        if not self.valid_for(incarnation):
+            self.clear()
+            self.incarnation = incarnation
+        self.device_uuid = device_uuid
+        for handle in arenas:
+            self.handles[handle.arena_id] = handle
+        return True
+
+    def clear(self) -> None:
+        self.incarnation = -1
+        self.device_uuid = ""
+        self.handles = {}
 
 
 @dataclass(slots=True)
@@ -34,6 +81,8 @@ class KeptStore:
     """The tensors, as last sent (only when the layout changed): not copied on every commit."""
     written: dict[str, int] = field(default_factory=dict)
     """Tensor name -> generation of the commit that last wrote it (engines read only what changed)."""
+    exports: DeviceExports = field(default_factory=DeviceExports)
+    """CUDA workers: IPC handles and GPU UUID of the live worker process (cleared when it dies)."""
 
     @property
     def manifest(self) -> wpb.StoreManifest | None:
@@ -87,6 +136,12 @@ class KeptStore:
         for name in names:
             self.written[name] = generation
 
+    def live_arena_ids(self) -> list[int]:
+        """The arenas holding the committed tensors' bytes (what an engine maps), sorted."""
+        assert self.layout is not None
+        segments = self.layout.segments
+        return sorted({segments[t.segment].live.arena_id for t in self.tensors})
+
     def locations(self) -> list[local_pb2.StoredTensorLocation]:
         """Where every tensor's live bytes are, by arena (what an engine maps), sorted by name."""
         assert self.layout is not None
@@ -113,7 +168,8 @@ class KeptStore:
         )
 
     def forget(self) -> None:
-        """Drop the store (its memory goes when no process maps it)."""
+        """Drop the store (its memory goes when no process maps it), and the dead worker's exports."""
+        self.exports.clear()
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()

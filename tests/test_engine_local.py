@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from weightsync.client import UpdateFailed
+from weightsync.common.local_wire import LocalConnection
 from weightsync.engine import EngineClient, EngineError, ModuleFollower, apply_to_module
+from weightsync.v1 import local_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import running_server, sdk_client, wait_for
@@ -70,9 +72,26 @@ def test_bad_attachments_are_named(node):
     with pytest.raises(EngineError) as caught:
         EngineClient(server=node.address, worker=5)
     assert (caught.value.reason, caught.value.metadata) == ("WORKER_NOT_FOUND", {"worker": "5", "workers": "2"})
-    with pytest.raises(EngineError) as caught:
+    with pytest.raises(EngineError) as caught:  # this process has no GPU: said before asking the server
         EngineClient(server=node.address, device="cuda:0")
-    assert caught.value.reason == "WORKER_NOT_FOUND" and caught.value.metadata["devices"] == "cpu,cpu"
+    assert (caught.value.reason, caught.value.metadata) == ("DEVICE_UNAVAILABLE", {"device": "cuda:0"})
+    # A GPU engine is matched by its GPU's UUID, never by an ordinal that means another GPU elsewhere.
+    socket_path = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).local_socket
+    connection = LocalConnection(socket_path)
+    try:
+        refused = connection.request(local_pb2.LocalRequest(attach_store=local_pb2.AttachStoreRequest(
+            worker_index=-1, device="cuda:0", device_uuid="GPU-0A1B2C3D-0000-1111-2222-333344445555")))[0].error
+        assert (refused.code, refused.reason) == (grpc.StatusCode.NOT_FOUND.value[0], "WORKER_NOT_FOUND")
+        assert (refused.metadata["devices"], refused.metadata["device_uuid"]) == (
+            "cpu,cpu", "0a1b2c3d-0000-1111-2222-333344445555")
+        refused = connection.request(local_pb2.LocalRequest(attach_store=local_pb2.AttachStoreRequest(
+            worker_index=-1, device="cuda:0")))[0].error
+        assert (refused.code, refused.reason) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], "DEVICE_UUID_MISSING")
+        attached = connection.request(local_pb2.LocalRequest(attach_store=local_pb2.AttachStoreRequest(
+            worker_index=-1, device="cpu")))[0]  # the same connection still attaches
+        assert (attached.attach_store.worker_index, attached.attach_store.device_uuid) == (0, "")
+    finally:
+        connection.close()
 
 
 def test_follower_warm_starts_then_applies_only_what_changed(node, trainer):
@@ -118,6 +137,21 @@ def test_a_model_that_does_not_match_keeps_its_weights(node, trainer):
         with engine.acquire() as snapshot:  # strict=False takes what the model has
             assert apply_to_module(other, snapshot, strict=False) == ["proj.bias", "proj.weight"]
         assert torch.equal(other.proj.weight, weights(3)["proj.weight"])
+
+
+def test_an_engine_that_releases_without_applying_is_not_left_applying(node, trainer):
+    trainer.push(weights(9), version="v9", transport="inline")
+    with EngineClient(server=node.address, name="looker") as engine:
+        engine.acquire().release(applied=False)  # looked, applied nothing, no error: it never served
+        assert engines(node)["looker"].state == pb.ENGINE_STATE_UNSPECIFIED
+        model = Net()
+        assert ModuleFollower(engine, model).update()  # the next normal operation
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in weights(9).items())
+        assert (engines(node)["looker"].state, engines(node)["looker"].applied_version.version) == (
+            pb.ENGINE_STATE_SERVING, "v9")
+        engine.acquire().release(applied=False)  # serving v9 still: SERVING, not APPLYING
+        assert (engines(node)["looker"].state, engines(node)["looker"].applied_version.version) == (
+            pb.ENGINE_STATE_SERVING, "v9")
 
 
 def test_views_are_mapped_not_copied(node, trainer):

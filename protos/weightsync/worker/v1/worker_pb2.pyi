@@ -131,10 +131,12 @@ class ExportStoreCommand(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreExported(_message.Message):
-    __slots__ = ("arenas",)
+    __slots__ = ("arenas", "device_uuid")
     ARENAS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     arenas: _containers.RepeatedCompositeFieldContainer[_local_pb2.ArenaHandle]
-    def __init__(self, arenas: _Optional[_Iterable[_Union[_local_pb2.ArenaHandle, _Mapping]]] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, arenas: _Optional[_Iterable[_Union[_local_pb2.ArenaHandle, _Mapping]]] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class ArenaFd(_message.Message):
     __slots__ = ("arena_id", "fd")

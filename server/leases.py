@@ -16,18 +16,25 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from weightsync.common.errors import Unavailable
+from weightsync.server.state import PublishedVersion
 
 
 @dataclass(frozen=True, slots=True)
 class Lease:
     lease_id: int
     worker_index: int
-    generation: int
+    version: PublishedVersion
+    """The committed version it pins."""
     owner: int
     """The connection holding it: closing it releases its leases."""
+
+    @property
+    def generation(self) -> int:
+        return self.version.generation
 
 
 class LeaseTable:
@@ -49,11 +56,12 @@ class LeaseTable:
         async with self._changed:
             self._changed.notify_all()
 
-    async def grant(self, worker_index: int, generation_now, owner: int, timeout: float) -> Lease:
-        """A lease on the current generation (read after any IN_PLACE write finished)."""
+    async def grant(self, worker_index: int, version_now: Callable[[], PublishedVersion], owner: int,
+                    timeout: float) -> Lease:
+        """A lease on the current version (read after any IN_PLACE write finished)."""
         await self._wait(lambda: not self.writing_in_place, timeout, "STORE_UPDATING",
                          f"an IN_PLACE update kept writing the store for {timeout:g} s")
-        lease = Lease(next(self._ids), worker_index, generation_now(), owner)
+        lease = Lease(next(self._ids), worker_index, version_now(), owner)
         self.leases[lease.lease_id] = lease
         return lease
 
@@ -64,6 +72,9 @@ class LeaseTable:
         del self.leases[lease_id]
         await self._notify()
         return lease
+
+    def held_by(self, owner: int) -> list[Lease]:
+        return [lease for lease in self.leases.values() if lease.owner == owner]
 
     async def release_owner(self, owner: int) -> None:
         for lease_id in [i for i, lease in self.leases.items() if lease.owner == owner]:

@@ -50,7 +50,6 @@ from weightsync.server.engines import EngineRegistry
 from weightsync.server.ingress import Ingress
 from weightsync.server.leases import LeaseTable
 from weightsync.server.publisher import Publisher
-from weightsync.server.state import PublishedVersion
 from weightsync.server.supervisor import Supervisor, WorkerHandle
 from weightsync.v1 import local_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -74,8 +73,6 @@ class _Peer:
     engine_name: str = ""
     presented: str = field(default="", repr=False)
     """The token this peer attached with, checked again at each request (the server's may rotate)."""
-    leases: dict[int, PublishedVersion] = field(default_factory=dict)
-    """lease id -> the version it pins."""
 
 
 class LocalHandoff:
@@ -189,8 +186,9 @@ class LocalHandoff:
             log.info("local_peer_gone", error=str(error))
         finally:
             conn.close()
+            held = self._leases.held_by(peer.conn_id)
             await self._leases.release_owner(peer.conn_id)
-            if peer.engine_name and peer.leases:
+            if peer.engine_name and held:
                 self._engines.unreachable(peer.engine_name, "disconnected while holding a version")
 
     async def _dispatch(self, peer: _Peer, request: local_pb2.LocalRequest) -> tuple[local_pb2.LocalResponse, list[int]]:
@@ -212,7 +210,7 @@ class LocalHandoff:
             worker = peer.worker
             return local_pb2.LocalResponse(get_status=local_pb2.GetStatusResponse(
                 version=self._publisher.version.to_proto(),
-                store_state=pb.STORE_STATE_LOST if worker.lost else worker.store.state)), []
+                store_state=worker.store_state)), []
         raise InvalidArgument("REQUEST_UNKNOWN", f"unknown local request {kind!r}")
 
     # -- requests -------------------------------------------------------------------
@@ -238,7 +236,7 @@ class LocalHandoff:
             self._engines.register(attach.engine_name, "local", f"worker:{worker.index}")
         return local_pb2.LocalResponse(attach_store=local_pb2.AttachStoreResponse(
             worker_index=worker.index, device=worker.device, version=self._publisher.version.to_proto(),
-            store_state=pb.STORE_STATE_LOST if worker.lost else worker.store.state,
+            store_state=worker.store_state,
             device_uuid=worker.kept.exports.uuid(worker.restart_count)))
 
     @staticmethod
@@ -266,9 +264,9 @@ class LocalHandoff:
         worker = peer.worker
         assert worker is not None
         wait = acquire.wait.ToTimedelta().total_seconds() if acquire.HasField("wait") else DEFAULT_WAIT_SECONDS
-        lease = await self._leases.grant(worker.index, lambda: self._publisher.version.generation, peer.conn_id, wait)
+        lease = await self._leases.grant(worker.index, lambda: self._publisher.version, peer.conn_id, wait)
         try:
-            version = self._publisher.version
+            version = lease.version
             incarnation = worker.restart_count
             if acquire.generation and acquire.generation != version.generation:
                 raise FailedPrecondition("VERSION_GONE", f"generation {acquire.generation} is not held; the store "
@@ -296,13 +294,12 @@ class LocalHandoff:
         except BaseException:
             await self._leases.release(lease.lease_id, peer.conn_id)
             raise
-        peer.leases[lease.lease_id] = version
         if peer.engine_name:
             self._engines.applying(peer.engine_name)
         return local_pb2.LocalResponse(acquire_version=response), fds
 
     def _require_readable(self, worker: WorkerHandle) -> None:
-        state = pb.STORE_STATE_LOST if worker.lost else worker.store.state
+        state = worker.store_state
         if state in (pb.STORE_STATE_CONSISTENT, pb.STORE_STATE_UPDATING) and worker.kept.layout is not None \
                 and worker.kept.tensors and not worker.kept.layout.dirty:
             return  # UPDATING here means a STAGED update: the live bytes are the committed version
@@ -326,15 +323,14 @@ class LocalHandoff:
         return held
 
     async def _release(self, peer: _Peer, release: local_pb2.ReleaseVersionRequest) -> local_pb2.LocalResponse:
-        version = peer.leases.pop(release.lease_id, None)
         lease = await self._leases.release(release.lease_id, peer.conn_id)
-        if lease is None or version is None:
+        if lease is None:
             raise NotFound("LEASE_NOT_FOUND", f"no lease {release.lease_id} on this connection", lease=release.lease_id)
         if peer.engine_name:
             if release.error:
                 self._engines.failed(peer.engine_name, release.error)
             elif release.applied:
-                self._engines.applied(peer.engine_name, version)  # the version it read, even if a newer one exists
+                self._engines.applied(peer.engine_name, lease.version)  # the version it read, even if a newer one exists
             else:
                 self._engines.not_applied(peer.engine_name)  # looked, kept what it serves: no longer APPLYING
         return local_pb2.LocalResponse(release_version=local_pb2.ReleaseVersionResponse())

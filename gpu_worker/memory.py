@@ -12,10 +12,15 @@ with it (the store reads LOST until refilled).
 
 Arenas are pre-faulted when created, so the first broadcast into them does not
 pay a page fault per 4 KiB (on CPU that costs Gloo about 4x its throughput).
+Pre-faulting a large arena takes seconds, and must never hold the GIL meanwhile:
+the worker's heartbeat thread has to keep beating, or the server takes a busy
+worker for a stalled one (mmap.madvise holds the GIL for the whole call; madvise
+through ctypes, in chunks, does not).
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import warnings
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; mmap does not name it before Python 3.13
+POPULATE_CHUNK_BYTES = 64 << 20
+"""Pre-fault in chunks: each madvise call is short even where the GIL would be held."""
 SEGMENT_ALIGN_BYTES = 4096
 """Segments start on page boundaries inside an arena (engines map whole arenas)."""
 
@@ -69,14 +76,40 @@ class Arena:
             self.fd = -1
 
 
-def _map_host(fd: int, size_bytes: int, *, populate: bool) -> tuple[mmap.mmap, torch.Tensor]:
+def _libc_madvise():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_madvise = _libc_madvise()
+
+
+def populate(data: torch.Tensor) -> None:
+    """Fault in every page of a host mapping for writing, without holding the GIL.
+
+    `data` is a uint8 tensor over a page-aligned mapping. Chunked, so even the
+    fallback (a kernel without MADV_POPULATE_WRITE: torch zeroes each chunk, which
+    also releases the GIL) lets other threads run between chunks."""
+    size = data.numel()
+    base = data.data_ptr()
+    for start in range(0, size, POPULATE_CHUNK_BYTES):
+        length = min(POPULATE_CHUNK_BYTES, size - start)
+        if _madvise is None or _madvise(base + start, length, MADV_POPULATE_WRITE) != 0:
+            data[start : start + length].zero_()  # older kernel: touch the pages by hand
+
+
+def _map_host(fd: int, size_bytes: int, *, prefault: bool) -> tuple[mmap.mmap, torch.Tensor]:
     mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    if populate:
-        try:
-            mapping.madvise(MADV_POPULATE_WRITE, 0, size_bytes)
-        except (OSError, ValueError):  # older kernel: touch every page by hand
-            torch.frombuffer(mapping, dtype=torch.uint8).zero_()
-    return mapping, torch.frombuffer(mapping, dtype=torch.uint8)
+    data = torch.frombuffer(mapping, dtype=torch.uint8)
+    if prefault:
+        populate(data)
+    return mapping, data
 
 
 def allocate_arena(arena_id: int, size_bytes: int, device: torch.device) -> Arena:
@@ -87,7 +120,7 @@ def allocate_arena(arena_id: int, size_bytes: int, device: torch.device) -> Aren
     fd = os.memfd_create(f"weightsync-arena-{arena_id}", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size_bytes)
-        mapping, data = _map_host(fd, size_bytes, populate=True)
+        mapping, data = _map_host(fd, size_bytes, prefault=True)
     except BaseException:
         os.close(fd)
         raise
@@ -99,7 +132,7 @@ def map_arena(arena_id: int, fd: int, size_bytes: int) -> Arena:
     actual = os.fstat(fd).st_size
     if actual != size_bytes:
         raise ValueError(f"arena {arena_id}: descriptor holds {actual} bytes, the manifest says {size_bytes}")
-    mapping, data = _map_host(fd, size_bytes, populate=False)
+    mapping, data = _map_host(fd, size_bytes, prefault=False)
     return Arena(arena_id, data, fd, mapping)
 
 
@@ -112,3 +145,4 @@ def map_ingress(fd: int, size_bytes: int) -> torch.Tensor | None:
     with warnings.catch_warnings():  # read-only on purpose: torch warns that it cannot write
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mapping, dtype=torch.uint8)
+

@@ -7,6 +7,10 @@ PrefixStore(group_id, TCPStore). Every operation has the group's timeout.
 Switching a deployment from CPU to GPU changes only `backend` (and the device
 the buffers live on); the NCCL branch is kept next to the Gloo one so the two
 stay one small switch apart.
+
+A broadcast also carries its framing: the trainer announces the bucket's last
+bytes (`bucket_tail`) so every receiver can tell a short broadcast from a full
+one (see gpu_worker/bucket_checks.py).
 """
 
 from __future__ import annotations
@@ -26,6 +30,26 @@ from weightsync.v1 import weight_sync_service_pb2 as pb
 BACKEND_NAMES = {pb.BACKEND_GLOO: "gloo", pb.BACKEND_NCCL: "nccl"}
 RENDEZVOUS_PREFIX = "weightsync/"
 """Every rank's rendezvous keys live under PrefixStore(RENDEZVOUS_PREFIX + group_id, store)."""
+
+BUCKET_TAIL_BYTES = 8
+"""BucketStart.tail holds a bucket's last min(8, size) bytes."""
+
+
+# -- framing of a bucket broadcast ---------------------------------------------------
+def tail_length(size_bytes: int) -> int:
+    """How many bytes BucketStart.tail holds for a bucket of this size."""
+    return min(BUCKET_TAIL_BYTES, max(size_bytes, 0))
+
+
+def bucket_tail(buffer: torch.Tensor) -> bytes:
+    """BucketStart.tail of a packed bucket (a 1-D uint8 tensor): its last min(8, size) bytes.
+
+    Call it after the copies that packed the buffer were enqueued: for a CUDA
+    buffer, `.cpu()` is a blocking copy on the current stream, so it reads the
+    bytes after every copy enqueued on that stream before it (the pack copies,
+    which the SDK also synchronizes on)."""
+    n = tail_length(buffer.numel())
+    return bytes(buffer[buffer.numel() - n :].cpu().tolist()) if n else b""
 
 
 class CollectiveError(RuntimeError):

@@ -3,13 +3,15 @@
 Each BucketStart is checked and then, by transport:
   - COLLECTIVE: forwarded at once to every worker, which joins the broadcast
     that follows (so the client can pipeline bucket k+1 behind bucket k). A
-    wrong announcement is still joined, at the announced length, and dropped,
-    so the sender never hangs.
+    wrong announcement (a missing or wrong-length tail included) is still
+    joined, at the announced length, and dropped, so the sender never hangs.
   - INLINE: the BucketChunks that follow are written into the bucket's ingress
     slot (after the workers released it: until then the stream is not read,
     which is gRPC's back-pressure); a complete bucket is forwarded.
   - SHM: the client wrote the slot before announcing; it is forwarded at once.
-    An announcement that reuses a slot before BucketApplied freed it is refused.
+    It must carry a WS64 checksum (the workers check their own copy of the
+    slot against it). An announcement that reuses a slot before BucketApplied
+    freed it is refused.
 The driver (update_session.py) awaits the forwarded receives in order.
 """
 
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from weightsync.common.collective import tail_length
 from weightsync.common.errors import DeadlineExceeded, InvalidArgument, WeightSyncError
 from weightsync.server.wire import ChunkView
 from weightsync.v1 import tensor_pb2
@@ -158,7 +161,14 @@ class BucketIntake:
         if start.checksum.algorithm not in KNOWN_CHECKSUMS:
             return InvalidArgument("CHECKSUM_ALGORITHM_UNKNOWN", f"bucket {sequence} has unknown checksum algorithm "
                                    f"{start.checksum.algorithm}", bucket=sequence)
+        if self.transport == pb.TRANSPORT_COLLECTIVE and len(start.tail) != tail_length(planned):
+            return InvalidArgument("BUCKET_TAIL_INVALID", f"bucket {sequence}: tail has {len(start.tail)} bytes; "
+                                   f"send the bucket's last {tail_length(planned)} bytes", bucket=sequence,
+                                   tail_bytes=len(start.tail), expected=tail_length(planned))
         if self.transport == pb.TRANSPORT_SHM:
+            if start.checksum.algorithm != tensor_pb2.CHECKSUM_ALGORITHM_WS64:
+                return InvalidArgument("BUCKET_CHECKSUM_REQUIRED", f"bucket {sequence}: an SHM bucket needs its WS64 "
+                                       "checksum", bucket=sequence)
             return self._check_slot(sequence)
         return None
 
@@ -191,7 +201,7 @@ class BucketIntake:
                 return
             shm = self.transport == pb.TRANSPORT_SHM
             await self.s.inbox.put(self.s.forward(
-                start.sequence, start.checksum, discard=False, size=size,
+                start.sequence, start.checksum, discard=False, size=size, tail=start.tail,
                 ingress_offset=self.s.services.ingress.slot_offset(start.sequence) if shm else None))
             if shm:
                 self.s.pieces_sent += 1

@@ -374,14 +374,14 @@ class UpdateSession:
     # -- the reader's hand-off ---------------------------------------------------
     def forward(self, sequence: int, checksum: tensor_pb2.Checksum, *, discard: bool, size: int,
                 ingress_offset: int | None = None, piece_offset: int = 0, piece_size: int = 0,
-                last: bool = True) -> Bucket:
+                last: bool = True, tail: bytes = b"") -> Bucket:
         """Every worker receives bucket `sequence` now: it joins the broadcast that follows, or
         copies the bucket (or one piece of it) from the ingress at `ingress_offset`."""
         supervisor = self.services.supervisor
         command = wpb.ReceiveBucketCommand(update_id=self.update_id, sequence=sequence, checksum=checksum,
                                            discard=discard, size_bytes=size, from_ingress=ingress_offset is not None,
                                            ingress_offset_bytes=ingress_offset or 0, piece_offset_bytes=piece_offset,
-                                           piece_size_bytes=piece_size, last_piece=last)
+                                           piece_size_bytes=piece_size, last_piece=last, tail=tail)
         names = {t.name for t in self.plan.buckets[sequence].tensors} if not discard and self.in_place else ()
         receives = []
         for worker in supervisor.workers:

@@ -16,6 +16,10 @@ Pre-faulting a large arena takes seconds, and must never hold the GIL meanwhile:
 the worker's heartbeat thread has to keep beating, or the server takes a busy
 worker for a stalled one (mmap.madvise holds the GIL for the whole call; madvise
 through ctypes, in chunks, does not).
+
+The device helpers at the end are the CUDA decisions of the store (what memory
+counts as available, when to wait for the device's copies), kept small and
+pure where they can be, so they are tested on CPU.
 """
 
 from __future__ import annotations
@@ -146,3 +150,31 @@ def map_ingress(fd: int, size_bytes: int) -> torch.Tensor | None:
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
+
+# -- device memory (CUDA) -------------------------------------------------------------------
+def device_available_bytes(free_bytes: int, reserved_bytes: int, allocated_bytes: int) -> int:
+    """What this worker can still allocate on its device: the driver's free memory, plus what
+    torch's caching allocator reserved but no tensor uses (torch hands that out first).
+    Counting the cache as used made retries after an abort fail DEVICE_OUT_OF_MEMORY."""
+    return max(0, free_bytes) + max(0, reserved_bytes - allocated_bytes)
+
+
+def available_bytes(device: torch.device) -> int:
+    """device_available_bytes of a CUDA device, as this process sees it."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return device_available_bytes(int(free), torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
+
+
+def release_cached_device_memory(device: torch.device) -> None:
+    """Give the blocks torch cached (e.g. an aborted update's arena) back to the device,
+    so an engine on the same GPU can use them too. A no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def synchronize_device(device: torch.device) -> None:
+    """Wait until the copies enqueued on this device's current stream are done. The store
+    enqueues every copy there, after the broadcast (the group waits on its own stream).
+    A no-op on CPU, where copies are synchronous."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

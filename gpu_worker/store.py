@@ -39,7 +39,14 @@ from weightsync.gpu_worker.bucket_checks import (
     restore_tail,
     verify_bucket,
 )
-from weightsync.gpu_worker.memory import Arena, align_segment, allocate_arena, map_arena
+from weightsync.gpu_worker.memory import (
+    Arena,
+    align_segment,
+    allocate_arena,
+    map_arena,
+    release_cached_device_memory,
+    synchronize_device,
+)
 from weightsync.gpu_worker.update_plan import BucketRoute, StoredTensor, UpdatePlan
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -370,7 +377,10 @@ class WeightStore:
         return Applied(self.apply_bucket(sequence, received, receive.checksum), route.receive_into_segment is not None)
 
     def apply_bucket(self, sequence: int, received: torch.Tensor, bucket_checksum: tensor_pb2.Checksum) -> int:
-        """Check a received bucket and put its tensors in place; returns its size."""
+        """Check a received bucket and put its tensors in place; returns its size.
+
+        The device's copies are complete when this returns: BucketApplied (and a later
+        commit) must never let an engine read bytes still being written."""
         update = self.update
         assert update is not None and update.phase is Phase.RECEIVING and sequence == update.next_sequence
         route = update.plan.routes[sequence]
@@ -381,6 +391,7 @@ class WeightStore:
             raise
         for offset, size, destination in update.copies[sequence]:
             destination.copy_(received[offset : offset + size])
+        synchronize_device(self.device)
         update.next_sequence += 1
         update.received_bytes += route.size_bytes
         return route.size_bytes
@@ -396,6 +407,7 @@ class WeightStore:
                 + (" (a bucket failed its checks)" if update.phase is Phase.FAILED else ""),
                 received=update.next_sequence, expected=len(routes),
             )
+        synchronize_device(self.device)  # the shadow copies of allocate_update, if no bucket came after them
         for index in update.plan.shadowed_segments:
             segment = self.segments[index]
             segment.live, segment.shadow = segment.shadow, segment.live  # type: ignore[assignment]
@@ -422,6 +434,9 @@ class WeightStore:
             self.arenas.pop(update.new_arena.arena_id)
             update.new_arena.release()
         self.layout_version = update.layout_before  # the layout is exactly what it was
+        # Device memory this update held goes back to the device, not to torch's cache:
+        # the next admission, and an engine on the same GPU, can use it.
+        release_cached_device_memory(self.device)
 
     # -- persistence ---------------------------------------------------------------------
     def unsent_arenas(self) -> list[Arena]:

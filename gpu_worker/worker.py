@@ -14,6 +14,9 @@ handled one at a time, in order; each gets exactly one event with the same
 command_id: its result or CommandFailed. A command blocks the loop only inside
 a collective (every collective has its group's timeout) or a join (bounded by
 its deadline, see groups.py).
+
+A sticky CUDA error ends the process after its CommandFailed went out (see
+device_faults.py): the supervisor restarts the worker on the store it kept.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from weightsync.common.errors import (
 )
 from weightsync.common.fd_passing import send_fds
 from weightsync.common.shm_queue import ShmQueue
+from weightsync.gpu_worker.device_faults import DeviceFault, classify
 from weightsync.gpu_worker.groups import GroupTable
-from weightsync.gpu_worker.memory import map_ingress
+from weightsync.gpu_worker.memory import available_bytes, map_ingress
 from weightsync.gpu_worker.store import Applied, StoreUpdate, WeightStore
 from weightsync.gpu_worker.update_plan import PlanCache, derive_update_plan
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -50,6 +54,14 @@ HEARTBEAT_SECONDS = 0.25
 
 class _Shutdown(Exception):
     pass
+
+
+class _DeviceFailed(Exception):
+    """The device is unusable: the loop ends and the process exits with `fault.exit_code`."""
+
+    def __init__(self, fault: DeviceFault) -> None:
+        super().__init__(fault.name)
+        self.fault = fault
 
 
 class Worker:
@@ -86,7 +98,8 @@ class Worker:
         }
 
     # -- loop ------------------------------------------------------------------
-    def run(self, parent_alive: Callable[[], bool]) -> None:
+    def run(self, parent_alive: Callable[[], bool]) -> int:
+        """Serve commands until shutdown (0), the parent's death (0) or a device fault (its exit code)."""
         beating = threading.Event()
         threading.Thread(target=self._heartbeat, args=(beating,), name="heartbeat", daemon=True).start()
         self._emit(wpb.WorkerEvent(started=wpb.WorkerStarted(
@@ -98,13 +111,16 @@ class Worker:
                 if payload is None:
                     if not parent_alive():
                         log.warning("parent_gone_exiting")
-                        return
+                        return 0
                     continue
                 try:
                     self._dispatch(payload)
                 except _Shutdown:
                     log.info("worker_stopping")
-                    return
+                    return 0
+                except _DeviceFailed as failed:
+                    log.error("device_failed_exiting", fault=failed.fault.name, exit_code=failed.fault.exit_code)
+                    return failed.fault.exit_code
         finally:
             beating.set()
 
@@ -131,16 +147,34 @@ class Worker:
             raise
         except WeightSyncError as error:
             self._fail(event, error)
+            self._exit_if_device_failed(error)  # e.g. NCCL's "unhandled cuda error" behind COLLECTIVE_FAILED
         except CollectiveError as error:
             self._fail(event, Aborted("COLLECTIVE_FAILED", str(error)))
+            self._exit_if_device_failed(error)
         except torch.OutOfMemoryError as error:
             self._fail(event, ResourceExhausted("DEVICE_OUT_OF_MEMORY", str(error)))
-        except Exception as error:  # noqa: BLE001 - reported, never fatal
+        except Exception as error:  # noqa: BLE001 - reported; fatal only for a device fault
             log.exception("command_crashed", command_id=event.command_id)
-            self._fail(event, WeightSyncError("WORKER_INTERNAL", f"worker error: {type(error).__name__}"))
+            if self.device.type == "cuda" and classify(error) is not None:
+                failure = WeightSyncError("DEVICE_FAILED", f"the device failed, the worker restarts: {str(error)[:300]}")
+            else:
+                failure = WeightSyncError("WORKER_INTERNAL", f"worker error: {type(error).__name__}")
+            self._fail(event, failure)
+            self._exit_if_device_failed(error)
         else:
             event.store.CopyFrom(self.store.status())
             self._emit(event)
+
+    def _exit_if_device_failed(self, error: BaseException) -> None:
+        """A sticky CUDA error (or a lost device) ends the loop once its failure was reported."""
+        if self.device.type != "cuda":
+            return
+        cause: BaseException | None = error
+        while cause is not None:
+            fault = classify(cause)
+            if fault is not None:
+                raise _DeviceFailed(fault) from error
+            cause = cause.__cause__
 
     def _fail(self, event: wpb.WorkerEvent, error: WeightSyncError) -> None:
         event.ClearField("event")
@@ -213,7 +247,7 @@ class Worker:
             return
         prepared.needed_bytes = update.needed_bytes
         if self.device.type == "cuda":
-            prepared.device_available_bytes = int(torch.cuda.mem_get_info(self.device)[0])
+            prepared.device_available_bytes = available_bytes(self.device)
 
     def _allocate_update(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         update = self._allocate(command.allocate_update.update_id)

@@ -15,7 +15,8 @@ import threading
 
 import torch
 
-from weightsync.common.collective import CollectiveGroup, open_group
+from weightsync.common.collective import CollectiveGroup, open_group, pin_nccl_interface
+from weightsync.v1 import weight_sync_service_pb2 as pb
 
 
 class Rendezvous:
@@ -30,6 +31,8 @@ class Rendezvous:
         self._group: CollectiveGroup | None = None
         self._error: BaseException | None = None
         self._abandoned = False
+        if backend == pb.BACKEND_NCCL:  # from the caller's thread, before the join thread: NCCL reads it once
+            pin_nccl_interface(local_address)
         threading.Thread(target=self._run, name=f"rendezvous-{group_id}", daemon=True).start()
 
     def _run(self) -> None:

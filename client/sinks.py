@@ -27,7 +27,8 @@ from weightsync.client.packing import PackBuffers, TensorSource, fill_bucket
 from weightsync.client.planning import PlannedBucket
 from weightsync.client.streams import UpdateStream
 from weightsync.client.wire import encode_bucket_chunk
-from weightsync.common.collective import CollectiveError, CollectiveGroup
+from weightsync.common.checksum import tensor_checksum
+from weightsync.common.collective import CollectiveError, CollectiveGroup, bucket_tail
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -45,8 +46,10 @@ class Sink(Protocol):
     def finish(self) -> BaseException | None: ...
 
 
-def announce(loop, streams: list[UpdateStream], index: int, size: int, checksum: tensor_pb2.Checksum) -> None:
-    message = pb.UpdateWeightsRequest(bucket_start=pb.BucketStart(sequence=index, checksum=checksum, size_bytes=size))
+def announce(loop, streams: list[UpdateStream], index: int, size: int, checksum: tensor_pb2.Checksum,
+             tail: bytes = b"") -> None:
+    message = pb.UpdateWeightsRequest(bucket_start=pb.BucketStart(sequence=index, checksum=checksum, size_bytes=size,
+                                                                  tail=tail))
     for stream in streams:
         loop.call_soon(stream.send, message)
 
@@ -71,8 +74,10 @@ class CollectiveSink:
         failure = self.finish()
         if failure is not None:
             return failure
-        # Announce first: workers join only announced broadcasts, at the announced length.
-        announce(self._loop, streams, index, payload.numel(), checksum)
+        # Announce first: workers join only announced broadcasts, at the announced length. The
+        # tail lets them tell a short broadcast from a full one; it is read after the pack
+        # copies (fill synchronized on them; bucket_tail reads on the same stream).
+        announce(self._loop, streams, index, payload.numel(), checksum, bucket_tail(payload))
         self._in_flight = self._collective.broadcast_async(payload)
         return None
 
@@ -151,6 +156,8 @@ class ShmSink:
         for stream in streams:
             if stream.failed:
                 return stream.reported_error
+        if checksum.algorithm == tensor_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED:
+            checksum = tensor_checksum(payload)  # required for SHM: the workers check their copy of the slot
         announce(self._loop, streams, index, payload.numel(), checksum)
         return None
 

@@ -7,25 +7,165 @@ PrefixStore(group_id, TCPStore). Every operation has the group's timeout.
 Switching a deployment from CPU to GPU changes only `backend` (and the device
 the buffers live on); the NCCL branch is kept next to the Gloo one so the two
 stay one small switch apart.
+
+NCCL groups are built so that weightsync's own timeouts decide what a failure
+costs:
+  - torch's watchdog runs in CleanUpOnly mode for our groups: it aborts the
+    communicator of a failed or timed-out broadcast but never terminates the
+    process (torch reads TORCH_NCCL_ASYNC_ERROR_HANDLING when a group is
+    constructed; workers set it for their whole process at start, the trainer
+    only while its own group is constructed);
+  - the communicator is created non-blocking, so no thread blocks inside NCCL
+    init: an abandoned group is aborted, half-built or not;
+  - a group is closed (aborted and released) in a thread of its own with a
+    bounded join: ncclCommAbort and torch's watchdog join can hang.
+
+A broadcast also carries its framing: the trainer announces the bucket's last
+bytes (`bucket_tail`) so every receiver can tell a short broadcast from a full
+one (see gpu_worker/bucket_checks.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 
+import structlog
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
+log = structlog.get_logger("weightsync.collective")
+
 BACKEND_NAMES = {pb.BACKEND_GLOO: "gloo", pb.BACKEND_NCCL: "nccl"}
 RENDEZVOUS_PREFIX = "weightsync/"
 """Every rank's rendezvous keys live under PrefixStore(RENDEZVOUS_PREFIX + group_id, store)."""
+
+BUCKET_TAIL_BYTES = 8
+"""BucketStart.tail holds a bucket's last min(8, size) bytes."""
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_CLEAN_UP_ONLY = "2"
+"""torch's ErrorHandlingMode CleanUpOnly: abort the communicators, never tear the process down
+(the default, 3 SkipCleanUp, std::terminates the process about 60 s after any timeout)."""
+NCCL_NONBLOCKING_TIMEOUT = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+NCCL_WORKER_READY_SECONDS = 120
+"""Workers: how long a non-blocking communicator may take to become ready at its first use
+(torch reads it once per process; its default is 30 minutes)."""
+NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
+CLOSE_JOIN_SECONDS = 10.0
+"""How long closing a group may hold its caller; the abort goes on in its thread after that."""
+
+
+# -- framing of a bucket broadcast ---------------------------------------------------
+def tail_length(size_bytes: int) -> int:
+    """How many bytes BucketStart.tail holds for a bucket of this size."""
+    return min(BUCKET_TAIL_BYTES, max(size_bytes, 0))
+
+
+def bucket_tail(buffer: torch.Tensor) -> bytes:
+    """BucketStart.tail of a packed bucket (a 1-D uint8 tensor): its last min(8, size) bytes.
+
+    Call it after the copies that packed the buffer were enqueued: for a CUDA
+    buffer, `.cpu()` is a blocking copy on the current stream, so it reads the
+    bytes after every copy enqueued on that stream before it (the pack copies,
+    which the SDK also synchronizes on)."""
+    n = tail_length(buffer.numel())
+    return bytes(buffer[buffer.numel() - n :].cpu().tolist()) if n else b""
+
+
+# -- running something that may hang -----------------------------------------------------
+def run_bounded(fn: Callable[[], None], timeout: float, name: str) -> bool:
+    """Run fn in a daemon thread and wait for it at most `timeout` seconds; True if it finished.
+
+    What fn does after the timeout is left to it (it must release what it holds itself)."""
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            fn()
+        except Exception as error:  # noqa: BLE001 - a failed teardown is logged, never raised
+            log.warning("bounded_call_failed", call=name, error=f"{type(error).__name__}: {error}")
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    finished = done.wait(timeout)
+    if not finished:
+        log.warning("bounded_call_abandoned", call=name, timeout=timeout)
+    return finished
+
+
+# -- NCCL settings that torch and NCCL read from the environment ------------------------------
+def worker_nccl_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a worker process sets in its own environment at start, before it builds any group.
+
+    The error-handling mode is forced (an inherited 3 would let torch kill the worker
+    after any broadcast timeout); the readiness bound is the operator's if set."""
+    settings = {NCCL_ERROR_HANDLING: NCCL_CLEAN_UP_ONLY}
+    if not environ.get(NCCL_NONBLOCKING_TIMEOUT):
+        settings[NCCL_NONBLOCKING_TIMEOUT] = str(NCCL_WORKER_READY_SECONDS)
+    return settings
+
+
+_environment_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def group_construction_environment(environ: MutableMapping[str, str] | None = None) -> Iterator[None]:
+    """CleanUpOnly for the ProcessGroupNCCL constructed inside, and only for it.
+
+    torch reads TORCH_NCCL_ASYNC_ERROR_HANDLING in the group's constructor, so the
+    value is set around the constructor and put back as it was (absent stays absent):
+    the trainer's own process groups, built before or after, keep their mode. In a
+    worker the value is already there and nothing is written."""
+    env = os.environ if environ is None else environ
+    with _environment_lock:
+        before = env.get(NCCL_ERROR_HANDLING)
+        if before != NCCL_CLEAN_UP_ONLY:
+            env[NCCL_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
+        try:
+            yield
+        finally:
+            if before is None:
+                env.pop(NCCL_ERROR_HANDLING, None)
+            elif before != NCCL_CLEAN_UP_ONLY:
+                env[NCCL_ERROR_HANDLING] = before
+
+
+def nccl_ifname_setting(current: str | None, interface: str | None) -> str | None:
+    """The NCCL_SOCKET_IFNAME to set, or None to leave the environment alone.
+
+    NCCL reads the variable once per process, at its first communicator: a value
+    already there (the operator's, or pinned for an earlier group) stays. A bare
+    name is a prefix match (eth1 also matches eth10); "=" makes it exact."""
+    if current or not interface:
+        return None
+    return f"={interface}"
+
+
+def pin_nccl_interface(local_address: str, environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Pin NCCL to the interface that holds local_address, once per process.
+
+    Call it from the thread that starts the joins, before any NCCL group exists
+    (not from a join thread: setenv races getenv in other threads). Returns the
+    value NCCL will use (None: NCCL picks an interface itself)."""
+    env = os.environ if environ is None else environ
+    with _environment_lock:
+        current = env.get(NCCL_SOCKET_IFNAME)
+        setting = nccl_ifname_setting(current, interface_of(local_address))
+        if setting is not None:
+            env[NCCL_SOCKET_IFNAME] = setting
+            return setting
+        return current
 
 
 class CollectiveError(RuntimeError):
@@ -121,19 +261,33 @@ class CollectiveGroup:
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.wait(self.broadcast_async(tensor))
 
-    def close(self) -> None:
-        """Release the communicator; safe to call twice."""
+    def close(self, join_seconds: float = CLOSE_JOIN_SECONDS) -> bool:
+        """Abort and release the communicator, waiting at most join_seconds; safe to call twice.
+
+        Runs in a thread of its own: ncclCommAbort can hang, and dropping a
+        ProcessGroupNCCL joins torch's watchdog thread, which sleeps up to a minute
+        after a failure. The last reference is dropped in that thread, so the
+        caller (a worker's command loop) never waits longer than join_seconds.
+        Returns whether the release finished in time."""
         pg, self._pg = self._pg, None
         if pg is None:
-            return
-        for method in ("abort", "shutdown"):
-            fn = getattr(pg, method, None)
-            if fn is not None:
-                try:
-                    fn()
-                    break
-                except Exception:  # noqa: BLE001 - best effort on teardown
-                    continue
+            return True
+        held = [pg]
+        del pg
+
+        def release() -> None:
+            group = held.pop()
+            for method in ("abort", "shutdown"):
+                fn = getattr(group, method, None)
+                if fn is not None:
+                    try:
+                        fn()
+                        break
+                    except Exception:  # noqa: BLE001 - best effort on teardown
+                        continue
+            del group  # the destructor runs here, not in the caller
+
+        return run_bounded(release, join_seconds, f"close-{self.group_id}")
 
 
 def open_group(
@@ -158,15 +312,14 @@ def open_group(
         elif backend == pb.BACKEND_NCCL:
             from torch._C._distributed_c10d import ProcessGroupNCCL  # only in CUDA builds
 
-            # NCCL's bootstrap picks an interface by itself: pin the one that routes to the
-            # trainer (what Gloo gets through local_address), unless the operator chose one.
-            if "NCCL_SOCKET_IFNAME" not in os.environ and (name := interface_of(local_address)):
-                os.environ["NCCL_SOCKET_IFNAME"] = name
-            options = ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            pg = ProcessGroupNCCL(prefixed, rank, world_size, options)
-            # NCCL creates its communicator lazily; connect now so the
-            # rendezvous (and its timeout) happens here, on every rank.
+            # The interface NCCL binds is pinned by the caller before the join thread
+            # started (pin_nccl_interface): NCCL reads it once per process.
+            options = nccl_options(ProcessGroupNCCL.Options(), timeout)
+            with group_construction_environment():
+                pg = ProcessGroupNCCL(prefixed, rank, world_size, options)
+            # Connect now, so the unique-id exchange (bounded by the store's timeout) happens
+            # here on every rank. Non-blocking: NCCL's own init does not hold this thread,
+            # and closing the group aborts a communicator still initializing.
             pg.eager_connect_single_device(device)
         else:
             raise ValueError(f"unsupported backend {backend}")
@@ -175,6 +328,13 @@ def open_group(
             raise RendezvousTimeout(str(error)) from error
         raise
     return CollectiveGroup(group_id, backend, rank, world_size, timeout, device, pg)
+
+
+def nccl_options(options, timeout: datetime.timedelta):
+    """ProcessGroupNCCL.Options for a weightsync group: its timeout, non-blocking communicator init."""
+    options._timeout = timeout
+    options.config.blocking = 0
+    return options
 
 
 def connect_store(host: str, port: int, timeout: datetime.timedelta) -> TCPStore:

@@ -19,7 +19,7 @@ MAX_NAME_BYTES = 1024
 # Sizes are int64 on the wire; anything near 2^63 is nonsense for a tensor.
 MAX_TENSOR_BYTES = 1 << 50
 MIN_BUCKET_BYTES = 8
-"""A bucket is 0 or >= 8 bytes: receivers write a nonce into its last 8 to catch a short broadcast."""
+"""A bucket is 0 or >= 8 bytes: a COLLECTIVE broadcast announces its last 8 bytes (BucketStart.tail)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

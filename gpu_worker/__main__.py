@@ -5,6 +5,9 @@ inherited but the file descriptors it names). The config arrives as a
 serialized WorkerConfig on the command line; the two queues and the fd channel
 (a unix socket to the server) as inherited file descriptors: no pickle
 crosses the process boundary.
+
+Exit status: 0 after shutdown or when the server is gone; EXIT_DEVICE_FAULT
+or EXIT_DEVICE_LOST (device_faults.py) when the CUDA device is unusable.
 """
 
 from __future__ import annotations
@@ -57,21 +60,35 @@ def main(argv: list[str] | None = None) -> int:
     events = AttachedQueue(evt_seg, evt_bell)
     import torch
 
+    from weightsync.common.collective import worker_nccl_environment
+    from weightsync.gpu_worker.device_faults import DeviceFault, classify
+
+    # NCCL groups of this process: torch's watchdog may abort a failed communicator but
+    # never terminate the process. Set once, here, before any thread or group exists.
+    os.environ.update(worker_nccl_environment(os.environ))
     # One intra-op thread: copies and checksums are memory-bound, and OpenMP
     # barriers stall when the host's cores are busy with the broadcast.
     torch.set_num_threads(1)
     if config.device.startswith("cuda"):
         # NCCL binds to the current device; buffers and checksums stay on it.
-        torch.cuda.set_device(torch.device(config.device))
+        try:
+            torch.cuda.set_device(torch.device(config.device))
+            torch.cuda.mem_get_info(torch.device(config.device))  # touches the device: fails here if it is gone
+        except Exception as error:  # noqa: BLE001 - classified, then the exit status says it
+            fault = classify(error) or DeviceFault.LOST
+            structlog.get_logger("weightsync.worker").error("device_unusable_at_start", device=config.device,
+                                                            error=str(error)[:300], exit_code=fault.exit_code)
+            sys.stderr.flush()
+            os._exit(fault.exit_code)
     fd_channel = socket.socket(fileno=config.fd_channel) if config.fd_channel > 0 else None
     worker = Worker(config, commands.queue, events.queue, fd_channel)
-    worker.run(parent_alive=lambda: os.getppid() == config.parent_pid)
+    code = worker.run(parent_alive=lambda: os.getppid() == config.parent_pid)
     commands.close()
     events.close()
     # Everything is released; skip interpreter teardown (torch's can take
     # seconds on a loaded host and would eat into the server's grace period).
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,56 +1,77 @@
-"""Checks on a received bucket: its length (tail nonce) and its checksums.
+"""Checks on a received bucket: its length (the announced tail) and its checksums.
 
 A Gloo broadcast shorter than the receive buffer completes without error and
-leaves the buffer's tail as it was, so before posting the receive the worker
-writes a nonce into the bucket's last 8 bytes and afterwards checks that the
-sender overwrote it. The nonce depends only on (update id, bucket), so every
-worker writes the same one (a relaying rank forwards its whole buffer, tail
-included). A broadcast longer than the buffer cannot be caught this way:
-Gloo aborts the receiving process, and the node keeps its weights because the
-store lives in memory the server keeps (see memory.py).
+leaves the buffer's end as it was, and correct data can end in any bytes at
+all, so the receive buffer alone cannot tell a short broadcast from a full
+one. The trainer therefore announces the bucket's last n = min(8, size) bytes
+(BucketStart.tail). Before posting the receive, the worker writes their
+bytewise complement into the buffer's last n bytes; afterwards it requires
+those bytes to equal the announced ones exactly. A broadcast k >= 1 bytes
+short leaves at least the last byte as its complement, which differs from the
+announced byte in every bit: caught with certainty. A full broadcast of the
+announced bytes always passes, whatever they are. Every worker writes the same
+complement (a relaying rank forwards its whole buffer, end included).
+
+A broadcast longer than the buffer cannot be caught this way: Gloo aborts the
+receiving process, and the node keeps its weights because the store lives in
+memory the server keeps (see memory.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from weightsync.common.checksum import ws64
+from weightsync.common.collective import tail_length
 from weightsync.common.errors import DataLoss, InvalidArgument
 from weightsync.gpu_worker.update_plan import TensorCheck
 from weightsync.v1 import tensor_pb2
 
-TAIL_NONCE_BYTES = 8
+
+def check_tail_announced(sequence: int, size_bytes: int, tail: bytes) -> None:
+    """INVALID_ARGUMENT unless `tail` has the bucket's min(8, size) bytes (the server checks first)."""
+    if len(tail) != tail_length(size_bytes):
+        raise InvalidArgument(
+            "BUCKET_TAIL_INVALID",
+            f"bucket {sequence}: the announced tail has {len(tail)} bytes; a {size_bytes}-byte bucket "
+            f"needs its last {tail_length(size_bytes)}",
+            bucket=sequence, tail_bytes=len(tail), size_bytes=size_bytes,
+        )
 
 
-def tail_nonce(update_id: str, sequence: int, device: torch.device) -> torch.Tensor:
-    digest = hashlib.blake2b(f"{update_id}/{sequence}".encode(), digest_size=TAIL_NONCE_BYTES).digest()
-    return torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+def complement(tail: bytes) -> bytes:
+    return bytes(b ^ 0xFF for b in tail)
 
 
-def arm_tail(buffer: torch.Tensor, nonce: torch.Tensor) -> torch.Tensor | None:
-    """Write the nonce into the last 8 bytes (buckets are 0 or >= 8 bytes); returns what it covered."""
-    if buffer.numel() < TAIL_NONCE_BYTES:
+def arm_tail(buffer: torch.Tensor, tail: bytes) -> torch.Tensor | None:
+    """Write the complement of `tail` into the buffer's last len(tail) bytes; returns what it covered."""
+    n = len(tail)
+    if n == 0:
         return None
-    covered = buffer[-TAIL_NONCE_BYTES:].clone()
-    buffer[-TAIL_NONCE_BYTES:].copy_(nonce)
+    end = buffer[buffer.numel() - n :]
+    covered = end.clone()
+    end.copy_(torch.frombuffer(bytearray(complement(tail)), dtype=torch.uint8))
     return covered
 
 
 def restore_tail(buffer: torch.Tensor, covered: torch.Tensor | None) -> None:
     """Undo arm_tail (the broadcast failed before the bucket arrived)."""
     if covered is not None:
-        buffer[-TAIL_NONCE_BYTES:].copy_(covered)
+        buffer[buffer.numel() - covered.numel() :].copy_(covered)
 
 
-def check_tail(sequence: int, buffer: torch.Tensor, nonce: torch.Tensor) -> None:
-    """DATA_LOSS if the broadcast did not reach the bucket's end."""
-    if buffer.numel() >= TAIL_NONCE_BYTES and torch.equal(buffer[-TAIL_NONCE_BYTES:], nonce):
+def check_tail(sequence: int, buffer: torch.Tensor, tail: bytes) -> None:
+    """DATA_LOSS unless the buffer ends with the announced tail (call after the broadcast completed)."""
+    n = len(tail)
+    if n == 0:
+        return
+    arrived = bytes(buffer[buffer.numel() - n :].cpu().tolist())
+    if arrived != tail:
         raise DataLoss(
             "BUCKET_TRUNCATED",
-            f"bucket {sequence}: the broadcast was shorter than the bucket's {buffer.numel()} bytes "
-            "(its last 8 bytes never arrived); send exactly the announced length",
+            f"bucket {sequence}: its last {n} bytes are not the announced tail: the broadcast was shorter "
+            f"than the bucket's {buffer.numel()} bytes (or BucketStart.tail is not the bucket's end); "
+            "send exactly the announced length",
             bucket=sequence, size_bytes=buffer.numel(),
         )
 

@@ -25,8 +25,10 @@ from weightsync.common.collective import (
     connect_store,
     local_address_towards,
     open_group,
+    pin_nccl_interface,
 )
 from weightsync.common.errors import Aborted, AlreadyExists, DeadlineExceeded, NotFound
+from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
 log = structlog.get_logger("weightsync.worker.groups")
@@ -84,6 +86,9 @@ class GroupTable:
             raise AlreadyExists("GROUP_ALREADY_EXISTS", f"already in group {join.group_id}", group_id=join.group_id)
         timeout = join.timeout.ToTimedelta().total_seconds()
         started = time.monotonic()
+        if join.backend == pb.BACKEND_NCCL:
+            # From this (the loop's) thread, before any join thread exists: NCCL reads it once.
+            pin_nccl_interface(local_address_towards(join.store_host, join.store_port))
         attempt = _Join(join, self.device)
         thread = threading.Thread(target=attempt.run, name=f"join-{join.group_id}", daemon=True)
         thread.start()

@@ -12,10 +12,19 @@ with it (the store reads LOST until refilled).
 
 Arenas are pre-faulted when created, so the first broadcast into them does not
 pay a page fault per 4 KiB (on CPU that costs Gloo about 4x its throughput).
+Pre-faulting a large arena takes seconds, and must never hold the GIL meanwhile:
+the worker's heartbeat thread has to keep beating, or the server takes a busy
+worker for a stalled one (mmap.madvise holds the GIL for the whole call; madvise
+through ctypes, in chunks, does not).
+
+The device helpers at the end are the CUDA decisions of the store (what memory
+counts as available, when to wait for the device's copies), kept small and
+pure where they can be, so they are tested on CPU.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import warnings
@@ -24,6 +33,8 @@ from dataclasses import dataclass
 import torch
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; mmap does not name it before Python 3.13
+POPULATE_CHUNK_BYTES = 64 << 20
+"""Pre-fault in chunks: each madvise call is short even where the GIL would be held."""
 SEGMENT_ALIGN_BYTES = 4096
 """Segments start on page boundaries inside an arena (engines map whole arenas)."""
 
@@ -69,14 +80,40 @@ class Arena:
             self.fd = -1
 
 
-def _map_host(fd: int, size_bytes: int, *, populate: bool) -> tuple[mmap.mmap, torch.Tensor]:
+def _libc_madvise():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_madvise = _libc_madvise()
+
+
+def populate(data: torch.Tensor) -> None:
+    """Fault in every page of a host mapping for writing, without holding the GIL.
+
+    `data` is a uint8 tensor over a page-aligned mapping. Chunked, so even the
+    fallback (a kernel without MADV_POPULATE_WRITE: torch zeroes each chunk, which
+    also releases the GIL) lets other threads run between chunks."""
+    size = data.numel()
+    base = data.data_ptr()
+    for start in range(0, size, POPULATE_CHUNK_BYTES):
+        length = min(POPULATE_CHUNK_BYTES, size - start)
+        if _madvise is None or _madvise(base + start, length, MADV_POPULATE_WRITE) != 0:
+            data[start : start + length].zero_()  # older kernel: touch the pages by hand
+
+
+def _map_host(fd: int, size_bytes: int, *, prefault: bool) -> tuple[mmap.mmap, torch.Tensor]:
     mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    if populate:
-        try:
-            mapping.madvise(MADV_POPULATE_WRITE, 0, size_bytes)
-        except (OSError, ValueError):  # older kernel: touch every page by hand
-            torch.frombuffer(mapping, dtype=torch.uint8).zero_()
-    return mapping, torch.frombuffer(mapping, dtype=torch.uint8)
+    data = torch.frombuffer(mapping, dtype=torch.uint8)
+    if prefault:
+        populate(data)
+    return mapping, data
 
 
 def allocate_arena(arena_id: int, size_bytes: int, device: torch.device) -> Arena:
@@ -87,7 +124,7 @@ def allocate_arena(arena_id: int, size_bytes: int, device: torch.device) -> Aren
     fd = os.memfd_create(f"weightsync-arena-{arena_id}", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size_bytes)
-        mapping, data = _map_host(fd, size_bytes, populate=True)
+        mapping, data = _map_host(fd, size_bytes, prefault=True)
     except BaseException:
         os.close(fd)
         raise
@@ -99,7 +136,7 @@ def map_arena(arena_id: int, fd: int, size_bytes: int) -> Arena:
     actual = os.fstat(fd).st_size
     if actual != size_bytes:
         raise ValueError(f"arena {arena_id}: descriptor holds {actual} bytes, the manifest says {size_bytes}")
-    mapping, data = _map_host(fd, size_bytes, populate=False)
+    mapping, data = _map_host(fd, size_bytes, prefault=False)
     return Arena(arena_id, data, fd, mapping)
 
 
@@ -112,3 +149,32 @@ def map_ingress(fd: int, size_bytes: int) -> torch.Tensor | None:
     with warnings.catch_warnings():  # read-only on purpose: torch warns that it cannot write
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+# -- device memory (CUDA) -------------------------------------------------------------------
+def device_available_bytes(free_bytes: int, reserved_bytes: int, allocated_bytes: int) -> int:
+    """What this worker can still allocate on its device: the driver's free memory, plus what
+    torch's caching allocator reserved but no tensor uses (torch hands that out first).
+    Counting the cache as used made retries after an abort fail DEVICE_OUT_OF_MEMORY."""
+    return max(0, free_bytes) + max(0, reserved_bytes - allocated_bytes)
+
+
+def available_bytes(device: torch.device) -> int:
+    """device_available_bytes of a CUDA device, as this process sees it."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return device_available_bytes(int(free), torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
+
+
+def release_cached_device_memory(device: torch.device) -> None:
+    """Give the blocks torch cached (e.g. an aborted update's arena) back to the device,
+    so an engine on the same GPU can use them too. A no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def synchronize_device(device: torch.device) -> None:
+    """Wait until the copies enqueued on this device's current stream are done. The store
+    enqueues every copy there, after the broadcast (the group waits on its own stream).
+    A no-op on CPU, where copies are synchronous."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

@@ -1,16 +1,21 @@
-"""The weight store of one worker, and the lifecycle of an update to it.
+"""The weight store of one worker, and the lifecycle of the one update in flight.
 
-    EMPTY / CONSISTENT / INCONSISTENT --begin_update--> UPDATING
-    UPDATING --receive_buffer(k), apply_bucket(k), k = 0..n-1--> UPDATING
-    UPDATING --commit_update--> CONSISTENT, or INCONSISTENT while a dirty tensor
-                                was not rewritten
-    UPDATING --abort_update--> as before (STAGED: the live bytes were never touched)
-                               or INCONSISTENT (IN_PLACE: the tensors of every bucket
-                               that started to arrive are dirty)
+    EMPTY / CONSISTENT / INCONSISTENT --prepare_update--> same state, update SIZED
+                      (derived and sized, nothing allocated: waits for admission)
+    SIZED --allocate_update--> UPDATING, update RECEIVING
+    RECEIVING --receive_broadcast / receive_from_ingress (k = 0..n-1)--> RECEIVING,
+                      or FAILED when bucket k fails its checks (every later bucket
+                      announced is received and dropped, so no sender hangs)
+    RECEIVING --commit_update (all n buckets in)--> CONSISTENT, or INCONSISTENT
+                      while a dirty tensor was not rewritten
+    SIZED / RECEIVING / FAILED --abort_update--> as before (STAGED: the live bytes
+                      were never touched), or INCONSISTENT (IN_PLACE: the tensors of
+                      every bucket that started to arrive are dirty)
 
-Only this module changes the store: segments, tensors, shadows and the dirty
-set move in these methods and nowhere else, and the update in flight is one
-StoreUpdate object. Tensors live in segments (usually one per bucket of the
+Only this module changes the store: segments, tensors, shadows, the dirty set
+and the update in flight (one StoreUpdate, from prepare to commit or abort)
+move in these methods and nowhere else; the worker's command loop only
+dispatches to them. Tensors live in segments (usually one per bucket of the
 plan that created them); segments live in arenas (see memory.py), so the
 whole store can be described by a StoreManifest and mapped again after the
 worker process died.
@@ -18,16 +23,32 @@ worker process died.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from weightsync.common import dtypes
 from weightsync.common.checksum import tensor_checksum
-from weightsync.common.errors import FailedPrecondition, NotFound
-from weightsync.gpu_worker.bucket_checks import verify_bucket
-from weightsync.gpu_worker.memory import Arena, align_segment, allocate_arena, map_arena
-from weightsync.gpu_worker.update_plan import StoredTensor, UpdatePlan
+from weightsync.common.errors import FailedPrecondition, InvalidArgument, NotFound, WeightSyncError
+from weightsync.gpu_worker.bucket_checks import (
+    arm_tail,
+    check_tail,
+    check_tail_announced,
+    restore_tail,
+    verify_bucket,
+)
+from weightsync.gpu_worker.memory import (
+    Arena,
+    align_segment,
+    allocate_arena,
+    map_arena,
+    release_cached_device_memory,
+    synchronize_device,
+)
+from weightsync.gpu_worker.update_plan import BucketRoute, StoredTensor, UpdatePlan
+from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -49,25 +70,43 @@ class Segment:
     """Fingerprint of the bucket this segment mirrors (fast path); b"" if packed otherwise."""
 
 
+class Phase(enum.Enum):
+    SIZED = "sized"
+    """Derived and sized; nothing allocated, the store untouched (waits for the server's admission)."""
+    RECEIVING = "receiving"
+    """Allocated; buckets 0..next_sequence-1 are in place."""
+    FAILED = "failed"
+    """A bucket failed its checks: later announced buckets are received and dropped."""
+
+
 @dataclass(slots=True)
 class StoreUpdate:
-    """One update in flight: where each bucket lands, and how far it got."""
+    """The one update in flight: where each bucket lands, and how far it got."""
 
     update_id: str
     group_id: str
     plan: UpdatePlan
+    needed_bytes: int
+    """What allocate_update allocates (new segments, missing shadows, staging growth)."""
     layout_before: int
-    new_arena: Arena | None
-    receive_into: list[torch.Tensor | None]
+    phase: Phase = Phase.SIZED
+    new_arena: Arena | None = None
+    receive_into: list[torch.Tensor | None] = field(default_factory=list)
     """Per bucket: the segment bytes the broadcast lands in, or None for the staging buffer."""
-    copies: list[list[tuple[int, int, torch.Tensor]]]
+    copies: list[list[tuple[int, int, torch.Tensor]]] = field(default_factory=list)
     """Per general-path bucket: (offset in the bucket, size, destination bytes)."""
     next_sequence: int = 0
     started_through: int = -1
     """Last bucket whose bytes may have reached the store (IN_PLACE abort marks it dirty)."""
     received_bytes: int = 0
-    failed: bool = False
-    """A bucket failed its checks: later announced buckets are received and dropped."""
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """A bucket in place."""
+
+    size_bytes: int
+    fast_path: bool
 
 
 @dataclass(slots=True)
@@ -93,7 +132,7 @@ class WeightStore:
     # -- reading -------------------------------------------------------------------
     @property
     def state(self) -> int:
-        if self.update is not None:
+        if self.update is not None and self.update.phase is not Phase.SIZED:
             return pb.STORE_STATE_UPDATING
         if not self.tensors:
             return pb.STORE_STATE_EMPTY
@@ -153,7 +192,7 @@ class WeightStore:
                    if self.segments[i].shadow is None)
 
     def needed_bytes(self, plan: UpdatePlan) -> int:
-        """What begin_update(plan) would allocate: new segments, missing shadows, staging growth."""
+        """What allocate_update would allocate for plan: new segments, missing shadows, staging growth."""
         staging = 0 if self.staging is None else self.staging.numel()
         grow = plan.staging_bytes if plan.staging_bytes > staging else 0
         return plan.new_segment_bytes + self._shadow_bytes_missing(plan) + grow
@@ -171,13 +210,26 @@ class WeightStore:
         return torch.empty(size, dtype=torch.uint8, device=self.device)
 
     # -- the update lifecycle ----------------------------------------------------------
-    def begin_update(self, plan: UpdatePlan, update_id: str, group_id: str) -> StoreUpdate:
-        """Allocate what the plan needs and decide where every bucket lands."""
+    def require_idle(self) -> None:
+        """FAILED_PRECONDITION while an update (sized or allocated) is in flight: one at a time."""
         if self.update is not None:
             raise FailedPrecondition("UPDATE_IN_PROGRESS", f"update {self.update.update_id} is still running",
                                      update_id=self.update.update_id)
+
+    def prepare_update(self, plan: UpdatePlan, update_id: str, group_id: str) -> StoreUpdate:
+        """Take the update in (SIZED): what it needs is known, nothing is allocated yet."""
+        self.require_idle()
         if plan.layout_version != self.layout_version:
             raise AssertionError("derived plan is stale: the store layout changed")
+        self.update = StoreUpdate(update_id, group_id, plan, self.needed_bytes(plan), plan.layout_version)
+        return self.update
+
+    def allocate_update(self, update_id: str) -> StoreUpdate:
+        """SIZED -> RECEIVING: allocate what the plan needs and decide where every bucket lands."""
+        update = self.update
+        if update is None or update.update_id != update_id or update.phase is not Phase.SIZED:
+            raise FailedPrecondition("UPDATE_NOT_PREPARED", f"update {update_id} is not sized", update_id=update_id)
+        plan = update.plan
         if plan.staging_bytes and (self.staging is None or self.staging.numel() < plan.staging_bytes):
             # zeros() touches every page now, not during the first receive.
             self.staging = torch.zeros(plan.staging_bytes, dtype=torch.uint8, device=self.device)
@@ -190,12 +242,12 @@ class WeightStore:
                 cursor += align_segment(self.segments[i].size_bytes)
         for i in plan.copied_to_shadow:  # keep what this update does not rewrite
             self.segment_bytes(i, shadow=True).copy_(self.segment_bytes(i))
-        new_arena = None
         if plan.new_segments:
-            new_arena = self._allocate(plan.new_segment_bytes)
+            update.new_arena = self._allocate(plan.new_segment_bytes)
             cursor = 0
             for new in plan.new_segments:
-                self.segments.append(Segment(new.size_bytes, Region(new_arena.arena_id, cursor), None, new.signature))
+                self.segments.append(Segment(new.size_bytes, Region(update.new_arena.arena_id, cursor), None,
+                                             new.signature))
                 cursor += align_segment(new.size_bytes)
             self.layout_version += 1
         shadowed = set(plan.shadowed_segments)
@@ -203,19 +255,27 @@ class WeightStore:
         def target(segment: int) -> torch.Tensor:
             return self.segment_bytes(segment, shadow=segment in shadowed)
 
-        receive_into = [None if r.receive_into_segment is None else target(r.receive_into_segment) for r in plan.routes]
-        copies = [
+        update.receive_into = [None if r.receive_into_segment is None else target(r.receive_into_segment)
+                               for r in plan.routes]
+        update.copies = [
             [(c.src_offset, c.size_bytes, target(c.segment)[c.dst_offset : c.dst_offset + c.size_bytes])
              for c in route.copies]
             for route in plan.routes
         ]
-        self.update = StoreUpdate(update_id, group_id, plan, plan.layout_version, new_arena, receive_into, copies)
-        return self.update
+        update.phase = Phase.RECEIVING
+        return update
+
+    def begin_update(self, plan: UpdatePlan, update_id: str, group_id: str) -> StoreUpdate:
+        """prepare_update and allocate_update at once (an update that needs no admission)."""
+        self.prepare_update(plan, update_id, group_id)
+        return self.allocate_update(update_id)
 
     def current(self, update_id: str) -> StoreUpdate:
-        if self.update is None or self.update.update_id != update_id:
+        """The update in flight, allocated (RECEIVING or FAILED)."""
+        update = self.update
+        if update is None or update.update_id != update_id or update.phase is Phase.SIZED:
             raise FailedPrecondition("UPDATE_NOT_PREPARED", f"update {update_id} is not prepared", update_id=update_id)
-        return self.update
+        return update
 
     def receive_buffer(self, sequence: int) -> torch.Tensor:
         """Where bucket `sequence` of the current update is received: exactly its size."""
@@ -233,18 +293,105 @@ class WeightStore:
         assert self.update is not None
         self.update.started_through = sequence
 
-    def apply_bucket(self, sequence: int, received: torch.Tensor, bucket_checksum) -> int:
-        """Check a received bucket and put its tensors in place; returns its size."""
+    def _expected_route(self, update: StoreUpdate, sequence: int, size_bytes: int) -> BucketRoute:
+        route = update.plan.routes[sequence] if 0 <= sequence < len(update.plan.routes) else None
+        if sequence != update.next_sequence or route is None or size_bytes != route.size_bytes:
+            raise InvalidArgument("BUCKET_NOT_EXPECTED", f"bucket {sequence} of {size_bytes} bytes is not "
+                                  f"the next one ({update.next_sequence})", bucket=sequence)
+        return route
+
+    def _drainable(self, update: StoreUpdate, size: int) -> bool:
+        return 0 <= size <= max((r.size_bytes for r in update.plan.routes), default=0)
+
+    def receive_broadcast(self, receive: wpb.ReceiveBucketCommand,
+                          broadcast: Callable[[torch.Tensor], None]) -> Applied | None:
+        """Join the broadcast of one announced bucket (COLLECTIVE) and put it in place.
+
+        A bucket that cannot be taken (the update already failing, out of order, a bad
+        tail) is still received at its announced length and dropped, so the sender never
+        hangs; None when it was dropped on purpose (discard, or after a failure)."""
+        update = self.current(receive.update_id)
+        sequence = receive.sequence
+        if receive.discard or update.phase is Phase.FAILED:
+            broadcast(self.scratch(receive.size_bytes))
+            return None
+        try:
+            route = self._expected_route(update, sequence, receive.size_bytes)
+            check_tail_announced(sequence, route.size_bytes, receive.tail)
+        except WeightSyncError:
+            update.phase = Phase.FAILED
+            if self._drainable(update, receive.size_bytes):
+                broadcast(self.scratch(receive.size_bytes))
+            raise
+        received = self.receive_buffer(sequence)
+        covered = arm_tail(received, receive.tail)
+        self.mark_started(sequence)
+        try:
+            broadcast(received)
+        except BaseException:
+            # Nothing may have arrived (a trainer killed before sending): put back what the tail covered.
+            restore_tail(received, covered)
+            raise
+        try:
+            check_tail(sequence, received, receive.tail)
+        except WeightSyncError:
+            update.phase = Phase.FAILED
+            raise
+        return Applied(self.apply_bucket(sequence, received, receive.checksum), route.receive_into_segment is not None)
+
+    def receive_from_ingress(self, receive: wpb.ReceiveBucketCommand, ingress: torch.Tensor | None) -> Applied | None:
+        """INLINE/SHM: the bucket (or one piece of it) is in the ingress already; copy it into the store.
+
+        None while the bucket is not complete (a piece), or when it is dropped on purpose."""
+        update = self.current(receive.update_id)
+        sequence = receive.sequence
+        if receive.discard or update.phase is Phase.FAILED:
+            return None
+        if ingress is None:
+            raise FailedPrecondition("INGRESS_MISSING", "this worker has no ingress mapped")
+        try:
+            route = self._expected_route(update, sequence, receive.size_bytes)
+            offset, length = receive.piece_offset_bytes, receive.piece_size_bytes or route.size_bytes
+            start = receive.ingress_offset_bytes
+            if start < 0 or start + length > ingress.numel() or offset < 0 or offset + length > route.size_bytes:
+                raise InvalidArgument("INGRESS_OUT_OF_RANGE", f"bucket {sequence}: piece [{offset}, +{length}) at "
+                                      f"ingress offset {start} does not fit", bucket=sequence)
+        except WeightSyncError:
+            update.phase = Phase.FAILED
+            raise
+        arrived = ingress[start : start + length]
+        whole = offset == 0 and length == route.size_bytes
+        if offset == 0:
+            self.mark_started(sequence)
+        checked = receive.checksum.algorithm != tensor_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED or bool(route.checks)
+        if whole and route.receive_into_segment is None and not checked:
+            received = arrived  # nothing to verify: each tensor is copied straight from the ingress
+        else:
+            # The segment, or staging. Checked bytes are always checked in this copy, never in
+            # the ingress: an SHM trainer can still write its slot, and a torn copy must fail
+            # its checksum rather than pass it on bytes that then change under the copies.
+            received = self.receive_buffer(sequence)
+            received[offset : offset + length].copy_(arrived)
+        if not whole and not receive.last_piece:
+            return None
+        return Applied(self.apply_bucket(sequence, received, receive.checksum), route.receive_into_segment is not None)
+
+    def apply_bucket(self, sequence: int, received: torch.Tensor, bucket_checksum: tensor_pb2.Checksum) -> int:
+        """Check a received bucket and put its tensors in place; returns its size.
+
+        The device's copies are complete when this returns: BucketApplied (and a later
+        commit) must never let an engine read bytes still being written."""
         update = self.update
-        assert update is not None and sequence == update.next_sequence
+        assert update is not None and update.phase is Phase.RECEIVING and sequence == update.next_sequence
         route = update.plan.routes[sequence]
         try:
             verify_bucket(sequence, route.checks, received, bucket_checksum)
         except Exception:
-            update.failed = True
+            update.phase = Phase.FAILED
             raise
         for offset, size, destination in update.copies[sequence]:
             destination.copy_(received[offset : offset + size])
+        synchronize_device(self.device)
         update.next_sequence += 1
         update.received_bytes += route.size_bytes
         return route.size_bytes
@@ -254,11 +401,13 @@ class WeightStore:
         update = self.update
         assert update is not None
         routes = update.plan.routes
-        if update.next_sequence != len(routes):
+        if update.phase is not Phase.RECEIVING or update.next_sequence != len(routes):
             raise FailedPrecondition(
-                "BUCKETS_MISSING", f"commit after {update.next_sequence} of {len(routes)} buckets",
+                "BUCKETS_MISSING", f"commit after {update.next_sequence} of {len(routes)} buckets"
+                + (" (a bucket failed its checks)" if update.phase is Phase.FAILED else ""),
                 received=update.next_sequence, expected=len(routes),
             )
+        synchronize_device(self.device)  # the shadow copies of allocate_update, if no bucket came after them
         for index in update.plan.shadowed_segments:
             segment = self.segments[index]
             segment.live, segment.shadow = segment.shadow, segment.live  # type: ignore[assignment]
@@ -272,22 +421,31 @@ class WeightStore:
         """Undo what can be undone; IN_PLACE writes leave their tensors dirty."""
         update = self.update
         assert update is not None
+        self.update = None
+        if update.phase is Phase.SIZED:
+            return  # nothing was allocated or written
         if not update.plan.staged:
             for route in update.plan.routes[: update.started_through + 1]:
                 self.dirty.update(route.overwrites)
-        self.update = None
+        update.receive_into.clear()
+        update.copies.clear()
         if update.new_arena is not None:
             del self.segments[update.plan.first_new_segment :]
             self.arenas.pop(update.new_arena.arena_id)
-            update.receive_into.clear()
-            update.copies.clear()
             update.new_arena.release()
         self.layout_version = update.layout_before  # the layout is exactly what it was
+        # Device memory this update held goes back to the device, not to torch's cache:
+        # the next admission, and an engine on the same GPU, can use it.
+        release_cached_device_memory(self.device)
 
     # -- persistence ---------------------------------------------------------------------
     def unsent_arenas(self) -> list[Arena]:
         """Host arenas the server does not hold yet (sent on the fd channel before a manifest)."""
         return [a for a in self.arenas.values() if a.shareable and a.arena_id not in self.persisted_arenas]
+
+    def mark_persisted(self, arena_ids: list[int]) -> None:
+        """The server holds these arenas' descriptors now."""
+        self.persisted_arenas.update(arena_ids)
 
     def manifest(self) -> wpb.StoreManifest:
         """The store as the server must keep it; tensors only when the layout changed."""

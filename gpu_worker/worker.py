@@ -1,18 +1,22 @@
 """The worker's command loop: one device, one store, its groups.
 
-    IDLE --prepare_update--> SIZED (needed_bytes > 0: waits for the server's admission)
-    IDLE / SIZED --prepare_update / allocate_update--> PREPARED (store UPDATING)
-    PREPARED --receive_bucket(k)--> PREPARED (k+1 next; after a failed check every
-                                    later bucket is received and dropped)
-    PREPARED --commit_update (all buckets in)--> IDLE (new version live)
-    SIZED / PREPARED --abort_update, leave_group of its group, shutdown--> IDLE
-    any --shutdown--> exit 0
+    prepare_update   the store takes the update in, SIZED (needed_bytes > 0: it waits
+                     for the server's admission), or allocated at once
+    allocate_update  SIZED -> receiving
+    receive_bucket   one bucket, from a broadcast or the ingress
+    commit_update    the new version goes live
+    abort_update, leave_group of the update's group, shutdown: the update is dropped
+    shutdown         exit 0
 
-Commands are handled one at a time, in order; each gets exactly one event with
-the same command_id: its result or CommandFailed. A command blocks the loop
-only inside a collective (every collective has its group's timeout) or a join
-(bounded by its deadline, see groups.py). The store's lifecycle lives in
-store.py; this module only dispatches, and reports what the store became.
+The update's lifecycle (and every check on a bucket) lives in store.py; this
+module only dispatches, and reports what the store became. Commands are
+handled one at a time, in order; each gets exactly one event with the same
+command_id: its result or CommandFailed. A command blocks the loop only inside
+a collective (every collective has its group's timeout) or a join (bounded by
+its deadline, see groups.py).
+
+A sticky CUDA error ends the process after its CommandFailed went out (see
+device_faults.py): the supervisor restarts the worker on the store it kept.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import structlog
 import torch
@@ -29,7 +32,6 @@ import torch
 from weightsync.common.collective import CollectiveError, backend_for_device
 from weightsync.common.errors import (
     Aborted,
-    FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     WeightSyncError,
@@ -37,11 +39,11 @@ from weightsync.common.errors import (
 )
 from weightsync.common.fd_passing import send_fds
 from weightsync.common.shm_queue import ShmQueue
-from weightsync.gpu_worker.bucket_checks import arm_tail, check_tail, restore_tail, tail_nonce
+from weightsync.gpu_worker.device_faults import DeviceFault, classify
 from weightsync.gpu_worker.groups import GroupTable
-from weightsync.gpu_worker.memory import map_ingress
-from weightsync.gpu_worker.store import WeightStore
-from weightsync.gpu_worker.update_plan import PlanCache, UpdatePlan, derive_update_plan
+from weightsync.gpu_worker.memory import available_bytes, map_ingress
+from weightsync.gpu_worker.store import Applied, StoreUpdate, WeightStore
+from weightsync.gpu_worker.update_plan import PlanCache, derive_update_plan
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -54,13 +56,12 @@ class _Shutdown(Exception):
     pass
 
 
-@dataclass(slots=True)
-class _SizedUpdate:
-    """A prepared update waiting for the server to admit its memory."""
+class _DeviceFailed(Exception):
+    """The device is unusable: the loop ends and the process exits with `fault.exit_code`."""
 
-    update_id: str
-    group_id: str
-    plan: UpdatePlan
+    def __init__(self, fault: DeviceFault) -> None:
+        super().__init__(fault.name)
+        self.fault = fault
 
 
 class Worker:
@@ -82,7 +83,6 @@ class Worker:
         self.ingress = map_ingress(config.ingress_fd, config.ingress_bytes)
         self.groups = GroupTable(self.device)
         self.plans = PlanCache()
-        self.sized: _SizedUpdate | None = None
         self._handlers: dict[str, Callable[[wpb.WorkerCommand, wpb.WorkerEvent], None]] = {
             "join_group": self._join_group,
             "leave_group": self._leave_group,
@@ -98,7 +98,8 @@ class Worker:
         }
 
     # -- loop ------------------------------------------------------------------
-    def run(self, parent_alive: Callable[[], bool]) -> None:
+    def run(self, parent_alive: Callable[[], bool]) -> int:
+        """Serve commands until shutdown (0), the parent's death (0) or a device fault (its exit code)."""
         beating = threading.Event()
         threading.Thread(target=self._heartbeat, args=(beating,), name="heartbeat", daemon=True).start()
         self._emit(wpb.WorkerEvent(started=wpb.WorkerStarted(
@@ -110,13 +111,16 @@ class Worker:
                 if payload is None:
                     if not parent_alive():
                         log.warning("parent_gone_exiting")
-                        return
+                        return 0
                     continue
                 try:
                     self._dispatch(payload)
                 except _Shutdown:
                     log.info("worker_stopping")
-                    return
+                    return 0
+                except _DeviceFailed as failed:
+                    log.error("device_failed_exiting", fault=failed.fault.name, exit_code=failed.fault.exit_code)
+                    return failed.fault.exit_code
         finally:
             beating.set()
 
@@ -143,16 +147,34 @@ class Worker:
             raise
         except WeightSyncError as error:
             self._fail(event, error)
+            self._exit_if_device_failed(error)  # e.g. NCCL's "unhandled cuda error" behind COLLECTIVE_FAILED
         except CollectiveError as error:
             self._fail(event, Aborted("COLLECTIVE_FAILED", str(error)))
+            self._exit_if_device_failed(error)
         except torch.OutOfMemoryError as error:
             self._fail(event, ResourceExhausted("DEVICE_OUT_OF_MEMORY", str(error)))
-        except Exception as error:  # noqa: BLE001 - reported, never fatal
+        except Exception as error:  # noqa: BLE001 - reported; fatal only for a device fault
             log.exception("command_crashed", command_id=event.command_id)
-            self._fail(event, WeightSyncError("WORKER_INTERNAL", f"worker error: {type(error).__name__}"))
+            if self.device.type == "cuda" and classify(error) is not None:
+                failure = WeightSyncError("DEVICE_FAILED", f"the device failed, the worker restarts: {str(error)[:300]}")
+            else:
+                failure = WeightSyncError("WORKER_INTERNAL", f"worker error: {type(error).__name__}")
+            self._fail(event, failure)
+            self._exit_if_device_failed(error)
         else:
             event.store.CopyFrom(self.store.status())
             self._emit(event)
+
+    def _exit_if_device_failed(self, error: BaseException) -> None:
+        """A sticky CUDA error (or a lost device) ends the loop once its failure was reported."""
+        if self.device.type != "cuda":
+            return
+        cause: BaseException | None = error
+        while cause is not None:
+            fault = classify(cause)
+            if fault is not None:
+                raise _DeviceFailed(fault) from error
+            cause = cause.__cause__
 
     def _fail(self, event: wpb.WorkerEvent, error: WeightSyncError) -> None:
         event.ClearField("event")
@@ -173,7 +195,7 @@ class Worker:
         unsent = self.store.unsent_arenas()
         if unsent and self.fd_channel is not None:
             send_fds(self.fd_channel, [a.fd for a in unsent])
-            self.store.persisted_arenas.update(a.arena_id for a in unsent)
+            self.store.mark_persisted([a.arena_id for a in unsent])
         return self.store.manifest(), [a.arena_id for a in unsent] if self.fd_channel is not None else []
 
     # -- groups ------------------------------------------------------------------
@@ -188,8 +210,6 @@ class Worker:
 
     def _leave_group(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         group_id = command.leave_group.group_id
-        if self.sized is not None and self.sized.group_id == group_id:
-            self.sized = None
         if self.store.update is not None and self.store.update.group_id == group_id:
             self._abort("group deleted")
         self.groups.leave(group_id)
@@ -199,13 +219,10 @@ class Worker:
     # -- updates -------------------------------------------------------------------
     def _prepare_update(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         prepare = command.prepare_update
-        running = self.store.update or self.sized
-        if running is not None:
-            raise FailedPrecondition("UPDATE_IN_PROGRESS", f"update {running.update_id} is still running",
-                                     update_id=running.update_id)
+        store = self.store
+        store.require_idle()
         if prepare.group_id:  # COLLECTIVE; INLINE and SHM buckets come through the ingress
             self.groups.get(prepare.group_id)
-        store = self.store
         plan = self.plans.get(prepare.plan_id, store.layout_version, prepare.mode == pb.UPDATE_MODE_STAGED) or derive_update_plan(
             plan=prepare.plan, plan_id=prepare.plan_id, mode=prepare.mode,
             allow_new_tensors=prepare.allow_new_tensors, tensors=store.tensors,
@@ -220,99 +237,42 @@ class Worker:
                 f"{limit}-byte limit (--worker-memory-limit-bytes)",
                 needed_bytes=needed, held_bytes=store.held_bytes, limit=limit,
             )
+        update = store.prepare_update(plan, prepare.update_id, prepare.group_id)
         prepared = event.update_prepared
         prepared.update_id = prepare.update_id
         prepared.fast_path_bucket_count = plan.fast_path_count
         prepared.held_bytes = store.held_bytes
-        if needed == 0:
-            self._begin(prepare.update_id, prepare.group_id, plan)
+        if update.needed_bytes == 0:
+            self._allocate(prepare.update_id)
             return
-        prepared.needed_bytes = needed
+        prepared.needed_bytes = update.needed_bytes
         if self.device.type == "cuda":
-            prepared.device_available_bytes = int(torch.cuda.mem_get_info(self.device)[0])
-        self.sized = _SizedUpdate(prepare.update_id, prepare.group_id, plan)
+            prepared.device_available_bytes = available_bytes(self.device)
 
     def _allocate_update(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
-        sized, update_id = self.sized, command.allocate_update.update_id
-        if sized is None or sized.update_id != update_id:
-            raise FailedPrecondition("UPDATE_NOT_PREPARED", f"update {update_id} is not sized", update_id=update_id)
-        self.sized = None
-        self._begin(sized.update_id, sized.group_id, sized.plan)
-        event.update_prepared.update_id = update_id
-        event.update_prepared.fast_path_bucket_count = sized.plan.fast_path_count
+        update = self._allocate(command.allocate_update.update_id)
+        event.update_prepared.update_id = update.update_id
+        event.update_prepared.fast_path_bucket_count = update.plan.fast_path_count
         event.update_prepared.held_bytes = self.store.held_bytes
 
-    def _begin(self, update_id: str, group_id: str, plan: UpdatePlan) -> None:
-        self.store.begin_update(plan, update_id, group_id)
-        log.info("update_prepared", update_id=update_id, buckets=len(plan.routes), fast_path=plan.fast_path_count)
+    def _allocate(self, update_id: str) -> StoreUpdate:
+        update = self.store.allocate_update(update_id)
+        log.info("update_prepared", update_id=update_id, buckets=len(update.plan.routes),
+                 fast_path=update.plan.fast_path_count)
+        return update
 
     def _receive_bucket(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         receive = command.receive_bucket
+        event.bucket_received.sequence = receive.sequence
+        applied: Applied | None
         if receive.from_ingress:
-            self._receive_from_ingress(receive, event)
-            return
-        update = self.store.current(receive.update_id)
-        group = self.groups.get(update.group_id)
-        sequence = receive.sequence
-        event.bucket_received.sequence = sequence
-        if receive.discard or update.failed:
-            # The update is already failing: complete the broadcast the trainer announced,
-            # at the length it announced, so no rank hangs; drop the bytes.
-            self.groups.broadcast(group, self.store.scratch(receive.size_bytes))
-            return
-        route = update.plan.routes[sequence] if 0 <= sequence < len(update.plan.routes) else None
-        if sequence != update.next_sequence or route is None or receive.size_bytes != route.size_bytes:
-            raise InvalidArgument("BUCKET_NOT_EXPECTED", f"bucket {sequence} of {receive.size_bytes} bytes is not "
-                                  f"the next one ({update.next_sequence})", bucket=sequence)
-        received = self.store.receive_buffer(sequence)
-        nonce = tail_nonce(update.update_id, sequence, self.device)
-        tail = arm_tail(received, nonce)
-        self.store.mark_started(sequence)
-        try:
-            self.groups.broadcast(group, received)
-        except WeightSyncError:
-            # Nothing may have arrived (a trainer killed before sending): put back what the nonce covered.
-            restore_tail(received, tail)
-            raise
-        try:
-            check_tail(sequence, received, nonce)
-        except WeightSyncError:
-            update.failed = True
-            raise
-        event.bucket_received.size_bytes = self.store.apply_bucket(sequence, received, receive.checksum)
-        event.bucket_received.fast_path = route.receive_into_segment is not None
-
-    def _receive_from_ingress(self, receive: wpb.ReceiveBucketCommand, event: wpb.WorkerEvent) -> None:
-        """INLINE/SHM: the bucket (or one piece of it) is in the ingress already; copy it into the store."""
-        update = self.store.current(receive.update_id)
-        sequence = receive.sequence
-        event.bucket_received.sequence = sequence
-        if receive.discard or update.failed:
-            return
-        if self.ingress is None:
-            raise FailedPrecondition("INGRESS_MISSING", "this worker has no ingress mapped")
-        route = update.plan.routes[sequence] if 0 <= sequence < len(update.plan.routes) else None
-        if sequence != update.next_sequence or route is None or receive.size_bytes != route.size_bytes:
-            raise InvalidArgument("BUCKET_NOT_EXPECTED", f"bucket {sequence} of {receive.size_bytes} bytes is not "
-                                  f"the next one ({update.next_sequence})", bucket=sequence)
-        offset, length = receive.piece_offset_bytes, receive.piece_size_bytes or route.size_bytes
-        start = receive.ingress_offset_bytes
-        if start < 0 or start + length > self.ingress.numel() or offset < 0 or offset + length > route.size_bytes:
-            raise InvalidArgument("INGRESS_OUT_OF_RANGE", f"bucket {sequence}: piece [{offset}, +{length}) at "
-                                  f"ingress offset {start} does not fit", bucket=sequence)
-        arrived = self.ingress[start : start + length]
-        whole = offset == 0 and length == route.size_bytes
-        if offset == 0:
-            self.store.mark_started(sequence)
-        if whole and route.receive_into_segment is None:
-            received = arrived  # the general path copies each tensor straight from the ingress
+            applied = self.store.receive_from_ingress(receive, self.ingress)
         else:
-            received = self.store.receive_buffer(sequence)  # the segment, or staging for a bucket in pieces
-            received[offset : offset + length].copy_(arrived)
-        if not whole and not receive.last_piece:
-            return
-        event.bucket_received.size_bytes = self.store.apply_bucket(sequence, received, receive.checksum)
-        event.bucket_received.fast_path = route.receive_into_segment is not None
+            group = self.groups.get(self.store.current(receive.update_id).group_id)
+            applied = self.store.receive_broadcast(receive, lambda buffer: self.groups.broadcast(group, buffer))
+        if applied is not None:
+            event.bucket_received.size_bytes = applied.size_bytes
+            event.bucket_received.fast_path = applied.fast_path
 
     def _commit_update(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         update_id = command.commit_update.update_id
@@ -327,8 +287,6 @@ class Worker:
 
     def _abort_update(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         update_id = command.abort_update.update_id
-        if self.sized is not None and self.sized.update_id == update_id:
-            self.sized = None
         if self.store.update is not None and self.store.update.update_id == update_id:
             self._abort("requested")
         manifest, sent = self._snapshot()
@@ -367,6 +325,5 @@ class Worker:
     def _shutdown(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         if self.store.update is not None:
             self._abort("shutdown")
-        self.sized = None
         self.groups.close_all()
         raise _Shutdown()

@@ -3,13 +3,15 @@
 Each BucketStart is checked and then, by transport:
   - COLLECTIVE: forwarded at once to every worker, which joins the broadcast
     that follows (so the client can pipeline bucket k+1 behind bucket k). A
-    wrong announcement is still joined, at the announced length, and dropped,
-    so the sender never hangs.
+    wrong announcement (a missing or wrong-length tail included) is still
+    joined, at the announced length, and dropped, so the sender never hangs.
   - INLINE: the BucketChunks that follow are written into the bucket's ingress
     slot (after the workers released it: until then the stream is not read,
     which is gRPC's back-pressure); a complete bucket is forwarded.
   - SHM: the client wrote the slot before announcing; it is forwarded at once.
-    An announcement that reuses a slot before BucketApplied freed it is refused.
+    It must carry a WS64 checksum (the workers check their own copy of the
+    slot against it). An announcement that reuses a slot before BucketApplied
+    freed it is refused.
 The driver (update_session.py) awaits the forwarded receives in order. The intake
 owns the announcements, the ingress piece counter and the forwarding; it sees
 its session only through IntakeSession, and never writes the session's state.
@@ -24,6 +26,7 @@ from typing import Protocol
 
 import structlog
 
+from weightsync.common.collective import tail_length
 from weightsync.common.errors import DeadlineExceeded, InvalidArgument, WeightSyncError
 from weightsync.server.ingress import Ingress
 from weightsync.server.supervisor import Supervisor, WorkerHandle
@@ -197,7 +200,14 @@ class BucketIntake:
         if start.checksum.algorithm not in KNOWN_CHECKSUMS:
             return InvalidArgument("CHECKSUM_ALGORITHM_UNKNOWN", f"bucket {sequence} has unknown checksum algorithm "
                                    f"{start.checksum.algorithm}", bucket=sequence)
+        if self.transport == pb.TRANSPORT_COLLECTIVE and len(start.tail) != tail_length(planned):
+            return InvalidArgument("BUCKET_TAIL_INVALID", f"bucket {sequence}: tail has {len(start.tail)} bytes; "
+                                   f"send the bucket's last {tail_length(planned)} bytes", bucket=sequence,
+                                   tail_bytes=len(start.tail), expected=tail_length(planned))
         if self.transport == pb.TRANSPORT_SHM:
+            if start.checksum.algorithm != tensor_pb2.CHECKSUM_ALGORITHM_WS64:
+                return InvalidArgument("BUCKET_CHECKSUM_REQUIRED", f"bucket {sequence}: an SHM bucket needs its WS64 "
+                                       "checksum", bucket=sequence)
             return self._check_slot(sequence)
         return None
 
@@ -232,7 +242,7 @@ class BucketIntake:
             shm = self.transport == pb.TRANSPORT_SHM
             assert not shm or self.ingress is not None
             await self.s.inbox.put(self.forward(
-                start.sequence, start.checksum, discard=False, size=size,
+                start.sequence, start.checksum, discard=False, size=size, tail=start.tail,
                 ingress_offset=self.ingress.slot_offset(start.sequence) if shm and self.ingress else None))
             if shm:
                 self.pieces_sent += 1
@@ -346,7 +356,7 @@ class BucketIntake:
     # -- forwarding ----------------------------------------------------------------------
     def forward(self, sequence: int, checksum: tensor_pb2.Checksum, *, discard: bool, size: int,
                 ingress_offset: int | None = None, piece_offset: int = 0, piece_size: int = 0,
-                last: bool = True) -> Bucket:
+                last: bool = True, tail: bytes = b"") -> Bucket:
         """Every worker receives bucket `sequence` now: it joins the broadcast that follows, or
         copies the bucket (or one piece of it) from the ingress at `ingress_offset`. A worker that
         cannot take the command (it died) answers with its error; the others still get theirs,
@@ -354,7 +364,7 @@ class BucketIntake:
         command = wpb.ReceiveBucketCommand(update_id=self.s.update_id, sequence=sequence, checksum=checksum,
                                            discard=discard, size_bytes=size, from_ingress=ingress_offset is not None,
                                            ingress_offset_bytes=ingress_offset or 0, piece_offset_bytes=piece_offset,
-                                           piece_size_bytes=piece_size, last_piece=last)
+                                           piece_size_bytes=piece_size, last_piece=last, tail=tail)
         names = {t.name for t in self.s.plan.buckets[sequence].tensors} if not discard and self.s.in_place else ()
         receives = []
         for worker in self.supervisor.workers:

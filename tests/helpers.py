@@ -255,6 +255,7 @@ class PlainTrainer:
         plan = plan if plan is not None else plan_buckets(list(named.items()), bucket_bytes)
         stream, ready = self.begin(self.servers[0].stub(), plan, version, mode)
         from weightsync.common.checksum import tensor_checksum
+        from weightsync.common.collective import bucket_tail
 
         for index in range(len(plan.buckets)):
             if abort_after is not None and index == abort_after:
@@ -267,7 +268,7 @@ class PlainTrainer:
                 raise AssertionError("abort did not end the stream")
             buf = pack(plan, named, index)
             checksum = tensor_checksum(buf) if checksum_override is None else checksum_override(index, buf)
-            stream.send(bucket_start=pb.BucketStart(sequence=index, checksum=checksum))
+            stream.send(bucket_start=pb.BucketStart(sequence=index, checksum=checksum, tail=bucket_tail(buf)))
             self.broadcast(buf)
             response = stream.recv()
             if response.WhichOneof("message") != "bucket_applied":

@@ -24,6 +24,7 @@ import torch
 from torch.distributed import TCPStore
 
 from weightsync.common.checksum import tensor_checksum
+from weightsync.common.collective import bucket_tail
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -202,7 +203,8 @@ def wrong(checksum: tensor_pb2.Checksum) -> tensor_pb2.Checksum:
 
 def send_bucket(trainer: PlainTrainer, stream: UpdateStream, plan, model, index: int, checksum=None) -> None:
     buf = pack(plan, model, index)
-    stream.send(bucket_start=pb.BucketStart(sequence=index, checksum=ws64(buf) if checksum is None else checksum))
+    stream.send(bucket_start=pb.BucketStart(sequence=index, checksum=ws64(buf) if checksum is None else checksum,
+                                            tail=bucket_tail(buf)))
     trainer.broadcast(buf)
 
 

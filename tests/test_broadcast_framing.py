@@ -3,7 +3,10 @@
 A trainer written against the protos (no SDK) gets every one of these wrong on
 purpose. None commits, none hangs the trainer, and the node keeps its weights:
   - announced and broadcast at another length than the plan's: drained, refused;
-  - shorter than announced: caught by the bucket's tail nonce;
+  - shorter than announced, by any number of bytes: caught through the announced
+    tail (the workers arm the complement of the bucket's last bytes), and no
+    correct bucket is refused whatever its last bytes are;
+  - announced without its tail: drained, refused;
   - longer than announced: Gloo aborts the receiving workers (that cannot be
     caught in Python); they restart and map the store the server kept;
   - announced out of order or twice, then broadcast: drained, refused at once,
@@ -20,6 +23,7 @@ import grpc
 import pytest
 import torch
 
+from weightsync.common.collective import bucket_tail
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import (
@@ -57,9 +61,9 @@ class Node:
         self.seed = 400
         self.model = self.commit()
 
-    def commit(self) -> dict[str, torch.Tensor]:
+    def commit(self, model: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         self.seed += 1
-        model = mixed_model(self.seed)
+        model = mixed_model(self.seed) if model is None else model
         committed = self.trainer.push(model, f"v{self.seed}", mode=pb.UPDATE_MODE_STAGED, bucket_bytes=BUCKET)
         assert committed.version.version == f"v{self.seed}"
         self.model = model
@@ -119,19 +123,73 @@ def test_announced_length_differs_from_the_plan_drained_and_refused(node):
     node.assert_unharmed()
 
 
-@pytest.mark.parametrize("mode", [pb.UPDATE_MODE_STAGED, pb.UPDATE_MODE_IN_PLACE], ids=["staged", "in-place"])
-def test_shorter_than_announced_is_caught_by_the_tail_nonce(node, mode):
+MODES = pytest.mark.parametrize("mode", [pb.UPDATE_MODE_STAGED, pb.UPDATE_MODE_IN_PLACE], ids=["staged", "in-place"])
+
+
+@MODES
+@pytest.mark.parametrize("short", [1, 2, 3, 4, 5, 6, 7, 8, 16])
+def test_any_shortfall_is_caught_through_the_announced_tail(node, mode, short):
+    """Checksums off: only the tail can see it. 1-7 bytes short used to commit wrong bytes as CONSISTENT."""
     stream, plan, model = node.begin(mode)
-    short = pack(plan, model, 0)[:-16]
-    stream.send(bucket_start=pb.BucketStart(sequence=0))  # checksums off: only the tail nonce can see it
-    node.trainer.broadcast(short)
+    full = pack(plan, model, 0)
+    stream.send(bucket_start=pb.BucketStart(sequence=0, tail=bucket_tail(full)))
+    node.trainer.broadcast(full[:-short].clone())
     report = aborting(stream)
     assert (report.code, report.reason) == (Code.DATA_LOSS.value[0], "BUCKET_TRUNCATED")
-    assert end(stream).code() == Code.DATA_LOSS
+    error = end(stream)
+    assert error.code() == Code.DATA_LOSS
+    assert dict(error_info(error).metadata)["bucket"] == "0"
     state = info(node.server)
     if mode == pb.UPDATE_MODE_IN_PLACE:  # bucket 0 may be half-written: said, then repaired by a full update
         assert state.store_state == pb.STORE_STATE_INCONSISTENT
         node.commit()
+    else:
+        assert state.store_state == pb.STORE_STATE_CONSISTENT
+    assert group_state(node.server, node.trainer.group_id) == pb.GROUP_STATE_READY
+    node.assert_unharmed()
+
+
+ENDINGS = {
+    # The last 8 bytes of a bucket (lm_head.weight fills bucket 1 exactly, so they are its last bytes).
+    "all-ones": bytes([0xFF] * 8),  # the complement the workers arm for a bucket ending in zeros
+    "zeros": bytes(8),
+    "shortfall-of-3-pattern": bytes([0] * 5 + [0xFF] * 3),  # what 3 bytes short of an all-zero end leaves
+    "complement-of-the-bytes-before": None,  # its last 8 bytes are the complement of the 8 before them
+}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_no_correct_bucket_is_refused_whatever_its_last_bytes(node, ending):
+    model = mixed_model(node.seed + 50)
+    raw = model["lm_head.weight"].view(torch.uint8)
+    plan = plan_buckets(list(model.items()), BUCKET)
+    assert [t.name for t in plan.buckets[1].tensors] == ["lm_head.weight"]
+    assert plan.buckets[1].size_bytes == raw.numel()  # the tensor's end is the bucket's end
+    pattern = ENDINGS[ending]
+    raw[-8:] = torch.tensor(list(pattern), dtype=torch.uint8) if pattern is not None else raw[-16:-8] ^ 0xFF
+    node.commit(model)
+    assert server_checksums(node.server) == [local_checksums(model)] * 2
+    assert info(node.server).store_state == pb.STORE_STATE_CONSISTENT
+    node.assert_unharmed()
+
+
+@pytest.mark.parametrize("tail", ["missing", "too-short"])
+def test_an_announcement_without_its_tail_is_drained_and_refused(node, tail):
+    stream, plan, model = node.begin()
+    full = pack(plan, model, 0)
+    pids = [w.pid for w in info(node.server).workers]
+    started = time.monotonic()
+    stream.send(bucket_start=pb.BucketStart(sequence=0, tail=b"" if tail == "missing" else bucket_tail(full)[:3]))
+    node.trainer.broadcast(full)  # the workers receive it at its announced length and drop it
+    report = aborting(stream)
+    assert time.monotonic() - started < 5, "the trainer waited for the group timeout (30 s)"
+    assert (report.code, report.reason) == (Code.INVALID_ARGUMENT.value[0], "BUCKET_TAIL_INVALID")
+    error = end(stream)
+    assert error.code() == Code.INVALID_ARGUMENT
+    assert dict(error_info(error).metadata) == {"bucket": "0", "tail_bytes": "0" if tail == "missing" else "3",
+                                                "expected": "8"}
+    assert [w.pid for w in info(node.server).workers] == pids
+    assert info(node.server).store_state == pb.STORE_STATE_CONSISTENT
     assert group_state(node.server, node.trainer.group_id) == pb.GROUP_STATE_READY
     node.assert_unharmed()
 
@@ -141,7 +199,7 @@ def test_longer_than_announced_kills_the_receivers_but_not_the_weights(server):
     node = Node(server, timeout=5.0)
     before = info(server)
     stream, plan, model = node.begin()
-    stream.send(bucket_start=pb.BucketStart(sequence=0))
+    stream.send(bucket_start=pb.BucketStart(sequence=0, tail=bucket_tail(pack(plan, model, 0))))
     longer = torch.cat([pack(plan, model, 0), torch.zeros(4096, dtype=torch.uint8)])
     try:
         node.trainer.broadcast(longer)
@@ -175,12 +233,12 @@ def test_longer_than_announced_kills_the_receivers_but_not_the_weights(server):
 def test_out_of_order_announcement_is_drained_and_refused_at_once(node, wrong):
     stream, plan, model = node.begin()
     if wrong == "duplicate":
-        stream.send(bucket_start=pb.BucketStart(sequence=0))
+        stream.send(bucket_start=pb.BucketStart(sequence=0, tail=bucket_tail(pack(plan, model, 0))))
         node.trainer.broadcast(pack(plan, model, 0))
         assert stream.recv().bucket_applied.sequence == 0
     started = time.monotonic()
     sequence = 0 if wrong == "duplicate" else 2
-    stream.send(bucket_start=pb.BucketStart(sequence=sequence))
+    stream.send(bucket_start=pb.BucketStart(sequence=sequence, tail=bucket_tail(pack(plan, model, sequence))))
     node.trainer.broadcast(pack(plan, model, sequence))  # drained by the workers: returns at once
     report = aborting(stream)
     assert time.monotonic() - started < 5, "the trainer waited for the group timeout (30 s)"

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from weightsync.common.collective import bucket_tail
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import (
@@ -228,7 +229,7 @@ def test_sigterm_during_update(tmp_path):
         plan = plan_buckets(list(model.items()), 1 << 20)
         stream, _ = trainer.begin(srv.stub(), plan, "v1", mode=pb.UPDATE_MODE_STAGED)
         buf = pack(plan, model, 0)
-        stream.send(bucket_start=pb.BucketStart(sequence=0))
+        stream.send(bucket_start=pb.BucketStart(sequence=0, tail=bucket_tail(buf)))
         trainer.broadcast(buf)
         assert stream.recv().bucket_applied.sequence == 0
 

@@ -235,7 +235,8 @@ def test_shm_announcing_a_busy_slot_is_refused(node, committed):
         os.kill(pid, signal.SIGSTOP)
     try:
         for k in range(3):  # never waits for BucketApplied (and writes nothing: the bytes do not matter here)
-            stream.send(bucket_start=pb.BucketStart(sequence=k, size_bytes=plan.buckets[k].size_bytes))
+            stream.send(bucket_start=pb.BucketStart(sequence=k, size_bytes=plan.buckets[k].size_bytes,
+                                                    checksum=tensor_checksum(pack(plan, model, k))))
         response = stream.recv()
     finally:
         for pid in workers:

@@ -155,3 +155,37 @@ def test_a_store_maps_again_from_its_manifest_and_arenas(plan):
     assert store.manifest().tensors_included is False  # sent once per layout
     store.view("w1").add_(1)  # one memory: a write through one mapping shows in the other
     assert torch.equal(again.view("w1"), store.view("w1"))
+
+
+# -- SHM: checks run on the worker's own copy ------------------------------------------------
+def test_an_ingress_bucket_is_checked_and_applied_from_the_workers_own_copy(plan, monkeypatch):
+    """An SHM trainer writes its slot again right after the worker checked it: what commits is
+    exactly what the checksum covered (before: the general path checked the shared slot, then
+    copied each tensor out of it, and committed the rewritten bytes as CONSISTENT)."""
+    import weightsync.gpu_worker.store as store_module
+    from weightsync.common.checksum import tensor_checksum
+    from weightsync.worker.v1 import worker_pb2 as wpb
+
+    store = WeightStore(torch.device("cpu"))
+    push(store, plan, model(0), allow_new=True)
+    regrouped = plan_proto(build_plan(list(model(1).items()), bucket_size_bytes=4096, zero_copy_min_bytes=0))
+    derived = derive(store, regrouped, STAGED)
+    assert all(r.receive_into_segment is None for r in derived.routes)  # the general path: staging + copies
+    store.begin_update(derived, "shm", "")
+    buckets = buckets_of(regrouped, model(1))
+    ingress = torch.zeros(max(b.numel() for b in buckets), dtype=torch.uint8)
+    checked = store_module.verify_bucket
+
+    def check_then_trainer_writes(*args, **kwargs):
+        checked(*args, **kwargs)
+        ingress.fill_(0x5A)  # the trainer's next write lands in the slot after the check
+
+    monkeypatch.setattr(store_module, "verify_bucket", check_then_trainer_writes)
+    for sequence, data in enumerate(buckets):
+        ingress[: data.numel()].copy_(data)
+        receive = wpb.ReceiveBucketCommand(update_id="shm", sequence=sequence, checksum=tensor_checksum(data),
+                                           size_bytes=data.numel(), from_ingress=True, ingress_offset_bytes=0)
+        assert store.receive_from_ingress(receive, ingress).size_bytes == data.numel()
+    store.commit_update()
+    assert store.state == pb.STORE_STATE_CONSISTENT
+    assert all(torch.equal(store.view(k), v) for k, v in model(1).items())

@@ -10,6 +10,7 @@ import grpc
 import pytest
 from torch.distributed import TCPStore
 
+from weightsync.common.collective import bucket_tail
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
@@ -166,7 +167,7 @@ def test_trainer_cancels_update_stream(node, how):
         channel = node.channel()
         plan = plan_buckets(list(v2.items()), 1 << 20)
         stream, _ = trainer.begin(pb_grpc.WeightSyncServiceStub(channel), plan, "c2", pb.UPDATE_MODE_STAGED)
-        stream.send(bucket_start=pb.BucketStart(sequence=0))
+        stream.send(bucket_start=pb.BucketStart(sequence=0, tail=bucket_tail(pack(plan, v2, 0))))
         trainer.broadcast(pack(plan, v2, 0))
         assert stream.recv().bucket_applied.sequence == 0
         assert info(node).store_state == pb.STORE_STATE_UPDATING

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers, models
 
 from weightsync.common.checksum import tensor_checksum  # noqa: E402
+from weightsync.common.collective import bucket_tail  # noqa: E402
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 
 from helpers import PlainTrainer, ServerProcess, pack, plan_buckets  # noqa: E402
@@ -109,13 +110,13 @@ def main() -> int:
     last = 1 if args.stop == "mid-bucket" else len(plan.buckets)
     for index in range(last):
         buf = pack(plan, v2, index)
-        stream.send(bucket_start=pb.BucketStart(sequence=index, checksum=tensor_checksum(buf)))
+        stream.send(bucket_start=pb.BucketStart(sequence=index, checksum=tensor_checksum(buf), tail=bucket_tail(buf)))
         trainer.broadcast(buf)
         response = stream.recv()
         assert response.WhichOneof("message") == "bucket_applied", response
         emit("applied", sequence=index, tensors=[t.name for t in plan.buckets[index].tensors])
     if args.stop == "mid-bucket":
-        stream.send(bucket_start=pb.BucketStart(sequence=1))
+        stream.send(bucket_start=pb.BucketStart(sequence=1, tail=bucket_tail(pack(plan, v2, 1))))
         stream.wait_written(3)  # begin, bucket_start 0, bucket_start 1
         emit("announced", sequence=1)
     else:

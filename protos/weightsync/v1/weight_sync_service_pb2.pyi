@@ -276,14 +276,16 @@ class BeginUpdate(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., version: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., plan_id: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., allow_new_tensors: _Optional[bool] = ..., base_generation: _Optional[int] = ...) -> None: ...
 
 class BucketStart(_message.Message):
-    __slots__ = ("sequence", "checksum", "size_bytes")
+    __slots__ = ("sequence", "checksum", "size_bytes", "tail")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     checksum: _tensor_pb2.Checksum
     size_bytes: int
-    def __init__(self, sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    tail: bytes
+    def __init__(self, sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., size_bytes: _Optional[int] = ..., tail: _Optional[bytes] = ...) -> None: ...
 
 class BucketChunk(_message.Message):
     __slots__ = ("sequence", "offset_bytes", "data")

@@ -81,7 +81,7 @@ class AllocateUpdateCommand(_message.Message):
     def __init__(self, update_id: _Optional[str] = ...) -> None: ...
 
 class ReceiveBucketCommand(_message.Message):
-    __slots__ = ("update_id", "sequence", "checksum", "discard", "size_bytes", "from_ingress", "ingress_offset_bytes", "piece_offset_bytes", "piece_size_bytes", "last_piece")
+    __slots__ = ("update_id", "sequence", "checksum", "discard", "size_bytes", "from_ingress", "ingress_offset_bytes", "piece_offset_bytes", "piece_size_bytes", "last_piece", "tail")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class ReceiveBucketCommand(_message.Message):
     PIECE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIECE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_PIECE_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     sequence: int
     checksum: _tensor_pb2.Checksum
@@ -102,7 +103,8 @@ class ReceiveBucketCommand(_message.Message):
     piece_offset_bytes: int
     piece_size_bytes: int
     last_piece: bool
-    def __init__(self, update_id: _Optional[str] = ..., sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., discard: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., from_ingress: _Optional[bool] = ..., ingress_offset_bytes: _Optional[int] = ..., piece_offset_bytes: _Optional[int] = ..., piece_size_bytes: _Optional[int] = ..., last_piece: _Optional[bool] = ...) -> None: ...
+    tail: bytes
+    def __init__(self, update_id: _Optional[str] = ..., sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., discard: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., from_ingress: _Optional[bool] = ..., ingress_offset_bytes: _Optional[int] = ..., piece_offset_bytes: _Optional[int] = ..., piece_size_bytes: _Optional[int] = ..., last_piece: _Optional[bool] = ..., tail: _Optional[bytes] = ...) -> None: ...
 
 class CommitUpdateCommand(_message.Message):
     __slots__ = ("update_id",)

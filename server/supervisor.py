@@ -29,6 +29,7 @@ import structlog
 from weightsync.common.errors import Unavailable, WeightSyncError, error_from_code
 from weightsync.common.fd_passing import recv_fds
 from weightsync.common.shm_queue import OwnedQueue, QueueCorrupted
+from weightsync.gpu_worker.device_faults import EXIT_DEVICE_LOST
 from weightsync.server.ingress import Ingress
 from weightsync.server.store_keeper import KeptStore
 from weightsync.server.tasks import supervised
@@ -45,6 +46,15 @@ WATCH_INTERVAL_SECONDS = 0.5
 STABLE_AFTER_SECONDS = 10.0
 """A worker that ran this long before dying restarts at once; quicker deaths back off."""
 MAX_BACKOFF_SECONDS = 30.0
+
+
+def restart_delay(exit_code: int, quick_failures: int) -> float:
+    """How long to wait before restarting a worker that exited: at once the first time, then
+    doubling for deaths in quick succession; a worker whose device is gone (EXIT_DEVICE_LOST)
+    waits the longest from the first time, so a missing GPU is retried, never crash-looped."""
+    if exit_code == EXIT_DEVICE_LOST:
+        return MAX_BACKOFF_SECONDS
+    return 0.0 if quick_failures <= 1 else min(0.5 * 2 ** (quick_failures - 2), MAX_BACKOFF_SECONDS)
 
 
 @dataclass(slots=True)
@@ -264,7 +274,7 @@ class Supervisor:
         # The dead worker may have left half a frame in either ring.
         worker.commands.reset()
         worker.events.reset()
-        delay = 0.0 if worker.quick_failures <= 1 else min(0.5 * 2 ** (worker.quick_failures - 2), MAX_BACKOFF_SECONDS)
+        delay = restart_delay(code, worker.quick_failures)
         if delay:
             log.warning("worker_restart_backoff", worker=worker.index, seconds=delay, failures=worker.quick_failures)
         self._respawns[worker.index] = self._loop.call_later(delay, self._respawn, worker)

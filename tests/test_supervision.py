@@ -130,3 +130,16 @@ def test_finish_despite_cancel_survives_two_cancels():
         return done
 
     assert asyncio.run(scenario()) == ["abort", "write_done"]
+
+
+@pytest.mark.parametrize(("exit_code", "quick_failures", "seconds"), [
+    (-9, 1, 0.0),     # killed once: at once
+    (1, 3, 1.0),      # dying in quick succession: doubling
+    (1, 20, 30.0),    # ... up to the cap
+    (86, 1, 0.0),     # a sticky CUDA error: a fresh process fixes it, at once
+    (87, 1, 30.0),    # the device is gone: a restart cannot help soon, never a loop
+])
+def test_restart_delay(exit_code, quick_failures, seconds):
+    from weightsync.server.supervisor import restart_delay
+
+    assert restart_delay(exit_code, quick_failures) == seconds

@@ -11,6 +11,9 @@ and the worker, with its store, carries on.
 from __future__ import annotations
 
 import datetime
+import os
+import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -78,6 +81,8 @@ class GroupTable:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.groups: dict[str, CollectiveGroup] = {}
+        self.stores: dict[str, tuple[str, int]] = {}
+        """Each joined group's rendezvous store address."""
         self.abandoned_joins = 0
 
     def join(self, join: wpb.JoinGroupCommand) -> float:
@@ -99,7 +104,10 @@ class GroupTable:
                 attempt.abandoned = True
                 self.abandoned_joins += 1
         if not finished:
-            log.warning("join_abandoned", group_id=join.group_id, timeout=timeout, abandoned=self.abandoned_joins)
+            address = (join.store_host, join.store_port)
+            severed = 0 if address in self.stores.values() else sever_connections_to(*address)
+            log.warning("join_abandoned", group_id=join.group_id, timeout=timeout, abandoned=self.abandoned_joins,
+                        connections_severed=severed)
             raise DeadlineExceeded(
                 "RENDEZVOUS_TIMEOUT",
                 f"group {join.group_id}: the rendezvous at {join.store_host}:{join.store_port} did not complete "
@@ -117,6 +125,7 @@ class GroupTable:
             raise Aborted("RENDEZVOUS_FAILED", f"group {join.group_id}: {error}", group_id=join.group_id) from error
         assert attempt.group is not None
         self.groups[join.group_id] = attempt.group
+        self.stores[join.group_id] = (join.store_host, join.store_port)
         return time.monotonic() - started
 
     def get(self, group_id: str) -> CollectiveGroup:
@@ -126,6 +135,7 @@ class GroupTable:
         return group
 
     def leave(self, group_id: str) -> None:
+        self.stores.pop(group_id, None)
         group = self.groups.pop(group_id, None)
         if group is not None:
             group.close()
@@ -146,3 +156,41 @@ class GroupTable:
         for group in self.groups.values():
             group.close()
         self.groups.clear()
+        self.stores.clear()
+
+
+def sever_connections_to(host: str, port: int) -> int:
+    """Shut down this process's TCP connections to host:port; returns how many.
+
+    An abandoned join's thread may sit in torch's TCPStore client on a store that accepted the
+    connection but never answers, for minutes past any timeout. Shutting its socket down (the
+    descriptor stays the client's to close) ends that wait at once, so the connection does not
+    outlive the DEADLINE_EXCEEDED the worker already reported. Only called when no joined group
+    uses the same store."""
+    try:
+        peers = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except OSError:
+        return 0
+    severed = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            probe = socket.socket(fileno=os.dup(fd))  # a duplicate: closing it leaves the client's own
+        except (OSError, ValueError):
+            continue
+        with probe:
+            if probe.family not in (socket.AF_INET, socket.AF_INET6) or probe.type != socket.SOCK_STREAM:
+                continue
+            try:
+                peer = probe.getpeername()
+            except OSError:
+                continue
+            if peer[0].removeprefix("::ffff:") in peers and peer[1] == port:  # torch dials v4 over a v6 socket
+                try:
+                    probe.shutdown(socket.SHUT_RDWR)
+                    severed += 1
+                except OSError:
+                    pass
+    return severed

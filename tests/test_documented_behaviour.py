@@ -402,7 +402,9 @@ def push_shm(node: ServerProcess, ingress: mmap.mmap, slots: int, model: dict[st
         data = pack(plan, model, k).numpy().tobytes()
         start = (k % slots) * SLOT
         ingress[start : start + len(data)] = data
-        stream.send(bucket_start=pb.BucketStart(sequence=k, size_bytes=len(data)))
+        # SHM buckets carry their WS64 (the workers check their own copy: BUCKET_CHECKSUM_REQUIRED otherwise).
+        stream.send(bucket_start=pb.BucketStart(sequence=k, size_bytes=len(data),
+                                                checksum=tensor_checksum(pack(plan, model, k))))
     while applied < len(plan.buckets):
         assert stream.recv().bucket_applied.sequence == applied
         applied += 1

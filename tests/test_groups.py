@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -150,4 +151,50 @@ def test_a_trainer_that_dies_between_updates_breaks_and_releases_its_group(serve
     with WeightSyncClient(server.address) as client:
         client.create_group(timeout=30)
         client.push(mixed_model(35), version="after-dead-trainer", bucket_size_bytes=1 << 20)
+        assert client.verify(mixed_model(35)).ok
+
+
+def test_an_abandoned_join_leaves_no_connection_to_the_silent_store(server, committed):
+    """Issue 16, defect 9: after DEADLINE_EXCEEDED, every connection the workers opened to a store
+    that never answers is closed (before: torch's TCPStore client kept two of four open)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                accepted.append(silent.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    request = pb.CreateTransferGroupRequest(
+        group_id="mute-store", store_host="127.0.0.1", store_port=silent.getsockname()[1], world_size=3,
+        rank_offset=1, backend=pb.BACKEND_GLOO,
+    )
+    request.timeout.FromTimedelta(datetime.timedelta(seconds=3))
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            server.stub().CreateTransferGroup(request, timeout=60)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def closed_by_peer(connection: socket.socket) -> bool:
+            connection.settimeout(0.05)
+            try:
+                return connection.recv(1 << 16) == b""
+            except TimeoutError:
+                return False
+            except OSError:
+                return True
+
+        wait_for(lambda: accepted and all(closed_by_peer(c) for c in accepted), timeout=10)
+    finally:
+        silent.close()
+        for connection in accepted:
+            connection.close()
+    with WeightSyncClient(server.address) as client:
+        client.create_group(timeout=30)
+        client.push(mixed_model(35), version="after-mute", bucket_size_bytes=1 << 20)
         assert client.verify(mixed_model(35)).ok

@@ -30,8 +30,15 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.common import dtypes
-from weightsync.common.checksum import tensor_checksum
-from weightsync.common.errors import FailedPrecondition, InvalidArgument, NotFound, WeightSyncError
+from weightsync.common.checksum import tensor_checksum, ws64
+from weightsync.common.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    WeightSyncError,
+)
+from weightsync.common.patches import DecodedPatch, apply_patch, decode_patch, ws64_after_patch
 from weightsync.gpu_worker.bucket_checks import (
     arm_tail,
     check_tail,
@@ -47,7 +54,7 @@ from weightsync.gpu_worker.memory import (
     release_cached_device_memory,
     synchronize_device,
 )
-from weightsync.gpu_worker.update_plan import BucketRoute, StoredTensor, UpdatePlan
+from weightsync.gpu_worker.update_plan import BucketRoute, PatchTarget, StoredTensor, UpdatePlan
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
@@ -99,6 +106,9 @@ class StoreUpdate:
     started_through: int = -1
     """Last bucket whose bytes may have reached the store (IN_PLACE abort marks it dirty)."""
     received_bytes: int = 0
+    patches: list[tuple[str, DecodedPatch | None, int]] = field(default_factory=list)
+    """Verified patches: (tensor, the patch still to scatter at commit (STAGED) or None (IN_PLACE:
+    scattered already), WS64 of the patched tensor)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +136,9 @@ class WeightStore:
     """Reused, pre-touched receive buffer of the general path (never part of the store)."""
     persisted_arenas: set[int] = field(default_factory=set)
     """Arenas whose descriptors the server already holds."""
+    tensor_checksums: dict[str, int] = field(default_factory=dict)
+    """WS64 of live tensors, computed once and kept across patches (a patch is checked against it
+    in O(changed)); a tensor leaves it whenever anything but a patch writes it."""
     _next_arena_id: int = 1
     _tensors_sent_for: int = -1
 
@@ -391,10 +404,52 @@ class WeightStore:
             raise
         for offset, size, destination in update.copies[sequence]:
             destination.copy_(received[offset : offset + size])
+        if route.patches:
+            try:
+                self._take_patches(update, sequence, route.patches, received)
+            except Exception:
+                update.phase = Phase.FAILED
+                raise
         synchronize_device(self.device)
         update.next_sequence += 1
         update.received_bytes += route.size_bytes
         return route.size_bytes
+
+    def live_checksum(self, name: str) -> int:
+        """WS64 of a live tensor (kept, see tensor_checksums)."""
+        value = self.tensor_checksums.get(name)
+        if value is None:
+            value = self.tensor_checksums[name] = ws64(self.view(name))
+        return value
+
+    def _take_patches(self, update: StoreUpdate, sequence: int, targets: tuple[PatchTarget, ...],
+                      received: torch.Tensor) -> None:
+        """Decode and verify every patch of a bucket against the live tensor: its WS64 once
+        patched must be the one the plan names (the end-to-end proof, in O(changed)). IN_PLACE
+        scatters them now; STAGED keeps them (a copy: the bucket's buffer is reused) for commit."""
+        taken = []
+        for target in targets:
+            live = self.view(target.name)
+            patch = decode_patch(received[target.src_offset : target.src_offset + target.size_bytes],
+                                 encoding=target.encoding, numel=live.numel(), count=target.count,
+                                 itemsize=live.element_size(), tensor=target.name)
+            actual = ws64_after_patch(self.live_checksum(target.name), live, patch)
+            if actual != target.expected:
+                raise DataLoss(
+                    "TENSOR_CHECKSUM_MISMATCH",
+                    f"tensor {target.name!r} in bucket {sequence}: once patched its WS64 would be {actual:#018x}, "
+                    f"the plan says {target.expected:#018x} (was the base what the trainer thinks?)",
+                    bucket=sequence, tensor=target.name,
+                )
+            taken.append((target.name, patch, actual))
+        for name, patch, actual in taken:
+            if update.plan.staged:
+                kept = DecodedPatch(patch.positions.clone(), patch.values.clone())
+                update.patches.append((name, kept, actual))
+            else:
+                apply_patch(self.view(name), patch)
+                self.tensor_checksums.pop(name, None)  # half-applied until commit: no claim meanwhile
+                update.patches.append((name, None, actual))
 
     def commit_update(self) -> UpdatePlan:
         """Publish: flip shadows (STAGED), add new tensors, clear what was rewritten."""
@@ -413,6 +468,13 @@ class WeightStore:
             segment.live, segment.shadow = segment.shadow, segment.live  # type: ignore[assignment]
         for tensor in update.plan.new_tensors:
             self.tensors[tensor.name] = tensor
+        for name in update.plan.names:
+            self.tensor_checksums.pop(name, None)
+        for name, patch, checksum in update.patches:
+            if patch is not None:  # STAGED: the live bytes change only now (the server holds the engines off)
+                apply_patch(self.view(name), patch)
+            self.tensor_checksums[name] = checksum
+        synchronize_device(self.device)
         self.dirty -= update.plan.names
         self.update = None
         return update.plan
@@ -427,6 +489,8 @@ class WeightStore:
         if not update.plan.staged:
             for route in update.plan.routes[: update.started_through + 1]:
                 self.dirty.update(route.overwrites)
+                for name in route.overwrites:
+                    self.tensor_checksums.pop(name, None)
         update.receive_into.clear()
         update.copies.clear()
         if update.new_arena is not None:

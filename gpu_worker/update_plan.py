@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.common import dtypes
+from weightsync.common import dtypes, patches
 from weightsync.common.errors import InvalidArgument
 from weightsync.common.layout import align_up
 from weightsync.gpu_worker.memory import align_segment
@@ -63,6 +63,20 @@ class TensorCopy:
 
 
 @dataclass(frozen=True, slots=True)
+class PatchTarget:
+    """A tensor that arrives as a patch (tensor.proto, TensorEncoding): bucket bytes
+    [src_offset, +size) hold it; it overwrites elements of the stored tensor `name`."""
+
+    name: str
+    src_offset: int
+    size_bytes: int
+    encoding: int
+    count: int
+    expected: int
+    """WS64 of the whole tensor once patched."""
+
+
+@dataclass(frozen=True, slots=True)
 class BucketRoute:
     """Where one bucket's bytes go."""
 
@@ -73,6 +87,8 @@ class BucketRoute:
     checks: tuple[TensorCheck, ...]
     overwrites: tuple[str, ...]
     """Tensors already in the store that this bucket rewrites (IN_PLACE abort marks them dirty)."""
+    patches: tuple[PatchTarget, ...] = ()
+    """Tensors of this bucket sent as patches: never copied whole, never shadowed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +126,13 @@ class UpdatePlan:
 
 
 def bucket_signature(bucket: tensor_pb2.BucketSpec) -> bytes:
-    """What must be equal for a bucket to be received straight into a segment."""
+    """What must be equal for a bucket to be received straight into a segment (dense tensors only:
+    a bucket holding a patch never is)."""
     digest = hashlib.blake2b(str(bucket.size_bytes).encode(), digest_size=16)
     for t in bucket.tensors:
         digest.update(f"\0{t.name}\0{t.dtype}\0{list(t.shape)}\0{t.offset_bytes}\0{t.size_bytes}".encode())
+        if patches.is_patch(t.encoding):
+            digest.update(f"\0patch{t.encoding}".encode())
     return digest.digest()
 
 
@@ -134,10 +153,11 @@ def _check_against_store(index: int, spec: tensor_pb2.TensorSpec, stored: Stored
 
 
 def _checks(bucket: tensor_pb2.BucketSpec) -> tuple[TensorCheck, ...]:
+    """Dense tensors with a WS64 (a patch's checksum is of the patched tensor: see PatchTarget)."""
     return tuple(
         TensorCheck(s.name, s.offset_bytes, s.size_bytes, s.checksum.value)
         for s in bucket.tensors
-        if s.checksum.algorithm == tensor_pb2.CHECKSUM_ALGORITHM_WS64
+        if s.checksum.algorithm == tensor_pb2.CHECKSUM_ALGORITHM_WS64 and not patches.is_patch(s.encoding)
     )
 
 
@@ -171,9 +191,18 @@ def derive_update_plan(
     names: set[str] = set()
     for index, bucket in enumerate(plan.buckets):
         existing: list[str] = []
+        patched: list[PatchTarget] = []
         for spec in bucket.tensors:
             names.add(spec.name)
             stored = tensors.get(spec.name)
+            if patches.is_patch(spec.encoding):
+                if stored is None:
+                    raise InvalidArgument("TENSOR_UNKNOWN", f"tensor {spec.name!r} is sent as a patch but is not in "
+                                          "the store: send it dense", bucket=index, tensor=spec.name)
+                _check_against_store(index, spec, stored)
+                patched.append(PatchTarget(spec.name, spec.offset_bytes, spec.size_bytes, spec.encoding,
+                                           spec.patch_count, spec.checksum.value))
+                continue  # its segment is neither copied nor shadowed: the patch is scattered (store.py)
             if stored is None:
                 if not allow_new:
                     raise InvalidArgument(
@@ -187,6 +216,11 @@ def derive_update_plan(
             touched.add(stored.segment)
         signature = bucket_signature(bucket)
         checks = _checks(bucket)
+        if patched:
+            routes.append(_general_route(bucket, tensors, first_new, new_segments, new_tensors, checks, existing,
+                                         tuple(patched)))
+            staging = max(staging, bucket.size_bytes)
+            continue
         if not existing:  # every tensor is new: the bucket defines a segment of its own
             segment = first_new + len(new_segments)
             new_segments.append(NewSegment(bucket.size_bytes, signature))
@@ -198,24 +232,8 @@ def derive_update_plan(
             rewritten.add(segment)
             routes.append(BucketRoute(bucket.size_bytes, segment, (), checks, tuple(existing)))
             continue
-        # General path: new tensors of this bucket get one packed segment of their own.
-        copies: list[TensorCopy] = []
-        fresh = [s for s in bucket.tensors if s.name not in tensors]
-        fresh_segment = first_new + len(new_segments)
-        cursor = 0
-        for spec in fresh:
-            start = align_up(cursor)
-            new_tensors.append(_new_tensor(spec, fresh_segment, start))
-            copies.append(TensorCopy(spec.offset_bytes, spec.size_bytes, fresh_segment, start))
-            cursor = start + spec.size_bytes
-        if fresh:
-            new_segments.append(NewSegment(align_up(cursor), b""))
-        for spec in bucket.tensors:
-            stored = tensors.get(spec.name)
-            if stored is not None:
-                copies.append(TensorCopy(spec.offset_bytes, spec.size_bytes, stored.segment, stored.offset_bytes))
+        routes.append(_general_route(bucket, tensors, first_new, new_segments, new_tensors, checks, existing, ()))
         staging = max(staging, bucket.size_bytes)
-        routes.append(BucketRoute(bucket.size_bytes, None, tuple(copies), checks, tuple(existing)))
     shadowed = tuple(sorted(touched | rewritten)) if staged else ()
     return UpdatePlan(
         plan_id=plan_id,
@@ -230,6 +248,30 @@ def derive_update_plan(
         staging_bytes=staging,
         names=frozenset(names),
     )
+
+
+def _general_route(bucket: tensor_pb2.BucketSpec, tensors: dict[str, StoredTensor], first_new: int,
+                   new_segments: list[NewSegment], new_tensors: list[StoredTensor], checks: tuple[TensorCheck, ...],
+                   existing: list[str], patched: tuple[PatchTarget, ...]) -> BucketRoute:
+    """Staging, then one copy per dense tensor (new tensors of the bucket get one packed segment
+    of their own); patches are scattered from staging."""
+    copies: list[TensorCopy] = []
+    fresh = [s for s in bucket.tensors if s.name not in tensors]
+    fresh_segment = first_new + len(new_segments)
+    cursor = 0
+    for spec in fresh:
+        start = align_up(cursor)
+        new_tensors.append(_new_tensor(spec, fresh_segment, start))
+        copies.append(TensorCopy(spec.offset_bytes, spec.size_bytes, fresh_segment, start))
+        cursor = start + spec.size_bytes
+    if fresh:
+        new_segments.append(NewSegment(align_up(cursor), b""))
+    for spec in bucket.tensors:
+        stored = tensors.get(spec.name)
+        if stored is not None and not patches.is_patch(spec.encoding):
+            copies.append(TensorCopy(spec.offset_bytes, spec.size_bytes, stored.segment, stored.offset_bytes))
+    overwrites = (*existing, *(p.name for p in patched))
+    return BucketRoute(bucket.size_bytes, None, tuple(copies), checks, overwrites, patched)
 
 
 class PlanCache:

@@ -32,6 +32,7 @@ from weightsync.common.errors import (
     WeightSyncError,
     code_number,
 )
+from weightsync.common.patches import is_patch
 from weightsync.server.admission import MemoryAdmission
 from weightsync.server.groups import GroupRegistry
 from weightsync.server.ingress import Ingress
@@ -115,6 +116,10 @@ class UpdateSession:
         if self.group is None:
             return self.services.transfer_timeout
         return self.group.timeout.total_seconds() + BUCKET_MARGIN_SECONDS
+
+    @property
+    def patched(self) -> bool:
+        return any(is_patch(t.encoding) for b in self.plan.buckets for t in b.tensors)
 
     @property
     def in_place(self) -> bool:
@@ -272,6 +277,11 @@ class UpdateSession:
             self.fail(error)
             raise error
         supervisor = self.services.supervisor
+        if not self.in_place and self.patched:
+            # A STAGED patch is scattered into the live bytes at commit: engines reading the
+            # committed version finish first, and none starts until the commit is done.
+            await self.services.leases.before_write(staged=False, timeout=self.services.lease_timeout,
+                                                    generation=self.services.publisher.version.generation)
         committed = await supervisor.fan_out(self.services.command_timeout,
                                              commit_update=wpb.CommitUpdateCommand(update_id=self.update_id))
         failures = committed.errors

@@ -1,0 +1,224 @@
+"""Patched updates (issue 18) through the raw protocol, as a trainer in any language sends them:
+INLINE, patches built with the documented byte layout, checked bit for bit on every worker.
+Every refusal is followed by the next normal update and a verify."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from weightsync.common.checksum import tensor_checksum, ws64
+from weightsync.common.patches import BITMASK, GAPS, POSITIONS, changed_positions, encode_patch, patch_size_bytes
+from weightsync.v1 import tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+from helpers import DTYPE, UpdateStream, error_info, local_checksums, server_checksums, start_server
+
+pytestmark = pytest.mark.timeout(180)
+CHUNK = 1 << 20
+
+
+def model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed": torch.randn(4096, 64, generator=g).to(torch.bfloat16),
+        "w": torch.randn(3001, generator=g),
+        "steps": torch.arange(999, dtype=torch.int64),
+        "flags": torch.zeros(77, dtype=torch.bool),
+    }
+
+
+def changed(base: dict[str, torch.Tensor], seed: int, fraction: float = 0.01) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    new = {n: t.clone() for n, t in base.items()}
+    for name, tensor in new.items():
+        flat = tensor.view(-1)
+        picks = torch.nonzero(torch.rand(flat.numel(), generator=g) < fraction).reshape(-1)
+        if tensor.dtype == torch.bool:
+            flat[picks] = ~flat[picks]
+        else:
+            flat[picks] = flat[picks] + torch.ones((), dtype=tensor.dtype)
+    return new
+
+
+def dense_buckets(named: dict[str, torch.Tensor]) -> list[tuple[tensor_pb2.TensorSpec, bytes]]:
+    out = []
+    for name, tensor in named.items():
+        data = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        out.append((tensor_pb2.TensorSpec(name=name, dtype=DTYPE[tensor.dtype], shape=list(tensor.shape),
+                                          offset_bytes=0, size_bytes=len(data)), data))
+    return out
+
+
+def patch_buckets(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], encoding: int,
+                  checksum_of=None) -> list[tuple[tensor_pb2.TensorSpec, bytes]]:
+    """One bucket per changed tensor, each a patch (unchanged tensors are not sent)."""
+    out = []
+    for name, tensor in new.items():
+        positions = changed_positions(base[name], tensor)
+        if not positions.numel():
+            continue
+        size = patch_size_bytes(encoding, tensor.numel(), positions.numel(), tensor.element_size())
+        data = torch.empty(size, dtype=torch.uint8)
+        encode_patch(tensor, positions, encoding, data)
+        checksum = ws64(tensor) if checksum_of is None else checksum_of(name, tensor)
+        out.append((tensor_pb2.TensorSpec(name=name, dtype=DTYPE[tensor.dtype], shape=list(tensor.shape),
+                                          offset_bytes=0, size_bytes=size, encoding=encoding,
+                                          patch_count=positions.numel(),
+                                          checksum=tensor_pb2.Checksum(algorithm=tensor_pb2.CHECKSUM_ALGORITHM_WS64,
+                                                                       value=checksum)),
+                    data.numpy().tobytes()))
+    return out
+
+
+def padded(data: bytes) -> bytes:
+    return data + b"\0" * (max(8, len(data)) - len(data))
+
+
+def send(server, buckets, version: str, *, mode=pb.UPDATE_MODE_STAGED, base_generation: int = 0,
+         stop_after: int | None = None, allow_new: bool = False) -> grpc.RpcError | pb.UpdateCommitted:
+    plan = tensor_pb2.WeightPlan()
+    for spec, data in buckets:
+        bucket = plan.buckets.add(size_bytes=len(padded(data)))
+        bucket.tensors.add().CopyFrom(spec)
+    stream = UpdateStream(server.stub())
+    stream.send(begin=pb.BeginUpdate(version=version, plan=plan, mode=mode, transport=pb.TRANSPORT_INLINE,
+                                     base_generation=base_generation, allow_new_tensors=allow_new))
+    try:
+        assert stream.recv().WhichOneof("message") == "ready"
+        for k, (_, data) in enumerate(buckets):
+            if k == stop_after:
+                stream.send(abort=pb.AbortUpdate(reason="trainer stops half-way"))
+                stream.recv()
+                raise AssertionError("abort did not end the stream")
+            data = padded(data)
+            stream.send(bucket_start=pb.BucketStart(sequence=k, size_bytes=len(data),
+                                                    checksum=tensor_checksum(torch.frombuffer(bytearray(data),
+                                                                                              dtype=torch.uint8))))
+            for offset in range(0, len(data), CHUNK):
+                stream.send(bucket_chunk=pb.BucketChunk(sequence=k, offset_bytes=offset,
+                                                        data=data[offset: offset + CHUNK]))
+            response = stream.recv()
+            if response.WhichOneof("message") != "bucket_applied":
+                stream.send(abort=pb.AbortUpdate(reason="server is aborting"))
+                stream.recv()
+                raise AssertionError(f"unexpected {response}")
+        stream.send(commit=pb.CommitUpdate())
+        committed = stream.recv().committed
+        stream.close()
+        return committed
+    except grpc.RpcError as error:
+        stream.close()
+        return error
+
+
+def generation(server) -> int:
+    return server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).current_version.generation
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("patches"))
+    yield server
+    assert server.stop() == 0, server.log()[-3000:]
+
+
+@pytest.fixture
+def base(node) -> dict[str, torch.Tensor]:
+    committed = model(1)
+    result = send(node, dense_buckets(committed), "base", allow_new=True)
+    assert isinstance(result, pb.UpdateCommitted), result
+    return committed
+
+
+@pytest.mark.parametrize("encoding", [POSITIONS, GAPS, BITMASK], ids=["positions", "gaps", "bitmask"])
+@pytest.mark.parametrize("mode", [pb.UPDATE_MODE_STAGED, pb.UPDATE_MODE_IN_PLACE], ids=["staged", "in-place"])
+def test_patches_land_bit_for_bit(node, base, encoding, mode):
+    current = base
+    for step in range(3):
+        new = changed(current, seed=10 + step)
+        result = send(node, patch_buckets(current, new, encoding), f"p{step}", mode=mode,
+                      base_generation=generation(node))
+        assert isinstance(result, pb.UpdateCommitted), result
+        assert server_checksums(node) == [local_checksums(new)] * 2
+        current = new
+
+
+def test_a_patch_to_another_generation_is_refused_before_any_byte_moves(node, base):
+    new = changed(base, seed=20)
+    stale = generation(node) - 1
+    result = send(node, patch_buckets(base, new, POSITIONS), "stale", base_generation=stale)
+    assert isinstance(result, grpc.RpcError)
+    assert result.code() == grpc.StatusCode.FAILED_PRECONDITION
+    info = error_info(result)
+    assert info.reason == "BASE_MISMATCH"
+    assert info.metadata["base_generation"] == str(stale)
+    assert server_checksums(node) == [local_checksums(base)] * 2
+    missing = send(node, patch_buckets(base, new, POSITIONS), "no-base")
+    assert (missing.code(), error_info(missing).reason) == (grpc.StatusCode.INVALID_ARGUMENT, "BASE_GENERATION_MISSING")
+    result = send(node, patch_buckets(base, new, POSITIONS), "right", base_generation=generation(node))
+    assert isinstance(result, pb.UpdateCommitted)
+    assert server_checksums(node) == [local_checksums(new)] * 2
+
+
+@pytest.mark.parametrize(("positions", "reason"), [
+    ([5, 10_000_000], "PATCH_INDEX_OUT_OF_RANGE"),
+    ([9, 5], "PATCH_INDEX_UNSORTED"),
+    ([5, 5], "PATCH_INDEX_UNSORTED"),
+])
+def test_bad_positions_are_refused_and_change_nothing(node, base, positions, reason):
+    target = base["w"]
+    values = torch.tensor([1.5, 2.5])
+    data = torch.cat([torch.tensor(positions, dtype=torch.int32).view(torch.uint8), values.view(torch.uint8)])
+    spec = tensor_pb2.TensorSpec(name="w", dtype=DTYPE[target.dtype], shape=list(target.shape), size_bytes=16,
+                                 encoding=POSITIONS, patch_count=2,
+                                 checksum=tensor_pb2.Checksum(algorithm=tensor_pb2.CHECKSUM_ALGORITHM_WS64, value=1))
+    result = send(node, [(spec, data.numpy().tobytes())], "bad", base_generation=generation(node))
+    assert isinstance(result, grpc.RpcError)
+    assert (result.code(), error_info(result).reason) == (grpc.StatusCode.INVALID_ARGUMENT, reason)
+    assert server_checksums(node) == [local_checksums(base)] * 2
+    new = changed(base, seed=30)
+    assert isinstance(send(node, patch_buckets(base, new, GAPS), "next", base_generation=generation(node)),
+                      pb.UpdateCommitted)
+    assert server_checksums(node) == [local_checksums(new)] * 2
+
+
+def test_a_wrong_whole_tensor_checksum_is_data_loss_and_staged_keeps_the_base(node, base):
+    new = changed(base, seed=40)
+    wrong = patch_buckets(base, new, BITMASK, checksum_of=lambda name, t: ws64(t) ^ (1 if name == "w" else 0))
+    result = send(node, wrong, "wrong", base_generation=generation(node))
+    assert isinstance(result, grpc.RpcError)
+    assert (result.code(), error_info(result).reason) == (grpc.StatusCode.DATA_LOSS, "TENSOR_CHECKSUM_MISMATCH")
+    assert error_info(result).metadata["tensor"] == "w"
+    assert server_checksums(node) == [local_checksums(base)] * 2
+    assert isinstance(send(node, patch_buckets(base, new, BITMASK), "right", base_generation=generation(node)),
+                      pb.UpdateCommitted)
+    assert server_checksums(node) == [local_checksums(new)] * 2
+
+
+def test_a_staged_patch_aborted_half_way_leaves_the_base_bit_for_bit(node, base):
+    new = changed(base, seed=50)
+    buckets = patch_buckets(base, new, POSITIONS)
+    assert len(buckets) >= 3
+    aborted = send(node, buckets, "aborted", base_generation=generation(node), stop_after=2)
+    assert isinstance(aborted, grpc.RpcError) and aborted.code() == grpc.StatusCode.ABORTED
+    state = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).store_state
+    assert state == pb.STORE_STATE_CONSISTENT
+    assert server_checksums(node) == [local_checksums(base)] * 2
+    assert isinstance(send(node, buckets, "whole", base_generation=generation(node)), pb.UpdateCommitted)
+    assert server_checksums(node) == [local_checksums(new)] * 2
+
+
+def test_an_aborted_in_place_patch_leaves_the_store_inconsistent_and_refuses_patches(node, base):
+    new = changed(base, seed=60)
+    buckets = patch_buckets(base, new, POSITIONS)
+    aborted = send(node, buckets, "aborted", mode=pb.UPDATE_MODE_IN_PLACE, base_generation=generation(node),
+                   stop_after=2)
+    assert isinstance(aborted, grpc.RpcError) and aborted.code() == grpc.StatusCode.ABORTED
+    info = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert info.store_state == pb.STORE_STATE_INCONSISTENT
+    refused = send(node, buckets, "patch-on-dirty", base_generation=generation(node))
+    assert error_info(refused).reason == "BASE_MISMATCH"  # half-written bytes are no base
+    assert isinstance(send(node, dense_buckets(new), "repair"), pb.UpdateCommitted)
+    assert server_checksums(node) == [local_checksums(new)] * 2

@@ -57,11 +57,15 @@ INTERNAL_ONLY = {
     "UPDATE_NOT_PREPARED",  # a worker asked about an update it did not prepare (a server bug)
 }
 # Met only by engines (acquire_version / release_version): in the doc's Engines table instead.
-ENGINE_ONLY = {"LEASE_NOT_FOUND", "VERSION_GONE", "STORE_LOST", "STORE_INCONSISTENT"}
+ENGINE_ONLY = {"LEASE_NOT_FOUND", "VERSION_GONE", "STORE_LOST", "STORE_INCONSISTENT", "DEVICE_NOT_VISIBLE",
+               "DEVICE_UUID_MISSING", "ENGINE_ANSWER_MALFORMED", "ENGINE_CALL_FAILED", "ENGINE_REFUSED",
+               "ENGINE_UNREACHABLE"}
 # UPPER_SNAKE_CASE string literals in the source that are no ErrorInfo reason.
 NOT_REASONS = {
     "LOCAL_ALLOW_UID",  # the WEIGHTSYNC_LOCAL_ALLOW_UID environment variable
     "NCCL_SOCKET_IFNAME",  # an environment variable NCCL reads
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",  # environment variables torch's NCCL groups read
+    "TORCH_NCCL_NONBLOCKING_TIMEOUT",
     "SERVICE_NAME",  # a Python name in __all__
 }
 

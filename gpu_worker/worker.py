@@ -30,6 +30,7 @@ import structlog
 import torch
 
 from weightsync.common.collective import CollectiveError, backend_for_device
+from weightsync.common.device_identity import cuda_uuid
 from weightsync.common.errors import (
     Aborted,
     InvalidArgument,
@@ -103,7 +104,8 @@ class Worker:
         beating = threading.Event()
         threading.Thread(target=self._heartbeat, args=(beating,), name="heartbeat", daemon=True).start()
         self._emit(wpb.WorkerEvent(started=wpb.WorkerStarted(
-            pid=os.getpid(), device=str(self.device), backend=backend_for_device(self.device))))
+            pid=os.getpid(), device=str(self.device), backend=backend_for_device(self.device),
+            device_uuid=cuda_uuid(self.device.index or 0) if self.device.type == "cuda" else "")))
         log.info("worker_started", device=str(self.device))
         try:
             while True:

@@ -214,7 +214,7 @@ class Node:
             pb.WorkerInfo(
                 index=w.index, device=w.device, backend=w.backend, state=w.state, store_state=w.store_state,
                 tensor_count=w.store.tensor_count, store_bytes=w.store.store_bytes, pid=w.pid,
-                restart_count=w.restart_count,
+                restart_count=w.restart_count, device_uuid=w.device_uuid,
             )
             for w in self.supervisor.workers
         ]

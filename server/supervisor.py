@@ -75,6 +75,8 @@ class WorkerHandle:
     writes_in_flight: set[str] = field(default_factory=set)
     """Tensors an IN_PLACE update is writing: dirty in a store restored after a crash."""
     backend: int = pb.BACKEND_UNSPECIFIED
+    device_uuid: str = ""
+    """The GPU's UUID as the worker reported it at start (empty: CPU)."""
     lost: bool = False
     """The worker died holding weights that did not survive; cleared once its store is refilled."""
     restart_count: int = 0
@@ -328,6 +330,7 @@ class Supervisor:
         kind = event.WhichOneof("event")
         if kind == "started":
             worker.backend = event.started.backend
+            worker.device_uuid = event.started.device_uuid
             log.info("worker_ready", worker=worker.index, pid=event.started.pid)
             if worker.restore_command is not None:
                 self._begin_restore(worker)

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from weightsync.common.checksum import tensor_checksum, ws64
-from weightsync.common.patches import BITMASK, GAPS, POSITIONS, changed_positions, encode_patch, patch_size_bytes
+from weightsync.common.patches import (
+    BITMASK,
+    GAPS,
+    POSITIONS,
+    changed_positions,
+    encode_patch,
+    patch_size_bytes,
+)
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -32,7 +39,7 @@ def model(seed: int) -> dict[str, torch.Tensor]:
 def changed(base: dict[str, torch.Tensor], seed: int, fraction: float = 0.01) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     new = {n: t.clone() for n, t in base.items()}
-    for name, tensor in new.items():
+    for tensor in new.values():
         flat = tensor.view(-1)
         picks = torch.nonzero(torch.rand(flat.numel(), generator=g) < fraction).reshape(-1)
         if tensor.dtype == torch.bool:

@@ -106,7 +106,7 @@ class WeightVersion(_message.Message):
     def __init__(self, version: _Optional[str] = ..., generation: _Optional[int] = ..., commit_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("index", "device", "backend", "state", "store_state", "tensor_count", "store_bytes", "pid", "restart_count")
+    __slots__ = ("index", "device", "backend", "state", "store_state", "tensor_count", "store_bytes", "pid", "restart_count", "device_uuid")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class WorkerInfo(_message.Message):
     STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     index: int
     device: str
     backend: Backend
@@ -125,7 +126,8 @@ class WorkerInfo(_message.Message):
     store_bytes: int
     pid: int
     restart_count: int
-    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., tensor_count: _Optional[int] = ..., store_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., tensor_count: _Optional[int] = ..., store_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
     __slots__ = ("max_tensors", "max_plan_bytes", "max_bucket_bytes", "max_message_bytes", "max_chunk_bytes", "ingress_slot_bytes", "ingress_slot_count")

@@ -257,14 +257,16 @@ class StoreStatus(_message.Message):
     def __init__(self, state: _Optional[_Union[_weight_sync_service_pb2.StoreState, str]] = ..., tensor_count: _Optional[int] = ..., store_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerStarted(_message.Message):
-    __slots__ = ("pid", "device", "backend")
+    __slots__ = ("pid", "device", "backend", "device_uuid")
     PID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     pid: int
     device: str
     backend: _weight_sync_service_pb2.Backend
-    def __init__(self, pid: _Optional[int] = ..., device: _Optional[str] = ..., backend: _Optional[_Union[_weight_sync_service_pb2.Backend, str]] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, pid: _Optional[int] = ..., device: _Optional[str] = ..., backend: _Optional[_Union[_weight_sync_service_pb2.Backend, str]] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class GroupJoined(_message.Message):
     __slots__ = ("group_id", "join_seconds")

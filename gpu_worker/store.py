@@ -470,11 +470,14 @@ class WeightStore:
             self.tensors[tensor.name] = tensor
         for name in update.plan.names:
             self.tensor_checksums.pop(name, None)
+        scattered = False
         for name, patch, checksum in update.patches:
             if patch is not None:  # STAGED: the live bytes change only now (the server holds the engines off)
                 apply_patch(self.view(name), patch)
+                scattered = True
             self.tensor_checksums[name] = checksum
-        synchronize_device(self.device)
+        if scattered:
+            synchronize_device(self.device)
         self.dirty -= update.plan.names
         self.update = None
         return update.plan

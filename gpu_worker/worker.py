@@ -105,7 +105,7 @@ class Worker:
         threading.Thread(target=self._heartbeat, args=(beating,), name="heartbeat", daemon=True).start()
         self._emit(wpb.WorkerEvent(started=wpb.WorkerStarted(
             pid=os.getpid(), device=str(self.device), backend=backend_for_device(self.device),
-            device_uuid=cuda_uuid(self.device.index or 0) if self.device.type == "cuda" else "")))
+            device_uuid=self._device_uuid())))
         log.info("worker_started", device=str(self.device))
         try:
             while True:
@@ -125,6 +125,17 @@ class Worker:
                     return failed.fault.exit_code
         finally:
             beating.set()
+
+    def _device_uuid(self) -> str:
+        """The GPU's UUID for GetServerInfo; "" for a CPU worker, or if CUDA cannot say (the
+        first command on the device then fails with the real reason)."""
+        if self.device.type != "cuda":
+            return ""
+        try:
+            return cuda_uuid(self.device.index or 0)
+        except (RuntimeError, AssertionError) as error:
+            log.warning("device_uuid_unknown", error=str(error))
+            return ""
 
     def _heartbeat(self, stop: threading.Event) -> None:
         """Beat from a thread of its own: the loop may sit in a collective for its whole timeout."""

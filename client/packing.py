@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.client.errors import PlanMismatch
+from weightsync.client.errors import DuplicateTensor, PlanMismatch
 from weightsync.client.planning import PlannedBucket, check_tensors
 from weightsync.common import dtypes
 from weightsync.v1 import tensor_pb2
@@ -64,23 +64,35 @@ class TensorSource:
         self._mapping = mapping
         self._iterator = iterator
         self._stash: dict[str, torch.Tensor] = {}
+        self._pulled: set[str] = set()
 
     def put_back(self, name: str, tensor: torch.Tensor) -> None:
         if self._mapping is None:
             self._stash[name] = tensor
 
+    def _pull(self) -> tuple[str, torch.Tensor] | None:
+        """The iterator's next tensor, checked as a dict's would be; None at its end."""
+        assert self._iterator is not None
+        try:
+            name, tensor = next(self._iterator)
+        except StopIteration:
+            return None
+        check_tensors([(name, tensor)])  # a streamed value gets the same clear errors as a dict
+        if name in self._pulled:
+            raise DuplicateTensor(f"tensor {name!r} appears twice in the streamed tensors")
+        self._pulled.add(name)
+        return name, tensor
+
     def take(self, spec: tensor_pb2.TensorSpec) -> torch.Tensor:
         if self._mapping is not None:
             return self._mapping[spec.name]
-        assert self._iterator is not None
         tensor = self._stash.pop(spec.name, None)
         name = spec.name
         while tensor is None:
-            try:
-                name, candidate = next(self._iterator)
-            except StopIteration:
-                raise PlanMismatch(f"the iterator ended before tensor {spec.name!r} of the reused plan") from None
-            check_tensors([(name, candidate)])  # a streamed value gets the same clear errors as a dict
+            pulled = self._pull()
+            if pulled is None:
+                raise PlanMismatch(f"the iterator ended before tensor {spec.name!r} of the reused plan")
+            name, candidate = pulled
             if name == spec.name:
                 tensor = candidate
             elif len(self._stash) < self.MAX_STASHED:
@@ -96,7 +108,10 @@ class TensorSource:
 
     def finish(self) -> None:
         if self._iterator is not None:
-            extra = next(iter(self._stash), None) or next(self._iterator, (None,))[0]
+            extra = next(iter(self._stash), None)
+            if extra is None:
+                pulled = self._pull()
+                extra = pulled[0] if pulled is not None else None
             if extra is not None:
                 raise PlanMismatch(f"the iterator yields {extra!r}, which is not in the reused plan")
 

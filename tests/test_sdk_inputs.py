@@ -124,3 +124,24 @@ def test_iterators_are_checked_before_bytes_move_or_streamed_staged(client, serv
     streamed = mixed_model(71)
     client.push(iter(streamed.items()), version="streamed", mode="staged")
     assert client.verify(streamed).ok
+
+
+# -- a name streamed twice is a duplicate, not a stranger ------------------------------------------------
+@pytest.mark.parametrize("where", ["mid-plan", "after the plan"])
+def test_a_name_streamed_twice_is_reported_as_a_duplicate(client, server, where):
+    committed = mixed_model(80)
+    client.push(committed, version="dup-base", bucket_size_bytes=1 << 20)
+    names = list(committed)
+    twice = names[1]
+    items = list(committed.items())
+    doubled = items[:3] + [(twice, committed[twice])] + items[3:] if where == "mid-plan" else items + [items[1]]
+    with pytest.raises(UpdateFailed) as caught:
+        client.push(iter(doubled), version="dup", mode="staged")  # streamed against the committed plan
+    assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "TENSOR_NAME_DUPLICATE")
+    assert f"tensor {twice!r} appears twice in the streamed tensors" in str(caught.value)
+    assert client.server_info()[0].store_state == pb.STORE_STATE_CONSISTENT
+    assert client.verify(committed).ok  # STAGED: nothing changed
+    streamed = mixed_model(81)
+    client.push(iter(streamed.items()), version="after-dup", mode="staged")
+    assert client.verify(streamed).ok
+

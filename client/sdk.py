@@ -41,7 +41,7 @@ from weightsync.client.planning import (
     check_tensors,
     plan_proto,
 )
-from weightsync.client.push import Endpoint, PushRun
+from weightsync.client.push import PushRun
 from weightsync.client.servers import Server, ServerSet
 from weightsync.client.sinks import CollectiveSink, InlineSink, ShmSink, Sink
 from weightsync.client.types import (
@@ -265,7 +265,7 @@ class WeightSyncClient:
         total = sum(b.spec.size_bytes for b in planned)
         bar = _progress_bar(total, version, show_progress)
         run = PushRun(
-            loop=self._loop, endpoints=[Endpoint(s.address, s.update_weights) for s in self._servers.servers],
+            loop=self._loop, servers=self._servers.servers,
             metadata=self._servers.metadata, rpc_timeout=self._servers.timeout,
             commit_timeout=(group.timeout.total_seconds() if group else self._servers.timeout) + 30,
             group_id=group.group_id if group else "", sink=sink, plans=self._plans, planned=planned,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.client.errors import DuplicateTensor, PlanMismatch
+from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.planning import PlannedBucket, check_tensors
 from weightsync.common import dtypes
 from weightsync.v1 import tensor_pb2
@@ -135,7 +136,7 @@ def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source:
         if spec.size_bytes:
             sources.append(tensor.detach())
     destinations = buffers.destinations(index, bucket.spec)
-    with torch.no_grad():
+    with torch.no_grad(), one_intra_op_thread():
         if all(t.device == buffer.device for t in sources):
             torch._foreach_copy_(destinations, sources)  # one call for the whole bucket
         else:

@@ -25,6 +25,7 @@ import structlog
 
 from weightsync.client._loop import LoopThread
 from weightsync.client.errors import PlanMismatch, UpdateFailed, WeightSyncRpcError
+from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.packing import TensorSource
 from weightsync.client.plan_cache import PlanCache
 from weightsync.client.planning import PlannedBucket
@@ -112,7 +113,10 @@ class PushRun:
                 # COLLECTIVE packs bucket k while bucket k-1 is still on the wire (see sinks.py).
                 payload, copied = self.sink.fill(index, bucket, self.source, streams)
                 self.zero_copy_buckets += not copied
-                checksum = tensor_checksum(payload) if self.checksums else tensor_pb2.Checksum()
+                checksum = tensor_pb2.Checksum()
+                if self.checksums:
+                    with one_intra_op_thread():
+                        checksum = tensor_checksum(payload)
                 # A server that failed meanwhile stops us before we announce more.
                 failure = first_failure(streams) or self.sink.send(index, payload, checksum, streams)
                 if failure is not None:

@@ -33,6 +33,7 @@ from weightsync.client._loop import LoopThread
 from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
 from weightsync.client.groups import TransferGroup
 from weightsync.client.ingress import IngressLease, open_ingress
+from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.packing import PackBuffers, TensorSource, is_zero_copy
 from weightsync.client.plan_cache import CachedPlan, PlanCache, fingerprint
 from weightsync.client.planning import (
@@ -74,28 +75,6 @@ def _serialized(method):
     def wrapper(self, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
-
-    return wrapper
-
-
-def _one_intra_op_thread(method):
-    """Run a CPU-heavy SDK method with one torch intra-op thread, then restore.
-
-    Packing and checksums are many small memory-bound ops; with several
-    OpenMP threads each op pays a barrier, and on a host whose cores are
-    busy with the broadcast (sockets, receivers) a barrier waits for a thread
-    that cannot run: measured 100x slower packing on 2 loaded cores. The
-    setting is process-wide, so it is restored as soon as the call returns.
-    """
-
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        previous = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return method(*args, **kwargs)
-        finally:
-            torch.set_num_threads(previous)
 
     return wrapper
 
@@ -191,7 +170,6 @@ class WeightSyncClient:
 
     # -- push --------------------------------------------------------------------
     @_serialized
-    @_one_intra_op_thread
     def push(
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -230,6 +208,9 @@ class WeightSyncClient:
         no group, no network; buckets at most its ingress slot).
         Raises UpdateFailed, with a status code and a reason (the update is
         aborted on every server).
+        Packing and checksums run with one torch intra-op thread, set for the
+        calling thread and for the SDK's own ops only (intra_op.py): the
+        process's torch.get_num_threads() is never changed.
         """
         if mode not in _MODES:
             raise ValueError(f"mode must be 'in_place' or 'staged', got {mode!r}")
@@ -335,12 +316,12 @@ class WeightSyncClient:
 
     # -- verify ------------------------------------------------------------------
     @_serialized
-    @_one_intra_op_thread
     def verify(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> VerifyResult:
         """Compare local WS64 checksums with every worker of every server."""
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         check_tensors(items)
-        local = {name: ws64(t.detach()) for name, t in items}
+        with one_intra_op_thread():
+            local = {name: ws64(t.detach()) for name, t in items}
 
         async def fetch():
             request = pb.GetTensorChecksumsRequest(names=sorted(local))

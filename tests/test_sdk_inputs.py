@@ -145,3 +145,51 @@ def test_a_name_streamed_twice_is_reported_as_a_duplicate(client, server, where)
     client.push(iter(streamed.items()), version="after-dup", mode="staged")
     assert client.verify(streamed).ok
 
+
+# -- push leaves torch's thread count alone ---------------------------------------------------------------
+def test_push_leaves_the_torch_thread_count_of_every_thread_alone(client, server):
+    """The client is shared between threads: a push must not change what torch gives other threads, the
+    threads they start, or the caller's own code (its progress callback), during the push or after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # more than one, so that a change to one shows
+    try:
+        in_push, checked = threading.Event(), threading.Event()
+        seen: dict[str, int] = {}
+
+        def fresh_thread_count() -> int:
+            box: list[int] = []
+            thread = threading.Thread(target=lambda: box.append(torch.get_num_threads()))
+            thread.start()
+            thread.join()
+            return box[0]
+
+        def progress(p) -> None:
+            if p.bucket == 0:
+                seen["pushing thread, in its callback"] = torch.get_num_threads()
+                seen["thread started by the pushing thread"] = fresh_thread_count()
+                in_push.set()
+                checked.wait(30)
+
+        model = mixed_model(82)
+        errors: list[BaseException] = []
+
+        def push() -> None:
+            try:
+                client.push(model, version="threads", bucket_size_bytes=1 << 18, progress=progress)
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        pushing = threading.Thread(target=push)
+        pushing.start()
+        assert in_push.wait(60)
+        seen["main thread, during the push"] = torch.get_num_threads()
+        seen["thread started during the push"] = fresh_thread_count()
+        checked.set()
+        pushing.join(60)
+        assert errors == []
+        seen["main thread, after"] = torch.get_num_threads()
+        seen["thread started after"] = fresh_thread_count()
+        assert seen == dict.fromkeys(seen, 2)
+        assert client.verify(model).ok
+    finally:
+        torch.set_num_threads(previous)

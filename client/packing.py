@@ -17,21 +17,26 @@ from weightsync.v1 import tensor_pb2
 
 @dataclass(slots=True)
 class PackBuffers:
-    """Pack buffers, reused across pushes, grown when a plan needs more: bucket k packs into
-    pair[k % len(pair)] (two of them, or the ingress slots for SHM)."""
+    """Pack buffers, reused across pushes, grown when a plan needs more."""
 
     device: torch.device
-    pair: list[torch.Tensor] = field(default_factory=list)
+    slots: list[torch.Tensor] = field(default_factory=list)
+    """Bucket k packs into slots[k % len(slots)]: two buffers of our own, or the server's ingress slots (SHM)."""
     views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """Typed destination views per bucket index, valid for the plan named views_plan."""
     views_plan: str = ""
 
     def ensure(self, size: int) -> None:
-        if self.pair and self.pair[0].numel() >= size:
+        if self.slots and self.slots[0].numel() >= size:
             return
         pin = self.device.type == "cpu" and torch.cuda.is_available()
         # zeros() touches every page once, here, not during the first push.
-        self.pair = [torch.zeros(size, dtype=torch.uint8, device=self.device, pin_memory=pin) for _ in range(2)]
+        self.slots = [torch.zeros(size, dtype=torch.uint8, device=self.device, pin_memory=pin) for _ in range(2)]
+        self.views.clear()
+
+    def release(self) -> None:
+        """Drop every reference into the slots (SHM: before its mapping closes)."""
+        self.slots.clear()
         self.views.clear()
 
     def use_plan(self, plan_id: str) -> None:
@@ -44,7 +49,7 @@ class PackBuffers:
         """Where each non-empty tensor of bucket `index` goes in its pack buffer."""
         views = self.views.get(index)
         if views is None:
-            buffer = self.pair[index % len(self.pair)]
+            buffer = self.slots[index % len(self.slots)]
             views = [
                 buffer[t.offset_bytes : t.offset_bytes + t.size_bytes].view(dtypes.to_torch(t.dtype)).view(tuple(t.shape))
                 for t in spec.tensors
@@ -129,7 +134,7 @@ def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source:
         if tensor.is_contiguous() and tensor.device == buffers.device and spec.size_bytes == bucket.spec.size_bytes:
             return tensor.detach().reshape(-1).view(torch.uint8), False
         source.put_back(spec.name, tensor)
-    buffer = buffers.pair[index % len(buffers.pair)][: bucket.spec.size_bytes]
+    buffer = buffers.slots[index % len(buffers.slots)][: bucket.spec.size_bytes]
     sources = []
     for spec in bucket.spec.tensors:
         tensor = source.take(spec)  # streamed empty tensors are consumed (and checked) too

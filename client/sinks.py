@@ -128,7 +128,7 @@ class ShmSink:
             warnings.simplefilter("ignore", UserWarning)
             ingress = torch.frombuffer(self._map, dtype=torch.uint8)
         slots = [ingress[i * slot_bytes : (i + 1) * slot_bytes] for i in range(slot_count)]
-        self.buffers = PackBuffers(torch.device("cpu"), pair=slots)
+        self.buffers = PackBuffers(torch.device("cpu"), slots=slots)
         self._slot_count = slot_count
         self._timeout = timeout
 
@@ -142,7 +142,7 @@ class ShmSink:
                                              f"bucket {earlier - 1} was not applied within {self._timeout:g} s", {})
         payload, copied = fill_bucket(self.buffers, bucket, index, source)
         if not copied:  # the caller's own memory: it still has to reach the slot
-            slot = self.buffers.pair[index % self._slot_count][: payload.numel()]
+            slot = self.buffers.slots[index % self._slot_count][: payload.numel()]
             slot.copy_(payload)
             payload = slot
         return payload, True
@@ -158,8 +158,7 @@ class ShmSink:
         return None
 
     def close(self) -> None:
-        self.buffers.pair.clear()
-        self.buffers.views.clear()
+        self.buffers.release()
         try:
             self._map.close()
         except BufferError:

@@ -29,6 +29,7 @@ from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.packing import TensorSource
 from weightsync.client.plan_cache import PlanCache
 from weightsync.client.planning import PlannedBucket
+from weightsync.client.read_order import wants_checksum
 from weightsync.client.servers import Server
 from weightsync.client.sinks import Sink
 from weightsync.client.streams import UpdateStream, first_failure, update_failed
@@ -72,7 +73,8 @@ class PushRun:
     version: str
     mode: int
     allow_new_tensors: bool
-    checksums: bool
+    checksums: bool | None
+    """As asked; None: per bucket, on where its bytes came from or through CUDA (read_order.wants_checksum)."""
     progress: Callable[[PushProgress], None] | None
     bar: object | None
     started: float
@@ -111,12 +113,12 @@ class PushRun:
         try:
             for index, bucket in enumerate(self.planned):
                 # COLLECTIVE packs bucket k while bucket k-1 is still on the wire (see sinks.py).
-                payload, copied = self.sink.fill(index, bucket, self.source, streams)
-                self.zero_copy_buckets += not copied
+                payload = self.sink.fill(index, bucket, self.source, streams)
+                self.zero_copy_buckets += not payload.packed
                 checksum = tensor_pb2.Checksum()
-                if self.checksums:
+                if wants_checksum(self.checksums, payload.source_devices, payload.device):
                     with one_intra_op_thread():
-                        checksum = tensor_checksum(payload)
+                        checksum = tensor_checksum(payload.read())
                 # A server that failed meanwhile stops us before we announce more.
                 failure = first_failure(streams) or self.sink.send(index, payload, checksum, streams)
                 if failure is not None:

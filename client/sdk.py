@@ -194,11 +194,12 @@ class WeightSyncClient:
         that it is validated before any byte moves.
         checksums: each bucket carries a WS64 checksum that every worker
         verifies (DATA_LOSS names the bucket on mismatch). None (default): on
-        for CUDA buffers, where it costs a few percent of device bandwidth and
-        NCCL checks nothing end to end; off for CPU/Gloo, where TCP already
-        checksums every segment and the extra passes over host memory compete
-        with the broadcast for the same cores (about 40% of a push on 2 cores).
-        verify() compares every tensor end to end either way.
+        for every bucket whose bytes come from or through CUDA memory, where it
+        costs a few percent of device bandwidth and nothing else checks the
+        device copies and NCCL end to end; off for CPU tensors over Gloo, where
+        TCP already checksums every segment and the extra passes over host
+        memory compete with the broadcast for the same cores (about 40% of a
+        push on 2 cores). verify() compares every tensor end to end either way.
         zero_copy_min_bytes: contiguous tensors at least this large are
         broadcast from their own memory, in a bucket of their own (0: always pack).
         transport: "collective" (a broadcast to the group from create_group),
@@ -250,8 +251,7 @@ class WeightSyncClient:
             commit_timeout=(group.timeout.total_seconds() if group else self._servers.timeout) + 30,
             group_id=group.group_id if group else "", sink=sink, plans=self._plans, planned=choice.planned,
             plan=choice.cached.plan, plan_id=choice.cached.plan_id, source=choice.source, version=version,
-            mode=_MODES[mode], allow_new_tensors=allow_new_tensors,
-            checksums=sink.buffers.device.type == "cuda" if checksums is None else checksums,
+            mode=_MODES[mode], allow_new_tensors=allow_new_tensors, checksums=checksums,
             progress=progress, bar=bar, started=started,
         )
 

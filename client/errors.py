@@ -72,3 +72,10 @@ class PlanMismatch(WeightSyncClientError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = "PLAN_MISMATCH"
+
+
+class DuplicateTensor(PlanMismatch):
+    """A streamed push yielded the same tensor name twice (the STAGED update is aborted)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "TENSOR_NAME_DUPLICATE"

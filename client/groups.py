@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -41,19 +42,77 @@ class TransferGroup:
     broken: bool = False
 
 
+# -- which backend ----------------------------------------------------------------------------
+WORKER_UUID_FIELD = "device_uuid"
+"""WorkerInfo's device UUID ("GPU-...", empty for CPU workers), once servers report it; until then every
+worker reads as "" and no GPU is known to be shared."""
+
+
+def normalize_uuid(uuid: str) -> str:
+    """One spelling for a GPU's UUID: nvidia-smi and NVML write "GPU-<uuid>", torch the bare <uuid>."""
+    uuid = uuid.strip().lower()
+    return uuid.removeprefix("gpu-")
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """The UUID of a CUDA device: which physical GPU it is, whatever ordinal CUDA_VISIBLE_DEVICES gives it."""
+    return normalize_uuid(str(torch.cuda.get_device_properties(device).uuid))
+
+
+@dataclass(frozen=True, slots=True)
+class ServerDevices:
+    """What backend choice needs to know of one server."""
+
+    address: str
+    backends: frozenset[int]
+    worker_uuids: tuple[str, ...]
+    """Each worker's GPU UUID ("" for a CPU worker, or a server that does not report it)."""
+
+    @staticmethod
+    def of(address: str, info: pb.GetServerInfoResponse) -> ServerDevices:
+        return ServerDevices(address, frozenset(info.backends),
+                             tuple(getattr(w, WORKER_UUID_FIELD, "") for w in info.workers))
+
+
+def choose_backend(requested: str, *, trainer_gpu_uuid: str | None, servers: Sequence[ServerDevices]) -> int:
+    """The group's backend. "auto": NCCL when this process has a GPU, every server offers NCCL, and no
+    worker runs on this process's GPU (NCCL cannot put two ranks of one group on one GPU: the group
+    hangs or fails at its first collective); else Gloo. "nccl" on a shared GPU is refused, naming it."""
+    trainer = normalize_uuid(trainer_gpu_uuid) if trainer_gpu_uuid else ""
+    sharing = [(s.address, index) for s in servers for index, uuid in enumerate(s.worker_uuids)
+               if trainer and uuid and normalize_uuid(uuid) == trainer]
+    if requested == "auto":
+        nccl = bool(trainer) and all(pb.BACKEND_NCCL in s.backends for s in servers)
+        if nccl and sharing:
+            log.info("nccl_not_chosen", reason="a worker shares this process's GPU", gpu=trainer,
+                     workers=[f"{address} worker {index}" for address, index in sharing])
+        chosen = pb.BACKEND_NCCL if nccl and not sharing else pb.BACKEND_GLOO
+    elif requested in ("gloo", "nccl"):
+        chosen = pb.BACKEND_GLOO if requested == "gloo" else pb.BACKEND_NCCL
+    else:
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {requested!r}")
+    if chosen == pb.BACKEND_NCCL and sharing:
+        address, index = sharing[0]
+        raise WeightSyncClientError(
+            f"backend 'nccl': worker {index} of {address} runs on this process's GPU ({trainer}); NCCL cannot "
+            "put two ranks of one group on one GPU. Use backend='gloo' (or 'auto', which then picks Gloo), or "
+            "train on another GPU"
+        )
+    for server in servers:
+        if chosen not in server.backends:
+            raise WeightSyncClientError(f"{server.address} does not offer {pb.Backend.Name(chosen)}")
+    return chosen
+
+
+# -- create and delete --------------------------------------------------------------------------
 def create(servers: ServerSet, *, backend: str, timeout: float, group_id: str | None, store_host: str | None,
            store_port: int) -> TransferGroup:
     """Join every server's workers and this process (rank 0) in one group (see WeightSyncClient.create_group)."""
     infos = servers.each("GetServerInfo", pb.GetServerInfoRequest())
-    offered = [set(i.backends) for i in infos]
-    if backend == "auto":
-        use_nccl = torch.cuda.is_available() and all(pb.BACKEND_NCCL in o for o in offered)
-        chosen = pb.BACKEND_NCCL if use_nccl else pb.BACKEND_GLOO
-    else:
-        chosen = {"gloo": pb.BACKEND_GLOO, "nccl": pb.BACKEND_NCCL}[backend]
-    for server, info, backends in zip(servers.servers, infos, offered, strict=True):
-        if chosen not in backends:
-            raise WeightSyncClientError(f"{server.address} does not offer {pb.Backend.Name(chosen)}")
+    trainer_gpu = gpu_uuid(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
+    chosen = choose_backend(backend, trainer_gpu_uuid=trainer_gpu,
+                            servers=[ServerDevices.of(s.address, i) for s, i in zip(servers.servers, infos, strict=True)])
+    for server, info in zip(servers.servers, infos, strict=True):
         server.workers = len(info.workers)
     offset = 1
     for server in servers.servers:

@@ -1,5 +1,10 @@
-"""Filling each bucket's bytes on the trainer: two reused pack buffers, or the
-caller's own memory when the bucket is already laid out there (zero copy)."""
+"""Filling each bucket's bytes on the trainer: reused pack buffers, or the
+caller's own memory when the bucket is already laid out there (zero copy).
+
+Copies into a pack buffer may still run when `fill_bucket` returns (CUDA):
+its bytes are read only through `Payload.read()`, which waits for them
+(read_order.py).
+"""
 
 from __future__ import annotations
 
@@ -8,29 +13,45 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.client.errors import PlanMismatch
+from weightsync.client.errors import DuplicateTensor, PlanMismatch
+from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.planning import PlannedBucket, check_tensors
+from weightsync.client.read_order import BufferFence, CudaEvents, Events, devices_of, read_order
 from weightsync.common import dtypes
 from weightsync.v1 import tensor_pb2
 
 
 @dataclass(slots=True)
 class PackBuffers:
-    """Pack buffers, reused across pushes, grown when a plan needs more: bucket k packs into
-    pair[k % len(pair)] (two of them, or the ingress slots for SHM)."""
+    """Pack buffers, reused across pushes, grown when a plan needs more."""
 
     device: torch.device
-    pair: list[torch.Tensor] = field(default_factory=list)
+    slots: list[torch.Tensor] = field(default_factory=list)
+    """Bucket k packs into slots[k % len(slots)]: two buffers of our own, or the server's ingress slots (SHM)."""
+    events: Events = field(default_factory=CudaEvents)
+    fences: list[BufferFence] = field(init=False)
+    """One per slot: the copies last queued into it, which its readers wait for."""
     views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """Typed destination views per bucket index, valid for the plan named views_plan."""
     views_plan: str = ""
 
+    def __post_init__(self) -> None:
+        self.fences = [BufferFence(self.events) for _ in self.slots]
+
     def ensure(self, size: int) -> None:
-        if self.pair and self.pair[0].numel() >= size:
+        if self.slots and self.slots[0].numel() >= size:
             return
+        # Pinned host memory makes CUDA -> CPU copies real DMAs; their readers wait for them (read_order.py).
         pin = self.device.type == "cpu" and torch.cuda.is_available()
         # zeros() touches every page once, here, not during the first push.
-        self.pair = [torch.zeros(size, dtype=torch.uint8, device=self.device, pin_memory=pin) for _ in range(2)]
+        self.slots = [torch.zeros(size, dtype=torch.uint8, device=self.device, pin_memory=pin) for _ in range(2)]
+        self.fences = [BufferFence(self.events) for _ in self.slots]
+        self.views.clear()
+
+    def release(self) -> None:
+        """Drop every reference into the slots (SHM: before its mapping closes)."""
+        self.slots.clear()
+        self.fences.clear()
         self.views.clear()
 
     def use_plan(self, plan_id: str) -> None:
@@ -43,7 +64,7 @@ class PackBuffers:
         """Where each non-empty tensor of bucket `index` goes in its pack buffer."""
         views = self.views.get(index)
         if views is None:
-            buffer = self.pair[index % len(self.pair)]
+            buffer = self.slots[index % len(self.slots)]
             views = [
                 buffer[t.offset_bytes : t.offset_bytes + t.size_bytes].view(dtypes.to_torch(t.dtype)).view(tuple(t.shape))
                 for t in spec.tensors
@@ -51,6 +72,39 @@ class PackBuffers:
             ]
             self.views[index] = views
         return views
+
+
+class Payload:
+    """One bucket's bytes. Read them only through `read()`: copies into them may still be running."""
+
+    __slots__ = ("_bytes", "_fence", "packed", "source_devices")
+
+    def __init__(self, data: torch.Tensor, *, packed: bool, source_devices: frozenset[torch.device],
+                 fence: BufferFence | None = None) -> None:
+        self._bytes = data
+        self._fence = fence
+        self.packed = packed
+        """False: the caller's own memory, sent as it is (zero copy)."""
+        self.source_devices = source_devices
+        """Where the bytes came from (their own device when not packed)."""
+
+    @classmethod
+    def own_memory(cls, data: torch.Tensor) -> Payload:
+        return cls(data, packed=False, source_devices=frozenset({data.device}))
+
+    @property
+    def size(self) -> int:
+        return self._bytes.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self._bytes.device
+
+    def read(self) -> torch.Tensor:
+        """The bytes, once every copy into them is ordered before this read."""
+        if self._fence is not None:
+            self._fence.before_read()
+        return self._bytes
 
 
 class TensorSource:
@@ -64,23 +118,35 @@ class TensorSource:
         self._mapping = mapping
         self._iterator = iterator
         self._stash: dict[str, torch.Tensor] = {}
+        self._pulled: set[str] = set()
 
     def put_back(self, name: str, tensor: torch.Tensor) -> None:
         if self._mapping is None:
             self._stash[name] = tensor
 
+    def _pull(self) -> tuple[str, torch.Tensor] | None:
+        """The iterator's next tensor, checked as a dict's would be; None at its end."""
+        assert self._iterator is not None
+        try:
+            name, tensor = next(self._iterator)
+        except StopIteration:
+            return None
+        check_tensors([(name, tensor)])  # a streamed value gets the same clear errors as a dict
+        if name in self._pulled:
+            raise DuplicateTensor(f"tensor {name!r} appears twice in the streamed tensors")
+        self._pulled.add(name)
+        return name, tensor
+
     def take(self, spec: tensor_pb2.TensorSpec) -> torch.Tensor:
         if self._mapping is not None:
             return self._mapping[spec.name]
-        assert self._iterator is not None
         tensor = self._stash.pop(spec.name, None)
         name = spec.name
         while tensor is None:
-            try:
-                name, candidate = next(self._iterator)
-            except StopIteration:
-                raise PlanMismatch(f"the iterator ended before tensor {spec.name!r} of the reused plan") from None
-            check_tensors([(name, candidate)])  # a streamed value gets the same clear errors as a dict
+            pulled = self._pull()
+            if pulled is None:
+                raise PlanMismatch(f"the iterator ended before tensor {spec.name!r} of the reused plan")
+            name, candidate = pulled
             if name == spec.name:
                 tensor = candidate
             elif len(self._stash) < self.MAX_STASHED:
@@ -96,39 +162,44 @@ class TensorSource:
 
     def finish(self) -> None:
         if self._iterator is not None:
-            extra = next(iter(self._stash), None) or next(self._iterator, (None,))[0]
+            extra = next(iter(self._stash), None)
+            if extra is None:
+                pulled = self._pull()
+                extra = pulled[0] if pulled is not None else None
             if extra is not None:
                 raise PlanMismatch(f"the iterator yields {extra!r}, which is not in the reused plan")
 
 
-def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source: TensorSource) -> tuple[torch.Tensor, bool]:
-    """The bytes to broadcast for one bucket; (payload, whether it was packed)."""
+def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source: TensorSource) -> Payload:
+    """One bucket's bytes: the caller's own memory where they already lie as the plan says, else packed."""
     if is_zero_copy(buffers, bucket):
         assert bucket.flat_source is not None
-        return bucket.flat_source, False
+        return Payload.own_memory(bucket.flat_source)
     if len(bucket.spec.tensors) == 1 and bucket.spec.tensors[0].offset_bytes == 0:
         # A streamed tensor in a bucket of its own: send its memory if it can be.
         spec = bucket.spec.tensors[0]
         tensor = source.take(spec)
         if tensor.is_contiguous() and tensor.device == buffers.device and spec.size_bytes == bucket.spec.size_bytes:
-            return tensor.detach().reshape(-1).view(torch.uint8), False
+            return Payload.own_memory(tensor.detach().reshape(-1).view(torch.uint8))
         source.put_back(spec.name, tensor)
-    buffer = buffers.pair[index % len(buffers.pair)][: bucket.spec.size_bytes]
+    slot = index % len(buffers.slots)
+    buffer = buffers.slots[slot][: bucket.spec.size_bytes]
     sources = []
     for spec in bucket.spec.tensors:
         tensor = source.take(spec)  # streamed empty tensors are consumed (and checked) too
         if spec.size_bytes:
             sources.append(tensor.detach())
     destinations = buffers.destinations(index, bucket.spec)
-    with torch.no_grad():
+    with torch.no_grad(), one_intra_op_thread():
         if all(t.device == buffer.device for t in sources):
             torch._foreach_copy_(destinations, sources)  # one call for the whole bucket
         else:
             for target, tensor in zip(destinations, sources, strict=True):
                 target.copy_(tensor, non_blocking=True)
-    if buffer.device.type == "cuda":
-        torch.cuda.current_stream(buffer.device).synchronize()
-    return buffer, True
+    devices = devices_of(sources)
+    fence = buffers.fences[slot]
+    fence.after_copies(read_order(devices, buffer.device))
+    return Payload(buffer, packed=True, source_devices=devices, fence=fence)
 
 
 def is_zero_copy(buffers: PackBuffers, bucket: PlannedBucket) -> bool:

@@ -6,6 +6,11 @@ bucket's bytes are placed and sent is the transport's sink (sinks.py).
 Every failure ends the same way: the broadcast in flight is completed (so no
 rank is left inside a collective), every server aborts, and the caller gets
 UpdateFailed with a status code and an ErrorInfo reason.
+
+Every wait is bounded: Ready by the RPC timeout, each message a server must
+take by the same timeout (streams.py), each broadcast by the group's timeout,
+Committed by the commit timeout, a server's end of an aborted stream by
+ABORT_GRACE_SECONDS.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ import structlog
 
 from weightsync.client._loop import LoopThread
 from weightsync.client.errors import PlanMismatch, UpdateFailed, WeightSyncRpcError
+from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.packing import TensorSource
 from weightsync.client.plan_cache import PlanCache
 from weightsync.client.planning import PlannedBucket
+from weightsync.client.read_order import wants_checksum
+from weightsync.client.servers import Server
 from weightsync.client.sinks import Sink
 from weightsync.client.streams import UpdateStream, first_failure, update_failed
 from weightsync.client.types import PushProgress, ServerOutcome
@@ -37,14 +45,11 @@ ABORT_GRACE_SECONDS = 4.0
 """How long an aborted push waits for each server to end its stream. A server whose workers sat
 in the broken broadcast answers within about 2 s of the group timeout; one that is cut off never
 does, and must not hold the caller for the whole RPC timeout."""
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """One server as a push sees it."""
-
-    address: str
-    update_weights: grpc.aio.StreamStreamMultiCallable
+UNSETTLED_RETRY_SECONDS = 0.25
+"""Between Begins to a server still winding down the update we gave up on."""
+_SETTLING = frozenset({"UPDATE_IN_PROGRESS", "WORKER_UNAVAILABLE"})
+"""What a server that was stopped says for a moment after it resumes: our abandoned update is still
+being aborted; its workers' heartbeats look stale until it reads them again."""
 
 
 @dataclass(slots=True)
@@ -52,9 +57,10 @@ class PushRun:
     """Everything one push needs; `run()` does it once."""
 
     loop: LoopThread
-    endpoints: Sequence[Endpoint]
+    servers: Sequence[Server]
     metadata: tuple
     rpc_timeout: float
+    """Bounds Ready, and every message a server must take (a server that stops reading fails the push)."""
     commit_timeout: float
     group_id: str
     """The transfer group (COLLECTIVE); empty for INLINE and SHM."""
@@ -67,7 +73,8 @@ class PushRun:
     version: str
     mode: int
     allow_new_tensors: bool
-    checksums: bool
+    checksums: bool | None
+    """As asked; None: per bucket, on where its bytes came from or through CUDA (read_order.wants_checksum)."""
     progress: Callable[[PushProgress], None] | None
     bar: object | None
     started: float
@@ -93,7 +100,10 @@ class PushRun:
         if failure is not None:
             self.loop.run(self._abort(streams, str(failure)))
             raise update_failed(failure, streams)
-        return self.loop.run(self._commit(streams))
+        try:
+            return self.loop.run(self._commit(streams))
+        finally:
+            self._note_unsettled(streams)
 
     # -- the hot loop -------------------------------------------------------------------------
     def _send_buckets(self, streams: list[UpdateStream]) -> BaseException | None:
@@ -103,9 +113,12 @@ class PushRun:
         try:
             for index, bucket in enumerate(self.planned):
                 # COLLECTIVE packs bucket k while bucket k-1 is still on the wire (see sinks.py).
-                payload, copied = self.sink.fill(index, bucket, self.source, streams)
-                self.zero_copy_buckets += not copied
-                checksum = tensor_checksum(payload) if self.checksums else tensor_pb2.Checksum()
+                payload = self.sink.fill(index, bucket, self.source, streams)
+                self.zero_copy_buckets += not payload.packed
+                checksum = tensor_pb2.Checksum()
+                if wants_checksum(self.checksums, payload.source_devices, payload.device):
+                    with one_intra_op_thread():
+                        checksum = tensor_checksum(payload.read())
                 # A server that failed meanwhile stops us before we announce more.
                 failure = first_failure(streams) or self.sink.send(index, payload, checksum, streams)
                 if failure is not None:
@@ -132,46 +145,72 @@ class PushRun:
                                        time.perf_counter() - self.started))
 
     # -- streams --------------------------------------------------------------------------------
+    def _open_streams(self, by_id: bool) -> list[UpdateStream]:
+        streams = []
+        for server in self.servers:
+            stream = UpdateStream(server.address, server.update_weights, self.metadata, self.rpc_timeout)
+            begin = pb.BeginUpdate(group_id=self.group_id, version=self.version, mode=self.mode,
+                                   transport=self.sink.transport, allow_new_tensors=self.allow_new_tensors)
+            if by_id:
+                begin.plan_id = self.plan_id
+            else:
+                begin.plan.CopyFrom(self.plan)
+            stream.send(pb.UpdateWeightsRequest(begin=begin))
+            streams.append(stream)
+        return streams
+
     async def _begin(self) -> list[UpdateStream]:
         """Begin on every server: the plan by id where every server committed it, else in full."""
-        by_id = self.plans.all_hold([e.address for e in self.endpoints], self.plan_id)
-        for attempt in (0, 1):
-            streams = []
-            for endpoint in self.endpoints:
-                stream = UpdateStream(endpoint.address, endpoint.update_weights, self.metadata)
-                begin = pb.BeginUpdate(group_id=self.group_id, version=self.version, mode=self.mode,
-                                       transport=self.sink.transport, allow_new_tensors=self.allow_new_tensors)
-                if by_id:
-                    begin.plan_id = self.plan_id
-                else:
-                    begin.plan.CopyFrom(self.plan)
-                stream.send(pb.UpdateWeightsRequest(begin=begin))
-                streams.append(stream)
+        by_id = self.plans.all_hold([s.address for s in self.servers], self.plan_id)
+        deadline = time.monotonic() + self.rpc_timeout
+        while True:
+            streams = self._open_streams(by_id)
             results = await asyncio.gather(
                 *(asyncio.wait_for(asyncio.shield(s.ready), self.rpc_timeout) for s in streams), return_exceptions=True
             )
             failures = [(s, r) for s, r in zip(streams, results, strict=True) if isinstance(r, BaseException)]
             if not failures:
                 self.plan_reused = by_id
+                for server in self.servers:
+                    server.unsettled = False
                 return streams
             await self._abort(streams, "begin failed")
             stream, error = failures[0]
-            if by_id and attempt == 0 and getattr(error, "reason", "") == "PLAN_NOT_FOUND":
-                for s, _ in failures:  # a server forgot the plan (restart): send it in full
-                    self.plans.forget(s.server, self.plan_id)
+            reasons = {getattr(e, "reason", "") for _, e in failures}
+            if by_id and "PLAN_NOT_FOUND" in reasons:
+                for s, e in failures:  # a server forgot the plan (restart): send it in full
+                    if getattr(e, "reason", "") == "PLAN_NOT_FOUND":
+                        self.plans.forget(s.server, self.plan_id)
                 by_id = False
+                continue
+            if reasons <= _SETTLING and self._all_unsettled(failures) and time.monotonic() < deadline:
+                # A server we gave up on, answering again, still winds our abandoned update down.
+                log.info("begin_waits_for_aborted_update", servers=[s.server for s, _ in failures])
+                await asyncio.sleep(UNSETTLED_RETRY_SECONDS)
                 continue
             if isinstance(error, TimeoutError):
                 error = WeightSyncRpcError(stream.server, grpc.StatusCode.DEADLINE_EXCEEDED, "READY_TIMEOUT",
                                            f"no Ready within {self.rpc_timeout:g} s", {})
+            self._note_unsettled(streams)
             raise UpdateFailed(f"update {self.version!r} refused by {stream.server}: {error}", error, stream.server)
-        raise AssertionError("unreachable")
+
+    def _all_unsettled(self, failures: list[tuple[UpdateStream, BaseException]]) -> bool:
+        unsettled = {s.address for s in self.servers if s.unsettled}
+        return all(stream.server in unsettled for stream, _ in failures)
+
+    def _note_unsettled(self, streams: list[UpdateStream]) -> None:
+        """Remember the servers whose stream we gave up on: see Server.unsettled."""
+        silent = {s.server for s in streams if s.unresponsive}
+        for server in self.servers:
+            if server.address in silent:
+                server.unsettled = True
 
     async def _abort(self, streams: list[UpdateStream], reason: str) -> None:
         for stream in streams:
             stream.send(pb.UpdateWeightsRequest(abort=pb.AbortUpdate(reason=reason[:500])))
             stream.send(None)
         await asyncio.gather(*(s.finish(min(self.rpc_timeout, ABORT_GRACE_SECONDS)) for s in streams))
+        self._note_unsettled(streams)
 
     async def _commit(self, streams: list[UpdateStream]) -> list[ServerOutcome]:
         for stream in streams:
@@ -185,6 +224,9 @@ class PushRun:
         failures = [(s, r) for s, r in zip(streams, results, strict=True) if isinstance(r, BaseException)]
         if failures:
             stream, error = failures[0]
+            if isinstance(error, TimeoutError):
+                error = WeightSyncRpcError(stream.server, grpc.StatusCode.DEADLINE_EXCEEDED, "COMMIT_TIMEOUT",
+                                           f"no Committed within {self.commit_timeout:g} s", {})
             raise UpdateFailed(f"commit failed on {stream.server}: {error}", error, stream.server)
         return [
             ServerOutcome(
@@ -194,4 +236,3 @@ class PushRun:
             )
             for s, c in zip(streams, results, strict=True)
         ]
-

@@ -33,20 +33,18 @@ from weightsync.client._loop import LoopThread
 from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
 from weightsync.client.groups import TransferGroup
 from weightsync.client.ingress import IngressLease, open_ingress
-from weightsync.client.packing import PackBuffers, TensorSource, is_zero_copy
-from weightsync.client.plan_cache import CachedPlan, PlanCache, fingerprint
-from weightsync.client.planning import (
-    DEFAULT_ZERO_COPY_MIN_BYTES,
-    build_plan,
-    check_tensors,
-    plan_proto,
-)
-from weightsync.client.push import Endpoint, PushRun
+from weightsync.client.intra_op import one_intra_op_thread
+from weightsync.client.packing import PackBuffers, is_zero_copy
+from weightsync.client.plan_cache import PlanCache
+from weightsync.client.plan_choice import PlanChoice, choose_plan
+from weightsync.client.planning import DEFAULT_ZERO_COPY_MIN_BYTES, check_tensors
+from weightsync.client.push import PushRun
 from weightsync.client.servers import Server, ServerSet
 from weightsync.client.sinks import CollectiveSink, InlineSink, ShmSink, Sink
 from weightsync.client.types import (
     PushProgress,
     PushResult,
+    ServerOutcome,
     TensorMismatch,
     TlsConfig,
     VerifyResult,
@@ -55,7 +53,6 @@ from weightsync.common.address import parse_address
 from weightsync.common.checksum import ws64
 from weightsync.common.layout import DEFAULT_BUCKET_BYTES
 from weightsync.common.limits import DEFAULT_MAX_MESSAGE_BYTES
-from weightsync.common.plan_id import plan_id_of
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 log = structlog.get_logger("weightsync.client")
@@ -74,28 +71,6 @@ def _serialized(method):
     def wrapper(self, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
-
-    return wrapper
-
-
-def _one_intra_op_thread(method):
-    """Run a CPU-heavy SDK method with one torch intra-op thread, then restore.
-
-    Packing and checksums are many small memory-bound ops; with several
-    OpenMP threads each op pays a barrier, and on a host whose cores are
-    busy with the broadcast (sockets, receivers) a barrier waits for a thread
-    that cannot run: measured 100x slower packing on 2 loaded cores. The
-    setting is process-wide, so it is restored as soon as the call returns.
-    """
-
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        previous = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return method(*args, **kwargs)
-        finally:
-            torch.set_num_threads(previous)
 
     return wrapper
 
@@ -127,12 +102,13 @@ class WeightSyncClient:
             metadata=((("authorization", f"Bearer {token}"),) if token else ()) + tuple(metadata),
         )
         self._group: TransferGroup | None = None
-        self._buffers: PackBuffers | None = None
-        self._host_buffers: PackBuffers | None = None
-        """Pack buffers of INLINE pushes (no group needed)."""
-        self._ingress: ShmSink | None = None
+        self._collective_buffers: PackBuffers | None = None
+        """Pack buffers of COLLECTIVE pushes, on the group's device."""
+        self._inline_buffers: PackBuffers | None = None
+        """Pack buffers of INLINE pushes (host memory; no group needed)."""
+        self._shm_sink: ShmSink | None = None
         self._ingress_lease: IngressLease | None = None
-        self._limits: dict[str, pb.GetServerInfoResponse] = {}
+        self._server_infos: dict[str, pb.GetServerInfoResponse] = {}
         """GetServerInfo of each server, fetched once for INLINE/SHM limits."""
         self._plans = PlanCache()
 
@@ -158,8 +134,10 @@ class WeightSyncClient:
     ) -> str:
         """Join every server's workers and this process (rank 0) in one group (COLLECTIVE pushes).
 
-        backend "auto" picks NCCL when this process has CUDA and every server
-        offers NCCL, else Gloo. A server's refusal is raised at once; on any
+        backend "auto" picks NCCL when this process has CUDA, every server
+        offers NCCL and no worker runs on this process's GPU (same UUID: NCCL
+        cannot put two ranks of a group on one GPU), else Gloo; "nccl" on a
+        shared GPU is refused. A server's refusal is raised at once; on any
         failure only the groups this call created are deleted. Returns the group id.
         store_host/store_port: where this process's rendezvous store listens (default:
         the address that routes to the first server, a free port); a fixed port lets a
@@ -170,8 +148,8 @@ class WeightSyncClient:
         group = groups.create(self._servers, backend=backend, timeout=timeout, group_id=group_id,
                               store_host=store_host, store_port=store_port)
         self._group = group
-        if self._buffers is None or self._buffers.device != group.device:
-            self._buffers = PackBuffers(group.device)
+        if self._collective_buffers is None or self._collective_buffers.device != group.device:
+            self._collective_buffers = PackBuffers(group.device)
         return group.group_id
 
     @_serialized
@@ -191,7 +169,6 @@ class WeightSyncClient:
 
     # -- push --------------------------------------------------------------------
     @_serialized
-    @_one_intra_op_thread
     def push(
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -217,19 +194,26 @@ class WeightSyncClient:
         that it is validated before any byte moves.
         checksums: each bucket carries a WS64 checksum that every worker
         verifies (DATA_LOSS names the bucket on mismatch). None (default): on
-        for CUDA buffers, where it costs a few percent of device bandwidth and
-        NCCL checks nothing end to end; off for CPU/Gloo, where TCP already
-        checksums every segment and the extra passes over host memory compete
-        with the broadcast for the same cores (about 40% of a push on 2 cores).
-        verify() compares every tensor end to end either way.
+        for every bucket whose bytes come from or through CUDA memory, where it
+        costs a few percent of device bandwidth and nothing else checks the
+        device copies and NCCL end to end; off for CPU tensors over Gloo, where
+        TCP already checksums every segment and the extra passes over host
+        memory compete with the broadcast for the same cores (about 40% of a
+        push on 2 cores). verify() compares every tensor end to end either way.
         zero_copy_min_bytes: contiguous tensors at least this large are
         broadcast from their own memory, in a bucket of their own (0: always pack).
         transport: "collective" (a broadcast to the group from create_group),
         "inline" (bytes inside the gRPC stream: no group, passes any proxy), or
         "shm" (one server on this host: buckets written into its shared memory;
         no group, no network; buckets at most its ingress slot).
+        Every wait is bounded by the client's timeout (or the group's, for a
+        broadcast): a server that stops answering fails the push with
+        UpdateFailed naming it (reason SERVER_UNRESPONSIVE).
         Raises UpdateFailed, with a status code and a reason (the update is
         aborted on every server).
+        Packing and checksums run with one torch intra-op thread, set for the
+        calling thread and for the SDK's own ops only (intra_op.py): the
+        process's torch.get_num_threads() is never changed.
         """
         if mode not in _MODES:
             raise ValueError(f"mode must be 'in_place' or 'staged', got {mode!r}")
@@ -239,41 +223,12 @@ class WeightSyncClient:
         group, sink = self._sink(transport)
         if transport == "shm":
             bucket_size_bytes = min(bucket_size_bytes, self._ingress_lease.slot_bytes)  # type: ignore[union-attr]
-        last = self._plans.last
-        if not isinstance(named_tensors, Mapping) and mode == "staged" and last is not None and not allow_new_tensors:
-            cached = last
-            planned = last.unbound()
-            source = TensorSource(None, iter(named_tensors))
-        else:
-            items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-            check_tensors(items)
-            if not items:
-                raise ValueError("nothing to push: no tensors")
-            key = fingerprint(items, bucket_size_bytes, zero_copy_min_bytes)
-            cached = self._plans.lookup(key)
-            if cached is not None:
-                planned = cached.rebind(dict(items))
-            else:
-                planned = build_plan(items, bucket_size_bytes, zero_copy_min_bytes)
-                plan = plan_proto(planned)
-                cached = CachedPlan.of(planned, key, plan, plan_id_of(plan))
-            source = TensorSource(dict(items), None)
-        buffers = sink.buffers
-        if transport != "shm":
-            buffers.ensure(max((b.spec.size_bytes for b in planned if not is_zero_copy(buffers, b)), default=0))
-        buffers.use_plan(cached.plan_id)
-        total = sum(b.spec.size_bytes for b in planned)
-        bar = _progress_bar(total, version, show_progress)
-        run = PushRun(
-            loop=self._loop, endpoints=[Endpoint(s.address, s.update_weights) for s in self._servers.servers],
-            metadata=self._servers.metadata, rpc_timeout=self._servers.timeout,
-            commit_timeout=(group.timeout.total_seconds() if group else self._servers.timeout) + 30,
-            group_id=group.group_id if group else "", sink=sink, plans=self._plans, planned=planned,
-            plan=cached.plan, plan_id=cached.plan_id, source=source, version=version, mode=_MODES[mode],
-            allow_new_tensors=allow_new_tensors,
-            checksums=buffers.device.type == "cuda" if checksums is None else checksums,
-            progress=progress, bar=bar, started=started,
-        )
+        choice = choose_plan(named_tensors, self._plans, may_stream=mode == "staged" and not allow_new_tensors,
+                             bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes)
+        _prepare_buffers(sink, choice)
+        bar = _progress_bar(choice.total_bytes, version, show_progress)
+        run = self._run_for(group, sink, choice, version=version, mode=mode, allow_new_tensors=allow_new_tensors,
+                            checksums=checksums, progress=progress, bar=bar, started=started)
         try:
             outcomes = run.run()
         except BaseException as error:
@@ -283,21 +238,22 @@ class WeightSyncClient:
         finally:
             if bar is not None:
                 bar.close()
-        self._plans.committed(cached, self._servers.addresses)
-        seconds = time.perf_counter() - started
-        result = PushResult(
-            version=version,
-            tensor_count=sum(len(b.spec.tensors) for b in planned),
-            bucket_count=len(planned),
-            size_bytes=total,
-            seconds=seconds,
-            plan_reused=run.plan_reused,
-            zero_copy_buckets=run.zero_copy_buckets,
-            servers=tuple(outcomes),
+        self._plans.committed(choice.cached, self._servers.addresses)
+        return _committed(run, choice, outcomes, version, started)
+
+    def _run_for(self, group: TransferGroup | None, sink: Sink, choice: PlanChoice, *, version: str, mode: Mode,
+                 allow_new_tensors: bool, checksums: bool | None, progress: Callable[[PushProgress], None] | None,
+                 bar: object | None, started: float) -> PushRun:
+        """The run of one push over this client's servers."""
+        return PushRun(
+            loop=self._loop, servers=self._servers.servers, metadata=self._servers.metadata,
+            rpc_timeout=self._servers.timeout,
+            commit_timeout=(group.timeout.total_seconds() if group else self._servers.timeout) + 30,
+            group_id=group.group_id if group else "", sink=sink, plans=self._plans, planned=choice.planned,
+            plan=choice.cached.plan, plan_id=choice.cached.plan_id, source=choice.source, version=version,
+            mode=_MODES[mode], allow_new_tensors=allow_new_tensors, checksums=checksums,
+            progress=progress, bar=bar, started=started,
         )
-        log.info("push_committed", version=version, bytes=total, seconds=round(seconds, 3),
-                 gbps=round(result.gigabytes_per_second, 3), buckets=len(planned))
-        return result
 
     def _sink(self, transport: str) -> tuple[TransferGroup | None, Sink]:
         """The group (COLLECTIVE only) and where this push's bytes go."""
@@ -308,39 +264,39 @@ class WeightSyncClient:
                                             "transport='inline')")
             if group.broken:
                 raise WeightSyncClientError(f"group {group.group_id} is broken; delete_group() and create_group() again")
-            assert self._buffers is not None
-            return group, CollectiveSink(self._loop, group.collective, self._buffers)
+            assert self._collective_buffers is not None
+            return group, CollectiveSink(self._loop, group.collective, self._collective_buffers)
         infos = self._server_limits()
         for address, info in zip(self._servers.addresses, infos, strict=True):
             if _TRANSPORTS[transport] not in info.transports:
                 raise WeightSyncClientError(f"{address} does not offer {transport} (it offers "
                                             f"{[pb.Transport.Name(t) for t in info.transports]})")
         if transport == "inline":
-            if self._host_buffers is None:
-                self._host_buffers = PackBuffers(torch.device("cpu"))
+            if self._inline_buffers is None:
+                self._inline_buffers = PackBuffers(torch.device("cpu"))
             chunk = min(i.limits.max_chunk_bytes for i in infos)
-            return None, InlineSink(self._loop, self._host_buffers, chunk)
+            return None, InlineSink(self._loop, self._inline_buffers, chunk)
         if len(self._servers.servers) != 1:
             raise WeightSyncClientError("SHM pushes to one server, on this host; use transport='inline' for several")
-        if self._ingress is None:
+        if self._shm_sink is None:
             self._ingress_lease = open_ingress(self._servers.addresses[0], infos[0].local_socket, self._servers.token)
             lease = self._ingress_lease
-            self._ingress = ShmSink(self._loop, lease.fd, lease.slot_bytes, lease.slot_count, self._servers.timeout)
-        return None, self._ingress
+            self._shm_sink = ShmSink(self._loop, lease.fd, lease.slot_bytes, lease.slot_count, self._servers.timeout)
+        return None, self._shm_sink
 
     def _server_limits(self) -> list[pb.GetServerInfoResponse]:
-        if any(a not in self._limits for a in self._servers.addresses):
-            self._limits.update(zip(self._servers.addresses, self.server_info(), strict=True))
-        return [self._limits[a] for a in self._servers.addresses]
+        if any(a not in self._server_infos for a in self._servers.addresses):
+            self._server_infos.update(zip(self._servers.addresses, self.server_info(), strict=True))
+        return [self._server_infos[a] for a in self._servers.addresses]
 
     # -- verify ------------------------------------------------------------------
     @_serialized
-    @_one_intra_op_thread
     def verify(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> VerifyResult:
         """Compare local WS64 checksums with every worker of every server."""
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         check_tensors(items)
-        local = {name: ws64(t.detach()) for name, t in items}
+        with one_intra_op_thread():
+            local = {name: ws64(t.detach()) for name, t in items}
 
         async def fetch():
             request = pb.GetTensorChecksumsRequest(names=sorted(local))
@@ -379,10 +335,10 @@ class WeightSyncClient:
     def close(self) -> None:
         """Delete the group (if any) and close every channel."""
         try:
-            if self._ingress is not None:
-                self._ingress.close()
+            if self._shm_sink is not None:
+                self._shm_sink.close()
                 self._ingress_lease.close()  # type: ignore[union-attr]
-                self._ingress = self._ingress_lease = None
+                self._shm_sink = self._ingress_lease = None
             if self._group is not None:
                 self.delete_group()
         finally:
@@ -401,6 +357,32 @@ class WeightSyncClient:
             if kind is None:
                 raise
             log.warning("close_failed", error=str(error))  # the error already in flight matters more
+
+
+def _prepare_buffers(sink: Sink, choice: PlanChoice) -> None:
+    """Grow our pack buffers to the plan's largest packed bucket (SHM packs into the server's slots)."""
+    buffers = sink.buffers
+    if sink.transport != pb.TRANSPORT_SHM:
+        buffers.ensure(max((b.spec.size_bytes for b in choice.planned if not is_zero_copy(buffers, b)), default=0))
+    buffers.use_plan(choice.cached.plan_id)
+
+
+def _committed(run: PushRun, choice: PlanChoice, outcomes: list[ServerOutcome], version: str,
+               started: float) -> PushResult:
+    seconds = time.perf_counter() - started
+    result = PushResult(
+        version=version,
+        tensor_count=sum(len(b.spec.tensors) for b in choice.planned),
+        bucket_count=len(choice.planned),
+        size_bytes=choice.total_bytes,
+        seconds=seconds,
+        plan_reused=run.plan_reused,
+        zero_copy_buckets=run.zero_copy_buckets,
+        servers=tuple(outcomes),
+    )
+    log.info("push_committed", version=version, bytes=choice.total_bytes, seconds=round(seconds, 3),
+             gbps=round(result.gigabytes_per_second, 3), buckets=len(choice.planned))
+    return result
 
 
 def _progress_bar(total: int, version: str, show: bool | None):

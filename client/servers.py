@@ -15,6 +15,22 @@ from weightsync.client.types import TlsConfig
 from weightsync.client.wire import update_weights_call
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
+KEEPALIVE_SECONDS = 20.0
+"""A ping on a connection with calls in flight after this much silence; a connection whose ping is not
+answered within min(client timeout, this) is closed and its calls fail UNAVAILABLE, naming the server.
+Not shorter: a server with gRPC's default ping policy answers pings more often than every few seconds
+with GOAWAY too_many_pings. gRPC sends at most two pings while the client itself sends no data, so an
+idle channel stays quiet."""
+
+
+def channel_options(max_message_bytes: int, timeout: float) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", int(KEEPALIVE_SECONDS * 1000)),
+        ("grpc.keepalive_timeout_ms", int(min(timeout, KEEPALIVE_SECONDS) * 1000)),
+    ]
+
 
 @dataclass(slots=True)
 class Server:
@@ -25,6 +41,9 @@ class Server:
     """UpdateWeights taking pre-encoded chunks too (wire.py)."""
     workers: int = 0
     rank_offset: int = 0
+    unsettled: bool = False
+    """A push gave up on this server's stream (it stopped answering): it may still be winding that update
+    down when it answers again, so the next Begin waits out its UPDATE_IN_PROGRESS (push.py)."""
 
 
 class ServerSet:
@@ -38,10 +57,7 @@ class ServerSet:
         self.servers: list[Server] = loop.run(self._open(addresses, tls, max_message_bytes))
 
     async def _open(self, addresses: list[str], tls: TlsConfig | None, max_message_bytes: int) -> list[Server]:
-        options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
+        options = channel_options(max_message_bytes, self.timeout)
         out = []
         for address in addresses:
             if tls is None:

@@ -3,12 +3,15 @@
 A sink does two things for bucket k: gives the bytes a place (`fill`: pack the
 bucket, or use the caller's own memory) and sends them (`send`: announce, then
 broadcast / chunk / nothing). PushRun (push.py) drives it and owns the rules
-common to all three; `finish` completes whatever is still in flight.
+common to all three; `finish` completes whatever is still in flight. Every
+sink reads a bucket's bytes through `Payload.read()` only, so no read can
+overtake the copies into them (read_order.py).
 
   COLLECTIVE  pack into pack buffer k % 2 while bucket k-1 is on the wire;
               at most one broadcast in flight.
   INLINE      pack, then cut into BucketChunks queued on every stream (gRPC
-              flow control holds the trainer back when the server is slower).
+              flow control holds the trainer back when the server is slower;
+              a server that stops taking chunks fails its stream, streams.py).
   SHM         pack straight into the server's ingress slot k % slots, once
               the server applied the bucket that used it last.
 """
@@ -21,9 +24,11 @@ from typing import Protocol
 
 import grpc
 import torch
+import torch.distributed as dist
 
+from weightsync.client._loop import LoopThread
 from weightsync.client.errors import WeightSyncRpcError
-from weightsync.client.packing import PackBuffers, TensorSource, fill_bucket
+from weightsync.client.packing import PackBuffers, Payload, TensorSource, fill_bucket
 from weightsync.client.planning import PlannedBucket
 from weightsync.client.streams import UpdateStream
 from weightsync.client.wire import encode_bucket_chunk
@@ -35,19 +40,22 @@ from weightsync.v1 import weight_sync_service_pb2 as pb
 
 class Sink(Protocol):
     transport: int
+    """The BeginUpdate.transport this sink speaks."""
     buffers: PackBuffers
 
-    def fill(self, index: int, bucket: PlannedBucket, source: TensorSource,
-             streams: list[UpdateStream]) -> tuple[torch.Tensor, bool]: ...
+    def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
+        """Bucket `index`'s bytes, in a place this transport can send from."""
 
-    def send(self, index: int, payload: torch.Tensor, checksum: tensor_pb2.Checksum,
-             streams: list[UpdateStream]) -> BaseException | None: ...
+    def send(self, index: int, payload: Payload, checksum: tensor_pb2.Checksum,
+             streams: list[UpdateStream]) -> BaseException | None:
+        """Announce the bucket and start sending it; returns the first failure seen, if any."""
 
-    def finish(self) -> BaseException | None: ...
+    def finish(self) -> BaseException | None:
+        """Complete whatever is still in flight (safe to call more than once)."""
 
 
-def announce(loop, streams: list[UpdateStream], index: int, size: int, checksum: tensor_pb2.Checksum,
-             tail: bytes = b"") -> None:
+def announce(loop: LoopThread, streams: list[UpdateStream], index: int, size: int,
+             checksum: tensor_pb2.Checksum, tail: bytes = b"") -> None:
     message = pb.UpdateWeightsRequest(bucket_start=pb.BucketStart(sequence=index, checksum=checksum, size_bytes=size,
                                                                   tail=tail))
     for stream in streams:
@@ -59,29 +67,31 @@ class CollectiveSink:
 
     transport = pb.TRANSPORT_COLLECTIVE
 
-    def __init__(self, loop, collective: CollectiveGroup, buffers: PackBuffers) -> None:
+    def __init__(self, loop: LoopThread, collective: CollectiveGroup, buffers: PackBuffers) -> None:
         self._loop = loop
         self._collective = collective
         self.buffers = buffers
-        self._in_flight = None  # the previous bucket's broadcast, still on the wire
+        self._in_flight: dist.Work | None = None
+        """The previous bucket's broadcast, still on the wire."""
 
-    def fill(self, index, bucket, source, streams):
+    def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
         # Buffer k % 2: bucket k-2 used it, and its broadcast completed before k-1's began.
         return fill_bucket(self.buffers, bucket, index, source)
 
-    def send(self, index, payload, checksum, streams):
+    def send(self, index: int, payload: Payload, checksum: tensor_pb2.Checksum,
+             streams: list[UpdateStream]) -> BaseException | None:
         # Wait for bucket k-1 before starting bucket k: at most one broadcast in flight.
         failure = self.finish()
         if failure is not None:
             return failure
+        data = payload.read()
         # Announce first: workers join only announced broadcasts, at the announced length. The
-        # tail lets them tell a short broadcast from a full one; it is read after the pack
-        # copies (fill synchronized on them; bucket_tail reads on the same stream).
-        announce(self._loop, streams, index, payload.numel(), checksum, bucket_tail(payload))
-        self._in_flight = self._collective.broadcast_async(payload)
+        # tail lets them tell a short broadcast from a full one; read() waited for the pack copies.
+        announce(self._loop, streams, index, payload.size, checksum, bucket_tail(data))
+        self._in_flight = self._collective.broadcast_async(data)
         return None
 
-    def finish(self):
+    def finish(self) -> BaseException | None:
         work, self._in_flight = self._in_flight, None
         if work is None:
             return None
@@ -97,27 +107,28 @@ class InlineSink:
 
     transport = pb.TRANSPORT_INLINE
 
-    def __init__(self, loop, buffers: PackBuffers, max_chunk_bytes: int) -> None:
+    def __init__(self, loop: LoopThread, buffers: PackBuffers, max_chunk_bytes: int) -> None:
         self._loop = loop
         self.buffers = buffers
         self._chunk = max_chunk_bytes
 
-    def fill(self, index, bucket, source, streams):
+    def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
         return fill_bucket(self.buffers, bucket, index, source)
 
-    def send(self, index, payload, checksum, streams):
-        size = payload.numel()
+    def send(self, index: int, payload: Payload, checksum: tensor_pb2.Checksum,
+             streams: list[UpdateStream]) -> BaseException | None:
+        size = payload.size
+        data = memoryview(payload.read().detach().cpu().numpy())
         announce(self._loop, streams, index, size, checksum)
-        data = memoryview(payload.detach().cpu().numpy())
         for offset in range(0, size, self._chunk):
             chunk = encode_bucket_chunk(index, offset, data[offset : offset + self._chunk])
             for stream in streams:
                 if stream.failed:
                     return stream.reported_error
-                self._loop.run(stream.send_data(chunk))
+                self._loop.run(stream.send_data(chunk))  # bounded: streams.UpdateStream.progress_timeout
         return None
 
-    def finish(self):
+    def finish(self) -> BaseException | None:
         return None
 
 
@@ -126,18 +137,18 @@ class ShmSink:
 
     transport = pb.TRANSPORT_SHM
 
-    def __init__(self, loop, fd: int, slot_bytes: int, slot_count: int, timeout: float) -> None:
+    def __init__(self, loop: LoopThread, fd: int, slot_bytes: int, slot_count: int, timeout: float) -> None:
         self._loop = loop
         self._map = mmap.mmap(fd, slot_bytes * slot_count, flags=mmap.MAP_SHARED)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             ingress = torch.frombuffer(self._map, dtype=torch.uint8)
         slots = [ingress[i * slot_bytes : (i + 1) * slot_bytes] for i in range(slot_count)]
-        self.buffers = PackBuffers(torch.device("cpu"), pair=slots)
+        self.buffers = PackBuffers(torch.device("cpu"), slots=slots)
         self._slot_count = slot_count
         self._timeout = timeout
 
-    def fill(self, index, bucket, source, streams):
+    def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
         # Bucket k reuses the slot of bucket k - slots: the server must have applied that one.
         earlier = index - self._slot_count + 1
         if earlier > 0:
@@ -145,28 +156,29 @@ class ShmSink:
                 if not stream.wait_applied(earlier, self._timeout):
                     raise WeightSyncRpcError(stream.server, grpc.StatusCode.DEADLINE_EXCEEDED, "BUCKET_NOT_APPLIED",
                                              f"bucket {earlier - 1} was not applied within {self._timeout:g} s", {})
-        payload, copied = fill_bucket(self.buffers, bucket, index, source)
-        if not copied:  # the caller's own memory: it still has to reach the slot
-            slot = self.buffers.pair[index % self._slot_count][: payload.numel()]
-            slot.copy_(payload)
-            payload = slot
-        return payload, True
+        payload = fill_bucket(self.buffers, bucket, index, source)
+        if not payload.packed:  # the caller's own memory: it still has to reach the slot
+            slot = self.buffers.slots[index % self._slot_count][: payload.size]
+            slot.copy_(payload.read())
+            payload = Payload(slot, packed=True, source_devices=payload.source_devices)
+        return payload
 
-    def send(self, index, payload, checksum, streams):
+    def send(self, index: int, payload: Payload, checksum: tensor_pb2.Checksum,
+             streams: list[UpdateStream]) -> BaseException | None:
         for stream in streams:
             if stream.failed:
                 return stream.reported_error
+        data = payload.read()  # the server reads the slot once it is announced
         if checksum.algorithm == tensor_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED:
-            checksum = tensor_checksum(payload)  # required for SHM: the workers check their copy of the slot
-        announce(self._loop, streams, index, payload.numel(), checksum)
+            checksum = tensor_checksum(data)  # required for SHM: the workers check their copy of the slot
+        announce(self._loop, streams, index, payload.size, checksum)
         return None
 
-    def finish(self):
+    def finish(self) -> BaseException | None:
         return None
 
     def close(self) -> None:
-        self.buffers.pair.clear()
-        self.buffers.views.clear()
+        self.buffers.release()
         try:
             self._map.close()
         except BufferError:

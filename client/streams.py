@@ -13,16 +13,24 @@ from weightsync.common.collective import CollectiveError
 from weightsync.common.errors import status_code
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
+UNRESPONSIVE = "SERVER_UNRESPONSIVE"
+"""The reason of a stream given up because its server stopped taking messages."""
+
 
 class UpdateStream:
     """Messages go out through a queue; responses are read by a task.
 
     `failure` and `aborting` are plain attributes set on the loop and read by
     the trainer thread between buckets (single writes, safe under the GIL).
+    `progress_timeout` bounds every wait for the server to take a message: a
+    server that stops reading (stopped, hung, or cut off behind a proxy) holds
+    gRPC's flow control shut forever, and nothing else would end the wait.
     """
 
-    def __init__(self, server: str, update_weights: grpc.aio.StreamStreamMultiCallable, metadata: tuple) -> None:
+    def __init__(self, server: str, update_weights: grpc.aio.StreamStreamMultiCallable, metadata: tuple,
+                 progress_timeout: float) -> None:
         self.server = server
+        self.progress_timeout = progress_timeout
         self._outgoing: asyncio.Queue[pb.UpdateWeightsRequest | bytes | None] = asyncio.Queue()
         self._call = update_weights(self._requests(), metadata=metadata)
         loop = asyncio.get_running_loop()
@@ -54,8 +62,21 @@ class UpdateStream:
         thread waits here, so an INLINE push holds a few chunks in memory, not a whole model."""
         while self._outgoing.qsize() >= backlog and self.failure is None:
             self._taken.clear()
-            await self._taken.wait()
-        self._outgoing.put_nowait(message)
+            try:
+                await asyncio.wait_for(self._taken.wait(), self.progress_timeout)
+            except TimeoutError:
+                self.give_up(f"took no message for {self.progress_timeout:g} s")
+                return
+        if self.failure is None:
+            self._outgoing.put_nowait(message)
+
+    def give_up(self, why: str) -> None:
+        """The server stopped answering: fail the stream (typed, naming the server) and cancel it. On the loop."""
+        if self.failure is None:
+            self._fail(WeightSyncRpcError(self.server, grpc.StatusCode.DEADLINE_EXCEEDED, UNRESPONSIVE,
+                                          f"the server {why}", {"timeout_seconds": f"{self.progress_timeout:g}"}))
+        self.unresponsive = True
+        self._call.cancel()
 
     def wait_applied(self, count: int, timeout: float) -> bool:
         """Block (trainer thread) until `count` buckets were applied, the stream failed, or timeout."""
@@ -104,13 +125,18 @@ class UpdateStream:
         except asyncio.CancelledError:
             error = WeightSyncRpcError(self.server, grpc.StatusCode.CANCELLED, "CANCELLED", "cancelled", {})
         if error is not None:
+            self._fail(error)
+
+    def _fail(self, error: WeightSyncRpcError) -> None:
+        """The first failure is the one kept: a stream we gave up on then ends CANCELLED, which explains nothing."""
+        if self.failure is None:
             self.failure = error
-            self._wake()
-            self._taken.set()
-            for future in (self.ready, self.committed):
-                if not future.done():
-                    future.set_exception(error)
-                    future.exception()  # mark retrieved: not every path awaits both
+        self._wake()
+        self._taken.set()
+        for future in (self.ready, self.committed):
+            if not future.done():
+                future.set_exception(self.failure)
+                future.exception()  # mark retrieved: not every path awaits both
 
     async def finish(self, timeout: float) -> None:
         """Wait for the server to end the stream; past the timeout, cancel it."""

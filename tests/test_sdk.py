@@ -158,11 +158,11 @@ def test_push_without_group_and_bad_arguments(server):
 
 
 def test_plan_is_reused_while_the_layout_holds(server, monkeypatch):
-    import weightsync.client.sdk as sdk
+    import weightsync.client.plan_choice as plan_choice
 
     calls = []
-    real = sdk.build_plan
-    monkeypatch.setattr(sdk, "build_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = plan_choice.build_plan
+    monkeypatch.setattr(plan_choice, "build_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = {"big": torch.randn(1 << 20), "small": torch.randn(5)}
     with WeightSyncClient([server.address]) as client:
         client.create_group(timeout=30)

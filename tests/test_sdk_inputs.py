@@ -124,3 +124,72 @@ def test_iterators_are_checked_before_bytes_move_or_streamed_staged(client, serv
     streamed = mixed_model(71)
     client.push(iter(streamed.items()), version="streamed", mode="staged")
     assert client.verify(streamed).ok
+
+
+# -- a name streamed twice is a duplicate, not a stranger ------------------------------------------------
+@pytest.mark.parametrize("where", ["mid-plan", "after the plan"])
+def test_a_name_streamed_twice_is_reported_as_a_duplicate(client, server, where):
+    committed = mixed_model(80)
+    client.push(committed, version="dup-base", bucket_size_bytes=1 << 20)
+    names = list(committed)
+    twice = names[1]
+    items = list(committed.items())
+    doubled = items[:3] + [(twice, committed[twice])] + items[3:] if where == "mid-plan" else items + [items[1]]
+    with pytest.raises(UpdateFailed) as caught:
+        client.push(iter(doubled), version="dup", mode="staged")  # streamed against the committed plan
+    assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "TENSOR_NAME_DUPLICATE")
+    assert f"tensor {twice!r} appears twice in the streamed tensors" in str(caught.value)
+    assert client.server_info()[0].store_state == pb.STORE_STATE_CONSISTENT
+    assert client.verify(committed).ok  # STAGED: nothing changed
+    streamed = mixed_model(81)
+    client.push(iter(streamed.items()), version="after-dup", mode="staged")
+    assert client.verify(streamed).ok
+
+
+# -- push leaves torch's thread count alone ---------------------------------------------------------------
+def test_push_leaves_the_torch_thread_count_of_every_thread_alone(client, server):
+    """The client is shared between threads: a push must not change what torch gives other threads, the
+    threads they start, or the caller's own code (its progress callback), during the push or after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # more than one, so that a change to one shows
+    try:
+        in_push, checked = threading.Event(), threading.Event()
+        seen: dict[str, int] = {}
+
+        def fresh_thread_count() -> int:
+            box: list[int] = []
+            thread = threading.Thread(target=lambda: box.append(torch.get_num_threads()))
+            thread.start()
+            thread.join()
+            return box[0]
+
+        def progress(p) -> None:
+            if p.bucket == 0:
+                seen["pushing thread, in its callback"] = torch.get_num_threads()
+                seen["thread started by the pushing thread"] = fresh_thread_count()
+                in_push.set()
+                checked.wait(30)
+
+        model = mixed_model(82)
+        errors: list[BaseException] = []
+
+        def push() -> None:
+            try:
+                client.push(model, version="threads", bucket_size_bytes=1 << 18, progress=progress)
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        pushing = threading.Thread(target=push)
+        pushing.start()
+        assert in_push.wait(60)
+        seen["main thread, during the push"] = torch.get_num_threads()
+        seen["thread started during the push"] = fresh_thread_count()
+        checked.set()
+        pushing.join(60)
+        assert errors == []
+        seen["main thread, after"] = torch.get_num_threads()
+        seen["thread started after"] = fresh_thread_count()
+        assert seen == dict.fromkeys(seen, 2)
+        assert client.verify(model).ok
+    finally:
+        torch.set_num_threads(previous)

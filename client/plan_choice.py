@@ -1,0 +1,55 @@
+"""Which plan a push sends, and where its tensors come from."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.client.packing import TensorSource
+from weightsync.client.plan_cache import CachedPlan, PlanCache, fingerprint
+from weightsync.client.planning import PlannedBucket, build_plan, check_tensors, plan_proto
+from weightsync.common.plan_id import plan_id_of
+
+
+@dataclass(frozen=True, slots=True)
+class PlanChoice:
+    cached: CachedPlan
+    """The plan as it will be cached once committed (and its content id)."""
+    planned: list[PlannedBucket]
+    """Its buckets, bound to this push's tensors where their bytes can be sent as they lie."""
+    source: TensorSource
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.spec.size_bytes for b in self.planned)
+
+
+def choose_plan(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    plans: PlanCache,
+    *,
+    may_stream: bool,
+    bucket_size_bytes: int,
+    zero_copy_min_bytes: int,
+) -> PlanChoice:
+    """An iterator is streamed against the last committed plan when `may_stream` (STAGED, no new
+    tensors: a divergence aborts with the committed weights intact); anything else is materialised
+    and checked first, then planned, or matched to the cached plan when its layout repeats."""
+    last = plans.last
+    if not isinstance(named_tensors, Mapping) and may_stream and last is not None:
+        return PlanChoice(last, last.unbound(), TensorSource(None, iter(named_tensors)))
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    check_tensors(items)
+    if not items:
+        raise ValueError("nothing to push: no tensors")
+    key = fingerprint(items, bucket_size_bytes, zero_copy_min_bytes)
+    cached = plans.lookup(key)
+    if cached is not None:
+        planned = cached.rebind(dict(items))
+    else:
+        planned = build_plan(items, bucket_size_bytes, zero_copy_min_bytes)
+        plan = plan_proto(planned)
+        cached = CachedPlan.of(planned, key, plan, plan_id_of(plan))
+    return PlanChoice(cached, planned, TensorSource(dict(items), None))

@@ -1,0 +1,57 @@
+"""Which backend a transfer group gets: never NCCL with two ranks on one GPU (decided on CPU, by UUID)."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightsync.client.errors import WeightSyncClientError
+from weightsync.client.groups import ServerDevices, choose_backend, normalize_uuid
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+GLOO, NCCL = pb.BACKEND_GLOO, pb.BACKEND_NCCL
+MINE = "GPU-5b2c1e0a-8f3d-4c1b-9a7e-0d4f6a1b2c3d"
+OTHER = "GPU-11111111-2222-3333-4444-555555555555"
+THIRD = "GPU-99999999-8888-7777-6666-555555555555"
+
+
+def gpu_server(address: str, *uuids: str) -> ServerDevices:
+    return ServerDevices(address, frozenset({GLOO, NCCL}), uuids)
+
+
+CHOICES = [
+    # name, requested, trainer uuid, servers, chosen
+    ("auto, no CUDA here", "auto", None, [gpu_server("a:1", OTHER)], GLOO),
+    ("auto, other GPUs", "auto", MINE, [gpu_server("a:1", OTHER), gpu_server("b:1", THIRD)], NCCL),
+    ("auto, a worker on my GPU", "auto", MINE, [gpu_server("a:1", OTHER), gpu_server("b:1", THIRD, MINE)], GLOO),
+    ("auto, same GPU spelled by torch", "auto", MINE.removeprefix("GPU-"), [gpu_server("a:1", MINE.upper())], GLOO),
+    ("auto, a CPU server", "auto", MINE, [ServerDevices("a:1", frozenset({GLOO}), ("",))], GLOO),
+    ("auto, UUIDs not reported yet", "auto", MINE, [gpu_server("a:1", "", "")], NCCL),
+    ("gloo on my GPU", "gloo", MINE, [gpu_server("a:1", MINE)], GLOO),
+    ("nccl, other GPUs", "nccl", MINE, [gpu_server("a:1", OTHER)], NCCL),
+]
+
+
+@pytest.mark.parametrize(("requested", "trainer", "servers", "chosen"), [c[1:] for c in CHOICES],
+                         ids=[c[0] for c in CHOICES])
+def test_backend_choice(requested, trainer, servers, chosen):
+    assert choose_backend(requested, trainer_gpu_uuid=trainer, servers=servers) == chosen
+
+
+def test_nccl_forced_on_a_shared_gpu_is_refused_naming_the_worker():
+    servers = [gpu_server("a:1", OTHER), gpu_server("b:1", THIRD, MINE)]
+    with pytest.raises(WeightSyncClientError) as caught:
+        choose_backend("nccl", trainer_gpu_uuid=MINE, servers=servers)
+    message = str(caught.value)
+    assert "worker 1 of b:1 runs on this process's GPU" in message
+    assert normalize_uuid(MINE) in message and "backend='gloo'" in message
+
+
+def test_a_backend_a_server_lacks_is_refused_naming_it():
+    with pytest.raises(WeightSyncClientError, match="a:1 does not offer BACKEND_NCCL"):
+        choose_backend("nccl", trainer_gpu_uuid=MINE, servers=[ServerDevices("a:1", frozenset({GLOO}), ("",))])
+    with pytest.raises(ValueError, match="backend must be"):
+        choose_backend("mpi", trainer_gpu_uuid=None, servers=[])
+
+
+def test_uuid_spellings():
+    assert normalize_uuid("GPU-ABC-def") == normalize_uuid("abc-DEF") == "abc-def"

@@ -34,6 +34,9 @@ from weightsync.common.patches import (
 )
 
 Delta = Literal["auto"] | bool
+AUTO_DENSE_ABOVE = 0.8
+"""delta="auto" sends the whole update dense when what the patches and the changed tensors would
+move is more than this fraction of the dense bytes: then the comparison did not pay."""
 PATCH_WORTH = 0.5
 """A patch is sent when it is at most this fraction of the tensor's dense bytes: below it the
 smaller transfer pays for the comparison and the receiver's scatter (bench --only delta)."""
@@ -58,16 +61,16 @@ class TensorPatch:
 
 @dataclass(slots=True)
 class DeltaChoice:
-    """What one push sends: patches by name (everything else dense), against which base."""
+    """What one push sends: patches by name, unchanged tensors left out, everything else dense."""
 
-    base_generation: int
     patches: dict[str, TensorPatch] = field(default_factory=dict)
     unchanged: set[str] = field(default_factory=set)
     """Bit for bit what the base holds: not sent at all (their generation on the node stays)."""
 
-    @property
-    def patched_bytes(self) -> int:
-        return sum(p.data.numel() for p in self.patches.values())
+    def sent_bytes(self, items: list[tuple[str, torch.Tensor]]) -> int:
+        """What this choice moves: the patches, and the changed tensors whole."""
+        return sum(self.patches[n].data.numel() if n in self.patches else t.numel() * t.element_size()
+                   for n, t in items if n not in self.unchanged)
 
 
 def _layout(named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
@@ -92,19 +95,15 @@ class DeltaBase:
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def base_for(self, named: list[tuple[str, torch.Tensor]], addresses: list[str]) -> int:
-        """The generation a patch would apply to on every one of `addresses`, or 0 (send dense):
-        nothing kept, another layout, or servers at different generations."""
-        if not self.tensors or _layout(named) != self.layout:
-            return 0
-        generations = {self.generations.get(a, 0) for a in addresses}
-        return generations.pop() if len(generations) == 1 and 0 not in generations else 0
+    def same_layout(self, named: list[tuple[str, torch.Tensor]]) -> bool:
+        """Whether these tensors have the names, dtypes and shapes of the kept copy."""
+        return bool(self.tensors) and _layout(named) == self.layout
 
-    def choose(self, named: list[tuple[str, torch.Tensor]], base_generation: int) -> DeltaChoice:
-        """Per tensor, patch or dense (see the module docstring)."""
-        choice = DeltaChoice(base_generation)
+    def choose(self, named: list[tuple[str, torch.Tensor]], *, worth: float = PATCH_WORTH) -> DeltaChoice:
+        """Per tensor, unchanged, patch (when at most `worth` of its dense bytes) or dense."""
+        choice = DeltaChoice()
         for name, tensor in named:
-            patch = self._patch_of(name, tensor)
+            patch = self._patch_of(name, tensor, worth)
             if patch == "unchanged":
                 choice.unchanged.add(name)
             elif patch is not None:
@@ -113,7 +112,7 @@ class DeltaBase:
             choice.unchanged.discard(min(named, key=lambda item: item[1].numel() * item[1].element_size())[0])
         return choice
 
-    def _patch_of(self, name: str, tensor: torch.Tensor) -> TensorPatch | Literal["unchanged"] | None:
+    def _patch_of(self, name: str, tensor: torch.Tensor, worth: float) -> TensorPatch | Literal["unchanged"] | None:
         """A patch, "unchanged", or None (dense)."""
         base = self.tensors.get(name)
         if base is None:
@@ -127,7 +126,7 @@ class DeltaBase:
             stride = max(1, numel // SAMPLE_ELEMENTS)
             sampled = int((bits_of(base)[::stride] != bits_of(new)[::stride]).sum().item()) / math.ceil(numel / stride)
             smallest = min(sampled * (2 + itemsize), 1 / 8 + sampled * itemsize) * numel
-            if smallest > 1.5 * PATCH_WORTH * dense:
+            if smallest > 1.5 * worth * dense:
                 return None  # plainly too many changes: skip the full comparison
         positions = changed_positions(base, new)
         if not positions.numel():
@@ -135,7 +134,7 @@ class DeltaBase:
         if numel < MIN_PATCH_ELEMENTS:
             return None
         chosen: PatchChoice = smallest_encoding(positions, numel, itemsize)
-        if chosen.size_bytes > PATCH_WORTH * dense:
+        if chosen.size_bytes > worth * dense:
             return None
         data = torch.empty(chosen.size_bytes, dtype=torch.uint8, device=new.device)
         encode_patch(new, positions, chosen.encoding, data)

@@ -18,6 +18,7 @@ from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.planning import PlannedBucket, check_tensors
 from weightsync.client.read_order import BufferFence, CudaEvents, Events, devices_of, read_order
 from weightsync.common import dtypes
+from weightsync.common.patches import is_patch
 from weightsync.v1 import tensor_pb2
 
 
@@ -66,7 +67,8 @@ class PackBuffers:
         if views is None:
             buffer = self.slots[index % len(self.slots)]
             views = [
-                buffer[t.offset_bytes : t.offset_bytes + t.size_bytes].view(dtypes.to_torch(t.dtype)).view(tuple(t.shape))
+                buffer[t.offset_bytes : t.offset_bytes + t.size_bytes] if is_patch(t.encoding)  # a patch: raw bytes
+                else buffer[t.offset_bytes : t.offset_bytes + t.size_bytes].view(dtypes.to_torch(t.dtype)).view(tuple(t.shape))
                 for t in spec.tensors
                 if t.size_bytes
             ]

@@ -7,9 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync.client.delta import DeltaChoice
 from weightsync.client.packing import TensorSource
 from weightsync.client.plan_cache import CachedPlan, PlanCache, fingerprint
 from weightsync.client.planning import PlannedBucket, build_plan, check_tensors, plan_proto
+from weightsync.common import dtypes
+from weightsync.common.checksum import to_proto
 from weightsync.common.plan_id import plan_id_of
 
 
@@ -53,3 +56,28 @@ def choose_plan(
         plan = plan_proto(planned)
         cached = CachedPlan.of(planned, key, plan, plan_id_of(plan))
     return PlanChoice(cached, planned, TensorSource(dict(items), None))
+
+
+def patched_plan(items: list[tuple[str, torch.Tensor]], delta: DeltaChoice, *, bucket_size_bytes: int,
+                 zero_copy_min_bytes: int) -> PlanChoice:
+    """The plan of a push that sends patches: unchanged tensors left out, each patch as its bytes
+    (tensor.proto, TensorEncoding) under its tensor's name, dtype and shape. Never cached: its
+    counts and checksums are this step's."""
+    sent = [(name, delta.patches[name].data if name in delta.patches else tensor)
+            for name, tensor in items if name not in delta.unchanged]
+    planned = build_plan(sent, bucket_size_bytes, zero_copy_min_bytes)
+    originals = dict(items)
+    for bucket in planned:
+        for spec in bucket.spec.tensors:
+            patch = delta.patches.get(spec.name)
+            if patch is None:
+                continue
+            original = originals[spec.name]
+            spec.dtype = dtypes.from_torch(original.dtype)
+            del spec.shape[:]
+            spec.shape.extend(original.shape)
+            spec.encoding = patch.encoding
+            spec.patch_count = patch.count
+            spec.checksum.CopyFrom(to_proto(patch.checksum))
+    plan = plan_proto(planned)
+    return PlanChoice(CachedPlan.of(planned, (), plan, plan_id_of(plan)), planned, TensorSource(dict(sent), None))

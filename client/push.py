@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -78,6 +78,8 @@ class PushRun:
     progress: Callable[[PushProgress], None] | None
     bar: object | None
     started: float
+    base_generations: dict[str, int] = field(default_factory=dict)
+    """Server address -> the committed generation this push's patches apply to (none: dense plan)."""
     plan_reused: bool = False
     zero_copy_buckets: int = 0
 
@@ -150,7 +152,8 @@ class PushRun:
         for server in self.servers:
             stream = UpdateStream(server.address, server.update_weights, self.metadata, self.rpc_timeout)
             begin = pb.BeginUpdate(group_id=self.group_id, version=self.version, mode=self.mode,
-                                   transport=self.sink.transport, allow_new_tensors=self.allow_new_tensors)
+                                   transport=self.sink.transport, allow_new_tensors=self.allow_new_tensors,
+                                   base_generation=self.base_generations.get(server.address, 0))
             if by_id:
                 begin.plan_id = self.plan_id
             else:

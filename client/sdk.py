@@ -30,13 +30,14 @@ import torch
 
 from weightsync.client import groups
 from weightsync.client._loop import LoopThread
-from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
+from weightsync.client.delta import AUTO_DENSE_ABOVE, PATCH_WORTH, Delta, DeltaBase, DeltaChoice
+from weightsync.client.errors import UpdateFailed, WeightSyncClientError, WeightSyncRpcError
 from weightsync.client.groups import TransferGroup
 from weightsync.client.ingress import IngressLease, open_ingress
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.packing import PackBuffers, is_zero_copy
 from weightsync.client.plan_cache import PlanCache
-from weightsync.client.plan_choice import PlanChoice, choose_plan
+from weightsync.client.plan_choice import PlanChoice, choose_plan, patched_plan
 from weightsync.client.planning import DEFAULT_ZERO_COPY_MIN_BYTES, check_tensors
 from weightsync.client.push import PushRun
 from weightsync.client.servers import Server, ServerSet
@@ -87,9 +88,13 @@ class WeightSyncClient:
         timeout: float = 60.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         metadata: Sequence[tuple[str, str]] = (),
+        delta_host_copy: bool = False,
     ) -> None:
         """metadata: extra gRPC metadata on every call, e.g. a W3C ("traceparent", ...) the server
-        logs with the update."""
+        logs with the update.
+        delta_host_copy: keep the copy of the last committed tensors (what push(delta=...)
+        compares against: as much memory as the model) in host memory rather than on the
+        tensors' device; a GPU trainer short of device memory trades the comparison's speed."""
         addresses = [servers] if isinstance(servers, str) else list(servers)
         if not addresses:
             raise ValueError("at least one server address is required")
@@ -111,6 +116,7 @@ class WeightSyncClient:
         self._server_infos: dict[str, pb.GetServerInfoResponse] = {}
         """GetServerInfo of each server, fetched once for INLINE/SHM limits."""
         self._plans = PlanCache()
+        self._delta = DeltaBase(host_copy=delta_host_copy)
 
     # -- queries ------------------------------------------------------------------
     def server_info(self) -> list[pb.GetServerInfoResponse]:
@@ -182,6 +188,7 @@ class WeightSyncClient:
         zero_copy_min_bytes: int = DEFAULT_ZERO_COPY_MIN_BYTES,
         progress: Callable[[PushProgress], None] | None = None,
         show_progress: bool | None = None,
+        delta: Delta = "auto",
     ) -> PushResult:
         """Send one version to every server and commit it.
 
@@ -200,6 +207,7 @@ class WeightSyncClient:
         TCP already checksums every segment and the extra passes over host
         memory compete with the broadcast for the same cores (about 40% of a
         push on 2 cores). verify() compares every tensor end to end either way.
+        An iterator is always sent dense (it is not held whole to compare).
         zero_copy_min_bytes: contiguous tensors at least this large are
         broadcast from their own memory, in a bucket of their own (0: always pack).
         transport: "collective" (a broadcast to the group from create_group),
@@ -214,6 +222,15 @@ class WeightSyncClient:
         Packing and checksums run with one torch intra-op thread, set for the
         calling thread and for the SDK's own ops only (intra_op.py): the
         process's torch.get_num_threads() is never changed.
+        delta: send only what changed since this client's last commit (tensors
+        unchanged bit for bit are left out, sparse changes go as patches; see
+        client/delta.py). "auto" (default): where it pays, dense otherwise (the first
+        push, a new layout, most of the model changed). True: patches wherever they
+        are smaller than the tensor. False: always dense, and no copy kept. A server
+        that does not hold this client's last commit (restarted, or pushed to by
+        someone else) gets the update dense: INLINE and SHM that server alone, COLLECTIVE
+        the whole group. Keeping the copy costs as much memory as the model (see
+        delta_host_copy). PushResult.bytes_sent and dense_bytes say what it saved.
         """
         if mode not in _MODES:
             raise ValueError(f"mode must be 'in_place' or 'staged', got {mode!r}")
@@ -223,30 +240,90 @@ class WeightSyncClient:
         group, sink = self._sink(transport)
         if transport == "shm":
             bucket_size_bytes = min(bucket_size_bytes, self._ingress_lease.slot_bytes)  # type: ignore[union-attr]
-        choice = choose_plan(named_tensors, self._plans, may_stream=mode == "staged" and not allow_new_tensors,
-                             bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes)
+        if delta not in ("auto", True, False):
+            raise ValueError(f"delta must be 'auto', True or False, got {delta!r}")
+        common = dict(version=version, mode=mode, allow_new_tensors=allow_new_tensors, checksums=checksums,
+                      progress=progress, started=started, show_progress=show_progress)
+        sizes = dict(bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes)
+        if delta is False or not isinstance(named_tensors, Mapping | list | tuple):
+            self._delta.forget()  # an iterator streams (never held whole): nothing to compare
+            items = None
+        else:
+            items = _materialized(named_tensors)
+        runs: list[tuple[PlanChoice, PushRun, list[ServerOutcome]]] = []
+        delta_choice, targets = None, []
+        while items is not None:
+            patched = self._patched_plan(items, delta, collective=group is not None, **sizes)
+            if patched is None:
+                break
+            choice, delta_choice, targets = patched
+            try:
+                runs.append((choice, *self._push_once(group, sink, choice, servers=targets, base_generations={
+                    s.address: self._delta.generations[s.address] for s in targets}, **common)))
+                break
+            except UpdateFailed as error:
+                if error.reason != "BASE_MISMATCH":
+                    raise
+                # Refused at Begin, before any byte moved, everywhere: that server gets it dense.
+                log.info("base_mismatch_sending_dense", server=error.server)
+                self._delta.forget(error.server)
+                delta_choice, targets = None, []
+        rest = [s for s in self._servers.servers if s not in targets]
+        if rest:
+            dense = choose_plan(items if items is not None else named_tensors, self._plans,
+                                may_stream=mode == "staged" and not allow_new_tensors, **sizes)
+            runs.append((dense, *self._push_once(group, sink, dense, servers=rest, **common)))
+            self._plans.committed(dense.cached, [s.address for s in rest])
+        outcomes = [o for _, _, done in runs for o in done]
+        if items is not None:
+            self._delta.committed(items, delta_choice, {o.server: o.generation for o in outcomes})
+        return _committed(runs, outcomes, version, started, dense_bytes=_dense_bytes(items) if items else 0)
+
+    def _patched_plan(self, items: list[tuple[str, torch.Tensor]], delta: Delta, *, collective: bool,
+                      bucket_size_bytes: int, zero_copy_min_bytes: int,
+                      ) -> tuple[PlanChoice, DeltaChoice, list[Server]] | None:
+        """The patched plan, and the servers that hold this client's last commit; None: all dense.
+        COLLECTIVE sends one plan to the whole group: patches only if every server can take them."""
+        targets = [s for s in self._servers.servers if self._delta.generations.get(s.address, 0) > 0]
+        if not targets or (collective and len(targets) != len(self._servers.servers)):
+            return None
+        if not self._delta.same_layout(items):
+            return None
+        choice = self._delta.choose(items, worth=1.0 if delta is True else PATCH_WORTH)
+        if not choice.patches and not choice.unchanged:
+            return None  # every tensor changed too much: the plain dense push (its plan may be cached)
+        if delta == "auto" and choice.sent_bytes(items) > AUTO_DENSE_ABOVE * _dense_bytes(items):
+            return None  # patches would not pay
+        plan = patched_plan(items, choice, bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes)
+        return plan, choice, targets
+
+    def _push_once(self, group: TransferGroup | None, sink: Sink, choice: PlanChoice, *, servers: list[Server],
+                   show_progress: bool | None, base_generations: dict[str, int] | None = None,
+                   **common) -> tuple[PushRun, list[ServerOutcome]]:
+        """One run of one plan to `servers`."""
         _prepare_buffers(sink, choice)
-        bar = _progress_bar(choice.total_bytes, version, show_progress)
-        run = self._run_for(group, sink, choice, version=version, mode=mode, allow_new_tensors=allow_new_tensors,
-                            checksums=checksums, progress=progress, bar=bar, started=started)
+        bar = _progress_bar(choice.total_bytes, common["version"], show_progress)
+        run = self._run_for(group, sink, choice, servers=servers, bar=bar, **common)
+        run.base_generations = base_generations or {}
         try:
             outcomes = run.run()
         except BaseException as error:
             if group is not None and getattr(error, "reason", "") in ("COLLECTIVE_TIMEOUT", "COLLECTIVE_FAILED"):
                 group.broken = True
+            if getattr(error, "reason", "") != "BASE_MISMATCH":
+                self._delta.forget()  # whatever the servers hold now, the next push re-establishes it densely
             raise
         finally:
             if bar is not None:
                 bar.close()
-        self._plans.committed(choice.cached, self._servers.addresses)
-        return _committed(run, choice, outcomes, version, started)
+        return run, outcomes
 
-    def _run_for(self, group: TransferGroup | None, sink: Sink, choice: PlanChoice, *, version: str, mode: Mode,
-                 allow_new_tensors: bool, checksums: bool | None, progress: Callable[[PushProgress], None] | None,
-                 bar: object | None, started: float) -> PushRun:
-        """The run of one push over this client's servers."""
+    def _run_for(self, group: TransferGroup | None, sink: Sink, choice: PlanChoice, *, servers: list[Server],
+                 version: str, mode: Mode, allow_new_tensors: bool, checksums: bool | None,
+                 progress: Callable[[PushProgress], None] | None, bar: object | None, started: float) -> PushRun:
+        """The run of one plan over `servers`."""
         return PushRun(
-            loop=self._loop, servers=self._servers.servers, metadata=self._servers.metadata,
+            loop=self._loop, servers=servers, metadata=self._servers.metadata,
             rpc_timeout=self._servers.timeout,
             commit_timeout=(group.timeout.total_seconds() if group else self._servers.timeout) + 30,
             group_id=group.group_id if group else "", sink=sink, plans=self._plans, planned=choice.planned,
@@ -367,21 +444,36 @@ def _prepare_buffers(sink: Sink, choice: PlanChoice) -> None:
     buffers.use_plan(choice.cached.plan_id)
 
 
-def _committed(run: PushRun, choice: PlanChoice, outcomes: list[ServerOutcome], version: str,
-               started: float) -> PushResult:
+def _materialized(named_tensors) -> list[tuple[str, torch.Tensor]]:
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    check_tensors(items)
+    if not items:
+        raise ValueError("nothing to push: no tensors")
+    return items
+
+
+def _dense_bytes(items: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in items)
+
+
+def _committed(runs: list[tuple[PlanChoice, PushRun, list[ServerOutcome]]], outcomes: list[ServerOutcome],
+               version: str, started: float, *, dense_bytes: int) -> PushResult:
     seconds = time.perf_counter() - started
+    sent = sum(choice.total_bytes for choice, _, _ in runs)
     result = PushResult(
         version=version,
-        tensor_count=sum(len(b.spec.tensors) for b in choice.planned),
-        bucket_count=len(choice.planned),
-        size_bytes=choice.total_bytes,
+        tensor_count=max(sum(len(b.spec.tensors) for b in choice.planned) for choice, _, _ in runs),
+        bucket_count=sum(len(choice.planned) for choice, _, _ in runs),
+        size_bytes=sent,
         seconds=seconds,
-        plan_reused=run.plan_reused,
-        zero_copy_buckets=run.zero_copy_buckets,
+        plan_reused=all(run.plan_reused for _, run, _ in runs),
+        zero_copy_buckets=sum(run.zero_copy_buckets for _, run, _ in runs),
         servers=tuple(outcomes),
+        bytes_sent=sent,
+        dense_bytes=dense_bytes or sent,
     )
-    log.info("push_committed", version=version, bytes=choice.total_bytes, seconds=round(seconds, 3),
-             gbps=round(result.gigabytes_per_second, 3), buckets=len(choice.planned))
+    log.info("push_committed", version=version, bytes=sent, dense_bytes=result.dense_bytes,
+             seconds=round(seconds, 3), gbps=round(result.gigabytes_per_second, 3), buckets=result.bucket_count)
     return result
 
 

@@ -46,6 +46,10 @@ class PushResult:
     zero_copy_buckets: int
     """Buckets broadcast straight from the caller's storage (flat parameters)."""
     servers: tuple[ServerOutcome, ...]
+    bytes_sent: int = 0
+    """Bytes this push moved (size_bytes): with delta, the patches and the changed tensors."""
+    dense_bytes: int = 0
+    """What the whole model, dense, would have moved (0 when not known: a streamed push)."""
 
     @property
     def gigabytes_per_second(self) -> float:

@@ -1,0 +1,180 @@
+"""push(delta=...) (issue 18): only what changed moves, on every transport, bit-exact after every
+step; a server that does not hold the base gets the update dense, alone (INLINE) or with the whole
+group (COLLECTIVE). Every failure is followed by the next push and a verify."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightsync.client import UpdateFailed, WeightSyncClient
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+from helpers import local_checksums, server_checksums, start_server
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed": torch.randn(2048, 128, generator=g).to(torch.bfloat16),
+        "layers.0.w": torch.randn(256, 256, generator=g).to(torch.bfloat16),
+        "layers.0.b": torch.randn(256, generator=g),
+        "norm": torch.ones(128, dtype=torch.bfloat16),
+        "step": torch.zeros(1, dtype=torch.int64),
+    }
+
+
+def sparse_step(named: dict[str, torch.Tensor], seed: int, fraction: float = 0.01) -> dict[str, torch.Tensor]:
+    """A new model: `fraction` of the elements of the weight matrices changed, the rest bit-identical."""
+    g = torch.Generator().manual_seed(seed)
+    new = {n: t.clone() for n, t in named.items()}
+    for name in ("embed", "layers.0.w"):
+        flat = new[name].view(-1)
+        picks = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * fraction))]
+        flat[picks] = torch.randn(picks.numel(), generator=g).to(flat.dtype)
+    new["step"] += 1
+    return new
+
+
+@pytest.fixture
+def two_servers(tmp_path):
+    servers = [start_server(tmp_path / "a", workers=1), start_server(tmp_path / "b", workers=1)]
+    yield servers
+    for server in servers:
+        assert server.stop() == 0, server.log()[-2000:]
+
+
+@pytest.fixture(autouse=True)
+def _dirs(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+
+
+def assert_held(servers, named) -> None:
+    for server in servers:
+        assert server_checksums(server) == [local_checksums(named)]
+
+
+@pytest.mark.parametrize("transport", ["inline", "collective"])
+def test_twenty_sparse_steps_on_two_servers_bit_exact_after_each(two_servers, transport):
+    with WeightSyncClient([s.address for s in two_servers], timeout=60) as client:
+        if transport == "collective":
+            client.create_group(timeout=30)
+        current = model()
+        first = client.push(current, version="v0", transport=transport, allow_new_tensors=True)
+        assert first.bytes_sent >= first.dense_bytes  # nothing to compare with: dense
+        for step in range(1, 21):
+            current = sparse_step(current, seed=step)
+            mode = "staged" if step % 2 else "in_place"
+            result = client.push(current, version=f"v{step}", transport=transport, mode=mode)
+            assert result.bytes_sent < 0.1 * result.dense_bytes, (step, result.bytes_sent, result.dense_bytes)
+            assert client.verify(current).ok
+            assert_held(two_servers, current)
+
+
+def test_a_server_without_the_base_gets_it_dense_while_the_other_gets_a_patch(two_servers):
+    a, b = two_servers
+    with WeightSyncClient([a.address, b.address], timeout=60) as client:
+        current = model()
+        client.push(current, version="v0", transport="inline", allow_new_tensors=True)
+        # Someone else moves server b on: this client's base is no longer what b holds.
+        with WeightSyncClient(b.address, timeout=60) as other:
+            other.push(model(99), version="other", transport="inline", delta=False)
+        current = sparse_step(current, seed=1)
+        result = client.push(current, version="v1", transport="inline")
+        by_server = {o.server: o for o in result.servers}
+        dense = sum(t.numel() * t.element_size() for t in current.values())
+        assert by_server[a.address].size_bytes < 0.1 * dense  # a: the patch
+        assert by_server[b.address].size_bytes >= dense  # b refused the base (BASE_MISMATCH): dense
+        assert client.verify(current).ok
+        assert_held(two_servers, current)
+        current = sparse_step(current, seed=2)  # both hold the base again: both get the patch
+        result = client.push(current, version="v2", transport="inline")
+        assert all(o.size_bytes < 0.1 * dense for o in result.servers)
+        assert_held(two_servers, current)
+
+
+def test_collective_sends_the_whole_group_dense_when_one_server_lacks_the_base(two_servers):
+    a, b = two_servers
+    with WeightSyncClient([a.address, b.address], timeout=60) as client:
+        client.create_group(timeout=30)
+        current = model()
+        client.push(current, version="v0", allow_new_tensors=True)
+        with WeightSyncClient(b.address, timeout=60) as other:
+            other.push(model(98), version="other", transport="inline", delta=False)
+        current = sparse_step(current, seed=3)
+        result = client.push(current, version="v1")
+        assert result.bytes_sent >= result.dense_bytes  # one plan for the whole group: dense
+        assert_held(two_servers, current)
+        current = sparse_step(current, seed=4)
+        assert client.push(current, version="v2").bytes_sent < 0.1 * result.dense_bytes
+        assert_held(two_servers, current)
+
+
+def test_a_failed_patched_push_leaves_the_base_and_the_next_push_is_exact(two_servers):
+    a, _ = two_servers
+    with WeightSyncClient(a.address, timeout=60) as client:
+        base = model()
+        client.push(base, version="v0", transport="inline", allow_new_tensors=True)
+        step = sparse_step(base, seed=5)
+
+        def give_up(report) -> None:
+            raise RuntimeError("trainer gives up")
+
+        with pytest.raises(RuntimeError):
+            client.push(step, version="aborted", transport="inline", mode="staged", progress=give_up)
+        assert server_checksums(a) == [local_checksums(base)]  # STAGED: the base, bit for bit
+        result = client.push(step, version="v1", transport="inline")
+        assert result.bytes_sent >= result.dense_bytes  # the kept copy was dropped: dense once
+        assert client.verify(step).ok
+        nxt = sparse_step(step, seed=6)
+        assert client.push(nxt, version="v2", transport="inline").bytes_sent < 0.1 * result.dense_bytes
+        assert server_checksums(a) == [local_checksums(nxt)]
+
+
+def test_raw_bits_count_and_unchanged_tensors_are_not_sent(two_servers):
+    a, _ = two_servers
+    with WeightSyncClient(a.address, timeout=60) as client:
+        base = model()
+        base["layers.0.b"][:] = 0.0
+        client.push(base, version="v0", transport="inline", allow_new_tensors=True)
+        signed = {n: t.clone() for n, t in base.items()}
+        signed["layers.0.b"][:10] = -0.0  # equal as numbers, different bits
+        result = client.push(signed, version="v1", transport="inline", delta=True)
+        assert result.bytes_sent < 2048  # one small patch (or the one small tensor), nothing else
+        assert server_checksums(a) == [local_checksums(signed)]
+        info = client.server_info()[0]
+        assert info.current_version.version == "v1"
+
+
+def test_delta_false_and_auto_at_half_changed_send_dense(two_servers):
+    a, _ = two_servers
+    with WeightSyncClient(a.address, timeout=60) as client:
+        current = model()
+        client.push(current, version="v0", transport="inline", allow_new_tensors=True)
+        current = sparse_step(current, seed=7)
+        off = client.push(current, version="v1", transport="inline", delta=False)
+        assert off.bytes_sent >= off.dense_bytes
+        client.push(current, version="v1b", transport="inline")  # re-establish the kept copy
+        half = sparse_step(current, seed=8, fraction=0.5)
+        auto = client.push(half, version="v2", transport="inline")
+        assert auto.bytes_sent >= 0.5 * auto.dense_bytes  # patches would not pay: dense where changed
+        assert server_checksums(a) == [local_checksums(half)]
+
+
+def test_a_refused_push_keeps_nothing_stale(two_servers):
+    """UpdateFailed at Begin for another reason: the next push still verifies."""
+    a, _ = two_servers
+    with WeightSyncClient(a.address, timeout=60) as client:
+        current = model()
+        client.push(current, version="v0", transport="inline", allow_new_tensors=True)
+        bigger = dict(current, extra=torch.ones(10))
+        with pytest.raises(UpdateFailed) as caught:
+            client.push(bigger, version="bad", transport="inline")  # a new name, not allowed
+        assert caught.value.reason == "TENSOR_UNKNOWN"
+        current = sparse_step(current, seed=9)
+        client.push(current, version="v1", transport="inline")
+        assert server_checksums(a) == [local_checksums(current)]
+        assert a.stub().GetServerInfo(pb.GetServerInfoRequest()).current_version.version == "v1"

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--store-host", help="address this host's rendezvous store listens on (collective)")
             command.add_argument("--store-port", type=int, default=0,
                                  help="fixed port for the rendezvous store (collective; default: a free one)")
+            command.add_argument("--delta", choices=("auto", "on", "off"), default="auto",
+                                 help="send only what changed since --base (auto: where it pays)")
+            command.add_argument("--base", action="append", default=[],
+                                 help="the checkpoint the servers hold now (.safetensors, repeatable): with it, "
+                                      "--delta sends only what differs; servers that do not hold it get it dense")
     return parser
 
 
@@ -141,12 +146,16 @@ def _push(args: argparse.Namespace) -> int:
     from weightsync.client.checkpoint import load_checkpoints
 
     tensors = load_checkpoints(args.checkpoint)
+    delta = {"auto": "auto", "on": True, "off": False}[args.delta]
     with _client(args, _servers(args.to)) as client:
         if args.transport == "collective":
             client.create_group(timeout=args.timeout, store_host=args.store_host, store_port=args.store_port)
+        if args.base and delta is not False:
+            holding = client.adopt_base(load_checkpoints(args.base))
+            print(f"base held by {len(holding)} of {len(_servers(args.to))} server(s)", file=sys.stderr)
         result = client.push(
             tensors, version=args.version, mode=args.mode, transport=args.transport,
-            bucket_size_bytes=args.bucket_size_mb << 20, allow_new_tensors=args.allow_new_tensors,
+            bucket_size_bytes=args.bucket_size_mb << 20, allow_new_tensors=args.allow_new_tensors, delta=delta,
         )
         verified = "skipped"
         if not args.no_verify:
@@ -156,7 +165,8 @@ def _push(args: argparse.Namespace) -> int:
                 raise RuntimeError(f"{len(check.mismatches)} checksum mismatches, first {first.name!r} on {first.server} worker {first.worker}")
             verified = "ok"
     print(
-        f"pushed {result.version}: {result.tensor_count} tensors, {result.size_bytes} bytes in "
+        f"pushed {result.version}: {result.tensor_count} tensors, {result.size_bytes} bytes "
+        f"(dense {result.dense_bytes}) in "
         f"{result.seconds:.3f} s ({result.gigabytes_per_second:.2f} GB/s) to {len(result.servers)} server(s); verify {verified}"
     )
     return 0

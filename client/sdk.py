@@ -391,6 +391,31 @@ class WeightSyncClient:
                         mismatches.append(TensorMismatch(server.address, worker.worker_index, name, value, remote.get(name)))
         return VerifyResult(len(local), tuple(mismatches))
 
+    @_serialized
+    def adopt_base(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Take these tensors as what the servers hold now, for push(delta=...), where they do:
+        a new trainer process (or the CLI) resumes sending patches without a dense push first.
+        Each server's every worker is checked tensor by tensor (WS64, as verify()); a server that
+        holds them, CONSISTENT, is recorded at its committed generation; the others get the next
+        push dense. Returns the addresses that hold them. Keeps a copy (see delta_host_copy)."""
+        items = _materialized(named_tensors)
+        with one_intra_op_thread():
+            local = {name: ws64(t.detach()) for name, t in items}
+        request = pb.GetTensorChecksumsRequest(names=sorted(local))
+
+        async def fetch():
+            return await asyncio.gather(*(self._fetch_checksums(s, request) for s in self._servers.servers),
+                                        return_exceptions=True)
+
+        generations = {}
+        for server, answer in zip(self._servers.servers, self._loop.run(fetch()), strict=True):
+            if isinstance(answer, BaseException) or answer.store_state != pb.STORE_STATE_CONSISTENT:
+                continue
+            if all({t.name: t.checksum.value for t in w.tensors} == local for w in answer.workers):
+                generations[server.address] = answer.version.generation
+        self._delta.committed(items, None, generations)
+        return sorted(generations)
+
     async def _fetch_checksums(self, server: Server, request: pb.GetTensorChecksumsRequest):
         """Every worker's checksums of the named tensors; a name a server lacks is left out."""
         timeout = max(self._servers.timeout, 300)

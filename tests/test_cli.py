@@ -111,3 +111,24 @@ def test_info_json_prints_zero_values_too(server):
     described = json.loads(cli("info", "--server", server.address, "--json").stdout)
     assert [w["index"] for w in described["workers"]] == [0, 1]
     assert all(w["restartCount"] == "0" for w in described["workers"])
+
+
+def test_push_delta_against_a_base_checkpoint(server, checkpoints):
+    """`weightsync push --delta auto --base OLD`: the servers hold OLD, so only what differs moves
+    (here one scalar); a base the servers do not hold sends the whole checkpoint, and verifies."""
+    old = ["--checkpoint", str(checkpoints / "model-1.safetensors"), "--checkpoint", str(checkpoints / "model-2.safetensors")]
+    new = ["--checkpoint", str(checkpoints / "model-1.safetensors"),
+           "--checkpoint", str(checkpoints / "model-2-changed.safetensors")]
+    base = ["--base", str(checkpoints / "model-1.safetensors"), "--base", str(checkpoints / "model-2.safetensors")]
+    assert cli("push", *old, "--to", server.address, "--version", "base", "--transport", "inline").returncode == 0
+    pushed = cli("push", *new, "--to", server.address, "--version", "delta", "--transport", "inline",
+                 "--delta", "auto", *base)
+    assert pushed.returncode == 0, pushed.stderr
+    assert "base held by 1 of 1 server(s)" in pushed.stderr
+    sent, dense = (int(w) for w in pushed.stdout.split(" bytes (dense ")[0].split()[-1:] +
+                   pushed.stdout.split("(dense ")[1].split(")")[:1])
+    assert sent < 1024 < dense and "verify ok" in pushed.stdout
+    # The servers now hold `new`: `old` as a base is refused per tensor, and the push goes dense.
+    again = cli("push", *old, "--to", server.address, "--version", "back", "--transport", "inline", *base)
+    assert again.returncode == 0, again.stderr
+    assert "base held by 0 of 1 server(s)" in again.stderr and "verify ok" in again.stdout

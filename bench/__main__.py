@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench import delta as delta_bench
 from bench import engine_apply, machine, node_inline, report, workloads
 from bench import transports as transport_bench
 from bench.baselines import packed_source, strided_subset
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction,
                         help="also time weightsync with checksums=True and raw with the SDK's bucket plan "
                              "(default: on in full runs)")
-    parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine", "node"], action="append",
+    parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine", "node", "delta"],
+                        action="append",
                         help="run only these parts (repeatable); default: all")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, receiver_threads=args.receiver_threads)
     if args.diagnostics is not None:
         cfg = replace(cfg, diagnostics=args.diagnostics)
-    parts = set(args.only or ["main", "latency", "scaling", "load", "transports", "engine", "node"])
+    parts = set(args.only or ["main", "latency", "scaling", "load", "transports", "engine", "node", "delta"])
     if args.per_tensor_limit is not None:
         cfg = replace(cfg, per_tensor_limit=args.per_tensor_limit)
     if args.trainer_threads is not None:
@@ -255,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             transports = transport_bench.run(h, [workloads.dense(cfg.dense_scale), workloads.moe(cfg.moe_scale)])
         engine = engine_apply.run(h, workloads.dense(cfg.dense_scale)) if "engine" in parts else None
         node = node_inline.run(h, workloads.dense(cfg.dense_scale)) if "node" in parts else None
+        if "delta" in parts:
+            h.stop_server()  # room for the two servers of the delta bench
+        delta = delta_bench.run(Path(tmp), quick=args.quick) if "delta" in parts else None
         server_starts = h.server_starts
         control_load = None
         if "load" in parts:
@@ -277,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "transports": transports,
         "engine_apply": engine,
         "node_inline": node,
+        "delta": delta,
     }
     meta = {
         "config": asdict(cfg),
@@ -309,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         markdown += engine_apply.markdown(engine)
     if node is not None:
         markdown += node_inline.markdown(node)
+    if delta is not None:
+        markdown += delta_bench.markdown(delta)
     (out_dir / "latest.md").write_text(markdown)
     log(f"done in {seconds:.0f} s; wrote {out_dir}/latest.json, latest.md, latest.meta.json and {len(plots)} plots")
     print(report.summary(results, meta))

@@ -108,8 +108,6 @@ class DeltaBase:
                 choice.unchanged.add(name)
             elif patch is not None:
                 choice.patches[name] = patch
-        if len(choice.unchanged) == len(named):  # nothing changed: the version still moves, by one small tensor
-            choice.unchanged.discard(min(named, key=lambda item: item[1].numel() * item[1].element_size())[0])
         return choice
 
     def _patch_of(self, name: str, tensor: torch.Tensor, worth: float) -> TensorPatch | Literal["unchanged"] | None:

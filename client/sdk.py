@@ -270,7 +270,7 @@ class WeightSyncClient:
                 delta_choice, targets = None, []
         rest = [s for s in self._servers.servers if s not in targets]
         if rest:
-            dense = choose_plan(items if items is not None else named_tensors, self._plans,
+            dense = choose_plan(dict(items) if items is not None else named_tensors, self._plans,
                                 may_stream=mode == "staged" and not allow_new_tensors, **sizes)
             runs.append((dense, *self._push_once(group, sink, dense, servers=rest, **common)))
             self._plans.committed(dense.cached, [s.address for s in rest])
@@ -290,8 +290,10 @@ class WeightSyncClient:
         if not self._delta.same_layout(items):
             return None
         choice = self._delta.choose(items, worth=1.0 if delta is True else PATCH_WORTH)
-        if not choice.patches and not choice.unchanged:
-            return None  # every tensor changed too much: the plain dense push (its plan may be cached)
+        if not choice.patches and (not choice.unchanged or len(choice.unchanged) == len(items)):
+            # Every tensor changed too much, or nothing changed at all: the plain dense push, whose
+            # plan may be reused (a version re-pushed as it is).
+            return None
         if delta == "auto" and choice.sent_bytes(items) > AUTO_DENSE_ABOVE * _dense_bytes(items):
             return None  # patches would not pay
         plan = patched_plan(items, choice, bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes)

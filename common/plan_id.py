@@ -21,6 +21,9 @@ _BUCKET = struct.Struct("<qI")
 _U32 = struct.Struct("<I")
 _TENSOR_HEAD = struct.Struct("<II")
 _TENSOR_TAIL = struct.Struct("<qqIQ")
+_PATCH = struct.Struct("<Iq")
+_PATCH_ENCODINGS = (tensor_pb2.TENSOR_ENCODING_PATCH_POSITIONS, tensor_pb2.TENSOR_ENCODING_PATCH_GAPS,
+                    tensor_pb2.TENSOR_ENCODING_PATCH_BITMASK)
 
 
 def plan_id_of(plan: tensor_pb2.WeightPlan) -> str:
@@ -39,4 +42,6 @@ def plan_id_of(plan: tensor_pb2.WeightPlan) -> str:
                     tensor.offset_bytes, tensor.size_bytes, tensor.checksum.algorithm, tensor.checksum.value
                 )
             )
+            if tensor.encoding in _PATCH_ENCODINGS:  # dense plans keep the ids they always had
+                digest.update(_PATCH.pack(tensor.encoding, tensor.patch_count))
     return digest.hexdigest()[:PLAN_ID_HEX_DIGITS]

@@ -140,3 +140,21 @@ def test_generation_during_staged_updates_never_sees_a_torn_version(node, traine
     final = tiny_model.weights(15)
     generation = trainer.push(final, version="final", transport="inline").servers[0].generation
     assert engine.wait_serving(generation)["digest"] == expected_digest(final)
+
+
+def test_the_engine_follows_five_patched_versions_bit_for_bit(node, trainer, engine):
+    """Issue 18: sparse fine-tune steps go as patches (a fraction of the bytes); the engine copies
+    the tensors whose generation moved and its logits equal the trainer's, bit for bit, each time."""
+    state = {n: t.clone() for n, t in tiny_model.weights(50).items()}
+    trainer.push(state, version="p0", transport="inline")
+    g = torch.Generator().manual_seed(50)
+    for step in range(1, 6):
+        for tensor in state.values():  # 0.5% of each matrix's elements move
+            if tensor.dim() == 2:
+                flat = tensor.view(-1)
+                picks = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 200)]
+                flat[picks] += torch.randn(picks.numel(), generator=g).to(flat.dtype) * 1e-2
+        result = trainer.push(state, version=f"p{step}", transport="inline")
+        assert result.bytes_sent < 0.1 * result.dense_bytes, (step, result.bytes_sent, result.dense_bytes)
+        served = engine.wait_serving(result.servers[0].generation)
+        assert served["digest"] == expected_digest(state), f"p{step}: the engine's logits differ from the trainer's"

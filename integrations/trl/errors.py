@@ -8,6 +8,7 @@ class WeightSyncTrlError(RuntimeError):
 
     `reason` is machine-readable:
       VLLM_BACKEND_MISSING  vLLM was started without --weight-transfer-config '{"backend": "weightsync"}'
+      DTYPE_UNKNOWN         vLLM serves a dtype the integration cannot cast to: set WeightSyncConfig(dtype=...)
       ENGINE_NOT_FOUND      the weightsync server does not drive the vLLM that TRL generates with
       SERVER_UNREACHABLE    the weightsync server did not answer (down, restarting, wrong address)
       PUSH_FAILED           the server refused or aborted the update (`cause_reason`: its ErrorInfo reason)

@@ -37,12 +37,19 @@ import run as launcher  # noqa: E402  (examples/trl_grpo/run.py: the vLLM comman
 import train  # noqa: E402  (examples/trl_grpo/train.py: the TRL script)
 import trl_toy  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+from trl.generation import vllm_generation  # noqa: E402
+from trl.generation.vllm_client import VLLMClient  # noqa: E402
 
 from weightsync.client import WeightSyncClient  # noqa: E402
-from weightsync.integrations.trl import WeightSyncConfig, WeightSyncTrlError  # noqa: E402
+from weightsync.integrations.trl import (  # noqa: E402
+    UnsupportedTrlVersion,
+    WeightSyncConfig,
+    WeightSyncTrlError,
+    weightsync_client_factory,
+)
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 
-from helpers import ServerProcess, start_server, wait_for  # noqa: E402
+from helpers import ServerProcess, running_server, start_server, wait_for  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -194,6 +201,7 @@ def test_grpo_steps_are_each_served_by_vllm_and_the_reward_rises(vllm, node, tmp
     client = trainer.weightsync_client
     served_at_generation = watch_generations(client, vllm)
     trainer.train()
+    assert vllm_generation.VLLMClient is VLLMClient  # the seam was ours only while the trainer was built
 
     labels = [f"step-{i}" for i in range(STEPS)]  # synced before each step's generation
     assert served_at_generation == labels  # a sync returns once vLLM serves it: TRL never samples stale weights
@@ -217,6 +225,30 @@ def test_grpo_steps_are_each_served_by_vllm_and_the_reward_rises(vllm, node, tmp
     assert (info.current_version.version, info.current_version.generation) == (f"step-{STEPS}", STEPS + 1)
 
 
+def test_a_server_that_does_not_drive_trls_vllm_is_refused_at_construction(vllm, tmp_path):
+    with running_server(tmp_path, workers=1) as other:  # no --engine: it drives nobody
+        with pytest.raises(WeightSyncTrlError) as raised:
+            train.train(vllm.url, 1, str(tmp_path / "out"), weightsync=WeightSyncConfig(server=other.address))
+    assert raised.value.reason == "ENGINE_NOT_FOUND"
+    assert f"does not drive the vLLM at {vllm.url} that TRL generates with (it drives no vLLM): start it with " \
+           f"--engine vllm-http={vllm.url}" in str(raised.value)
+    assert vllm_generation.VLLMClient is VLLMClient  # the seam is TRL's again, whatever happened inside
+
+
+def test_server_mode_is_required(tmp_path):
+    with pytest.raises(ValueError, match=r"syncs vLLM's weights in server mode: pass args=GRPOConfig\(use_vllm=True"):
+        train.train("http://127.0.0.1:1", 1, str(tmp_path), weightsync=WeightSyncConfig(server="127.0.0.1:1"),
+                    use_vllm=False)
+
+
+def test_a_trl_that_builds_its_client_elsewhere_is_refused(monkeypatch):
+    monkeypatch.setattr(vllm_generation, "VLLMClient", object)
+    with pytest.raises(UnsupportedTrlVersion, match="does not build its server-mode client where weightsync expects"):
+        with weightsync_client_factory(WeightSyncConfig(server="127.0.0.1:1")):
+            pass
+    assert vllm_generation.VLLMClient is object
+
+
 class KillServerAfter(TrainerCallback):
     """SIGKILL the weightsync server when step `step` ends (its checkpoint is then saved)."""
 
@@ -238,6 +270,7 @@ def test_a_killed_server_is_a_clear_error_and_training_resumes_once_it_is_back(v
     trainer, recorder = train.train(vllm.url, 5, str(out), weightsync=config, callbacks=[killer],
                                     save_strategy="steps", save_steps=1)
     client = trainer.weightsync_client
+    base = node.info().current_version.generation  # what the module's earlier tests committed
     with pytest.raises(WeightSyncTrlError) as raised:
         trainer.train()
     failed_after = time.monotonic() - killer.killed_at
@@ -246,7 +279,7 @@ def test_a_killed_server_is_a_clear_error_and_training_resumes_once_it_is_back(v
     assert str(error).startswith(f"SERVER_UNREACHABLE: syncing 'step-2' through weightsync server {node.address} "
                                  "failed while pushing"), error
     assert failed_after < timeout, failed_after  # an error within the group timeout, not a hang
-    assert_every_step_served(recorder.steps, ["step-0", "step-1"], [1, 2])
+    assert_every_step_served(recorder.steps, ["step-0", "step-1"], [base + 1, base + 2])
     assert vllm.weight_version() == "step-1"  # STAGED: vLLM keeps the last version it took, whole
 
     # The server comes back, empty, where it was; training resumes from the last checkpoint. The first

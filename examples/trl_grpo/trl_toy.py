@@ -168,6 +168,22 @@ def recorder(vllm_url: str):
 @dataclass
 class Summary:
     steps: list[StepRecord] = field(default_factory=list)
+    syncs: list = field(default_factory=list)
+    """The client's SyncRecords."""
+    resets: list[float] = field(default_factory=list)
+
+    def split(self) -> str:
+        """Median step after the first (vLLM's first generation warms it up): where the time goes."""
+        from statistics import median
+
+        steps, syncs, resets = self.steps[1:], self.syncs[1:], self.resets[1:]
+        if not steps:
+            return "one step: no median"
+        return (f"median step (steps 2..{len(self.steps)}): {median(s.seconds for s in steps):.3f} s = generation "
+                f"{median(s.generation_s for s in steps):.3f} + training {median(s.training_s for s in steps):.3f} "
+                f"+ sync {median(s.sync_s for s in steps):.3f} (push {median(r.push_seconds for r in syncs) * 1e3:.1f} "
+                f"ms, commit to vLLM serving {median(r.serve_seconds for r in syncs) * 1e3:.1f} ms, prefix-cache "
+                f"reset {median(resets) * 1e3:.1f} ms)")
 
     def table(self) -> str:
         rows = ["| step | synced version | vLLM serves (/weight_info, engines) | reward | generation s | "

@@ -43,6 +43,8 @@ from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 log = structlog.get_logger("weightsync.integrations.trl")
 
 CONNECT_RETRY_SECONDS = 0.25
+Layout = tuple[tuple[str, tuple[int, ...]], ...]
+"""(name, shape) of each tensor of a push, in order: equal layouts have equal plans (one dtype)."""
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -63,6 +65,8 @@ class SyncRecord:
     """The server's own measure of the same (EngineStatus.commit_to_serving)."""
     full: bool
     """A push that may create tensors (the first one on a connection)."""
+    streamed: bool
+    """Sent tensor by tensor with the last push's plan (the same layout), not collected first."""
 
 
 def resolve_dtype(setting: str, served: str | None) -> torch.dtype:
@@ -103,6 +107,7 @@ class WeightSyncVLLMClient(VLLMClient):
         self._dtype: torch.dtype | None = None
         self._full = True
         self._pending: dict[str, torch.Tensor] | None = None
+        self._last_layout: Layout | None = None
         self._atexit = False
         super().__init__(base_url=base_url, host=host, server_port=server_port, group_port=group_port,
                          connection_timeout=connection_timeout)
@@ -175,21 +180,23 @@ class WeightSyncVLLMClient(VLLMClient):
                             named_params: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Push the tensors as one STAGED version and return once vLLM serves it.
 
-        metadata (name, dtype, shape) is what TRL announces; the SDK checks the tensors
-        themselves. Raises WeightSyncTrlError; vLLM then keeps serving its last version."""
-        del metadata
+        metadata: (name, dtype, shape) of each tensor, in order, as TRL announces them. When it
+        repeats the last push's names and shapes, the tensors stream (one gathered and cast at a
+        time); otherwise they are collected first. Raises WeightSyncTrlError; vLLM then keeps
+        serving its last version."""
         if self._pending is not None:  # inside weight_update(): one version at its end
             for name, tensor in named_params:
                 self._pending[name] = tensor
             return
-        self._push(named_params)
+        self._push(named_params, _layout(metadata))
 
     def update_named_param(self, name: str, weights: torch.Tensor) -> None:
         self.update_named_params([(name, str(weights.dtype).removeprefix("torch."), list(weights.shape))],
                                  iter([(name, weights)]))
 
     def update_model_params(self, model: nn.Module) -> None:
-        self.update_named_params([], ((name, param.data) for name, param in model.named_parameters()))
+        metadata = [(name, str(p.dtype).removeprefix("torch."), list(p.shape)) for name, p in model.named_parameters()]
+        self.update_named_params(metadata, ((name, param.data) for name, param in model.named_parameters()))
 
     @contextlib.contextmanager
     def weight_update(self):
@@ -203,9 +210,9 @@ class WeightSyncVLLMClient(VLLMClient):
         finally:
             self._pending = None
         if pending:
-            self._push(iter(pending.items()))
+            self._push(iter(pending.items()), None)
 
-    def _push(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> SyncRecord:
+    def _push(self, named_params: Iterable[tuple[str, torch.Tensor]], layout: Layout | None) -> SyncRecord:
         config = self.weightsync
         if self._dtype is None:
             raise RuntimeError("init_communicator() first")
@@ -215,9 +222,13 @@ class WeightSyncVLLMClient(VLLMClient):
         sdk = self._sdk or self._connect(label)
         full = self._full
         # The first push on a connection may create tensors (an empty or restarted store) and is
-        # materialised so that it is checked whole; later ones repeat its plan and stream, one
-        # tensor cast at a time (the SDK aborts the update if they diverge from it).
-        tensors = dict(cast) if full else cast
+        # collected so that it is checked whole. A later one that announces the last push's layout
+        # streams: the SDK sends it with the last plan, one tensor cast at a time, and aborts the
+        # update if the tensors diverge from it. Any other push (a partial one) is collected.
+        stream = not full and layout is not None and layout == self._last_layout
+        tensors = cast if stream else dict(cast)
+        if not stream:
+            layout = tuple((name, tuple(tensor.shape)) for name, tensor in tensors.items())
         phase = "pushing"
         try:
             before = next((e for e in self._server_engines(sdk) if e.name == self._engine), None)
@@ -225,7 +236,7 @@ class WeightSyncVLLMClient(VLLMClient):
             result = sdk.push(tensors, version=label, mode="staged", transport=config.transport,
                               allow_new_tensors=full, bucket_size_bytes=config.bucket_size_bytes)
             pushed = time.perf_counter()
-            self._full = False
+            self._full, self._last_layout = False, layout
             generation = result.servers[0].generation
             phase = "waiting for vLLM to serve"
             status = wait_serving(lambda: self._server_engines(sdk), self._engine or "", generation, label,
@@ -236,7 +247,8 @@ class WeightSyncVLLMClient(VLLMClient):
         record = SyncRecord(version=label, generation=generation, tensors=result.tensor_count,
                             size_bytes=result.size_bytes, push_seconds=pushed - started,
                             serve_seconds=time.perf_counter() - pushed,
-                            commit_to_serving=status.commit_to_serving.ToTimedelta().total_seconds(), full=full)
+                            commit_to_serving=status.commit_to_serving.ToTimedelta().total_seconds(), full=full,
+                            streamed=stream)
         self.syncs.append(record)
         log.info("trl_weights_served", version=label, generation=generation, bytes=result.size_bytes,
                  push_s=round(record.push_seconds, 4), serve_s=round(record.serve_seconds, 4), full=full)
@@ -282,6 +294,10 @@ class WeightSyncVLLMClient(VLLMClient):
     def close_communicator(self) -> None:
         """Delete the transfer group (COLLECTIVE) and close the connection; idempotent."""
         self._drop_connection()
+
+
+def _layout(metadata: list[tuple[str, str, list[int]]]) -> Layout | None:
+    return tuple((name, tuple(shape)) for name, _, shape in metadata) if metadata else None
 
 
 def _close_quietly(sdk: WeightSyncClient) -> None:

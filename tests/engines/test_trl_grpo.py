@@ -45,6 +45,7 @@ from weightsync.integrations.trl import (  # noqa: E402
     UnsupportedTrlVersion,
     WeightSyncConfig,
     WeightSyncTrlError,
+    WeightSyncVLLMClient,
     weightsync_client_factory,
 )
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
@@ -206,7 +207,7 @@ def test_grpo_steps_are_each_served_by_vllm_and_the_reward_rises(vllm, node, tmp
     labels = [f"step-{i}" for i in range(STEPS)]  # synced before each step's generation
     assert served_at_generation == labels  # a sync returns once vLLM serves it: TRL never samples stale weights
     assert_every_step_served(recorder.steps, labels, list(range(1, STEPS + 1)))
-    assert [s.full for s in client.syncs] == [True] + [False] * (STEPS - 1)
+    assert [(s.full, s.streamed) for s in client.syncs] == [(True, False)] + [(False, True)] * (STEPS - 1)
     assert len(client.reset_seconds) == STEPS  # TRL's reset_prefix_cache after each sync
     rewards = [s.reward for s in recorder.steps]
     assert None not in rewards and rewards[-1] > rewards[0], rewards
@@ -249,6 +250,48 @@ def test_a_trl_that_builds_its_client_elsewhere_is_refused(monkeypatch):
     assert vllm_generation.VLLMClient is object
 
 
+def test_trls_other_weight_entry_points_push_one_version_each(vllm, node, monkeypatch):
+    """VLLMClient's API besides what GRPOTrainer calls: update_model_params, and update_named_param
+    inside weight_update() (one version for the block), on the client alone."""
+    config = WeightSyncConfig(server=node.address, transport="inline", timeout_s=60, version_prefix="api-")
+    client = WeightSyncVLLMClient(base_url=vllm.url, weightsync=config)
+    client.init_communicator(device="cpu")
+    try:
+        model = trl_toy.make_model(seed=3)
+        client.update_model_params(model)
+        assert vllm.weight_version() == "api-0"
+        names = ("model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight")
+        other = dict(trl_toy.make_model(seed=4).named_parameters())
+        with client.weight_update():
+            for name in names:
+                client.update_named_param(name, other[name].data)
+            assert len(client.syncs) == 1  # nothing pushed before the block ends
+        assert vllm.weight_version() == "api-1"
+        with WeightSyncClient(node.address) as check:
+            assert check.verify({n: other[n].detach().to(torch.bfloat16) for n in names}).ok
+        client.update_model_params(model)  # another layout than the last push: collected
+        client.update_model_params(model)  # the same layout again: streamed
+        assert [(s.version, s.tensors, s.full, s.streamed) for s in client.syncs] == [
+            ("api-0", 27, True, False), ("api-1", 2, False, False), ("api-2", 27, False, False),
+            ("api-3", 27, False, True)]
+        assert vllm.weight_version() == "api-3" and client.engine_status().applied_version.version == "api-3"
+        with WeightSyncClient(node.address) as check:
+            assert check.verify(pushed_bytes(model)).ok
+    finally:
+        client.close_communicator()
+
+    other_vllm = WeightSyncVLLMClient(base_url=vllm.url, weightsync=config)
+    monkeypatch.setattr(other_vllm, "get_server_info", lambda: {"weight_transfer_config": {"backend": "nccl"}})
+    with pytest.raises(WeightSyncTrlError, match=r"^VLLM_BACKEND_MISSING: the vLLM server at .* has weight-transfer "
+                                                 r"backend 'nccl': start it with VLLM_SERVER_DEV_MODE=1 and "
+                                                 r"--weight-transfer-config '\{\"backend\": \"weightsync\"\}'$"):
+        other_vllm.init_communicator(device="cpu")
+    monkeypatch.setattr(other_vllm, "get_server_info", lambda: {"weight_transfer_config": {"backend": "weightsync"},
+                                                                 "model_config": {"dtype": "torch.int8"}})
+    with pytest.raises(WeightSyncTrlError, match="^DTYPE_UNKNOWN: vLLM reports model dtype 'torch.int8'"):
+        other_vllm.init_communicator(device="cpu")
+
+
 class KillServerAfter(TrainerCallback):
     """SIGKILL the weightsync server when step `step` ends (its checkpoint is then saved)."""
 
@@ -288,7 +331,8 @@ def test_a_killed_server_is_a_clear_error_and_training_resumes_once_it_is_back(v
     assert node.info().current_version.generation == 0
     trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert_every_step_served(recorder.steps[2:], ["step-2", "step-3", "step-4"], [1, 2, 3])
-    assert [s.full for s in client.syncs] == [True, False, True, False, False]
+    assert [(s.full, s.streamed) for s in client.syncs] == [(True, False), (False, True), (True, False),
+                                                            (False, True), (False, True)]
     trainer.sync_vllm_weights()
     assert wait_for(lambda: vllm.weight_version() == "step-5", timeout=5)
     hot = vllm.logprobs()

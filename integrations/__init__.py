@@ -1,0 +1,1 @@
+"""weightsync.integrations: drop-ins for RL libraries (optional extras; see weightsync.integrations.trl)."""

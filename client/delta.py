@@ -87,6 +87,7 @@ class DeltaBase:
         reads the new tensors across the bus."""
         self.tensors: dict[str, torch.Tensor] = {}
         self.checksums: dict[str, int] = {}
+        """WS64 of a kept tensor, once a patch of it needed it (kept across patches)."""
         self.generations: dict[str, int] = {}
         """Server address -> the generation it committed these tensors at."""
         self.layout: tuple = ()
@@ -124,7 +125,7 @@ class DeltaBase:
             stride = max(1, numel // SAMPLE_ELEMENTS)
             sampled = int((bits_of(base)[::stride] != bits_of(new)[::stride]).sum().item()) / math.ceil(numel / stride)
             smallest = min(sampled * (2 + itemsize), 1 / 8 + sampled * itemsize) * numel
-            if smallest > 1.5 * worth * dense:
+            if smallest > 1.1 * worth * dense:
                 return None  # plainly too many changes: skip the full comparison
         positions = changed_positions(base, new)
         if not positions.numel():
@@ -138,7 +139,10 @@ class DeltaBase:
         encode_patch(new, positions, chosen.encoding, data)
         start = chosen.size_bytes - positions.numel() * itemsize
         decoded = DecodedPatch(positions, data[start:])
-        checksum = ws64_after_patch(self.checksums[name], base, decoded)
+        kept = self.checksums.get(name)
+        if kept is None:  # computed when first needed: a dense push does not pay for it
+            kept = self.checksums[name] = ws64(base)
+        checksum = ws64_after_patch(kept, base, decoded)
         return TensorPatch(data, chosen.encoding, positions.numel(), checksum, positions)
 
     # -- after every server committed ---------------------------------------------------------
@@ -170,7 +174,7 @@ class DeltaBase:
             kept.copy_(tensor.detach())
             if kept.is_cuda or tensor.is_cuda:
                 torch.cuda.current_stream(tensor.device if tensor.is_cuda else kept.device).synchronize()
-            self.checksums[name] = ws64(kept)
+            self.checksums.pop(name, None)
         self.layout = layout
         self.generations = dict(generations)
 

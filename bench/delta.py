@@ -85,7 +85,7 @@ def fine_tune(servers: tuple[Server, Server], scale: float, steps: int, bucket_b
                 params = run.params
                 for client in (delta, dense):
                     client.push(params, version="start", transport=transport, bucket_size_bytes=bucket_bytes,
-                                allow_new_tensors=True)
+                                allow_new_tensors=True, delta="auto")
                 previous = {n: t.clone() for n, t in params.items()}
                 for step in range(steps):
                     params = run.step()
@@ -94,7 +94,7 @@ def fine_tune(servers: tuple[Server, Server], scale: float, steps: int, bucket_b
                     t_dense, _ = _timed(dense.push, params, version=f"d{step}", transport=transport,
                                         bucket_size_bytes=bucket_bytes, delta=False)
                     t_delta, result = _timed(delta.push, params, version=f"p{step}", transport=transport,
-                                             bucket_size_bytes=bucket_bytes)
+                                             bucket_size_bytes=bucket_bytes, delta="auto")
                     row[transport] = {"dense_seconds": round(t_dense, 4), "delta_seconds": round(t_delta, 4),
                                       "bytes_sent": result.bytes_sent, "dense_bytes": result.dense_bytes,
                                       "speedup": round(t_dense / t_delta, 2)}
@@ -134,7 +134,8 @@ def sweep(servers: tuple[Server, Server], scale: float, reps: int, bucket_bytes:
         dense.create_group(timeout=120)
         current = tensors
         for client in (delta, dense):
-            client.push(current, version="sweep-start", bucket_size_bytes=bucket_bytes, allow_new_tensors=True)
+            client.push(current, version="sweep-start", bucket_size_bytes=bucket_bytes, allow_new_tensors=True,
+                        delta="auto")
         for fraction in SWEEP:
             t_dense, t_delta, t_diff, t_copy, sent = [], [], [], [], 0
             for rep in range(reps):
@@ -148,7 +149,8 @@ def sweep(servers: tuple[Server, Server], scale: float, reps: int, bucket_bytes:
                 del base, scratch
                 t_dense.append(_timed(dense.push, new, version=f"d{fraction}-{rep}", bucket_size_bytes=bucket_bytes,
                                       delta=False)[0])
-                elapsed, result = _timed(delta.push, new, version=f"p{fraction}-{rep}", bucket_size_bytes=bucket_bytes)
+                elapsed, result = _timed(delta.push, new, version=f"p{fraction}-{rep}", bucket_size_bytes=bucket_bytes,
+                                         delta="auto")
                 t_delta.append(elapsed)
                 sent = result.bytes_sent
                 current = new

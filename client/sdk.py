@@ -188,7 +188,7 @@ class WeightSyncClient:
         zero_copy_min_bytes: int = DEFAULT_ZERO_COPY_MIN_BYTES,
         progress: Callable[[PushProgress], None] | None = None,
         show_progress: bool | None = None,
-        delta: Delta = "auto",
+        delta: Delta = False,
     ) -> PushResult:
         """Send one version to every server and commit it.
 
@@ -224,9 +224,10 @@ class WeightSyncClient:
         process's torch.get_num_threads() is never changed.
         delta: send only what changed since this client's last commit (tensors
         unchanged bit for bit are left out, sparse changes go as patches; see
-        client/delta.py). "auto" (default): where it pays, dense otherwise (the first
-        push, a new layout, most of the model changed). True: patches wherever they
-        are smaller than the tensor. False: always dense, and no copy kept. A server
+        client/delta.py). "auto": where it pays, dense otherwise (the first push, a new
+        layout, most of the model changed). True: patches wherever they are smaller
+        than the tensor. False (default, until auto is faster than dense on the
+        machines we measure: see the README's benchmark): always dense, no copy kept. A server
         that does not hold this client's last commit (restarted, or pushed to by
         someone else) gets the update dense: INLINE and SHM that server alone, COLLECTIVE
         the whole group. Keeping the copy costs as much memory as the model (see

@@ -63,12 +63,12 @@ def test_twenty_sparse_steps_on_two_servers_bit_exact_after_each(two_servers, tr
         if transport == "collective":
             client.create_group(timeout=30)
         current = model()
-        first = client.push(current, version="v0", transport=transport, allow_new_tensors=True)
+        first = client.push(current, version="v0", transport=transport, allow_new_tensors=True, delta="auto")
         assert first.bytes_sent >= first.dense_bytes  # nothing to compare with: dense
         for step in range(1, 21):
             current = sparse_step(current, seed=step)
             mode = "staged" if step % 2 else "in_place"
-            result = client.push(current, version=f"v{step}", transport=transport, mode=mode)
+            result = client.push(current, version=f"v{step}", transport=transport, mode=mode, delta="auto")
             assert result.bytes_sent < 0.1 * result.dense_bytes, (step, result.bytes_sent, result.dense_bytes)
             assert client.verify(current).ok
             assert_held(two_servers, current)
@@ -78,12 +78,12 @@ def test_a_server_without_the_base_gets_it_dense_while_the_other_gets_a_patch(tw
     a, b = two_servers
     with WeightSyncClient([a.address, b.address], timeout=60) as client:
         current = model()
-        client.push(current, version="v0", transport="inline", allow_new_tensors=True)
+        client.push(current, version="v0", transport="inline", allow_new_tensors=True, delta="auto")
         # Someone else moves server b on: this client's base is no longer what b holds.
         with WeightSyncClient(b.address, timeout=60) as other:
             other.push(model(99), version="other", transport="inline", delta=False)
         current = sparse_step(current, seed=1)
-        result = client.push(current, version="v1", transport="inline")
+        result = client.push(current, version="v1", transport="inline", delta="auto")
         by_server = {o.server: o for o in result.servers}
         dense = sum(t.numel() * t.element_size() for t in current.values())
         assert by_server[a.address].size_bytes < 0.1 * dense  # a: the patch
@@ -91,7 +91,7 @@ def test_a_server_without_the_base_gets_it_dense_while_the_other_gets_a_patch(tw
         assert client.verify(current).ok
         assert_held(two_servers, current)
         current = sparse_step(current, seed=2)  # both hold the base again: both get the patch
-        result = client.push(current, version="v2", transport="inline")
+        result = client.push(current, version="v2", transport="inline", delta="auto")
         assert all(o.size_bytes < 0.1 * dense for o in result.servers)
         assert_held(two_servers, current)
 
@@ -101,15 +101,15 @@ def test_collective_sends_the_whole_group_dense_when_one_server_lacks_the_base(t
     with WeightSyncClient([a.address, b.address], timeout=60) as client:
         client.create_group(timeout=30)
         current = model()
-        client.push(current, version="v0", allow_new_tensors=True)
+        client.push(current, version="v0", allow_new_tensors=True, delta="auto")
         with WeightSyncClient(b.address, timeout=60) as other:
             other.push(model(98), version="other", transport="inline", delta=False)
         current = sparse_step(current, seed=3)
-        result = client.push(current, version="v1")
+        result = client.push(current, version="v1", delta="auto")
         assert result.bytes_sent >= result.dense_bytes  # one plan for the whole group: dense
         assert_held(two_servers, current)
         current = sparse_step(current, seed=4)
-        assert client.push(current, version="v2").bytes_sent < 0.1 * result.dense_bytes
+        assert client.push(current, version="v2", delta="auto").bytes_sent < 0.1 * result.dense_bytes
         assert_held(two_servers, current)
 
 
@@ -117,20 +117,20 @@ def test_a_failed_patched_push_leaves_the_base_and_the_next_push_is_exact(two_se
     a, _ = two_servers
     with WeightSyncClient(a.address, timeout=60) as client:
         base = model()
-        client.push(base, version="v0", transport="inline", allow_new_tensors=True)
+        client.push(base, version="v0", transport="inline", allow_new_tensors=True, delta="auto")
         step = sparse_step(base, seed=5)
 
         def give_up(report) -> None:
             raise RuntimeError("trainer gives up")
 
         with pytest.raises(RuntimeError):
-            client.push(step, version="aborted", transport="inline", mode="staged", progress=give_up)
+            client.push(step, version="aborted", transport="inline", mode="staged", progress=give_up, delta="auto")
         assert server_checksums(a) == [local_checksums(base)]  # STAGED: the base, bit for bit
-        result = client.push(step, version="v1", transport="inline")
+        result = client.push(step, version="v1", transport="inline", delta="auto")
         assert result.bytes_sent >= result.dense_bytes  # the kept copy was dropped: dense once
         assert client.verify(step).ok
         nxt = sparse_step(step, seed=6)
-        assert client.push(nxt, version="v2", transport="inline").bytes_sent < 0.1 * result.dense_bytes
+        assert client.push(nxt, version="v2", transport="inline", delta="auto").bytes_sent < 0.1 * result.dense_bytes
         assert server_checksums(a) == [local_checksums(nxt)]
 
 
@@ -139,7 +139,7 @@ def test_raw_bits_count_and_unchanged_tensors_are_not_sent(two_servers):
     with WeightSyncClient(a.address, timeout=60) as client:
         base = model()
         base["layers.0.b"][:] = 0.0
-        client.push(base, version="v0", transport="inline", allow_new_tensors=True)
+        client.push(base, version="v0", transport="inline", allow_new_tensors=True, delta="auto")
         signed = {n: t.clone() for n, t in base.items()}
         signed["layers.0.b"][:10] = -0.0  # equal as numbers, different bits
         result = client.push(signed, version="v1", transport="inline", delta=True)
@@ -153,13 +153,13 @@ def test_delta_false_and_auto_at_half_changed_send_dense(two_servers):
     a, _ = two_servers
     with WeightSyncClient(a.address, timeout=60) as client:
         current = model()
-        client.push(current, version="v0", transport="inline", allow_new_tensors=True)
+        client.push(current, version="v0", transport="inline", allow_new_tensors=True, delta="auto")
         current = sparse_step(current, seed=7)
         off = client.push(current, version="v1", transport="inline", delta=False)
         assert off.bytes_sent >= off.dense_bytes
-        client.push(current, version="v1b", transport="inline")  # re-establish the kept copy
+        client.push(current, version="v1b", transport="inline", delta="auto")  # re-establish the kept copy
         half = sparse_step(current, seed=8, fraction=0.5)
-        auto = client.push(half, version="v2", transport="inline")
+        auto = client.push(half, version="v2", transport="inline", delta="auto")
         assert auto.bytes_sent >= 0.5 * auto.dense_bytes  # patches would not pay: dense where changed
         assert server_checksums(a) == [local_checksums(half)]
 
@@ -169,12 +169,12 @@ def test_a_refused_push_keeps_nothing_stale(two_servers):
     a, _ = two_servers
     with WeightSyncClient(a.address, timeout=60) as client:
         current = model()
-        client.push(current, version="v0", transport="inline", allow_new_tensors=True)
+        client.push(current, version="v0", transport="inline", allow_new_tensors=True, delta="auto")
         bigger = dict(current, extra=torch.ones(10))
         with pytest.raises(UpdateFailed) as caught:
-            client.push(bigger, version="bad", transport="inline")  # a new name, not allowed
+            client.push(bigger, version="bad", transport="inline", delta="auto")  # a new name, not allowed
         assert caught.value.reason == "TENSOR_UNKNOWN"
         current = sparse_step(current, seed=9)
-        client.push(current, version="v1", transport="inline")
+        client.push(current, version="v1", transport="inline", delta="auto")
         assert server_checksums(a) == [local_checksums(current)]
         assert a.stub().GetServerInfo(pb.GetServerInfoRequest()).current_version.version == "v1"

@@ -146,7 +146,7 @@ def test_the_engine_follows_five_patched_versions_bit_for_bit(node, trainer, eng
     """Issue 18: sparse fine-tune steps go as patches (a fraction of the bytes); the engine copies
     the tensors whose generation moved and its logits equal the trainer's, bit for bit, each time."""
     state = {n: t.clone() for n, t in tiny_model.weights(50).items()}
-    trainer.push(state, version="p0", transport="inline")
+    trainer.push(state, version="p0", transport="inline", delta="auto")
     g = torch.Generator().manual_seed(50)
     for step in range(1, 6):
         for tensor in state.values():  # 0.5% of each matrix's elements move
@@ -154,7 +154,7 @@ def test_the_engine_follows_five_patched_versions_bit_for_bit(node, trainer, eng
                 flat = tensor.view(-1)
                 picks = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 200)]
                 flat[picks] += torch.randn(picks.numel(), generator=g).to(flat.dtype) * 1e-2
-        result = trainer.push(state, version=f"p{step}", transport="inline")
+        result = trainer.push(state, version=f"p{step}", transport="inline", delta="auto")
         assert result.bytes_sent < 0.1 * result.dense_bytes, (step, result.bytes_sent, result.dense_bytes)
         served = engine.wait_serving(result.servers[0].generation)
         assert served["digest"] == expected_digest(state), f"p{step}: the engine's logits differ from the trainer's"

@@ -42,8 +42,8 @@ class LeaseTable:
         self.leases: dict[int, Lease] = {}
         self._ids = itertools.count(1)
         self._changed = asyncio.Condition()
-        self.writing_in_place = False
-        """An IN_PLACE update is writing live bytes: no new lease until it ends."""
+        self.writing_live = False
+        """An update writes the live bytes (IN_PLACE, or a STAGED patch at commit): no new lease until it ends."""
 
     async def _wait(self, ready, timeout: float, reason: str, message: str) -> None:
         async with self._changed:
@@ -59,7 +59,7 @@ class LeaseTable:
     async def grant(self, worker_index: int, version_now: Callable[[], PublishedVersion], owner: int,
                     timeout: float) -> Lease:
         """A lease on the current version (read after any IN_PLACE write finished)."""
-        await self._wait(lambda: not self.writing_in_place, timeout, "STORE_UPDATING",
+        await self._wait(lambda: not self.writing_live, timeout, "STORE_UPDATING",
                          f"an IN_PLACE update kept writing the store for {timeout:g} s")
         lease = Lease(next(self._ids), worker_index, version_now(), owner)
         self.leases[lease.lease_id] = lease
@@ -89,9 +89,9 @@ class LeaseTable:
         await self._wait(clear, timeout, "ENGINE_READING",
                          f"an engine kept reading the store for {timeout:g} s (its lease was not released)")
         if not staged:
-            self.writing_in_place = True
+            self.writing_live = True
 
     async def write_done(self) -> None:
-        if self.writing_in_place:
-            self.writing_in_place = False
+        if self.writing_live:
+            self.writing_live = False
             await self._notify()

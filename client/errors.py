@@ -40,6 +40,8 @@ class WeightSyncRpcError(WeightSyncClientError):
                     reason, metadata = info.reason, dict(info.metadata)
         code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
         details = error.details() if callable(getattr(error, "details", None)) else str(error)
+        if not reason and code == grpc.StatusCode.UNAVAILABLE:
+            reason = "SERVER_UNREACHABLE"  # gRPC's own: no connection, or it broke (keepalive, a cut link)
         return WeightSyncRpcError(server, code, reason or code.name, details or "", metadata)
 
 

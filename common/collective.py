@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
+from weightsync.common.threads import CallAbandoned, ThreadCall
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 log = structlog.get_logger("weightsync.collective")
@@ -84,24 +85,16 @@ def bucket_tail(buffer: torch.Tensor) -> bytes:
 
 # -- running something that may hang -----------------------------------------------------
 def run_bounded(fn: Callable[[], None], timeout: float, name: str) -> bool:
-    """Run fn in a daemon thread and wait for it at most `timeout` seconds; True if it finished.
-
-    What fn does after the timeout is left to it (it must release what it holds itself)."""
-    done = threading.Event()
-
-    def target() -> None:
-        try:
-            fn()
-        except Exception as error:  # noqa: BLE001 - a failed teardown is logged, never raised
-            log.warning("bounded_call_failed", call=name, error=f"{type(error).__name__}: {error}")
-        finally:
-            done.set()
-
-    threading.Thread(target=target, name=name, daemon=True).start()
-    finished = done.wait(timeout)
-    if not finished:
+    """Run fn in a thread of its own and wait for it at most `timeout` seconds; True if it finished
+    (a failure is logged, never raised). What fn does after the timeout is left to it."""
+    try:
+        ThreadCall(fn, name=name).result(timeout)
+    except CallAbandoned:
         log.warning("bounded_call_abandoned", call=name, timeout=timeout)
-    return finished
+        return False
+    except Exception as error:  # noqa: BLE001 - a failed teardown is logged, never raised
+        log.warning("bounded_call_failed", call=name, error=f"{type(error).__name__}: {error}")
+    return True
 
 
 # -- NCCL settings that torch and NCCL read from the environment ------------------------------

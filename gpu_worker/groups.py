@@ -11,12 +11,11 @@ and the worker, with its store, carries on.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import stat
-import threading
 import time
-from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -31,48 +30,32 @@ from weightsync.common.collective import (
     pin_nccl_interface,
 )
 from weightsync.common.errors import Aborted, AlreadyExists, DeadlineExceeded, NotFound
+from weightsync.common.threads import CallAbandoned, ThreadCall
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
 log = structlog.get_logger("weightsync.worker.groups")
 
 
-@dataclass(slots=True)
-class _Join:
-    """One join attempt, shared between the loop and its thread."""
+def _open(join: wpb.JoinGroupCommand, device: torch.device) -> CollectiveGroup:
+    """Connect to the trainer's store and build this rank's group (in a join thread)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # per thread: NCCL binds the current device
+    timeout = join.timeout.ToTimedelta()
+    started = time.monotonic()
+    store = connect_store(join.store_host, join.store_port, timeout)
+    remaining = timeout - datetime.timedelta(seconds=time.monotonic() - started)
+    store.set_timeout(max(remaining, datetime.timedelta(seconds=1)))
+    return open_group(
+        group_id=join.group_id, backend=join.backend, store=store, rank=join.rank,
+        world_size=join.world_size, timeout=timeout, device=device,
+        local_address=local_address_towards(join.store_host, join.store_port),
+    )
 
-    command: wpb.JoinGroupCommand
-    device: torch.device
-    done: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    group: CollectiveGroup | None = None
-    error: BaseException | None = None
-    abandoned: bool = False
 
-    def run(self) -> None:
-        join = self.command
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # per thread: NCCL binds the current device
-        timeout = join.timeout.ToTimedelta()
-        started = time.monotonic()
-        try:
-            store = connect_store(join.store_host, join.store_port, timeout)
-            remaining = timeout - datetime.timedelta(seconds=time.monotonic() - started)
-            store.set_timeout(max(remaining, datetime.timedelta(seconds=1)))
-            group = open_group(
-                group_id=join.group_id, backend=join.backend, store=store, rank=join.rank,
-                world_size=join.world_size, timeout=timeout, device=self.device,
-                local_address=local_address_towards(join.store_host, join.store_port),
-            )
-        except BaseException as error:  # noqa: BLE001 - handed to the loop
-            group, self.error = None, error
-        with self.lock:
-            if self.abandoned and group is not None:
-                group.close()
-                log.info("abandoned_join_closed", group_id=join.group_id)
-            else:
-                self.group = group
-            self.done.set()
+def _close_abandoned(group: CollectiveGroup) -> None:
+    group.close()
+    log.info("abandoned_join_closed", group_id=group.group_id)
 
 
 class GroupTable:
@@ -94,16 +77,13 @@ class GroupTable:
         if join.backend == pb.BACKEND_NCCL:
             # From this (the loop's) thread, before any join thread exists: NCCL reads it once.
             pin_nccl_interface(local_address_towards(join.store_host, join.store_port))
-        attempt = _Join(join, self.device)
-        thread = threading.Thread(target=attempt.run, name=f"join-{join.group_id}", daemon=True)
-        thread.start()
-        # A little slack over the timeout: torch reports its own rendezvous timeout first.
-        finished = attempt.done.wait(timeout + 1.0)
-        with attempt.lock:
-            if not finished:
-                attempt.abandoned = True
-                self.abandoned_joins += 1
-        if not finished:
+        call = ThreadCall(functools.partial(_open, join, self.device), name=f"join-{join.group_id}",
+                          discard=_close_abandoned)
+        try:
+            # A little slack over the timeout: torch reports its own rendezvous timeout first.
+            group = call.result(timeout + 1.0)
+        except CallAbandoned:
+            self.abandoned_joins += 1
             address = (join.store_host, join.store_port)
             severed = 0 if address in self.stores.values() else sever_connections_to(*address)
             log.warning("join_abandoned", group_id=join.group_id, timeout=timeout, abandoned=self.abandoned_joins,
@@ -113,18 +93,16 @@ class GroupTable:
                 f"group {join.group_id}: the rendezvous at {join.store_host}:{join.store_port} did not complete "
                 f"within {timeout:g} s",
                 group_id=join.group_id, rank=join.rank,
-            )
-        error = attempt.error
-        if isinstance(error, RendezvousTimeout):
+            ) from None
+        except RendezvousTimeout as error:
             raise DeadlineExceeded(
                 "RENDEZVOUS_TIMEOUT",
                 f"group {join.group_id}: not every rank joined within {timeout:g} s",
                 group_id=join.group_id, rank=join.rank,
             ) from error
-        if error is not None:
+        except Exception as error:  # noqa: BLE001 - any other failure of the rendezvous, typed
             raise Aborted("RENDEZVOUS_FAILED", f"group {join.group_id}: {error}", group_id=join.group_id) from error
-        assert attempt.group is not None
-        self.groups[join.group_id] = attempt.group
+        self.groups[join.group_id] = group
         self.stores[join.group_id] = (join.store_host, join.store_port)
         return time.monotonic() - started
 

@@ -167,9 +167,10 @@ class Node:
             raise Unavailable("WORKER_UNAVAILABLE", "a worker is restarting or unresponsive; retry shortly")
 
     def require_idle(self) -> None:
-        """FAILED_PRECONDITION while an update holds the store."""
+        """FAILED_PRECONDITION while an update runs. One that already committed or aborted and is
+        only finishing its clean-up is not refused: the next update waits for the lock instead."""
         active = self.active_update
-        if self.update_lock.locked() or (active is not None and not active.finished):
+        if active is not None and not active.finished:
             raise FailedPrecondition(
                 "UPDATE_IN_PROGRESS",
                 "another update is running on this server's store; retry after it commits or aborts",

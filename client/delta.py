@@ -27,8 +27,9 @@ from weightsync.common.patches import (
     PatchChoice,
     apply_patch,
     bits_of,
-    changed_positions,
+    changes_between,
     encode_patch,
+    gaps_of,
     smallest_encoding,
     ws64_after_patch,
 )
@@ -128,22 +129,25 @@ class DeltaBase:
             smallest = min(sampled * (2 + itemsize), 1 / 8 + sampled * itemsize) * numel
             if smallest > 1.1 * worth * dense:
                 return None  # plainly too many changes: skip the full comparison
-        positions = changed_positions(base, new)
+        changes = changes_between(base, new)
+        positions = changes.positions
         if not positions.numel():
             return "unchanged"
         if numel < MIN_PATCH_ELEMENTS:
             return None
-        chosen: PatchChoice = smallest_encoding(positions, numel, itemsize)
+        gaps = gaps_of(positions)
+        chosen: PatchChoice = smallest_encoding(positions, numel, itemsize, gaps=gaps)
         if chosen.size_bytes > worth * dense:
             return None
         data = torch.empty(chosen.size_bytes, dtype=torch.uint8, device=new.device)
-        encode_patch(new, positions, chosen.encoding, data)
-        start = chosen.size_bytes - positions.numel() * itemsize
-        decoded = DecodedPatch(positions, data[start:])
+        encode_patch(new, positions, chosen.encoding, data, values=changes.values, gaps=gaps)
         kept = self.checksums.get(name)
         if kept is None:  # computed when first needed: a dense push does not pay for it
             kept = self.checksums[name] = ws64(base)
-        checksum = ws64_after_patch(kept, base, decoded)
+        if changes.ws64_delta is not None:
+            checksum = (kept + changes.ws64_delta) & ((1 << 64) - 1)
+        else:
+            checksum = ws64_after_patch(kept, base, DecodedPatch(positions, changes.values))
         return TensorPatch(data, chosen.encoding, positions.numel(), checksum, positions)
 
     # -- after every server committed ---------------------------------------------------------

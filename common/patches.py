@@ -36,6 +36,8 @@ PATCH_ENCODINGS = (POSITIONS, GAPS, BITMASK)
 DENSE_ENCODINGS = (tensor_pb2.TENSOR_ENCODING_UNSPECIFIED, tensor_pb2.TENSOR_ENCODING_DENSE)
 MAX_GAP = (1 << 16) - 1
 _MASK64 = (1 << 64) - 1
+_ROW_SHIFT = ROW_WORDS.bit_length() - 1
+assert 1 << _ROW_SHIFT == ROW_WORDS  # a word's row and column by shift and mask
 
 
 def is_patch(encoding: int) -> bool:
@@ -73,19 +75,21 @@ class PatchChoice:
     size_bytes: int
 
 
-def smallest_encoding(positions: torch.Tensor, numel: int, itemsize: int) -> PatchChoice:
-    """The smallest eligible encoding for these (sorted, unique) positions."""
+def smallest_encoding(positions: torch.Tensor, numel: int, itemsize: int,
+                      gaps: torch.Tensor | None = None) -> PatchChoice:
+    """The smallest eligible encoding for these (sorted, unique) positions (`gaps`: gaps_of(positions),
+    when the caller has them)."""
     count = positions.numel()
     choices = [PatchChoice(POSITIONS, patch_size_bytes(POSITIONS, numel, count, itemsize)),
                PatchChoice(BITMASK, patch_size_bytes(BITMASK, numel, count, itemsize))]
-    if count and int(_gaps(positions).max().item()) <= MAX_GAP:
+    if count and int((gaps if gaps is not None else gaps_of(positions)).max().item()) <= MAX_GAP:
         choices.append(PatchChoice(GAPS, patch_size_bytes(GAPS, numel, count, itemsize)))
     return min(choices, key=lambda c: (c.size_bytes, c.encoding))
 
 
-def _gaps(positions: torch.Tensor) -> torch.Tensor:
-    previous = torch.cat([positions.new_full((1,), -1), positions[:-1]])
-    return positions - previous - 1
+def gaps_of(positions: torch.Tensor) -> torch.Tensor:
+    """g[0] = p[0], g[k] = p[k] - p[k-1] - 1 (int64)."""
+    return torch.diff(positions, prepend=positions.new_full((1,), -1)).sub_(1)
 
 
 # -- the trainer's side ------------------------------------------------------------------------
@@ -98,31 +102,51 @@ def bits_of(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(width)
 
 
-def changed_positions(base: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Sorted int64 positions of the elements whose bits differ (both tensors on one device).
+@dataclass(frozen=True, slots=True)
+class Changes:
+    """The elements whose bits differ between two tensors of one layout."""
 
-    Compares 64-bit words first (one pass over both, a mask an eighth of the bytes), then only
-    the changed words element by element: near memory bandwidth when few elements changed."""
+    positions: torch.Tensor
+    """int64, strictly increasing."""
+    values: torch.Tensor
+    """uint8, count * itemsize bytes: the new elements' bytes in position order."""
+    ws64_delta: int | None
+    """WS64(new) - WS64(base) modulo 2^64, when the comparison went word by word (None otherwise:
+    ws64_after_patch gives it)."""
+
+
+def changes_between(base: torch.Tensor, new: torch.Tensor) -> Changes:
+    """What changed from base to new, by raw bits (both on one device, same dtype and numel).
+
+    Compares 64-bit words: one pass over both tensors and a mask an eighth of their size. The
+    changed words (old and new) give everything else in O(changed): the WS64 change (WS64 is
+    linear in the words) and, lane by lane inside them, the changed elements and their values,
+    without reading the big tensors again."""
     a, b = bits_of(base), bits_of(new)
     itemsize = a.element_size()
     total = a.numel() * itemsize
-    if itemsize == 8 or total % 8 or a.data_ptr() % 8 or b.data_ptr() % 8 or not a.numel():
-        return torch.nonzero(a != b, as_tuple=False).reshape(-1)
-    per_word = 8 // itemsize
-    words = torch.nonzero(a.view(torch.int64) != b.view(torch.int64), as_tuple=False).reshape(-1)
-    if not words.numel():
-        return words
-    if words.numel() * 8 > total // 8:  # changes everywhere: per element at once is cheaper
-        return torch.nonzero(a != b, as_tuple=False).reshape(-1)
-    # Which elements of each changed word differ: its XOR, one element's bits at a time.
-    xor = a.view(torch.int64).index_select(0, words) ^ b.view(torch.int64).index_select(0, words)
-    lane = torch.arange(per_word, device=words.device)
-    differ = ((xor.unsqueeze(1) >> (lane * 8 * itemsize)) & ((1 << (8 * itemsize)) - 1)) != 0
-    return (words.unsqueeze(1) * per_word + lane)[differ]
+    if total % 8 or a.data_ptr() % 8 or b.data_ptr() % 8 or not a.numel():
+        positions = torch.nonzero(a != b, as_tuple=False).reshape(-1)
+        return Changes(positions, as_bytes(b.index_select(0, positions)), None)
+    a64, b64 = a.view(torch.int64), b.view(torch.int64)
+    words = torch.nonzero(a64 != b64, as_tuple=False).reshape(-1)
+    old, now = a64.index_select(0, words), b64.index_select(0, words)
+    delta = _weighted_sum(now - old, words)  # now - old wraps modulo 2^64, as WS64 does
+    per_word_shift = (8 // itemsize).bit_length() - 1
+    lanes = torch.nonzero(old.view(a.dtype) != now.view(a.dtype), as_tuple=False).reshape(-1)
+    positions = (words.index_select(0, lanes >> per_word_shift) << per_word_shift).add_(lanes & ((1 << per_word_shift) - 1))
+    return Changes(positions, as_bytes(now.view(a.dtype).index_select(0, lanes)), delta & _MASK64)
 
 
-def encode_patch(new: torch.Tensor, positions: torch.Tensor, encoding: int, out: torch.Tensor) -> None:
-    """Write the patch of `new` at `positions` into `out` (uint8, exactly patch_size_bytes long)."""
+def changed_positions(base: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Sorted int64 positions of the elements whose bits differ."""
+    return changes_between(base, new).positions
+
+
+def encode_patch(new: torch.Tensor, positions: torch.Tensor, encoding: int, out: torch.Tensor, *,
+                 values: torch.Tensor | None = None, gaps: torch.Tensor | None = None) -> None:
+    """Write the patch of `new` at `positions` into `out` (uint8, exactly patch_size_bytes long).
+    `values` (the new elements' bytes, Changes.values) and `gaps` (gaps_of) spare a pass when known."""
     flat = new.detach().reshape(-1)
     numel, count, itemsize = flat.numel(), positions.numel(), flat.element_size()
     start = values_offset(encoding, numel, count, itemsize)
@@ -131,7 +155,8 @@ def encode_patch(new: torch.Tensor, positions: torch.Tensor, encoding: int, out:
         width = torch.int32 if position_bytes(numel) == 4 else torch.int64
         out[:index_end].copy_(positions.to(width).view(torch.uint8))
     elif encoding == GAPS:
-        out[:index_end].copy_(_gaps(positions).to(torch.int32).to(torch.int16).view(torch.uint8))
+        gaps = gaps if gaps is not None else gaps_of(positions)
+        out[:index_end].copy_(gaps.to(torch.int32).to(torch.int16).view(torch.uint8))
     elif encoding == BITMASK:
         byte_of, bit_of = positions // 8, (positions % 8).to(torch.uint8)
         packed = torch.zeros(index_end, dtype=torch.uint8, device=positions.device)
@@ -141,7 +166,9 @@ def encode_patch(new: torch.Tensor, positions: torch.Tensor, encoding: int, out:
     else:
         raise ValueError(f"not a patch encoding: {encoding}")
     out[index_end:start].zero_()
-    out[start:].copy_(as_bytes(bits_of(flat).index_select(0, positions.to(flat.device))))
+    if values is None:
+        values = as_bytes(bits_of(flat).index_select(0, positions.to(flat.device)))
+    out[start:].copy_(values)
 
 
 # -- the receiver's side -----------------------------------------------------------------------
@@ -162,16 +189,16 @@ def decode_patch(data: torch.Tensor, *, encoding: int, numel: int, count: int, i
     if encoding == POSITIONS:
         width = torch.int32 if position_bytes(numel) == 4 else torch.int64
         positions = _aligned(raw).view(width).to(torch.int64)
-    elif encoding == GAPS:
-        gaps = _aligned(raw).view(torch.int16).to(torch.int64) & 0xFFFF
-        positions = torch.cumsum(gaps + 1, dim=0) - 1
+    elif encoding == GAPS:  # increasing by construction: only the last position can be wrong
+        steps = (_aligned(raw).view(torch.int16).to(torch.int64) & 0xFFFF).add_(1)
+        positions = torch.cumsum(steps, dim=0).sub_(1)
     elif encoding == BITMASK:
         bits = (raw.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=raw.device)) & 1
         flags = bits.reshape(-1)
         if bool(flags[numel:].any().item()):
             raise InvalidArgument("PATCH_INDEX_OUT_OF_RANGE", f"tensor {tensor!r}: its bitmask sets bits past its "
                                   f"{numel} elements", tensor=tensor, numel=numel)
-        positions = torch.nonzero(flags[:numel], as_tuple=False).reshape(-1)
+        positions = torch.nonzero(flags[:numel], as_tuple=False).reshape(-1)  # increasing by construction
         if positions.numel() != count:
             raise InvalidArgument("PATCH_COUNT_MISMATCH", f"tensor {tensor!r}: its bitmask sets {positions.numel()} "
                                   f"bits, the plan says {count} changed elements", tensor=tensor,
@@ -181,7 +208,7 @@ def decode_patch(data: torch.Tensor, *, encoding: int, numel: int, count: int, i
     if count and (int(positions[0].item()) < 0 or int(positions[-1].item()) >= numel):
         raise InvalidArgument("PATCH_INDEX_OUT_OF_RANGE", f"tensor {tensor!r}: a patch position is outside "
                               f"[0, {numel})", tensor=tensor, numel=numel)
-    if count > 1 and not bool((positions[1:] > positions[:-1]).all().item()):
+    if encoding == POSITIONS and count > 1 and not bool((positions[1:] > positions[:-1]).all().item()):
         raise InvalidArgument("PATCH_INDEX_UNSORTED", f"tensor {tensor!r}: patch positions must be strictly "
                               "increasing (sorted, no repeats)", tensor=tensor)
     start = values_offset(encoding, numel, count, itemsize)
@@ -195,7 +222,8 @@ def _aligned(raw: torch.Tensor) -> torch.Tensor:
 def apply_patch(target: torch.Tensor, patch: DecodedPatch) -> None:
     """Overwrite target's elements at the patch's positions (target: the tensor, any shape)."""
     flat = bits_of(target)
-    flat.index_copy_(0, patch.positions.to(flat.device), patch.values.to(flat.device).view(flat.dtype))
+    # scatter_ rather than index_copy_: the same writes, about twice as fast on CPU (bench --only delta)
+    flat.scatter_(0, patch.positions.to(flat.device), patch.values.to(flat.device).view(flat.dtype))
 
 
 # -- WS64 in O(changed) ------------------------------------------------------------------------
@@ -221,19 +249,23 @@ def ws64_after_patch(old_ws64: int, current: torch.Tensor, patch: DecodedPatch) 
     count = patch.positions.numel()
     if not count:
         return old_ws64
-    raw = as_bytes(current)
-    device = raw.device
+    device = current.device
     itemsize = patch.values.numel() // count
     positions = patch.positions.to(device)
-    flat_old = bits_of(current).reshape(-1)
-    old = _unsigned_bits(flat_old.index_select(0, positions).view(torch.uint8), itemsize)
+    old = _unsigned_bits(bits_of(current).index_select(0, positions).view(torch.uint8), itemsize)
     new = _unsigned_bits(patch.values.to(device), itemsize)
-    starts = positions * itemsize
-    words = starts // 8
-    shifts = torch.ones_like(words) << ((starts % 8) * 8)
-    weights = (words // ROW_WORDS + 1) + _signed(COLUMN_FACTOR) * (words % ROW_WORDS + 1)
-    delta = ((new - old) * shifts * weights).sum()
-    return (old_ws64 + int(delta.item())) & _MASK64
+    per_word_shift = (8 // itemsize).bit_length() - 1
+    words = positions >> per_word_shift
+    lane_bits = (positions & ((1 << per_word_shift) - 1)) << (3 + itemsize.bit_length() - 1)
+    change = (new - old) << lane_bits  # the word's change, modulo 2^64
+    return (old_ws64 + _weighted_sum(change, words)) & _MASK64
+
+
+def _weighted_sum(change: torch.Tensor, words: torch.Tensor) -> int:
+    """Sum of change[k] times the WS64 weight of word words[k]: (r + 1) + C * (c + 1), with
+    r, c = divmod(word, ROW_WORDS), written as (r + C * c) + (1 + C); modulo 2^64 (int64 wraps)."""
+    weights = torch.add(words >> _ROW_SHIFT, words & (ROW_WORDS - 1), alpha=_signed(COLUMN_FACTOR))
+    return int((change * weights).sum().item()) + (1 + COLUMN_FACTOR) * int(change.sum().item())
 
 
 def numel_of(spec: tensor_pb2.TensorSpec) -> int:

@@ -15,6 +15,7 @@ from weightsync.common.patches import (
     DecodedPatch,
     apply_patch,
     changed_positions,
+    changes_between,
     decode_patch,
     encode_patch,
     patch_size_bytes,
@@ -66,6 +67,34 @@ def test_round_trip_and_ws64_after_patch(encoding, dtype, numel):
     target = base.clone()
     apply_patch(target, patch)
     assert torch.equal(target.view(torch.uint8), new.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("numel", [1, 7, 1000, 4099])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_changes_between_matches_an_element_by_element_comparison(dtype, numel, offset):
+    """Word by word (aligned, whole words) or element by element: the same positions, values and
+    WS64 change as comparing every element and summing the whole tensors."""
+    base = random_tensor(dtype, numel + offset, seed=numel)[offset:]
+    new = changed_copy(base, 0.05, seed=numel + 2)
+    new.view(torch.uint8).view(-1, new.element_size())[-1, 0] ^= 1
+    changes = changes_between(base, new)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]
+    old_bits, new_bits = base.reshape(-1).view(width), new.reshape(-1).view(width)
+    expected = torch.nonzero(old_bits != new_bits).reshape(-1)
+    assert torch.equal(changes.positions, expected)
+    assert bytes(changes.values.tolist()) == bytes(new_bits[expected].view(torch.uint8).tolist())
+    whole_words = numel * new.element_size() % 8 == 0 and base.data_ptr() % 8 == 0
+    if whole_words:
+        assert changes.ws64_delta == (ws64(new) - ws64(base)) % (1 << 64)
+    else:
+        assert changes.ws64_delta is None
+
+
+def test_changes_between_identical_tensors_is_empty():
+    base = random_tensor(torch.bfloat16, 4096, seed=1)
+    changes = changes_between(base, base.clone())
+    assert changes.positions.numel() == 0 and changes.values.numel() == 0 and changes.ws64_delta == 0
 
 
 def test_the_byte_layout_is_the_documented_one():

@@ -143,7 +143,7 @@ def sweep(servers: tuple[Server, Server], scale: float, reps: int, bucket_bytes:
                 # The diff alone, and a memcpy of the model, in this process.
                 base = DeltaBase()
                 base.committed(list(current.items()), None, {"x": 1})
-                t_diff.append(_timed(base.choose, list(new.items()), worth=1.0)[0])
+                t_diff.append(_timed(base.choose, list(new.items()), auto=False)[0])
                 scratch = {n: torch.empty_like(t) for n, t in new.items()}
                 t_copy.append(_timed(_copy_all, scratch, new)[0])
                 del base, scratch

@@ -4,11 +4,11 @@ choice between the whole tensor and a patch.
 The SDK keeps, per WeightSyncClient, one copy of every tensor it last committed (the same bytes
 as the model: memory equal to the model's size, on the host or on the tensors' device) with the
 WS64 of each. The next push compares raw bits against that copy, per tensor:
-  - a sample of its elements first: a tensor that plainly changed too much goes dense without
+  - a sample of its elements first: a tensor whose patch would plainly not pay goes dense without
     paying for a full comparison (so a push where most of the model changed costs about what
     dense costs);
   - otherwise every element: the changed positions, the smallest encoding (positions, gaps,
-    bitmask), sent as a patch when that is at most PATCH_WORTH of the dense bytes.
+    bitmask), sent as a patch when that is small enough (Worth).
 Each patch carries the WS64 of the whole new tensor, computed from the copy's WS64 in O(changed).
 The copy changes only after every server committed (caches change on success only).
 """
@@ -38,10 +38,35 @@ Delta = Literal["auto"] | bool
 AUTO_DENSE_ABOVE = 0.8
 """delta="auto" sends the whole update dense when what the patches and the changed tensors would
 move is more than this fraction of the dense bytes: then the comparison did not pay."""
-PATCH_WORTH = 0.1
-"""delta="auto" sends a patch when it is at most this fraction of the tensor's dense bytes (about
-5% of a bf16 tensor's elements changed): above it, on the 2-core CPU machine of the benchmark,
-the comparison and the receiver's scatter cost more than the bytes saved (bench --only delta)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Worth:
+    """When a tensor goes as a patch, in fractions of its dense bytes."""
+
+    compare_below: float
+    """Compare every element only when the sample predicts a patch below this: the comparison reads
+    both copies whole, which a dense push of that tensor does not."""
+    patch_below: float
+    """Once compared, send the patch when it is at most this (its encoding, the receivers' check
+    and scatter cost per changed element)."""
+
+
+EVERY_SMALLER = Worth(1.0, 1.0)
+"""delta=True: a patch wherever it is smaller than the tensor."""
+AUTO_CPU = Worth(0.02, 0.05)
+"""delta="auto" for host tensors, measured on the 2-core benchmark machine (bench --only delta):
+the comparison costs about 40% of a dense COLLECTIVE push, and each changed element about 100 ns
+end to end against 2 ns per dense element, so comparing pays below about 1% of bf16 elements
+changed (2% of the bytes as gaps) and, once compared, the patch up to about 2.5% (5%)."""
+AUTO_CUDA = Worth(0.1, 0.1)
+"""delta="auto" for CUDA tensors, on paper (no GPU measurement yet): the comparison runs at device
+bandwidth, far above any link's, so what counts is the bytes on the link."""
+
+
+def auto_worth(tensor: torch.Tensor) -> Worth:
+    return AUTO_CUDA if tensor.is_cuda else AUTO_CPU
+
 SAMPLE_ELEMENTS = 4096
 """Elements compared before the full comparison; a tensor whose sample says 'dense' skips it."""
 MIN_PATCH_ELEMENTS = 1024
@@ -102,18 +127,19 @@ class DeltaBase:
         """Whether these tensors have the names, dtypes and shapes of the kept copy."""
         return bool(self.tensors) and _layout(named) == self.layout
 
-    def choose(self, named: list[tuple[str, torch.Tensor]], *, worth: float = PATCH_WORTH) -> DeltaChoice:
-        """Per tensor, unchanged, patch (when at most `worth` of its dense bytes) or dense."""
+    def choose(self, named: list[tuple[str, torch.Tensor]], *, auto: bool = True) -> DeltaChoice:
+        """Per tensor, unchanged, patch or dense: where the patch pays (auto) or wherever it is
+        smaller than the tensor."""
         choice = DeltaChoice()
         for name, tensor in named:
-            patch = self._patch_of(name, tensor, worth)
+            patch = self._patch_of(name, tensor, auto_worth(tensor) if auto else EVERY_SMALLER)
             if patch == "unchanged":
                 choice.unchanged.add(name)
             elif patch is not None:
                 choice.patches[name] = patch
         return choice
 
-    def _patch_of(self, name: str, tensor: torch.Tensor, worth: float) -> TensorPatch | Literal["unchanged"] | None:
+    def _patch_of(self, name: str, tensor: torch.Tensor, worth: Worth) -> TensorPatch | Literal["unchanged"] | None:
         """A patch, "unchanged", or None (dense)."""
         base = self.tensors.get(name)
         if base is None:
@@ -127,7 +153,7 @@ class DeltaBase:
             stride = max(1, numel // SAMPLE_ELEMENTS)
             sampled = int((bits_of(base)[::stride] != bits_of(new)[::stride]).sum().item()) / math.ceil(numel / stride)
             smallest = min(sampled * (2 + itemsize), 1 / 8 + sampled * itemsize) * numel
-            if smallest > 1.1 * worth * dense:
+            if smallest > 1.1 * worth.compare_below * dense:
                 return None  # plainly too many changes: skip the full comparison
         changes = changes_between(base, new)
         positions = changes.positions
@@ -137,7 +163,7 @@ class DeltaBase:
             return None
         gaps = gaps_of(positions)
         chosen: PatchChoice = smallest_encoding(positions, numel, itemsize, gaps=gaps)
-        if chosen.size_bytes > worth * dense:
+        if chosen.size_bytes > worth.patch_below * dense:
             return None
         data = torch.empty(chosen.size_bytes, dtype=torch.uint8, device=new.device)
         encode_patch(new, positions, chosen.encoding, data, values=changes.values, gaps=gaps)

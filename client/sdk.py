@@ -30,7 +30,7 @@ import torch
 
 from weightsync.client import groups
 from weightsync.client._loop import LoopThread
-from weightsync.client.delta import AUTO_DENSE_ABOVE, PATCH_WORTH, Delta, DeltaBase, DeltaChoice
+from weightsync.client.delta import AUTO_DENSE_ABOVE, Delta, DeltaBase, DeltaChoice
 from weightsync.client.errors import UpdateFailed, WeightSyncClientError, WeightSyncRpcError
 from weightsync.client.groups import TransferGroup
 from weightsync.client.ingress import IngressLease, open_ingress
@@ -290,7 +290,7 @@ class WeightSyncClient:
             return None
         if not self._delta.same_layout(items):
             return None
-        choice = self._delta.choose(items, worth=1.0 if delta is True else PATCH_WORTH)
+        choice = self._delta.choose(items, auto=delta == "auto")
         if not choice.patches and (not choice.unchanged or len(choice.unchanged) == len(items)):
             # Every tensor changed too much, or nothing changed at all: the plain dense push, whose
             # plan may be reused (a version re-pushed as it is).

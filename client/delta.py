@@ -19,8 +19,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+import structlog
 import torch
 
+from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.common.checksum import ws64
 from weightsync.common.patches import (
     DecodedPatch,
@@ -33,6 +35,11 @@ from weightsync.common.patches import (
     smallest_encoding,
     ws64_after_patch,
 )
+from weightsync.common.threads import ThreadCall
+
+log = structlog.get_logger("weightsync.client.delta")
+_TAKE_TIMEOUT = 3600.0
+"""A copy of the model in memory: it ends; the bound only keeps a broken device from hanging a push."""
 
 Delta = Literal["auto"] | bool
 AUTO_DENSE_ABOVE = 0.8
@@ -118,6 +125,7 @@ class DeltaBase:
         self.generations: dict[str, int] = {}
         """Server address -> the generation it committed these tensors at."""
         self.layout: tuple = ()
+        self._taking: ThreadCall[None] | None = None
 
     @property
     def memory_bytes(self) -> int:
@@ -125,11 +133,13 @@ class DeltaBase:
 
     def same_layout(self, named: list[tuple[str, torch.Tensor]]) -> bool:
         """Whether these tensors have the names, dtypes and shapes of the kept copy."""
+        self._settle()
         return bool(self.tensors) and _layout(named) == self.layout
 
     def choose(self, named: list[tuple[str, torch.Tensor]], *, auto: bool = True) -> DeltaChoice:
         """Per tensor, unchanged, patch or dense: where the patch pays (auto) or wherever it is
         smaller than the tensor."""
+        self._settle()
         choice = DeltaChoice()
         for name, tensor in named:
             patch = self._patch_of(name, tensor, auto_worth(tensor) if auto else EVERY_SMALLER)
@@ -176,41 +186,74 @@ class DeltaBase:
             checksum = ws64_after_patch(kept, base, DecodedPatch(positions, changes.values))
         return TensorPatch(data, chosen.encoding, positions.numel(), checksum, positions)
 
-    # -- after every server committed ---------------------------------------------------------
+    # -- what was pushed becomes the copy ------------------------------------------------------
+    def take_in_background(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None) -> None:
+        """Start refreshing the copy while the push's bytes move (a dense push's copy is a memcpy
+        of the model: done after the push it added ~10% to it on the benchmark machine). The
+        copy claims no server's generation until committed() (caches change on success only)."""
+        self._settle()
+        self.generations = {}
+        self._taking = ThreadCall(lambda: self._take(named, choice), name="weightsync-delta-copy")
+
     def committed(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None,
                   generations: dict[str, int]) -> None:
-        """Take what was committed: patched tensors are patched in the copy (O(changed)), the
-        others copied whole."""
-        layout = _layout(named)
-        if layout != self.layout:
-            self.tensors, self.checksums = {}, {}
-        patches = choice.patches if choice is not None else {}
-        unchanged = choice.unchanged if choice is not None else set()
-        for name, tensor in named:
-            if name in unchanged and name in self.tensors:
-                continue
-            patch = patches.get(name)
-            kept = self.tensors.get(name)
-            if patch is not None and kept is not None:
-                itemsize = tensor.element_size()
-                values = patch.data[patch.data.numel() - patch.count * itemsize:]
-                apply_patch(kept, DecodedPatch(patch.positions.to(kept.device), values.to(kept.device)))
-                self.checksums[name] = patch.checksum
-                continue
-            device = torch.device("cpu") if self.host_copy else tensor.device
-            if kept is None or kept.shape != tensor.shape or kept.device != device:
-                kept = torch.empty(tensor.shape, dtype=tensor.dtype, device=device,
-                                   pin_memory=self.host_copy and tensor.is_cuda)
-                self.tensors[name] = kept
-            kept.copy_(tensor.detach())
-            if kept.is_cuda or tensor.is_cuda:
-                torch.cuda.current_stream(tensor.device if tensor.is_cuda else kept.device).synchronize()
-            self.checksums.pop(name, None)
-        self.layout = layout
+        """Every server committed: the copy holds what they hold (taken now unless a background
+        take of this push is under way) and claims their generations."""
+        if self._taking is None:
+            self.generations = {}
+            self._take(named, choice)
+        elif not self._settle():
+            return  # the copy failed: nothing is claimed, the next push goes dense
         self.generations = dict(generations)
+
+    def _settle(self) -> bool:
+        """Wait for a background take; False (and an empty copy) if it failed."""
+        taking, self._taking = self._taking, None
+        if taking is None:
+            return True
+        try:
+            taking.result(timeout=_TAKE_TIMEOUT)
+            return True
+        except Exception as error:  # noqa: BLE001 - the push itself succeeded; only the copy is lost
+            log.warning("delta_copy_failed", error=repr(error))
+            self.tensors, self.checksums, self.layout, self.generations = {}, {}, (), {}
+            return False
+
+    def _take(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None) -> None:
+        """Patched tensors are patched in the copy (O(changed)), the others copied whole."""
+        with one_intra_op_thread():
+            layout = _layout(named)
+            if layout != self.layout:
+                self.tensors, self.checksums, self.layout = {}, {}, ()
+            patches = choice.patches if choice is not None else {}
+            unchanged = choice.unchanged if choice is not None else set()
+            cuda_devices: set[torch.device] = set()
+            for name, tensor in named:
+                if name in unchanged and name in self.tensors:
+                    continue
+                patch = patches.get(name)
+                kept = self.tensors.get(name)
+                if patch is not None and kept is not None:
+                    itemsize = tensor.element_size()
+                    values = patch.data[patch.data.numel() - patch.count * itemsize:]
+                    apply_patch(kept, DecodedPatch(patch.positions.to(kept.device), values.to(kept.device)))
+                    self.checksums[name] = patch.checksum
+                else:
+                    device = torch.device("cpu") if self.host_copy else tensor.device
+                    if kept is None or kept.shape != tensor.shape or kept.device != device:
+                        kept = torch.empty(tensor.shape, dtype=tensor.dtype, device=device,
+                                           pin_memory=self.host_copy and tensor.is_cuda)
+                        self.tensors[name] = kept
+                    kept.copy_(tensor.detach())
+                    self.checksums.pop(name, None)
+                cuda_devices.update(t.device for t in (kept, tensor) if t.is_cuda)
+            for device in cuda_devices:  # the copies are asynchronous: done before the copy is claimed
+                torch.cuda.current_stream(device).synchronize()
+            self.layout = layout
 
     def forget(self, address: str | None = None) -> None:
         """A server's generation is unknown (it refused our base): next time it gets dense."""
+        self._settle()
         if address is None:
             self.generations = {}
         else:

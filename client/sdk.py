@@ -273,6 +273,8 @@ class WeightSyncClient:
         if rest:
             dense = choose_plan(dict(items) if items is not None else named_tensors, self._plans,
                                 may_stream=mode == "staged" and not allow_new_tensors, **sizes)
+            if items is not None:
+                self._delta.take_in_background(items, delta_choice)  # the copy refreshes while the bytes move
             runs.append((dense, *self._push_once(group, sink, dense, servers=rest, **common)))
             self._plans.committed(dense.cached, [s.address for s in rest])
         outcomes = [o for _, _, done in runs for o in done]

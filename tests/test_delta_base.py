@@ -1,0 +1,116 @@
+"""The trainer's kept copy (client/delta.py, issue 18): when auto compares and patches, and how the
+copy is refreshed in the background while a push's bytes move, claiming nothing until committed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightsync.client import delta as delta_module
+from weightsync.client.delta import DeltaBase
+from weightsync.common.checksum import ws64
+
+
+def weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(512, 256, generator=g).to(torch.bfloat16),
+            "b": torch.randn(128, 256, generator=g).to(torch.bfloat16)}
+
+
+def changed(named: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in named.items():
+        new = tensor.clone()
+        flat = new.view(-1).view(torch.int16)
+        flat[torch.randperm(flat.numel(), generator=g)[: int(flat.numel() * fraction)]] ^= 1
+        out[name] = new
+    return out
+
+
+def kept_base(named: dict[str, torch.Tensor]) -> DeltaBase:
+    base = DeltaBase()
+    base.committed(list(named.items()), None, {"s": 1})
+    return base
+
+
+def test_auto_patches_host_tensors_only_where_it_pays_and_skips_the_comparison_elsewhere(monkeypatch):
+    before = weights()
+    base = kept_base(before)
+    compared = []
+    real = delta_module.changes_between
+    monkeypatch.setattr(delta_module, "changes_between", lambda a, b: compared.append(a.numel()) or real(a, b))
+
+    sparse = base.choose(list(changed(before, 0.002, seed=1).items()))
+    assert set(sparse.patches) == {"a", "b"} and len(compared) == 2
+
+    compared.clear()
+    busy = base.choose(list(changed(before, 0.04, seed=2).items()))
+    assert not busy.patches and not busy.unchanged
+    assert compared == []  # the sample said dense: neither copy was read whole
+
+    compared.clear()
+    forced = base.choose(list(changed(before, 0.04, seed=2).items()), auto=False)
+    assert set(forced.patches) == {"a", "b"} and len(compared) == 2
+
+
+def test_a_patch_carries_the_whole_new_tensors_ws64():
+    before = weights()
+    base = kept_base(before)
+    after = changed(before, 0.002, seed=3)
+    choice = base.choose(list(after.items()))
+    assert {n: p.checksum for n, p in choice.patches.items()} == {n: ws64(t) for n, t in after.items()}
+
+
+def test_a_background_take_claims_the_generations_only_once_committed():
+    before = weights()
+    base = kept_base(before)
+    after = changed(before, 0.3, seed=4)
+    base.take_in_background(list(after.items()), None)
+    assert base.generations == {}  # while the copy changes it claims no server's generation
+    base.committed(list(after.items()), None, {"s": 2})
+    assert base.generations == {"s": 2}
+    assert all(torch.equal(base.tensors[n].view(torch.int16), t.view(torch.int16)) for n, t in after.items())
+
+
+def test_a_push_that_fails_during_a_background_take_leaves_no_claim_and_the_next_push_works():
+    before = weights()
+    base = kept_base(before)
+    base.take_in_background(list(changed(before, 0.3, seed=5).items()), None)
+    base.forget()  # what push() does when a run fails: wait for the copy, claim nothing
+    assert base.generations == {}
+    after = changed(before, 0.3, seed=6)
+    base.committed(list(after.items()), None, {"s": 3})
+    assert base.generations == {"s": 3}
+    nxt = changed(after, 0.002, seed=7)
+    choice = base.choose(list(nxt.items()))
+    assert {n: p.checksum for n, p in choice.patches.items()} == {n: ws64(t) for n, t in nxt.items()}
+
+
+def test_a_failed_background_copy_is_dropped_and_the_next_push_starts_over(monkeypatch):
+    before = weights()
+    base = kept_base(before)
+
+    def broken(named, choice):
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(base, "_take", broken)
+        base.take_in_background(list(before.items()), None)
+        base.committed(list(before.items()), None, {"s": 2})
+    assert base.generations == {} and base.tensors == {}  # nothing claimed: the next push goes dense
+    assert not base.same_layout(list(before.items()))
+    base.committed(list(before.items()), None, {"s": 3})  # that dense push, committed
+    assert base.generations == {"s": 3} and base.same_layout(list(before.items()))
+    nxt = changed(before, 0.002, seed=8)
+    assert set(base.choose(list(nxt.items())).patches) == {"a", "b"}
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_unchanged_tensors_are_left_out(auto):
+    before = weights()
+    base = kept_base(before)
+    after = dict(before)
+    after["b"] = changed({"b": before["b"]}, 0.002, seed=9)["b"]
+    choice = base.choose(list(after.items()), auto=auto)
+    assert choice.unchanged == {"a"} and set(choice.patches) == {"b"}

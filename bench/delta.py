@@ -1,15 +1,16 @@
 """Sending only what changed (issue 18): `python -m bench --only delta`.
 
-Two parts, against two servers (2 CPU workers each) started here: the delta pushes go to one,
-the dense pushes of the same tensors to the other, alternated, so each server holds exactly
-what its client committed last:
+Two parts, against servers (2 CPU workers each) started here: the delta pushes go to one, the
+dense pushes of the same tensors to another, alternated, so each server holds exactly what its
+client committed last:
   - a real fine-tune: the Qwen-shaped dense workload as bf16 parameters with fp32 master weights,
     AdamW steps at lr 1e-6 and 1e-5 (gradients drawn at random: the optimizer, not the loss,
     decides how many bf16 values move), 10 steps each; per step the fraction of elements whose
     bits changed, what push(delta="auto") sent, and its time against a dense push of the same
     tensors, on COLLECTIVE, INLINE and SHM, alternated;
   - a density sweep (0.1% .. 50% of the elements changed, spread at random): what auto sends,
-    its time against dense, and the trainer's diff on its own against a memcpy of the model in
+    and what patches everywhere (delta=True, to a third server) send, their times against dense
+    (where auto switches, and why), and the trainer's diff on its own against a memcpy of the model in
     the same process (the diff reads two copies: memcpy bandwidth bounds it).
 Every push is verified against the trainer's tensors.
 """
@@ -26,7 +27,7 @@ from bench.harness import median
 from bench.progress import log
 from bench.servers import Server
 
-SWEEP = (0.001, 0.01, 0.05, 0.2, 0.5)
+SWEEP = (0.001, 0.005, 0.01, 0.02, 0.05, 0.2, 0.5)
 TRANSPORTS = ("collective", "inline", "shm")
 
 
@@ -120,24 +121,25 @@ def _scatter_change(tensors: dict[str, torch.Tensor], fraction: float, seed: int
     return out
 
 
-def sweep(servers: tuple[Server, Server], scale: float, reps: int, bucket_bytes: int) -> list[dict]:
+def sweep(servers: tuple[Server, Server, Server], scale: float, reps: int, bucket_bytes: int) -> list[dict]:
     from weightsync.client import WeightSyncClient
     from weightsync.client.delta import DeltaBase
 
     tensors = {n: t.to(torch.bfloat16) for n, t in workloads.dense(scale).materialize(prefix="dense.").items()}
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     rows = []
-    delta_server, dense_server = servers
+    delta_server, dense_server, forced_server = servers
     with WeightSyncClient(delta_server.address, timeout=600) as delta, \
-            WeightSyncClient(dense_server.address, timeout=600) as dense:
-        delta.create_group(timeout=120)
-        dense.create_group(timeout=120)
+            WeightSyncClient(dense_server.address, timeout=600) as dense, \
+            WeightSyncClient(forced_server.address, timeout=600) as forced:
+        for client in (delta, dense, forced):
+            client.create_group(timeout=120)
         current = tensors
-        for client in (delta, dense):
+        for client in (delta, dense, forced):
             client.push(current, version="sweep-start", bucket_size_bytes=bucket_bytes, allow_new_tensors=True,
                         delta="auto")
         for fraction in SWEEP:
-            t_dense, t_delta, t_diff, t_copy, sent = [], [], [], [], 0
+            t_dense, t_delta, t_forced, t_diff, t_copy, sent, forced_sent = [], [], [], [], [], 0, 0
             for rep in range(reps):
                 new = _scatter_change(current, fraction, seed=int(fraction * 1e6) + rep)
                 # The diff alone, and a memcpy of the model, in this process.
@@ -153,18 +155,24 @@ def sweep(servers: tuple[Server, Server], scale: float, reps: int, bucket_bytes:
                                          delta="auto")
                 t_delta.append(elapsed)
                 sent = result.bytes_sent
+                elapsed, result = _timed(forced.push, new, version=f"f{fraction}-{rep}", bucket_size_bytes=bucket_bytes,
+                                         delta=True)
+                t_forced.append(elapsed)
+                forced_sent = result.bytes_sent
                 current = new
-            if not delta.verify(current).ok:
+            if not (delta.verify(current).ok and forced.verify(current).ok):
                 raise RuntimeError(f"delta sweep {fraction}: a worker does not hold the trainer's tensors")
             diff_gbps = 2 * size / median(t_diff) / 1e9  # it reads both copies
             copy_gbps = 2 * size / median(t_copy) / 1e9  # read + write
             row = {"changed_fraction": fraction, "bytes_sent": sent, "dense_bytes": size,
                    "sent_fraction": round(sent / size, 4), "dense_seconds": round(median(t_dense), 4),
                    "delta_seconds": round(median(t_delta), 4), "speedup": round(median(t_dense) / median(t_delta), 2),
+                   "forced_sent_fraction": round(forced_sent / size, 4), "forced_seconds": round(median(t_forced), 4),
+                   "forced_speedup": round(median(t_dense) / median(t_forced), 2),
                    "diff_seconds": round(median(t_diff), 4), "diff_gbps": round(diff_gbps, 2),
                    "memcpy_gbps": round(copy_gbps, 2), "diff_vs_memcpy": round(diff_gbps / copy_gbps, 2)}
             log(f"delta sweep {fraction * 100:g}% changed: sent {row['sent_fraction'] * 100:.2f}% of the bytes, "
-                f"{row['speedup']:.2f}x dense; diff {diff_gbps:.1f} GB/s ({row['diff_vs_memcpy']:.2f}x memcpy)")
+                f"{row['speedup']:.2f}x dense (patches everywhere: {row['forced_speedup']:.2f}x); diff {diff_gbps:.1f} GB/s ({row['diff_vs_memcpy']:.2f}x memcpy)")
             rows.append(row)
     return rows
 
@@ -173,10 +181,10 @@ def run(workdir: Path, *, quick: bool) -> dict:
     scale = 0.25 if quick else 1.0
     bucket = (64 if quick else 256) << 20
     extra = ("--local-socket", "auto", "--ingress-slot-bytes", str(bucket))
-    servers = (Server(2, workdir, extra=extra), Server(2, workdir, extra=extra))
+    servers = (Server(2, workdir, extra=extra), Server(2, workdir, extra=extra), Server(2, workdir, extra=extra))
     try:
         swept = sweep(servers, scale, reps=2 if quick else 3, bucket_bytes=bucket)
-        tune = fine_tune(servers, scale, steps=3 if quick else 10, bucket_bytes=bucket)
+        tune = fine_tune(servers[:2], scale, steps=3 if quick else 10, bucket_bytes=bucket)
     finally:
         for server in servers:
             server.stop()
@@ -195,11 +203,14 @@ def markdown(result: dict) -> str:
         cells = [f"{row[t]['bytes_sent'] / row[t]['dense_bytes'] * 100:.2f}% / {row[t]['speedup']:.2f}x"
                  for t in TRANSPORTS]
         lines.append(f"| {row['lr']:g} | {row['step']} | {row['changed_fraction'] * 100:.3f}% | " + " | ".join(cells) + " |")
-    lines += ["", "Density sweep (COLLECTIVE, delta='auto'):", "",
-              "| changed | bytes sent | delta s | dense s | x dense | diff GB/s | memcpy GB/s | diff / memcpy |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "Density sweep (COLLECTIVE; `auto`: delta='auto', `patches`: delta=True, a patch wherever it is "
+              "smaller; the diff: every tensor compared in full):", "",
+              "| changed | auto bytes sent | auto s | patches bytes sent | patches s | dense s | auto x dense | "
+              "patches x dense | diff GB/s | memcpy GB/s | diff / memcpy |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["sweep"]:
         lines.append(f"| {row['changed_fraction'] * 100:g}% | {row['sent_fraction'] * 100:.2f}% | "
-                     f"{row['delta_seconds']:.3f} | {row['dense_seconds']:.3f} | {row['speedup']:.2f}x | "
+                     f"{row['delta_seconds']:.3f} | {row['forced_sent_fraction'] * 100:.2f}% | {row['forced_seconds']:.3f} | "
+                     f"{row['dense_seconds']:.3f} | {row['speedup']:.2f}x | {row['forced_speedup']:.2f}x | "
                      f"{row['diff_gbps']:.1f} | {row['memcpy_gbps']:.1f} | {row['diff_vs_memcpy']:.2f} |")
     return "\n".join(lines) + "\n"

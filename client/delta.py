@@ -44,7 +44,8 @@ _TAKE_TIMEOUT = 3600.0
 Delta = Literal["auto"] | bool
 AUTO_DENSE_ABOVE = 0.8
 """delta="auto" sends the whole update dense when what the patches and the changed tensors would
-move is more than this fraction of the dense bytes: then the comparison did not pay."""
+move is more than this fraction of the dense bytes: then the comparison did not pay. Checked on
+the samples before any full comparison, and again on what the comparisons found."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,33 +140,52 @@ class DeltaBase:
 
     def choose(self, named: list[tuple[str, torch.Tensor]], *, auto: bool = True) -> DeltaChoice:
         """Per tensor, unchanged, patch or dense: where the patch pays (auto) or wherever it is
-        smaller than the tensor."""
+        smaller than the tensor. Auto samples every tensor first: when the samples already say
+        the update goes dense (AUTO_DENSE_ABOVE), no tensor is compared in full."""
         self._settle()
         choice = DeltaChoice()
+        worths = {name: auto_worth(tensor) if auto else EVERY_SMALLER for name, tensor in named}
+        compare = {name: self._worth_comparing(name, tensor.detach(), worths[name]) for name, tensor in named}
+        if auto:
+            dense = sum(t.numel() * t.element_size() for _, t in named)
+            expected = sum(t.numel() * t.element_size() for n, t in named if not compare[n])
+            if expected > AUTO_DENSE_ABOVE * dense:
+                return choice
         for name, tensor in named:
-            patch = self._patch_of(name, tensor, auto_worth(tensor) if auto else EVERY_SMALLER)
+            if not compare[name]:
+                continue
+            patch = self._patch_of(name, tensor.detach(), worths[name])
             if patch == "unchanged":
                 choice.unchanged.add(name)
             elif patch is not None:
                 choice.patches[name] = patch
         return choice
 
-    def _patch_of(self, name: str, tensor: torch.Tensor, worth: Worth) -> TensorPatch | Literal["unchanged"] | None:
-        """A patch, "unchanged", or None (dense)."""
+    def _base_for(self, name: str, new: torch.Tensor) -> torch.Tensor | None:
         base = self.tensors.get(name)
+        return base.to(new.device) if base is not None and base.device != new.device else base
+
+    def _worth_comparing(self, name: str, new: torch.Tensor, worth: Worth) -> bool:
+        """Whether a sample of the tensor's elements predicts a patch under worth.compare_below
+        (with a margin for the sample's noise); small tensors are always compared."""
+        base = self._base_for(name, new)
+        if base is None:
+            return False
+        numel, itemsize = new.numel(), new.element_size()
+        if numel < MIN_PATCH_ELEMENTS:
+            return True
+        stride = max(1, numel // SAMPLE_ELEMENTS)
+        sampled = int((bits_of(base)[::stride] != bits_of(new)[::stride]).sum().item()) / math.ceil(numel / stride)
+        smallest = min(sampled * (2 + itemsize), 1 / 8 + sampled * itemsize) * numel
+        return smallest <= 1.1 * worth.compare_below * numel * itemsize
+
+    def _patch_of(self, name: str, new: torch.Tensor, worth: Worth) -> TensorPatch | Literal["unchanged"] | None:
+        """A patch, "unchanged", or None (dense)."""
+        base = self._base_for(name, new)
         if base is None:
             return None
-        new = tensor.detach()
-        if base.device != new.device:
-            base = base.to(new.device)
         numel, itemsize = new.numel(), new.element_size()
         dense = numel * itemsize
-        if numel >= MIN_PATCH_ELEMENTS:
-            stride = max(1, numel // SAMPLE_ELEMENTS)
-            sampled = int((bits_of(base)[::stride] != bits_of(new)[::stride]).sum().item()) / math.ceil(numel / stride)
-            smallest = min(sampled * (2 + itemsize), 1 / 8 + sampled * itemsize) * numel
-            if smallest > 1.1 * worth.compare_below * dense:
-                return None  # plainly too many changes: skip the full comparison
         changes = changes_between(base, new)
         positions = changes.positions
         if not positions.numel():

@@ -114,3 +114,19 @@ def test_unchanged_tensors_are_left_out(auto):
     after["b"] = changed({"b": before["b"]}, 0.002, seed=9)["b"]
     choice = base.choose(list(after.items()), auto=auto)
     assert choice.unchanged == {"a"} and set(choice.patches) == {"b"}
+
+
+def test_auto_sends_the_whole_update_dense_when_the_samples_say_so_comparing_nothing(monkeypatch):
+    g = torch.Generator().manual_seed(11)
+    before = {"big": torch.randn(1024, 256, generator=g).to(torch.bfloat16),
+              "small": torch.randn(128, 256, generator=g).to(torch.bfloat16)}
+    base = kept_base(before)
+    compared = []
+    real = delta_module.changes_between
+    monkeypatch.setattr(delta_module, "changes_between", lambda a, b: compared.append(a.numel()) or real(a, b))
+    after = {"big": changed({"big": before["big"]}, 0.04, seed=12)["big"],  # 89% of the bytes: dense
+             "small": changed({"small": before["small"]}, 0.002, seed=13)["small"]}
+    choice = base.choose(list(after.items()))
+    assert not choice.patches and not choice.unchanged and compared == []
+    monkeypatch.undo()
+    assert set(base.choose(list(after.items()), auto=False).patches) == {"big", "small"}

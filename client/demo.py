@@ -1,9 +1,11 @@
 """`make demo`: the main job end to end, on this machine.
 
 Starts a server with 2 CPU workers, writes a synthetic Qwen-style checkpoint
-(~0.46 GB bf16, 290 tensors with norms and biases), pushes three versions with
-changed weights, verifies checksums after each, prints a table, and stops the
-server cleanly. Exits non-zero if anything fails.
+(~0.46 GB bf16, 290 tensors with norms and biases), pushes four versions with
+changed weights (delta="auto": the first whole, then two sparse RL-like steps
+as patches, then a step that moves every weight, dense again), verifies
+checksums after each, prints a table with the bytes each push sent, and stops
+the server cleanly. Exits non-zero if anything fails.
 """
 
 from __future__ import annotations
@@ -64,10 +66,21 @@ def synthetic_model(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def next_version(tensors: dict[str, torch.Tensor], step: int) -> None:
-    """What an optimizer step looks like from outside: every tensor moves a little."""
+SPARSE_FRACTION = 0.003
+"""An RL step at a small learning rate: most bf16 weights round back to the same bits."""
+
+
+def next_version(tensors: dict[str, torch.Tensor], step: int, *, sparse: bool) -> None:
+    """What an optimizer step looks like from outside. Sparse: SPARSE_FRACTION of each tensor's
+    elements move by one bf16 step (the rest stay bit-identical); otherwise every tensor moves."""
+    if not sparse:
+        for t in tensors.values():
+            t.mul_(1.0 - 1e-3 * step).add_(1e-3 * step)
+        return
+    g = torch.Generator().manual_seed(step)
     for t in tensors.values():
-        t.mul_(1.0 - 1e-3 * step).add_(1e-3 * step)
+        bits = t.view(-1).view(torch.int16)
+        bits[torch.randint(0, bits.numel(), (max(1, int(bits.numel() * SPARSE_FRACTION)),), generator=g)] ^= 1
 
 
 def start_server(workdir: Path) -> tuple[subprocess.Popen, str]:
@@ -95,7 +108,7 @@ def server_segments(pid: int) -> set[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weightsync-demo")
-    parser.add_argument("--versions", type=int, default=3)
+    parser.add_argument("--versions", type=int, default=4, help="the last one moves every weight (dense)")
     parser.add_argument("--layers", type=int, default=24)
     args = parser.parse_args(argv)
     shape = ModelShape(layers=args.layers)
@@ -119,14 +132,14 @@ def main(argv: list[str] | None = None) -> int:
                 client.create_group(timeout=60)
                 for step in range(1, args.versions + 1):
                     if step > 1:
-                        next_version(model, step)
+                        next_version(model, step, sparse=step < args.versions)
                     path = workdir / f"model-v{step}.safetensors"
                     save_checkpoint(model, path)
                     tensors = load_checkpoints([path])
-                    result = client.push(tensors, version=f"v{step}", bucket_size_bytes=128 << 20)
+                    result = client.push(tensors, version=f"v{step}", bucket_size_bytes=128 << 20, delta="auto")
                     verified = client.verify(tensors)
-                    rows.append((result.version, result.tensor_count, result.size_bytes, result.seconds,
-                                 result.gigabytes_per_second, "yes" if verified.ok else f"NO ({len(verified.mismatches)})"))
+                    rows.append((result.version, result.tensor_count, result.bytes_sent, result.dense_bytes,
+                                 result.seconds, "yes" if verified.ok else f"NO ({len(verified.mismatches)})"))
                     path.unlink()
                     if not verified.ok:
                         raise RuntimeError(f"version v{step}: {len(verified.mismatches)} tensors differ")
@@ -134,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             server.send_signal(signal.SIGTERM)
             code = server.wait(60)
         print()
-        print(f"{'version':<8} {'tensors':>8} {'bytes':>12} {'seconds':>8} {'GB/s':>6}  verified")
-        for version, tensors, size, seconds, gbps, ok in rows:
-            print(f"{version:<8} {tensors:>8} {size:>12} {seconds:>8.3f} {gbps:>6.2f}  {ok}")
+        print(f"{'version':<8} {'tensors':>8} {'bytes sent':>12} {'of dense':>9} {'seconds':>8}  verified")
+        for version, tensors, sent, dense, seconds, ok in rows:
+            print(f"{version:<8} {tensors:>8} {sent:>12} {sent / dense:>9.2%} {seconds:>8.3f}  {ok}")
         leaked = {name for name in segments if (Path("/dev/shm") / name).exists()}
         orphans = [pid for pid in worker_pids if Path(f"/proc/{pid}").exists()]
         if orphans:

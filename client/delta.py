@@ -214,7 +214,13 @@ class DeltaBase:
         copy claims no server's generation until committed() (caches change on success only)."""
         self._settle()
         self.generations = {}
-        self._taking = ThreadCall(lambda: self._take(named, choice), name="weightsync-delta-copy")
+        # The thread's copies run on its own current streams: they first wait for what the
+        # caller's current streams had queued (the writes that made these tensors).
+        written = {}
+        for device in {t.device for _, t in named if t.is_cuda}:
+            written[device] = torch.cuda.Event()
+            written[device].record(torch.cuda.current_stream(device))
+        self._taking = ThreadCall(lambda: self._take(named, choice, written), name="weightsync-delta-copy")
 
     def committed(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None,
                   generations: dict[str, int]) -> None:
@@ -240,8 +246,11 @@ class DeltaBase:
             self.tensors, self.checksums, self.layout, self.generations = {}, {}, (), {}
             return False
 
-    def _take(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None) -> None:
+    def _take(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None,
+              written: dict[torch.device, torch.cuda.Event] | None = None) -> None:
         """Patched tensors are patched in the copy (O(changed)), the others copied whole."""
+        for device, event in (written or {}).items():
+            torch.cuda.current_stream(device).wait_event(event)
         with one_intra_op_thread():
             layout = _layout(named)
             if layout != self.layout:

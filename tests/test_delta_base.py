@@ -91,7 +91,7 @@ def test_a_failed_background_copy_is_dropped_and_the_next_push_starts_over(monke
     before = weights()
     base = kept_base(before)
 
-    def broken(named, choice):
+    def broken(named, choice, written=None):
         raise RuntimeError("out of memory")
 
     with monkeypatch.context() as patched:

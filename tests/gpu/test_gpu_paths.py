@@ -145,3 +145,27 @@ def test_device_ws64_equals_the_cpu_reference(proto_dtype):
     size = torch.tensor([], dtype=dtype).element_size()
     cpu = raw[: raw.numel() // size * size].view(dtype)
     assert ws64(cpu.cuda()) == ws64(cpu)
+
+
+def test_the_kept_delta_copy_waits_for_the_callers_stream():
+    """The kept copy (delta) is refreshed in a thread of its own: its copies must wait for the
+    writes the caller's stream queued, or it keeps stale bytes and the next patch is wrong."""
+    from weightsync.client.delta import DeltaBase
+
+    base = DeltaBase()
+    first = gpu_model(1)
+    base.committed(list(first.items()), None, {"s": 1})
+    torch.cuda.synchronize()
+    second = gpu_model(2)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # the caller writes on a stream the thread does not use
+        written_behind_a_sleep(second)  # still being written when the thread starts
+        base.take_in_background(list(second.items()), None)
+    base.committed(list(second.items()), None, {"s": 2})
+    assert_same_bytes(base.tensors, second)
+    nxt = {n: t.clone() for n, t in second.items()}
+    for t in nxt.values():
+        t.view(-1)[:1] += 1
+    choice = base.choose(list(nxt.items()), auto=False)
+    assert {n: p.checksum for n, p in choice.patches.items()} == {n: ws64(t) for n, t in nxt.items() if n in choice.patches}

@@ -2,10 +2,11 @@
 
 Starts a server with 2 CPU workers, writes a synthetic Qwen-style checkpoint
 (~0.46 GB bf16, 290 tensors with norms and biases), pushes four versions with
-changed weights (delta="auto": the first whole, then two sparse RL-like steps
-as patches, then a step that moves every weight, dense again), verifies
-checksums after each, prints a table with the bytes each push sent, and stops
-the server cleanly. Exits non-zero if anything fails.
+delta="auto" (the first whole; then two RL-like steps at a small learning rate,
+where most bf16 weights round back to the same bits, as patches; then a step at
+ten times that rate, which auto sends dense on host tensors), verifies
+checksums after each, prints a table with the bytes each push sent against a
+dense push, and stops the server cleanly. Exits non-zero if anything fails.
 """
 
 from __future__ import annotations
@@ -66,21 +67,23 @@ def synthetic_model(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-SPARSE_FRACTION = 0.003
-"""An RL step at a small learning rate: most bf16 weights round back to the same bits."""
+FINE_LR = 3e-7
+"""An RL step: about 0.4% of the bf16 weights change, the smallest first, so auto sends patches
+(about 1% of the dense bytes; the norms and some small biases do not change and stay out)."""
+COARSE_LR = 3e-6
+"""The last step: about 3.5% change, above what auto compares on host tensors (about 0.75%,
+client/delta.py AUTO_CPU): it goes dense."""
 
 
-def next_version(tensors: dict[str, torch.Tensor], step: int, *, sparse: bool) -> None:
-    """What an optimizer step looks like from outside. Sparse: SPARSE_FRACTION of each tensor's
-    elements move by one bf16 step (the rest stay bit-identical); otherwise every tensor moves."""
-    if not sparse:
-        for t in tensors.values():
-            t.mul_(1.0 - 1e-3 * step).add_(1e-3 * step)
-        return
+def next_version(master: dict[str, torch.Tensor], model: dict[str, torch.Tensor], step: int, *, lr: float) -> None:
+    """An optimizer step as the trainer sees it: the fp32 master weights move by lr-sized noise
+    (an Adam step is about lr in size, whatever the weight's), and the bf16 weights pushed are the
+    master rounded. A bf16 weight changes only once its master has moved half a bf16 step away
+    (2^-9 to 2^-8 of |w|): weights near zero do, the norms at 1.0 never do at these rates."""
     g = torch.Generator().manual_seed(step)
-    for t in tensors.values():
-        bits = t.view(-1).view(torch.int16)
-        bits[torch.randint(0, bits.numel(), (max(1, int(bits.numel() * SPARSE_FRACTION)),), generator=g)] ^= 1
+    for name, weights in master.items():
+        weights.add_(torch.randn(weights.shape, generator=g), alpha=lr)
+        model[name].copy_(weights)
 
 
 def start_server(workdir: Path) -> tuple[subprocess.Popen, str]:
@@ -108,7 +111,7 @@ def server_segments(pid: int) -> set[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weightsync-demo")
-    parser.add_argument("--versions", type=int, default=4, help="the last one moves every weight (dense)")
+    parser.add_argument("--versions", type=int, default=4, help=f"the last one at lr {COARSE_LR:g} (dense)")
     parser.add_argument("--layers", type=int, default=24)
     args = parser.parse_args(argv)
     shape = ModelShape(layers=args.layers)
@@ -125,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_pids: list[int] = []
         try:
             model = synthetic_model(shape, seed=0)
+            master = {name: tensor.float() for name, tensor in model.items()}  # the trainer's fp32 copy
             total = sum(t.numel() * t.element_size() for t in model.values())
             print(f"server {address} with 2 CPU workers; model: {len(model)} tensors, {total / 1e9:.2f} GB bf16", flush=True)
             with WeightSyncClient([address]) as client:
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 client.create_group(timeout=60)
                 for step in range(1, args.versions + 1):
                     if step > 1:
-                        next_version(model, step, sparse=step < args.versions)
+                        next_version(master, model, step, lr=FINE_LR if step < args.versions else COARSE_LR)
                     path = workdir / f"model-v{step}.safetensors"
                     save_checkpoint(model, path)
                     tensors = load_checkpoints([path])
@@ -147,9 +151,12 @@ def main(argv: list[str] | None = None) -> int:
             server.send_signal(signal.SIGTERM)
             code = server.wait(60)
         print()
-        print(f"{'version':<8} {'tensors':>8} {'bytes sent':>12} {'of dense':>9} {'seconds':>8}  verified")
+        print(f"{'version':<8} {'tensors':>8} {'bytes sent':>12} {'dense bytes':>12} {'of dense':>9} {'seconds':>8} "
+              f"{'GB/s':>6}  verified")
         for version, tensors, sent, dense, seconds, ok in rows:
-            print(f"{version:<8} {tensors:>8} {sent:>12} {sent / dense:>9.2%} {seconds:>8.3f}  {ok}")
+            print(f"{version:<8} {tensors:>8} {sent:>12} {dense:>12} {sent / dense:>9.2%} {seconds:>8.3f} "
+                  f"{dense / seconds / 1e9:>6.2f}  {ok}")
+        print("(tensors: those sent, unchanged ones stay out; GB/s: the model's dense bytes over the push's seconds)")
         leaked = {name for name in segments if (Path("/dev/shm") / name).exists()}
         orphans = [pid for pid in worker_pids if Path(f"/proc/{pid}").exists()]
         if orphans:

@@ -19,11 +19,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-import structlog
 import torch
 
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.common.checksum import ws64
+from weightsync.common.logging import get_logger
 from weightsync.common.patches import (
     DecodedPatch,
     PatchChoice,
@@ -37,7 +37,7 @@ from weightsync.common.patches import (
 )
 from weightsync.common.threads import ThreadCall
 
-log = structlog.get_logger("weightsync.client.delta")
+log = get_logger("weightsync.client.delta")
 _TAKE_TIMEOUT = 3600.0
 """A copy of the model in memory: it ends; the bound only keeps a broken device from hanging a push."""
 

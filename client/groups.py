@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
-import structlog
 import torch
 
 from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
@@ -24,9 +23,10 @@ from weightsync.client.rendezvous import Rendezvous
 from weightsync.client.servers import Server, ServerSet
 from weightsync.common.address import parse_address
 from weightsync.common.collective import CollectiveGroup, host_store, local_address_towards
+from weightsync.common.logging import get_logger
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-log = structlog.get_logger("weightsync.client")
+log = get_logger("weightsync.client")
 
 
 @dataclass(slots=True)

@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-import structlog
 
 from weightsync.client._loop import LoopThread
 from weightsync.client.errors import PlanMismatch, UpdateFailed, WeightSyncRpcError
@@ -36,10 +35,11 @@ from weightsync.client.streams import UpdateStream, first_failure, update_failed
 from weightsync.client.types import PushProgress, ServerOutcome
 from weightsync.common.checksum import tensor_checksum
 from weightsync.common.collective import CollectiveError
+from weightsync.common.logging import get_logger
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-log = structlog.get_logger("weightsync.client")
+log = get_logger("weightsync.client")
 
 ABORT_GRACE_SECONDS = 4.0
 """How long an aborted push waits for each server to end its stream. A server whose workers sat

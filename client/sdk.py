@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
-import structlog
 import torch
 
 from weightsync.client import groups
@@ -54,9 +53,10 @@ from weightsync.common.address import parse_address
 from weightsync.common.checksum import ws64
 from weightsync.common.layout import DEFAULT_BUCKET_BYTES
 from weightsync.common.limits import DEFAULT_MAX_MESSAGE_BYTES
+from weightsync.common.logging import get_logger
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-log = structlog.get_logger("weightsync.client")
+log = get_logger("weightsync.client")
 
 Mode = Literal["in_place", "staged"]
 Transport = Literal["collective", "inline", "shm"]

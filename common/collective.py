@@ -36,15 +36,15 @@ import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 
-import structlog
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
+from weightsync.common.logging import get_logger
 from weightsync.common.threads import CallAbandoned, ThreadCall
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-log = structlog.get_logger("weightsync.collective")
+log = get_logger("weightsync.collective")
 
 BACKEND_NAMES = {pb.BACKEND_GLOO: "gloo", pb.BACKEND_NCCL: "nccl"}
 RENDEZVOUS_PREFIX = "weightsync/"

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C reaches the whole process group; the server decides how we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    from weightsync.common.logging import configure_logging
+    from weightsync.common.logging import configure_logging, get_logger
     from weightsync.common.shm_queue import AttachedQueue
     from weightsync.gpu_worker.worker import Worker
     from weightsync.worker.v1 import worker_pb2
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.mem_get_info(torch.device(config.device))  # touches the device: fails here if it is gone
         except Exception as error:  # noqa: BLE001 - classified, then the exit status says it
             fault = classify(error) or DeviceFault.LOST
-            structlog.get_logger("weightsync.worker").error("device_unusable_at_start", device=config.device,
+            get_logger("weightsync.worker").error("device_unusable_at_start", device=config.device,
                                                             error=str(error)[:300], exit_code=fault.exit_code)
             sys.stderr.flush()
             os._exit(fault.exit_code)

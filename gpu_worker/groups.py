@@ -17,7 +17,6 @@ import socket
 import stat
 import time
 
-import structlog
 import torch
 
 from weightsync.common.collective import (
@@ -30,11 +29,12 @@ from weightsync.common.collective import (
     pin_nccl_interface,
 )
 from weightsync.common.errors import Aborted, AlreadyExists, DeadlineExceeded, NotFound
+from weightsync.common.logging import get_logger
 from weightsync.common.threads import CallAbandoned, ThreadCall
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
-log = structlog.get_logger("weightsync.worker.groups")
+log = get_logger("weightsync.worker.groups")
 
 
 def _open(join: wpb.JoinGroupCommand, device: torch.device) -> CollectiveGroup:

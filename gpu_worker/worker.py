@@ -26,7 +26,6 @@ import socket
 import threading
 from collections.abc import Callable
 
-import structlog
 import torch
 
 from weightsync.common.collective import CollectiveError, backend_for_device
@@ -39,6 +38,7 @@ from weightsync.common.errors import (
     code_number,
 )
 from weightsync.common.fd_passing import send_fds
+from weightsync.common.logging import get_logger
 from weightsync.common.shm_queue import ShmQueue
 from weightsync.gpu_worker.device_faults import DeviceFault, classify
 from weightsync.gpu_worker.groups import GroupTable
@@ -48,7 +48,7 @@ from weightsync.gpu_worker.update_plan import PlanCache, derive_update_plan
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
-log = structlog.get_logger("weightsync.worker")
+log = get_logger("weightsync.worker")
 
 HEARTBEAT_SECONDS = 0.25
 

@@ -11,12 +11,11 @@ from dataclasses import dataclass
 
 import grpc
 import grpc.aio
-import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from weightsync.common.address import parse_address
-from weightsync.common.logging import log_loop_exception
+from weightsync.common.logging import get_logger, log_loop_exception
 from weightsync.server.config import ServerConfig
 from weightsync.server.credentials import Credentials
 from weightsync.server.interceptors import EdgeInterceptor
@@ -27,7 +26,7 @@ from weightsync.server.service import WeightSyncServicer
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
-log = structlog.get_logger("weightsync.server")
+log = get_logger("weightsync.server")
 
 
 def _configure_reflection(server: grpc.aio.Server) -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 
 import grpc
-import structlog
 
+from weightsync.common.logging import get_logger
 from weightsync.server.config import ServerConfig
 
-log = structlog.get_logger("weightsync.credentials")
+log = get_logger("weightsync.credentials")
 
 
 def _read(path: str) -> bytes:

@@ -36,13 +36,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-import structlog
-
+from weightsync.common.logging import get_logger
 from weightsync.server.credentials import Credentials
 from weightsync.server.engines import EngineRegistry
 from weightsync.server.publisher import Publisher
 
-log = structlog.get_logger("weightsync.engine_driver")
+log = get_logger("weightsync.engine_driver")
 
 POLL_SECONDS = 5.0
 """How often vLLM's version is checked between commits (a restarted vLLM is warm-started)."""

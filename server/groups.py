@@ -15,13 +15,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-import structlog
-
+from weightsync.common.logging import get_logger
 from weightsync.server.state import GroupRecord
 from weightsync.server.tasks import supervised
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-log = structlog.get_logger("weightsync.groups")
+log = get_logger("weightsync.groups")
 
 PROBE_INTERVAL_SECONDS = 2.0
 PROBE_TIMEOUT_SECONDS = 2.0

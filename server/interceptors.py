@@ -30,11 +30,12 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from weightsync.common.errors import Internal, InvalidArgument, Unauthenticated, WeightSyncError
+from weightsync.common.logging import get_logger
 from weightsync.server.errors import rich_status
 from weightsync.server.metrics import Metrics
 from weightsync.server.wire import UPDATE_WEIGHTS, parse_update_request
 
-log = structlog.get_logger("weightsync.rpc")
+log = get_logger("weightsync.rpc")
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 SERVICE_PREFIX = "/weightsync.v1."

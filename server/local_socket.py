@@ -31,8 +31,6 @@ import socket
 import stat
 from dataclasses import dataclass, field
 
-import structlog
-
 from weightsync.common.device_identity import WorkerDevice, is_cuda, pick_worker
 from weightsync.common.errors import (
     FailedPrecondition,
@@ -45,6 +43,7 @@ from weightsync.common.errors import (
 )
 from weightsync.common.fd_passing import peer_uid
 from weightsync.common.local_wire import LocalWireError, read_frame, write_frame
+from weightsync.common.logging import get_logger
 from weightsync.server.credentials import Credentials
 from weightsync.server.engines import EngineRegistry
 from weightsync.server.ingress import Ingress
@@ -55,7 +54,7 @@ from weightsync.v1 import local_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
-log = structlog.get_logger("weightsync.local")
+log = get_logger("weightsync.local")
 
 ENGINE_NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 DEFAULT_WAIT_SECONDS = 30.0

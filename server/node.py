@@ -17,10 +17,10 @@ from collections.abc import Callable
 from importlib.metadata import version
 from typing import TypeVar
 
-import structlog
 from grpc_health.v1 import health_pb2
 
 from weightsync.common.errors import FailedPrecondition, Unavailable
+from weightsync.common.logging import get_logger
 from weightsync.server.admission import MemoryAdmission
 from weightsync.server.config import ServerConfig
 from weightsync.server.credentials import Credentials
@@ -41,7 +41,7 @@ from weightsync.server.update_session import SessionServices, UpdateSession
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
-log = structlog.get_logger("weightsync.node")
+log = get_logger("weightsync.node")
 
 SERVICE_NAME = "weightsync.v1.WeightSyncService"
 SERVER_VERSION = version("weightsync")

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import structlog
 
 from weightsync.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from weightsync.common.logging import get_logger
 from weightsync.server.node import SERVICE_NAME, Node
 from weightsync.server.request_checks import (
     check_begin,
@@ -27,7 +28,7 @@ from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 from weightsync.worker.v1 import worker_pb2 as wpb
 
-log = structlog.get_logger("weightsync.service")
+log = get_logger("weightsync.service")
 
 JOIN_MARGIN_SECONDS = 2.0
 """Workers answer a join by its deadline (+1 s); this much more before the server gives up on them."""

@@ -24,10 +24,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import structlog
-
 from weightsync.common.errors import Unavailable, WeightSyncError, error_from_code
 from weightsync.common.fd_passing import recv_fds
+from weightsync.common.logging import get_logger
 from weightsync.common.shm_queue import OwnedQueue, QueueCorrupted
 from weightsync.gpu_worker.device_faults import EXIT_DEVICE_LOST
 from weightsync.server.ingress import Ingress
@@ -36,7 +35,7 @@ from weightsync.server.tasks import supervised
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
-log = structlog.get_logger("weightsync.supervisor")
+log = get_logger("weightsync.supervisor")
 
 STARTUP_TIMEOUT_SECONDS = 120.0
 STOP_TIMEOUT_SECONDS = 5.0

@@ -12,9 +12,9 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-import structlog
+from weightsync.common.logging import get_logger
 
-log = structlog.get_logger("weightsync.tasks")
+log = get_logger("weightsync.tasks")
 
 T = TypeVar("T")
 

@@ -24,10 +24,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-import structlog
-
 from weightsync.common.collective import tail_length
 from weightsync.common.errors import DeadlineExceeded, InvalidArgument, WeightSyncError
+from weightsync.common.logging import get_logger
 from weightsync.server.ingress import Ingress
 from weightsync.server.supervisor import Supervisor, WorkerHandle
 from weightsync.server.wire import ChunkView
@@ -35,7 +34,7 @@ from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
-log = structlog.get_logger("weightsync.update")
+log = get_logger("weightsync.update")
 
 KNOWN_CHECKSUMS = (tensor_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED, tensor_pb2.CHECKSUM_ALGORITHM_WS64)
 

@@ -21,7 +21,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import structlog
 from google.protobuf import duration_pb2
 
 from weightsync.common.errors import (
@@ -32,6 +31,7 @@ from weightsync.common.errors import (
     WeightSyncError,
     code_number,
 )
+from weightsync.common.logging import get_logger
 from weightsync.common.patches import is_patch
 from weightsync.server.admission import MemoryAdmission
 from weightsync.server.groups import GroupRegistry
@@ -56,7 +56,7 @@ from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
-log = structlog.get_logger("weightsync.update")
+log = get_logger("weightsync.update")
 
 BUCKET_MARGIN_SECONDS = 2.0
 """Slack on top of the group timeout for a worker to report a bucket (it reports a collective

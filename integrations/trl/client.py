@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import requests
-import structlog
 import torch
 from torch import nn
 
+from weightsync.common.logging import get_logger
 from weightsync.integrations.trl.versions import require_supported_trl
 
 require_supported_trl()  # before TRL is imported: another release fails here, saying what to install
@@ -40,7 +40,7 @@ from weightsync.integrations.trl.errors import WeightSyncTrlError  # noqa: E402
 from weightsync.integrations.trl.serving import find_engine, wait_serving  # noqa: E402
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 
-log = structlog.get_logger("weightsync.integrations.trl")
+log = get_logger("weightsync.integrations.trl")
 
 CONNECT_RETRY_SECONDS = 0.25
 Layout = tuple[tuple[str, tuple[int, ...]], ...]

@@ -94,8 +94,13 @@ def gaps_of(positions: torch.Tensor) -> torch.Tensor:
 
 # -- the trainer's side ------------------------------------------------------------------------
 def bits_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat integer view of a tensor's raw bits, so -0.0 differs from 0.0 and NaN payloads count."""
+    """A flat integer view of a tensor's raw bits, so -0.0 differs from 0.0 and NaN payloads count.
+
+    A view of the tensor's own memory when it is contiguous; a copy otherwise (a strided slice
+    such as big[::3] or big[:, ::2] cannot be viewed at another element width)."""
     flat = tensor.detach().reshape(-1)
+    if flat.numel() > 1 and flat.stride(0) != 1:
+        flat = flat.contiguous()
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
@@ -220,7 +225,9 @@ def _aligned(raw: torch.Tensor) -> torch.Tensor:
 
 
 def apply_patch(target: torch.Tensor, patch: DecodedPatch) -> None:
-    """Overwrite target's elements at the patch's positions (target: the tensor, any shape)."""
+    """Overwrite target's elements at the patch's positions (target: a contiguous tensor, any shape)."""
+    if not target.is_contiguous():
+        raise ValueError("a patch is applied to contiguous memory only")
     flat = bits_of(target)
     # scatter_ rather than index_copy_: the same writes, about twice as fast on CPU (bench --only delta)
     flat.scatter_(0, patch.positions.to(flat.device), patch.values.to(flat.device).view(flat.dtype))

@@ -179,3 +179,32 @@ def test_a_refused_push_keeps_nothing_stale(two_servers):
         client.push(current, version="v1", transport="inline", delta="auto")
         assert server_checksums(a) == [local_checksums(current)]
         assert a.stub().GetServerInfo(pb.GetServerInfoRequest()).current_version.version == "v1"
+
+
+STRIDED_VIEWS = {
+    "every_third": lambda big: big.view(-1)[::3],
+    "every_other_column": lambda big: big[:, ::2],
+    "expanded_row": lambda big: big[7:8].expand(64, 300),
+    "transposed": lambda big: big.t(),
+}
+
+
+@pytest.mark.parametrize("view", sorted(STRIDED_VIEWS))
+@pytest.mark.parametrize("delta", [True, "auto"])
+def test_strided_and_expanded_tensors_go_as_a_patch_or_dense(two_servers, view, delta):
+    """A model of views that cannot be read as 64-bit words in place (the SDK raised an untyped
+    RuntimeError on the second push, and on every later one)."""
+    a = two_servers[0]
+    make = STRIDED_VIEWS[view]
+    big = torch.randn(512, 300, generator=torch.Generator().manual_seed(3))
+    with WeightSyncClient(a.address, timeout=60) as client:
+        client.push({"w": make(big)}, version="v0", transport="inline", allow_new_tensors=True, delta=delta)
+        for step in range(1, 4):
+            big.view(-1)[torch.arange(step, big.numel(), 997)] += 1.0
+            current = {"w": make(big)}
+            result = client.push(current, version=f"v{step}", transport="inline", delta=delta)
+            assert result.bytes_sent <= result.dense_bytes
+            assert client.verify(current).ok
+            assert server_checksums(a) == [local_checksums({"w": current["w"].contiguous()})]
+        if delta is True and view != "expanded_row":
+            assert result.bytes_sent < 0.5 * result.dense_bytes  # a patch, not the dense fallback

@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 
 from weightsync.client.intra_op import one_intra_op_thread
+from weightsync.client.types import StoreGeneration
 from weightsync.common.checksum import ws64
 from weightsync.common.logging import get_logger
 from weightsync.common.patches import (
@@ -124,8 +125,8 @@ class DeltaBase:
         self.tensors: dict[str, torch.Tensor] = {}
         self.checksums: dict[str, int] = {}
         """WS64 of a kept tensor, once a patch of it needed it (kept across patches)."""
-        self.generations: dict[str, int] = {}
-        """Server address -> the generation it committed these tensors at."""
+        self.generations: dict[str, StoreGeneration] = {}
+        """Server address -> the generation (of its store epoch) it committed these tensors at."""
         self.layout: tuple = ()
         self._taking: ThreadCall[None] | None = None
 
@@ -223,7 +224,7 @@ class DeltaBase:
         self._taking = ThreadCall(lambda: self._take(named, choice, written), name="weightsync-delta-copy")
 
     def committed(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None,
-                  generations: dict[str, int]) -> None:
+                  generations: dict[str, StoreGeneration]) -> None:
         """Every server committed: the copy holds what they hold (taken now unless a background
         take of this push is under way) and claims their generations."""
         if self._taking is None:

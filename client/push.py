@@ -32,7 +32,7 @@ from weightsync.client.read_order import wants_checksum
 from weightsync.client.servers import Server
 from weightsync.client.sinks import Sink
 from weightsync.client.streams import UpdateStream, first_failure, update_failed
-from weightsync.client.types import PushProgress, ServerOutcome
+from weightsync.client.types import PushProgress, ServerOutcome, StoreGeneration
 from weightsync.common.checksum import tensor_checksum
 from weightsync.common.collective import CollectiveError
 from weightsync.common.logging import get_logger
@@ -78,7 +78,7 @@ class PushRun:
     progress: Callable[[PushProgress], None] | None
     bar: object | None
     started: float
-    base_generations: dict[str, int] = field(default_factory=dict)
+    bases: dict[str, StoreGeneration] = field(default_factory=dict)
     """Server address -> the committed generation this push's patches apply to (none: dense plan)."""
     plan_reused: bool = False
     zero_copy_buckets: int = 0
@@ -151,9 +151,11 @@ class PushRun:
         streams = []
         for server in self.servers:
             stream = UpdateStream(server.address, server.update_weights, self.metadata, self.rpc_timeout)
+            base = self.bases.get(server.address)
             begin = pb.BeginUpdate(group_id=self.group_id, version=self.version, mode=self.mode,
                                    transport=self.sink.transport, allow_new_tensors=self.allow_new_tensors,
-                                   base_generation=self.base_generations.get(server.address, 0))
+                                   base_generation=base.generation if base else 0,
+                                   base_store_epoch=base.store_epoch if base else 0)
             if by_id:
                 begin.plan_id = self.plan_id
             else:
@@ -235,7 +237,7 @@ class PushRun:
             ServerOutcome(
                 server=s.server, version=c.version.version, generation=c.version.generation,
                 size_bytes=c.size_bytes, seconds=c.duration.ToTimedelta().total_seconds(),
-                fast_path_buckets=s.ready.result().fast_path_bucket_count,
+                fast_path_buckets=s.ready.result().fast_path_bucket_count, store_epoch=c.version.store_epoch,
             )
             for s, c in zip(streams, results, strict=True)
         ]

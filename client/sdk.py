@@ -45,6 +45,7 @@ from weightsync.client.types import (
     PushProgress,
     PushResult,
     ServerOutcome,
+    StoreGeneration,
     TensorMismatch,
     TlsConfig,
     VerifyResult,
@@ -259,7 +260,7 @@ class WeightSyncClient:
                 break
             choice, delta_choice, targets = patched
             try:
-                runs.append((choice, *self._push_once(group, sink, choice, servers=targets, base_generations={
+                runs.append((choice, *self._push_once(group, sink, choice, servers=targets, bases={
                     s.address: self._delta.generations[s.address] for s in targets}, **common)))
                 break
             except UpdateFailed as error:
@@ -279,7 +280,7 @@ class WeightSyncClient:
             self._plans.committed(dense.cached, [s.address for s in rest])
         outcomes = [o for _, _, done in runs for o in done]
         if items is not None:
-            self._delta.committed(items, delta_choice, {o.server: o.generation for o in outcomes})
+            self._delta.committed(items, delta_choice, {o.server: o.committed for o in outcomes})
         return _committed(runs, outcomes, version, started, dense_bytes=_dense_bytes(items) if items else 0)
 
     def _patched_plan(self, items: list[tuple[str, torch.Tensor]], delta: Delta, *, collective: bool,
@@ -287,7 +288,7 @@ class WeightSyncClient:
                       ) -> tuple[PlanChoice, DeltaChoice, list[Server]] | None:
         """The patched plan, and the servers that hold this client's last commit; None: all dense.
         COLLECTIVE sends one plan to the whole group: patches only if every server can take them."""
-        targets = [s for s in self._servers.servers if self._delta.generations.get(s.address, 0) > 0]
+        targets = [s for s in self._servers.servers if s.address in self._delta.generations]
         if not targets or (collective and len(targets) != len(self._servers.servers)):
             return None
         if not self._delta.same_layout(items):
@@ -303,13 +304,13 @@ class WeightSyncClient:
         return plan, choice, targets
 
     def _push_once(self, group: TransferGroup | None, sink: Sink, choice: PlanChoice, *, servers: list[Server],
-                   show_progress: bool | None, base_generations: dict[str, int] | None = None,
+                   show_progress: bool | None, bases: dict[str, StoreGeneration] | None = None,
                    **common) -> tuple[PushRun, list[ServerOutcome]]:
         """One run of one plan to `servers`."""
         _prepare_buffers(sink, choice)
         bar = _progress_bar(choice.total_bytes, common["version"], show_progress)
         run = self._run_for(group, sink, choice, servers=servers, bar=bar, **common)
-        run.base_generations = base_generations or {}
+        run.bases = bases or {}
         try:
             outcomes = run.run()
         except BaseException as error:
@@ -417,7 +418,7 @@ class WeightSyncClient:
             if isinstance(answer, BaseException) or answer.store_state != pb.STORE_STATE_CONSISTENT:
                 continue
             if all({t.name: t.checksum.value for t in w.tensors} == local for w in answer.workers):
-                generations[server.address] = answer.version.generation
+                generations[server.address] = StoreGeneration(answer.version.store_epoch, answer.version.generation)
         self._delta.committed(items, None, generations)
         return sorted(generations)
 

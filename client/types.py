@@ -20,6 +20,15 @@ class TlsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StoreGeneration:
+    """A committed generation of one server's store: the generation counts within its store epoch
+    (a restarted server's store has a new epoch and counts again from 0)."""
+
+    store_epoch: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
 class ServerOutcome:
     """What one server reported for a push."""
 
@@ -29,6 +38,12 @@ class ServerOutcome:
     size_bytes: int
     seconds: float
     fast_path_buckets: int
+    store_epoch: int = 0
+    """The store the generation counts in (WeightVersion.store_epoch)."""
+
+    @property
+    def committed(self) -> StoreGeneration:
+        return StoreGeneration(self.store_epoch, self.generation)
 
 
 @dataclass(frozen=True, slots=True)

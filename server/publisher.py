@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 
 from weightsync.server.engines import EngineRegistry
-from weightsync.server.state import PublishedVersion, Watchers, aggregate_store_state
+from weightsync.server.state import PublishedVersion, Watchers, aggregate_store_state, new_store_epoch
 from weightsync.server.supervisor import Supervisor
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -17,7 +17,7 @@ class Publisher:
     def __init__(self, supervisor: Supervisor, engines: EngineRegistry) -> None:
         self._supervisor = supervisor
         self.engines = engines
-        self.version = PublishedVersion()
+        self.version = PublishedVersion(new_store_epoch())
         self.watchers = Watchers()
         self.mixed = False
         """A commit reached some workers but not all: they hold different weights."""
@@ -45,6 +45,7 @@ class Publisher:
 
     def publish_version(self, label: str) -> PublishedVersion:
         self.version = PublishedVersion(
+            store_epoch=self.version.store_epoch,
             version=label,
             generation=self.next_generation,
             commit_time=datetime.datetime.now(datetime.UTC),

@@ -16,7 +16,7 @@ from weightsync.common.plan_validation import PlanLimits, PlanSummary, validate_
 from weightsync.server.config import ServerConfig
 from weightsync.server.groups import GroupRegistry
 from weightsync.server.plan_cache import PlanCache
-from weightsync.server.state import GroupRecord
+from weightsync.server.state import GroupRecord, PublishedVersion
 from weightsync.server.supervisor import WorkerHandle
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -119,21 +119,34 @@ def require_full_update_of_empty_stores(workers: list[WorkerHandle], summary: Pl
             tensors=summary.tensor_count, expected=largest,
         )
 
-def require_base(begin: pb.BeginUpdate, summary: PlanSummary, generation: int, store_state: int) -> None:
-    """Patches apply to one committed generation: the one this store holds, whole, or none."""
+def require_base(begin: pb.BeginUpdate, summary: PlanSummary, version: PublishedVersion, store_state: int) -> None:
+    """Patches apply to one committed generation of one store: the one this server holds, whole, or none."""
     if summary.patch_count and begin.base_generation < 1:
         raise InvalidArgument("BASE_GENERATION_MISSING", f"the plan sends {summary.patch_count} tensors as patches "
                               "but names no base_generation (the committed generation they apply to)",
                               patched_tensors=summary.patch_count)
     if begin.base_generation < 0:
         raise InvalidArgument("BASE_GENERATION_MISSING", f"base_generation {begin.base_generation} is negative")
-    if begin.base_generation and (begin.base_generation != generation or store_state != pb.STORE_STATE_CONSISTENT):
+    if begin.base_generation and begin.base_store_epoch <= 0:
+        raise InvalidArgument("BASE_EPOCH_MISSING", "base_generation needs base_store_epoch (the store_epoch the "
+                              "base was committed in: WeightVersion.store_epoch)")
+    if begin.base_generation and begin.base_store_epoch != version.store_epoch:
         raise FailedPrecondition(
             "BASE_MISMATCH",
-            f"the update applies to generation {begin.base_generation}; this store holds generation {generation} "
-            f"({pb.StoreState.Name(store_state)}): send it dense",
-            base_generation=begin.base_generation, current_generation=generation,
-            store_state=pb.StoreState.Name(store_state),
+            f"the update applies to generation {begin.base_generation} of store epoch {begin.base_store_epoch}; this "
+            f"server's store has epoch {version.store_epoch} (it restarted since): send it dense",
+            base_generation=begin.base_generation, base_store_epoch=begin.base_store_epoch,
+            store_epoch=version.store_epoch, current_generation=version.generation,
+        )
+    if begin.base_generation and (begin.base_generation != version.generation
+                                  or store_state != pb.STORE_STATE_CONSISTENT):
+        raise FailedPrecondition(
+            "BASE_MISMATCH",
+            f"the update applies to generation {begin.base_generation}; this store holds generation "
+            f"{version.generation} ({pb.StoreState.Name(store_state)}): send it dense",
+            base_generation=begin.base_generation, current_generation=version.generation,
+            store_state=pb.StoreState.Name(store_state), base_store_epoch=begin.base_store_epoch,
+            store_epoch=version.store_epoch,
         )
 
 

@@ -143,7 +143,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         self.node.require_serving()
         require_full_update_of_empty_stores(self.node.supervisor.workers, summary)
         publisher = self.node.publisher
-        require_base(begin, summary, publisher.version.generation, publisher.store_state())
+        require_base(begin, summary, publisher.version, publisher.store_state())
         self.node.require_idle()
         async with self.node.update_lock:
             update_id = uuid.uuid4().hex[:16]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import secrets
 from dataclasses import dataclass, field
 
 from google.protobuf import duration_pb2, timestamp_pb2
@@ -46,16 +47,23 @@ class GroupRecord:
             self.broken_reason = reason
 
 
+def new_store_epoch() -> int:
+    """A store's epoch: positive, random, so two stores (a server before and after a restart) differ."""
+    return secrets.randbits(62) + 1
+
+
 @dataclass(slots=True)
 class PublishedVersion:
     """What was last committed on every worker."""
 
+    store_epoch: int
+    """The store this generation counts in (WeightVersion.store_epoch)."""
     version: str = ""
     generation: int = 0
     commit_time: datetime.datetime | None = None
 
     def to_proto(self) -> pb.WeightVersion:
-        message = pb.WeightVersion(version=self.version, generation=self.generation)
+        message = pb.WeightVersion(version=self.version, generation=self.generation, store_epoch=self.store_epoch)
         if self.commit_time is not None:
             stamp = timestamp_pb2.Timestamp()
             stamp.FromDatetime(self.commit_time)

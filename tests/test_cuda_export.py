@@ -155,7 +155,7 @@ def commit(worker: WorkerHandle) -> None:
 
 
 def handoff(supervisor: FakeSupervisor) -> LocalHandoff:
-    publisher = SimpleNamespace(version=PublishedVersion("v1", 1))
+    publisher = SimpleNamespace(version=PublishedVersion(7, "v1", 1))
     return LocalHandoff("/nonexistent.sock", supervisor=supervisor, publisher=publisher,  # type: ignore[arg-type]
                         leases=LeaseTable(), engines=EngineRegistry(), ingress=None,
                         credentials=SimpleNamespace(token=""), allowed_uids=(),  # type: ignore[arg-type]

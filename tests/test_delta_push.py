@@ -10,7 +10,7 @@ import torch
 from weightsync.client import UpdateFailed, WeightSyncClient
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-from helpers import local_checksums, server_checksums, start_server
+from helpers import error_reason, local_checksums, plan_buckets, server_checksums, start_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -208,3 +208,56 @@ def test_strided_and_expanded_tensors_go_as_a_patch_or_dense(two_servers, view, 
             assert server_checksums(a) == [local_checksums({"w": current["w"].contiguous()})]
         if delta is True and view != "expanded_row":
             assert result.bytes_sent < 0.5 * result.dense_bytes  # a patch, not the dense fallback
+
+
+@pytest.mark.parametrize("mode", ["staged", "in_place"])
+def test_a_base_from_before_a_server_restart_is_refused_before_any_byte_moves(tmp_path, mode):
+    """Generations count again in a restarted server's new store: generation 1 there is not the
+    generation 1 client A committed before. A's patch must be BASE_MISMATCH at Begin (the SDK then
+    sends it dense), not a checksum failure at commit that leaves an IN_PLACE store torn."""
+    (tmp_path / "c").mkdir()
+    first = start_server(tmp_path / "a", workers=1)
+    address = first.address
+    with WeightSyncClient(address, timeout=60) as a:
+        v0 = model(0)
+        a.push(v0, version="a0", transport="inline", allow_new_tensors=True, delta=True)
+        assert first.stop() == 0
+        second = start_server(tmp_path / "c", "--listen", address, workers=1)
+        try:
+            with WeightSyncClient(address, timeout=60) as b:
+                b.push(model(9), version="b0", transport="inline", allow_new_tensors=True)
+                assert b.server_info()[0].current_version.generation == 1  # the number A's base names
+            v1 = sparse_step(v0, seed=1)
+            result = a.push(v1, version="a1", transport="inline", mode=mode, delta=True)
+            assert result.bytes_sent >= result.dense_bytes  # refused as a base, sent dense
+            info = a.server_info()[0]
+            assert (info.store_state, info.current_version.version, info.current_version.generation) == (
+                pb.STORE_STATE_CONSISTENT, "a1", 2)
+            assert a.verify(v1).ok
+            v2 = sparse_step(v1, seed=2)
+            patched = a.push(v2, version="a2", transport="inline", mode=mode, delta=True)
+            assert patched.bytes_sent < 0.1 * patched.dense_bytes  # the new store is a base now
+            assert a.verify(v2).ok
+        finally:
+            assert second.stop() == 0, second.log()[-2000:]
+
+
+def test_a_base_without_its_store_epoch_is_refused(two_servers):
+    import grpc
+
+    from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
+
+    a = two_servers[0]
+    with WeightSyncClient(a.address, timeout=60) as client:
+        client.push(model(0), version="v0", transport="inline", allow_new_tensors=True)
+        generation = client.server_info()[0].current_version.generation
+    stub = pb_grpc.WeightSyncServiceStub(grpc.insecure_channel(a.address))
+    plan = plan_buckets([("norm", model(0)["norm"])], 1 << 20)
+    begin = pb.BeginUpdate(version="v1", mode=pb.UPDATE_MODE_STAGED, transport=pb.TRANSPORT_INLINE,
+                           base_generation=generation, plan=plan)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.UpdateWeights(iter([pb.UpdateWeightsRequest(begin=begin)]), timeout=30))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error_reason(refused.value) == "BASE_EPOCH_MISSING"
+    with WeightSyncClient(a.address, timeout=60) as client:
+        assert client.verify(model(0)).ok

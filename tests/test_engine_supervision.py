@@ -247,7 +247,7 @@ def test_the_driver_loop_survives_an_unexpected_error_and_stops_cleanly(monkeypa
 
     async def scenario() -> None:
         registry = EngineRegistry()
-        publisher = SimpleNamespace(watchers=Watchers(), version=PublishedVersion())
+        publisher = SimpleNamespace(watchers=Watchers(), version=PublishedVersion(7))
         driver = engine_driver.VllmHttpDriver("vllm-http", "http://127.0.0.1:9", publisher, registry, "/x.sock",
                                               SimpleNamespace(token="", reloads=0))
         driver.start()

@@ -96,14 +96,16 @@ ENGINE_STATE_FAILED: EngineState
 ENGINE_STATE_UNREACHABLE: EngineState
 
 class WeightVersion(_message.Message):
-    __slots__ = ("version", "generation", "commit_time")
+    __slots__ = ("version", "generation", "commit_time", "store_epoch")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TIME_FIELD_NUMBER: _ClassVar[int]
+    STORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     version: str
     generation: int
     commit_time: _timestamp_pb2.Timestamp
-    def __init__(self, version: _Optional[str] = ..., generation: _Optional[int] = ..., commit_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    store_epoch: int
+    def __init__(self, version: _Optional[str] = ..., generation: _Optional[int] = ..., commit_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., store_epoch: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("index", "device", "backend", "state", "store_state", "tensor_count", "store_bytes", "pid", "restart_count", "device_uuid")
@@ -258,7 +260,7 @@ class ListTransferGroupsResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[TransferGroup, _Mapping]]] = ...) -> None: ...
 
 class BeginUpdate(_message.Message):
-    __slots__ = ("group_id", "version", "plan", "plan_id", "mode", "transport", "allow_new_tensors", "base_generation")
+    __slots__ = ("group_id", "version", "plan", "plan_id", "mode", "transport", "allow_new_tensors", "base_generation", "base_store_epoch")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +269,7 @@ class BeginUpdate(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NEW_TENSORS_FIELD_NUMBER: _ClassVar[int]
     BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BASE_STORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     version: str
     plan: _tensor_pb2.WeightPlan
@@ -275,7 +278,8 @@ class BeginUpdate(_message.Message):
     transport: Transport
     allow_new_tensors: bool
     base_generation: int
-    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., plan_id: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., allow_new_tensors: _Optional[bool] = ..., base_generation: _Optional[int] = ...) -> None: ...
+    base_store_epoch: int
+    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., plan_id: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., allow_new_tensors: _Optional[bool] = ..., base_generation: _Optional[int] = ..., base_store_epoch: _Optional[int] = ...) -> None: ...
 
 class BucketStart(_message.Message):
     __slots__ = ("sequence", "checksum", "size_bytes", "tail")

@@ -6,7 +6,12 @@ from __future__ import annotations
 import datetime
 
 from weightsync.server.engines import EngineRegistry
-from weightsync.server.state import PublishedVersion, Watchers, aggregate_store_state, new_store_epoch
+from weightsync.server.state import (
+    PublishedVersion,
+    Watchers,
+    aggregate_store_state,
+    new_store_epoch,
+)
 from weightsync.server.supervisor import Supervisor
 from weightsync.v1 import weight_sync_service_pb2 as pb
 

@@ -338,7 +338,8 @@ class WeightStore:
             raise
         received = self.receive_buffer(sequence)
         covered = arm_tail(received, receive.tail)
-        self.mark_started(sequence)
+        if route.receive_into_segment is not None:
+            self.mark_started(sequence)  # the broadcast lands in the store itself
         try:
             broadcast(received)
         except BaseException:
@@ -374,8 +375,8 @@ class WeightStore:
             raise
         arrived = ingress[start : start + length]
         whole = offset == 0 and length == route.size_bytes
-        if offset == 0:
-            self.mark_started(sequence)
+        if offset == 0 and route.receive_into_segment is not None:
+            self.mark_started(sequence)  # pieces are copied into the store itself
         checked = receive.checksum.algorithm != tensor_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED or bool(route.checks)
         if whole and route.receive_into_segment is None and not checked:
             received = arrived  # nothing to verify: each tensor is copied straight from the ingress
@@ -399,17 +400,16 @@ class WeightStore:
         route = update.plan.routes[sequence]
         try:
             verify_bucket(sequence, route.checks, received, bucket_checksum)
+            taken = self._check_patches(sequence, route.patches, received)
         except Exception:
             update.phase = Phase.FAILED
             raise
+        # Every check passed: only now may a byte of this bucket reach the store (a refused bucket of
+        # the general path leaves an IN_PLACE store as it was, CONSISTENT).
+        self.mark_started(sequence)
         for offset, size, destination in update.copies[sequence]:
             destination.copy_(received[offset : offset + size])
-        if route.patches:
-            try:
-                self._take_patches(update, sequence, route.patches, received)
-            except Exception:
-                update.phase = Phase.FAILED
-                raise
+        self._take_patches(update, taken)
         synchronize_device(self.device)
         update.next_sequence += 1
         update.received_bytes += route.size_bytes
@@ -422,11 +422,10 @@ class WeightStore:
             value = self.tensor_checksums[name] = ws64(self.view(name))
         return value
 
-    def _take_patches(self, update: StoreUpdate, sequence: int, targets: tuple[PatchTarget, ...],
-                      received: torch.Tensor) -> None:
-        """Decode and verify every patch of a bucket against the live tensor: its WS64 once
-        patched must be the one the plan names (the end-to-end proof, in O(changed)). IN_PLACE
-        scatters them now; STAGED keeps them (a copy: the bucket's buffer is reused) for commit."""
+    def _check_patches(self, sequence: int, targets: tuple[PatchTarget, ...],
+                       received: torch.Tensor) -> list[tuple[str, DecodedPatch, int]]:
+        """Decode and verify every patch of a bucket against the live tensor, writing nothing: its
+        WS64 once patched must be the one the plan names (the end-to-end proof, in O(changed))."""
         taken = []
         for target in targets:
             live = self.view(target.name)
@@ -442,6 +441,11 @@ class WeightStore:
                     bucket=sequence, tensor=target.name,
                 )
             taken.append((target.name, patch, actual))
+        return taken
+
+    def _take_patches(self, update: StoreUpdate, taken: list[tuple[str, DecodedPatch, int]]) -> None:
+        """Checked patches: IN_PLACE scatters them now; STAGED keeps them (a copy: the bucket's
+        buffer is reused) for commit."""
         for name, patch, actual in taken:
             if update.plan.staged:
                 kept = DecodedPatch(patch.positions.clone(), patch.values.clone())

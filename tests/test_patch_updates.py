@@ -85,13 +85,16 @@ def padded(data: bytes) -> bytes:
 
 def send(server, buckets, version: str, *, mode=pb.UPDATE_MODE_STAGED, base_generation: int = 0,
          stop_after: int | None = None, allow_new: bool = False) -> grpc.RpcError | pb.UpdateCommitted:
+    """One update of these buckets; a base generation is named in the server's own store epoch."""
+    epoch = server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).current_version.store_epoch
     plan = tensor_pb2.WeightPlan()
     for spec, data in buckets:
         bucket = plan.buckets.add(size_bytes=len(padded(data)))
         bucket.tensors.add().CopyFrom(spec)
     stream = UpdateStream(server.stub())
     stream.send(begin=pb.BeginUpdate(version=version, plan=plan, mode=mode, transport=pb.TRANSPORT_INLINE,
-                                     base_generation=base_generation, allow_new_tensors=allow_new))
+                                     base_generation=base_generation, allow_new_tensors=allow_new,
+                                     base_store_epoch=epoch if base_generation else 0))
     try:
         assert stream.recv().WhichOneof("message") == "ready"
         for k, (_, data) in enumerate(buckets):
@@ -228,4 +231,21 @@ def test_an_aborted_in_place_patch_leaves_the_store_inconsistent_and_refuses_pat
     refused = send(node, buckets, "patch-on-dirty", base_generation=generation(node))
     assert error_info(refused).reason == "BASE_MISMATCH"  # half-written bytes are no base
     assert isinstance(send(node, dense_buckets(new), "repair"), pb.UpdateCommitted)
+    assert server_checksums(node) == [local_checksums(new)] * 2
+
+
+def test_an_in_place_patch_refused_on_arrival_writes_nothing_and_the_store_stays_consistent(node, base):
+    """The first bucket's patch fails its whole-tensor check when it arrives: no byte of it was written,
+    so the store is not torn (it was marked INCONSISTENT, and patches refused, until a dense push)."""
+    new = changed(base, seed=70)
+    buckets = patch_buckets(base, new, GAPS, checksum_of=lambda name, t: ws64(t) ^ 1)
+    before = generation(node)
+    result = send(node, buckets, "refused", mode=pb.UPDATE_MODE_IN_PLACE, base_generation=before)
+    assert (result.code(), error_info(result).reason) == (grpc.StatusCode.DATA_LOSS, "TENSOR_CHECKSUM_MISMATCH")
+    info = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert (info.store_state, info.current_version.generation) == (pb.STORE_STATE_CONSISTENT, before)
+    assert server_checksums(node) == [local_checksums(base)] * 2
+    # Still a base: the right patch, IN_PLACE, applies to it.
+    right = send(node, patch_buckets(base, new, GAPS), "right", mode=pb.UPDATE_MODE_IN_PLACE, base_generation=before)
+    assert isinstance(right, pb.UpdateCommitted), right
     assert server_checksums(node) == [local_checksums(new)] * 2

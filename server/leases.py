@@ -7,7 +7,10 @@ until released (or the engine's connection closes):
   - a STAGED update writes the shadows, which hold no committed generation but
     the previous one's bytes where the last commit swapped: it waits only for
     leases on an older generation;
-  - while an IN_PLACE update writes, no lease is granted.
+  - while an IN_PLACE update writes, no lease is granted;
+  - while a commit publishes (the store's new layout and its new version become the server's
+    view), no lease is granted: a lease pairs one version with that version's bytes, never the
+    old label with the new locations.
 Waits are bounded (--engine-lease-timeout); an engine copies for well under a
 second, so a wait that long means a stuck engine.
 """
@@ -15,8 +18,9 @@ second, so a wait that long means a stuck engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from weightsync.common.errors import Unavailable
@@ -44,13 +48,26 @@ class LeaseTable:
         self._changed = asyncio.Condition()
         self.writing_live = False
         """An update writes the live bytes (IN_PLACE, or a STAGED patch at commit): no new lease until it ends."""
+        self.publishing = False
+        """A commit is being published: no new lease until the new version and its layout are both in place."""
 
-    async def _wait(self, ready, timeout: float, reason: str, message: str) -> None:
+    async def _wait(self, ready: Callable[[], bool], timeout: float, reason: str, message: str) -> None:
+        """Return once `ready()` holds, checked in the caller's own task: nothing runs between that check
+        and the caller's next statement (asyncio.wait_for would run the check in another task and resume
+        the caller a loop iteration later, when a commit may have begun: a lease on the old label with the
+        new layout)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(ready), timeout)
-            except TimeoutError:
-                raise Unavailable(reason, message) from None
+            while not ready():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise Unavailable(reason, message)
+                try:
+                    async with asyncio.timeout(remaining):
+                        await self._changed.wait()
+                except TimeoutError:
+                    pass
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -59,8 +76,8 @@ class LeaseTable:
     async def grant(self, worker_index: int, version_now: Callable[[], PublishedVersion], owner: int,
                     timeout: float) -> Lease:
         """A lease on the current version (read after any IN_PLACE write finished)."""
-        await self._wait(lambda: not self.writing_live, timeout, "STORE_UPDATING",
-                         f"an IN_PLACE update kept writing the store for {timeout:g} s")
+        await self._wait(lambda: not self.writing_live and not self.publishing, timeout, "STORE_UPDATING",
+                         f"an update kept writing or publishing the store for {timeout:g} s")
         lease = Lease(next(self._ids), worker_index, version_now(), owner)
         self.leases[lease.lease_id] = lease
         return lease
@@ -90,6 +107,16 @@ class LeaseTable:
                          f"an engine kept reading the store for {timeout:g} s (its lease was not released)")
         if not staged:
             self.writing_live = True
+
+    @contextlib.asynccontextmanager
+    async def publishing_commit(self) -> AsyncIterator[None]:
+        """No lease is granted inside: the commit's answers change the layout before its version is published."""
+        self.publishing = True
+        try:
+            yield
+        finally:
+            self.publishing = False
+            await self._notify()
 
     async def write_done(self) -> None:
         if self.writing_live:

@@ -282,19 +282,20 @@ class UpdateSession:
             # committed version finish first, and none starts until the commit is done.
             await self.services.leases.before_write(staged=False, timeout=self.services.lease_timeout,
                                                     generation=self.services.publisher.version.generation)
-        committed = await supervisor.fan_out(self.services.command_timeout,
-                                             commit_update=wpb.CommitUpdateCommand(update_id=self.update_id))
-        failures = committed.errors
-        if failures:
-            if len(failures) < len(committed.answers):
-                self.services.publisher.mixed = True  # some workers hold the new weights, some the old
-            raise failures[0]
-        self.finished = True
-        generation = self.services.publisher.next_generation
-        names = [t.name for b in self.plan.buckets for t in b.tensors]
-        for worker in supervisor.workers:
-            worker.kept.mark_written(names, generation)  # before watchers hear of it: engines read what changed
-        version = self.services.publisher.publish_version(self.begin.version)
+        async with self.services.leases.publishing_commit():
+            committed = await supervisor.fan_out(self.services.command_timeout,
+                                                 commit_update=wpb.CommitUpdateCommand(update_id=self.update_id))
+            failures = committed.errors
+            if failures:
+                if len(failures) < len(committed.answers):
+                    self.services.publisher.mixed = True  # some workers hold the new weights, some the old
+                raise failures[0]
+            self.finished = True
+            generation = self.services.publisher.next_generation
+            names = [t.name for b in self.plan.buckets for t in b.tensors]
+            for worker in supervisor.workers:
+                worker.kept.mark_written(names, generation)  # before watchers hear of it: engines read what changed
+            version = self.services.publisher.publish_version(self.begin.version)
         seconds = time.monotonic() - self.started
         duration = duration_pb2.Duration()
         duration.FromNanoseconds(int(seconds * 1e9))

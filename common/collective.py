@@ -9,16 +9,14 @@ the buffers live on); the NCCL branch is kept next to the Gloo one so the two
 stay one small switch apart.
 
 NCCL groups are built so that weightsync's own timeouts decide what a failure
-costs:
-  - torch's watchdog runs in CleanUpOnly mode for our groups: it aborts the
-    communicator of a failed or timed-out broadcast but never terminates the
-    process (torch reads TORCH_NCCL_ASYNC_ERROR_HANDLING when a group is
-    constructed; workers set it for their whole process at start, the trainer
-    only while its own group is constructed);
+costs (nccl_env.py: no torch watchdog or heartbeat monitor for our groups):
+  - a broadcast is waited for by polling its completion against the group's
+    timeout; on the deadline the caller closes the group (abort, bounded), never
+    torch's work.wait(timeout), which aborts the communicator in the waiting thread;
   - the communicator is created non-blocking, so no thread blocks inside NCCL
     init: an abandoned group is aborted, half-built or not;
   - a group is closed (aborted and released) in a thread of its own with a
-    bounded join: ncclCommAbort and torch's watchdog join can hang.
+    bounded join: ncclCommAbort can hang.
 
 A broadcast also carries its framing: the trainer announces the bucket's last
 bytes (`bucket_tail`) so every receiver can tell a short broadcast from a full
@@ -27,13 +25,10 @@ one (see gpu_worker/bucket_checks.py).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import os
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,15 +48,8 @@ RENDEZVOUS_PREFIX = "weightsync/"
 BUCKET_TAIL_BYTES = 8
 """BucketStart.tail holds a bucket's last min(8, size) bytes."""
 
-NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-NCCL_CLEAN_UP_ONLY = "2"
-"""torch's ErrorHandlingMode CleanUpOnly: abort the communicators, never tear the process down
-(the default, 3 SkipCleanUp, std::terminates the process about 60 s after any timeout)."""
-NCCL_NONBLOCKING_TIMEOUT = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
-NCCL_WORKER_READY_SECONDS = 120
-"""Workers: how long a non-blocking communicator may take to become ready at its first use
-(torch reads it once per process; its default is 30 minutes)."""
-NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
+NCCL_POLL_SECONDS = (0.0001, 0.001)
+"""Polling a broadcast's completion: first this often, then (after a millisecond) this often."""
 CLOSE_JOIN_SECONDS = 10.0
 """How long closing a group may hold its caller; the abort goes on in its thread after that."""
 
@@ -95,70 +83,6 @@ def run_bounded(fn: Callable[[], None], timeout: float, name: str) -> bool:
     except Exception as error:  # noqa: BLE001 - a failed teardown is logged, never raised
         log.warning("bounded_call_failed", call=name, error=f"{type(error).__name__}: {error}")
     return True
-
-
-# -- NCCL settings that torch and NCCL read from the environment ------------------------------
-def worker_nccl_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """What a worker process sets in its own environment at start, before it builds any group.
-
-    The error-handling mode is forced (an inherited 3 would let torch kill the worker
-    after any broadcast timeout); the readiness bound is the operator's if set."""
-    settings = {NCCL_ERROR_HANDLING: NCCL_CLEAN_UP_ONLY}
-    if not environ.get(NCCL_NONBLOCKING_TIMEOUT):
-        settings[NCCL_NONBLOCKING_TIMEOUT] = str(NCCL_WORKER_READY_SECONDS)
-    return settings
-
-
-_environment_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def group_construction_environment(environ: MutableMapping[str, str] | None = None) -> Iterator[None]:
-    """CleanUpOnly for the ProcessGroupNCCL constructed inside, and only for it.
-
-    torch reads TORCH_NCCL_ASYNC_ERROR_HANDLING in the group's constructor, so the
-    value is set around the constructor and put back as it was (absent stays absent):
-    the trainer's own process groups, built before or after, keep their mode. In a
-    worker the value is already there and nothing is written."""
-    env = os.environ if environ is None else environ
-    with _environment_lock:
-        before = env.get(NCCL_ERROR_HANDLING)
-        if before != NCCL_CLEAN_UP_ONLY:
-            env[NCCL_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
-        try:
-            yield
-        finally:
-            if before is None:
-                env.pop(NCCL_ERROR_HANDLING, None)
-            elif before != NCCL_CLEAN_UP_ONLY:
-                env[NCCL_ERROR_HANDLING] = before
-
-
-def nccl_ifname_setting(current: str | None, interface: str | None) -> str | None:
-    """The NCCL_SOCKET_IFNAME to set, or None to leave the environment alone.
-
-    NCCL reads the variable once per process, at its first communicator: a value
-    already there (the operator's, or pinned for an earlier group) stays. A bare
-    name is a prefix match (eth1 also matches eth10); "=" makes it exact."""
-    if current or not interface:
-        return None
-    return f"={interface}"
-
-
-def pin_nccl_interface(local_address: str, environ: MutableMapping[str, str] | None = None) -> str | None:
-    """Pin NCCL to the interface that holds local_address, once per process.
-
-    Call it from the thread that starts the joins, before any NCCL group exists
-    (not from a join thread: setenv races getenv in other threads). Returns the
-    value NCCL will use (None: NCCL picks an interface itself)."""
-    env = os.environ if environ is None else environ
-    with _environment_lock:
-        current = env.get(NCCL_SOCKET_IFNAME)
-        setting = nccl_ifname_setting(current, interface_of(local_address))
-        if setting is not None:
-            env[NCCL_SOCKET_IFNAME] = setting
-            return setting
-        return current
 
 
 class CollectiveError(RuntimeError):
@@ -243,13 +167,34 @@ class CollectiveGroup:
             raise CollectiveError(str(error), timed_out=_looks_like_timeout(error)) from error
 
     def wait(self, work: dist.Work) -> None:
-        """Complete a broadcast; raises CollectiveError on failure or timeout."""
+        """Complete a broadcast; raises CollectiveError on failure or timeout (the group is then
+        unusable: the caller closes it)."""
         try:
-            work.wait(self.timeout)
+            if self.backend == pb.BACKEND_NCCL:
+                self._wait_polling(work)
+            else:
+                work.wait(self.timeout)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
+        except CollectiveError:
+            raise
         except RuntimeError as error:
             raise CollectiveError(str(error), timed_out=_looks_like_timeout(error)) from error
+
+    def _wait_polling(self, work: dist.Work) -> None:
+        """NCCL: wait for completion against the group's timeout without torch's timed wait, which
+        aborts the communicator in this thread on expiry (ncclCommAbort can hang: close() bounds it)."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        fast_until = time.monotonic() + 0.001
+        while not work.is_completed():
+            now = time.monotonic()
+            if now > deadline:
+                raise CollectiveError(f"group {self.group_id}: broadcast not complete after "
+                                      f"{self.timeout.total_seconds():g} s", timed_out=True)
+            time.sleep(NCCL_POLL_SECONDS[0] if now < fast_until else NCCL_POLL_SECONDS[1])
+        # Completed: raises a failure the communicator reported (aborting an already failed one does not
+        # wait on a peer), and orders this thread's current stream after the broadcast.
+        work.wait()
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.wait(self.broadcast_async(tensor))
@@ -305,11 +250,10 @@ def open_group(
         elif backend == pb.BACKEND_NCCL:
             from torch._C._distributed_c10d import ProcessGroupNCCL  # only in CUDA builds
 
-            # The interface NCCL binds is pinned by the caller before the join thread
-            # started (pin_nccl_interface): NCCL reads it once per process.
+            # The environment our group is built with (nccl_env.py) was set by the caller, from the
+            # thread that started this one: the trainer around its rendezvous, a worker at start.
             options = nccl_options(ProcessGroupNCCL.Options(), timeout)
-            with group_construction_environment():
-                pg = ProcessGroupNCCL(prefixed, rank, world_size, options)
+            pg = ProcessGroupNCCL(prefixed, rank, world_size, options)
             # Connect now, so the unique-id exchange (bounded by the store's timeout) happens
             # here on every rank. Non-blocking: NCCL's own init does not hold this thread,
             # and closing the group aborts a communicator still initializing.

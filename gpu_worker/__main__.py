@@ -60,12 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     events = AttachedQueue(evt_seg, evt_bell)
     import torch
 
-    from weightsync.common.collective import worker_nccl_environment
+    from weightsync.common.nccl_env import worker_environment
     from weightsync.gpu_worker.device_faults import DeviceFault, classify
 
-    # NCCL groups of this process: torch's watchdog may abort a failed communicator but
-    # never terminate the process. Set once, here, before any thread or group exists.
-    os.environ.update(worker_nccl_environment(os.environ))
+    # NCCL groups of this process: no torch watchdog or monitor, our timeouts decide (nccl_env.py).
+    # Set once, here, before any thread or group exists.
+    os.environ.update(worker_environment(os.environ))
     # One intra-op thread: copies and checksums are memory-bound, and OpenMP
     # barriers stall when the host's cores are busy with the broadcast.
     torch.set_num_threads(1)

@@ -24,12 +24,13 @@ from weightsync.common.collective import (
     CollectiveGroup,
     RendezvousTimeout,
     connect_store,
+    interface_of,
     local_address_towards,
     open_group,
-    pin_nccl_interface,
 )
 from weightsync.common.errors import Aborted, AlreadyExists, DeadlineExceeded, NotFound
 from weightsync.common.logging import get_logger
+from weightsync.common.nccl_env import pin_worker_interface
 from weightsync.common.threads import CallAbandoned, ThreadCall
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
@@ -76,7 +77,7 @@ class GroupTable:
         started = time.monotonic()
         if join.backend == pb.BACKEND_NCCL:
             # From this (the loop's) thread, before any join thread exists: NCCL reads it once.
-            pin_nccl_interface(local_address_towards(join.store_host, join.store_port))
+            pin_worker_interface(interface_of(local_address_towards(join.store_host, join.store_port)))
         call = ThreadCall(functools.partial(_open, join, self.device), name=f"join-{join.group_id}",
                           discard=_close_abandoned)
         try:

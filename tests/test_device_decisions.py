@@ -18,20 +18,16 @@ import torch
 from torch.distributed import TCPStore
 
 import weightsync.gpu_worker.store as store_module
+from weightsync.client import rendezvous as rendezvous_module
 from weightsync.client.planning import build_plan, plan_proto
+from weightsync.common import nccl_env
 from weightsync.common.collective import (
-    NCCL_CLEAN_UP_ONLY,
-    NCCL_ERROR_HANDLING,
-    NCCL_NONBLOCKING_TIMEOUT,
+    CollectiveError,
     CollectiveGroup,
     bucket_tail,
-    group_construction_environment,
-    nccl_ifname_setting,
     nccl_options,
     open_group,
-    pin_nccl_interface,
     tail_length,
-    worker_nccl_environment,
 )
 from weightsync.common.plan_id import plan_id_of
 from weightsync.common.shm_queue import OwnedQueue
@@ -52,25 +48,91 @@ from weightsync.worker.v1 import worker_pb2 as wpb
 pytestmark = pytest.mark.timeout(120)
 
 
-# -- torch's watchdog must not kill the process: CleanUpOnly for our groups only ----------------------
-def test_a_worker_forces_clean_up_only_and_bounds_readiness_unless_the_operator_did():
-    assert worker_nccl_environment({}) == {NCCL_ERROR_HANDLING: "2", NCCL_NONBLOCKING_TIMEOUT: "120"}
-    inherited = {NCCL_ERROR_HANDLING: "3", NCCL_NONBLOCKING_TIMEOUT: "45"}  # 3 would terminate the worker
-    assert worker_nccl_environment(inherited) == {NCCL_ERROR_HANDLING: "2"}
+# -- torch's watchdog and monitor never see our groups; our waits decide ----------------------------------
+OURS = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        "TORCH_NCCL_ENABLE_MONITORING": "0"}
 
 
-@pytest.mark.parametrize("before", [None, "3", "0", NCCL_CLEAN_UP_ONLY])
-def test_the_trainers_groups_keep_their_own_error_handling(before):
-    """CleanUpOnly while our group is constructed; afterwards exactly what the trainer had."""
-    env = {} if before is None else {NCCL_ERROR_HANDLING: before}
-    seen = []
-    with group_construction_environment(env):
-        seen.append(env.get(NCCL_ERROR_HANDLING))  # what ProcessGroupNCCL's constructor reads
-    assert seen == [NCCL_CLEAN_UP_ONLY]
-    assert env == ({} if before is None else {NCCL_ERROR_HANDLING: before})
-    with pytest.raises(RuntimeError), group_construction_environment(env):
+def test_a_worker_builds_its_groups_without_watchdog_and_bounds_readiness_unless_the_operator_did():
+    assert nccl_env.worker_environment({}) == {**OURS, "TORCH_NCCL_NONBLOCKING_TIMEOUT": "120"}
+    inherited = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_NONBLOCKING_TIMEOUT": "45"}
+    assert nccl_env.worker_environment(inherited) == OURS  # 3 would terminate the worker; 45 is the operator's
+
+
+@pytest.mark.parametrize("before", [{}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_BLOCKING_WAIT": "0"},
+                                    {"NCCL_SOCKET_IFNAME": "ib0", "TORCH_NCCL_NONBLOCKING_TIMEOUT": "45"}])
+def test_the_trainers_own_groups_keep_their_settings(before):
+    """Ours while our group is built; afterwards exactly what the trainer had, but the once-per-process
+    readiness bound (it affects only non-blocking communicators, which torch makes only when asked)."""
+    env = dict(before)
+    with nccl_env.trainer_group_environment("lo", env):
+        seen = dict(env)  # what ProcessGroupNCCL's constructor reads
+    assert {k: seen[k] for k in OURS} == OURS
+    assert seen["NCCL_SOCKET_IFNAME"] == before.get("NCCL_SOCKET_IFNAME", "=lo")  # an operator's value stays
+    assert env == {**before, "TORCH_NCCL_NONBLOCKING_TIMEOUT": before.get("TORCH_NCCL_NONBLOCKING_TIMEOUT", "120")}
+    with pytest.raises(RuntimeError), nccl_env.trainer_group_environment("lo", env):
         raise RuntimeError("the constructor failed")
-    assert env == ({} if before is None else {NCCL_ERROR_HANDLING: before})
+    assert env == {**before, "TORCH_NCCL_NONBLOCKING_TIMEOUT": before.get("TORCH_NCCL_NONBLOCKING_TIMEOUT", "120")}
+
+
+def test_the_rendezvous_sets_the_environment_from_the_callers_thread_and_restores_it(monkeypatch):
+    """The group is built in the rendezvous thread with our settings; setenv happens only in the caller's."""
+    for key in (*OURS, "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")  # the trainer's own choice for its groups
+    writers: list[str] = []
+    real_setitem = type(os.environ).__setitem__
+
+    def recording_setitem(environ, key, value):
+        writers.append(threading.current_thread().name)
+        real_setitem(environ, key, value)
+
+    seen: dict[str, str | None] = {}
+
+    def fake_open_group(**kwargs):
+        seen.update({k: os.environ.get(k) for k in (*OURS, "NCCL_SOCKET_IFNAME")})
+        seen["thread"] = threading.current_thread().name
+        raise RuntimeError("no NCCL in this build")
+
+    monkeypatch.setattr(type(os.environ), "__setitem__", recording_setitem)
+    monkeypatch.setattr(rendezvous_module, "open_group", fake_open_group)
+    call = rendezvous_module.Rendezvous(group_id="g", backend=pb.BACKEND_NCCL, store=None, world_size=2,
+                                        timeout=datetime.timedelta(seconds=5), device=torch.device("cpu"),
+                                        local_address="127.0.0.1")
+    with pytest.raises(RuntimeError, match="no NCCL"):
+        call.result(10)
+    assert seen["thread"] == "rendezvous-g" and {k: seen[k] for k in OURS} == OURS
+    assert seen["NCCL_SOCKET_IFNAME"] == "=lo"
+    assert set(writers) == {threading.current_thread().name}  # never from the rendezvous thread
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0" and "NCCL_SOCKET_IFNAME" not in os.environ
+
+
+class PolledWork:
+    """An NCCL work as CollectiveGroup.wait sees it: completes after `polls` polls, or never."""
+
+    def __init__(self, polls: int | None) -> None:
+        self.polls, self.seen, self.waits = polls, 0, []
+
+    def is_completed(self) -> bool:
+        self.seen += 1
+        return self.polls is not None and self.seen > self.polls
+
+    def wait(self, *args) -> bool:
+        self.waits.append(args)
+        return True
+
+
+def test_an_nccl_broadcast_is_waited_for_by_polling_and_never_by_torchs_timed_wait():
+    """torch's wait(timeout) aborts the communicator in the waiting thread on expiry (ncclCommAbort can hang);
+    ours polls against the group's deadline and leaves the abort to the bounded close."""
+    group = CollectiveGroup("g", pb.BACKEND_NCCL, 1, 2, datetime.timedelta(seconds=0.3), torch.device("cpu"), None)
+    done = PolledWork(polls=5)
+    group.wait(done)
+    assert done.waits == [()]  # completed: an untimed wait only orders the stream
+    stuck = PolledWork(polls=None)
+    with pytest.raises(CollectiveError) as caught:
+        group.wait(stuck)
+    assert caught.value.timed_out and stuck.waits == [] and stuck.seen > 10
 
 
 def test_nccl_groups_use_a_non_blocking_communicator_with_the_group_timeout():
@@ -86,16 +148,15 @@ def test_nccl_groups_use_a_non_blocking_communicator_with_the_group_timeout():
     assert (options._timeout, options.config.blocking) == (timeout, 0)
 
 
-# -- NCCL_SOCKET_IFNAME: once per process, from the caller's thread, an exact match ---------------------------
+# -- NCCL_SOCKET_IFNAME: an exact match, the operator's value never replaced -----------------------------------
 def test_the_nccl_interface_is_an_exact_match_and_set_once():
-    assert nccl_ifname_setting(None, "eth1") == "=eth1"  # "eth1" alone would also match eth10
-    assert nccl_ifname_setting("=eth0", "eth1") is None  # NCCL read the first one already
-    assert nccl_ifname_setting("ib", "eth1") is None  # the operator's choice
-    assert nccl_ifname_setting(None, None) is None  # no interface holds the address: NCCL picks
+    assert nccl_env.ifname_setting(None, "eth1") == "=eth1"  # "eth1" alone would also match eth10
+    assert nccl_env.ifname_setting("=eth0", "eth1") is None  # NCCL read the first one already
+    assert nccl_env.ifname_setting("ib", "eth1") is None  # the operator's choice
+    assert nccl_env.ifname_setting(None, None) is None  # no interface holds the address: NCCL picks
     env: dict[str, str] = {}
-    assert pin_nccl_interface("127.0.0.1", env) == "=lo" and env == {"NCCL_SOCKET_IFNAME": "=lo"}
-    assert pin_nccl_interface("127.0.0.1", env) == "=lo"
-    assert pin_nccl_interface("192.0.2.77", {}) is None  # TEST-NET: no local interface
+    assert nccl_env.pin_worker_interface("lo", env) == "=lo" and env == {"NCCL_SOCKET_IFNAME": "=lo"}
+    assert nccl_env.pin_worker_interface("eth0", env) == "=lo"
 
 
 # -- closing a group never holds its caller longer than the bound ------------------------------------------------

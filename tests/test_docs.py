@@ -66,6 +66,9 @@ NOT_REASONS = {
     "NCCL_SOCKET_IFNAME",  # an environment variable NCCL reads
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",  # environment variables torch's NCCL groups read
     "TORCH_NCCL_NONBLOCKING_TIMEOUT",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_NCCL_ENABLE_MONITORING",
     "SERVICE_NAME",  # a Python name in __all__
 }
 

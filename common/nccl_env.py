@@ -1,0 +1,113 @@
+"""What weightsync sets in the environment for the NCCL groups it creates, and only for those.
+
+torch's ProcessGroupNCCL reads most TORCH_NCCL_* variables in each group's constructor, so a
+value present while the constructor runs applies to that group alone. Ours get:
+
+  TORCH_NCCL_BLOCKING_WAIT=1         no watchdog thread and no heartbeat monitor for the group.
+                                     Without this, any failed or timed-out collective of the group
+                                     sets a process-wide dump flag that the process's *first* NCCL
+                                     group's monitor (the trainer's, or vLLM's) answers by killing
+                                     the process ~8 minutes later, and our own watchdog aborts the
+                                     process 60 s after a timeout unless told otherwise. weightsync's
+                                     own waits (CollectiveGroup.wait) decide instead.
+  TORCH_NCCL_ASYNC_ERROR_HANDLING=0  belt and braces: no teardown from torch's side.
+  TORCH_NCCL_DUMP_ON_TIMEOUT=0,      the monitor settings, for the case our group is the process's
+  TORCH_NCCL_ENABLE_MONITORING=0     first (they are read only on that one).
+
+Two settings are read once per process, not per group, so they cannot be scoped:
+  TORCH_NCCL_NONBLOCKING_TIMEOUT     bounds the spin on a non-blocking communicator (ours are): set
+                                     when absent, and left set (it affects only non-blocking
+                                     communicators, which torch creates only when asked to).
+  NCCL_SOCKET_IFNAME                 NCCL reads it at the process's first communicator and keeps it:
+                                     set (as an exact match) only while our group is built, and only
+                                     when nobody set it. If that group is the process's first NCCL
+                                     communicator, the process's later communicators keep its
+                                     interface: a trainer with NCCL groups of its own should create
+                                     them first, or set NCCL_SOCKET_IFNAME itself.
+
+A trainer sets these from the thread that starts the rendezvous, before the rendezvous thread
+exists, and restores them there once the rendezvous ended (setenv from one thread while others may
+read is the risk; never from the rendezvous thread). A worker process sets them once, at start,
+for its whole life: it builds no other groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping, MutableMapping
+
+BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
+ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+ENABLE_MONITORING = "TORCH_NCCL_ENABLE_MONITORING"
+NONBLOCKING_TIMEOUT = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
+
+OUR_GROUPS = {BLOCKING_WAIT: "1", ERROR_HANDLING: "0", DUMP_ON_TIMEOUT: "0", ENABLE_MONITORING: "0"}
+"""Read in each ProcessGroupNCCL's constructor: set while ours is built."""
+NONBLOCKING_TIMEOUT_SECONDS = 120
+"""How long a non-blocking communicator may take to become ready at its first use (torch: 30 min)."""
+
+_lock = threading.Lock()
+
+
+def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a worker process sets at start, before any group exists (its groups are all ours)."""
+    settings = dict(OUR_GROUPS)
+    if not environ.get(NONBLOCKING_TIMEOUT):
+        settings[NONBLOCKING_TIMEOUT] = str(NONBLOCKING_TIMEOUT_SECONDS)
+    return settings
+
+
+def ifname_setting(current: str | None, interface: str | None) -> str | None:
+    """The NCCL_SOCKET_IFNAME to set, or None to leave the environment alone: a value already
+    there is the operator's (or NCCL read it already); a bare name is a prefix match (eth1 also
+    matches eth10), "=" makes it exact."""
+    if current or not interface:
+        return None
+    return f"={interface}"
+
+
+@contextlib.contextmanager
+def trainer_group_environment(interface: str | None,
+                              environ: MutableMapping[str, str] | None = None) -> Iterator[dict[str, str]]:
+    """Our group's settings while it is built (see the module docstring); afterwards every variable
+    is what it was (absent stays absent), but TORCH_NCCL_NONBLOCKING_TIMEOUT. Yields what was set."""
+    import os
+
+    env = os.environ if environ is None else environ
+    settings = dict(OUR_GROUPS)
+    ifname = ifname_setting(env.get(SOCKET_IFNAME), interface)
+    if ifname is not None:
+        settings[SOCKET_IFNAME] = ifname
+    with _lock:
+        if not env.get(NONBLOCKING_TIMEOUT):
+            env[NONBLOCKING_TIMEOUT] = str(NONBLOCKING_TIMEOUT_SECONDS)
+        before = {key: env.get(key) for key in settings}
+        env.update(settings)
+    try:
+        yield settings
+    finally:
+        with _lock:
+            for key, value in before.items():
+                if value is None:
+                    env.pop(key, None)
+                else:
+                    env[key] = value
+
+
+def pin_worker_interface(interface: str | None, environ: MutableMapping[str, str] | None = None) -> str | None:
+    """A worker: pin NCCL to the interface that routes to the trainer, for the process (NCCL reads it
+    at the first communicator; a worker builds no others). From the command loop's thread, before any
+    join thread exists. Returns the value NCCL will use (None: NCCL picks)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    with _lock:
+        current = env.get(SOCKET_IFNAME)
+        setting = ifname_setting(current, interface)
+        if setting is None:
+            return current
+        env[SOCKET_IFNAME] = setting
+        return setting

@@ -38,7 +38,7 @@ from weightsync.client.packing import PackBuffers, is_zero_copy
 from weightsync.client.plan_cache import PlanCache
 from weightsync.client.plan_choice import PlanChoice, choose_plan, patched_plan
 from weightsync.client.planning import DEFAULT_ZERO_COPY_MIN_BYTES, check_tensors
-from weightsync.client.push import PushRun
+from weightsync.client.push import UNSETTLED_RETRY_SECONDS, PushRun
 from weightsync.client.servers import Server, ServerSet
 from weightsync.client.sinks import CollectiveSink, InlineSink, ShmSink, Sink
 from weightsync.client.types import (
@@ -52,6 +52,7 @@ from weightsync.client.types import (
 )
 from weightsync.common.address import parse_address
 from weightsync.common.checksum import ws64
+from weightsync.common.collective import CollectiveError
 from weightsync.common.layout import DEFAULT_BUCKET_BYTES
 from weightsync.common.limits import DEFAULT_MAX_MESSAGE_BYTES
 from weightsync.common.logging import get_logger
@@ -314,8 +315,11 @@ class WeightSyncClient:
         try:
             outcomes = run.run()
         except BaseException as error:
-            if group is not None and getattr(error, "reason", "") in ("COLLECTIVE_TIMEOUT", "COLLECTIVE_FAILED"):
+            if group is not None and (getattr(sink, "broken", False) or _broke_the_group(error)):
+                # Unusable now, on every rank: abort its communicator at once (bounded), so nothing of it is
+                # left for torch to act on later (NCCL's watchdog and monitor: common/nccl_env.py).
                 group.broken = True
+                group.collective.close()
             if getattr(error, "reason", "") != "BASE_MISMATCH":
                 self._delta.forget()  # whatever the servers hold now, the next push re-establishes it densely
             raise
@@ -424,19 +428,35 @@ class WeightSyncClient:
 
     async def _fetch_checksums(self, server: Server, request: pb.GetTensorChecksumsRequest):
         """Every worker's checksums of the named tensors; a name a server lacks is left out."""
-        timeout = max(self._servers.timeout, 300)
         try:
-            return await self._servers.unary(server, "GetTensorChecksums", request, timeout)
+            return await self._settled_checksums(server, request)
         except WeightSyncRpcError as error:
             if error.reason != "TENSOR_NOT_FOUND":
                 raise
-        answer = await self._servers.unary(server, "GetTensorChecksums", pb.GetTensorChecksumsRequest(), timeout)
+        answer = await self._settled_checksums(server, pb.GetTensorChecksumsRequest())
         wanted = set(request.names)
         for worker in answer.workers:
             kept = [t for t in worker.tensors if t.name in wanted]
             del worker.tensors[:]
             worker.tensors.extend(kept)
         return answer
+
+    async def _settled_checksums(self, server: Server, request: pb.GetTensorChecksumsRequest):
+        """GetTensorChecksums; a server a push of ours gave up on (Server.unsettled) may still be
+        aborting that update when it answers again (STORE_UPDATING): that is waited out, within the
+        client's timeout, rather than refusing the caller's next call for our own failure."""
+        timeout = max(self._servers.timeout, 300)
+        deadline = time.monotonic() + self._servers.timeout
+        while True:
+            try:
+                answer = await self._servers.unary(server, "GetTensorChecksums", request, timeout)
+            except WeightSyncRpcError as error:
+                if error.reason != "STORE_UPDATING" or not server.unsettled or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(UNSETTLED_RETRY_SECONDS)
+                continue
+            server.unsettled = False  # it answered a read with no update running: nothing of ours is left there
+            return answer
 
     # -- lifecycle ------------------------------------------------------------------
     @_serialized
@@ -465,6 +485,12 @@ class WeightSyncClient:
             if kind is None:
                 raise
             log.warning("close_failed", error=str(error))  # the error already in flight matters more
+
+
+def _broke_the_group(error: BaseException) -> bool:
+    """Whether a failed push broke its transfer group (a broadcast failed or timed out, on any rank)."""
+    return getattr(error, "reason", "") in ("COLLECTIVE_TIMEOUT", "COLLECTIVE_FAILED") or isinstance(
+        getattr(error, "cause", None), CollectiveError)
 
 
 def _prepare_buffers(sink: Sink, choice: PlanChoice) -> None:

@@ -73,6 +73,8 @@ class CollectiveSink:
         self.buffers = buffers
         self._in_flight: dist.Work | None = None
         """The previous bucket's broadcast, still on the wire."""
+        self.broken = False
+        """A broadcast of ours failed or timed out: the group is unusable on every rank."""
 
     def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
         # Buffer k % 2: bucket k-2 used it, and its broadcast completed before k-1's began.
@@ -88,7 +90,11 @@ class CollectiveSink:
         # Announce first: workers join only announced broadcasts, at the announced length. The
         # tail lets them tell a short broadcast from a full one; read() waited for the pack copies.
         announce(self._loop, streams, index, payload.size, checksum, bucket_tail(data))
-        self._in_flight = self._collective.broadcast_async(data)
+        try:
+            self._in_flight = self._collective.broadcast_async(data)
+        except CollectiveError:
+            self.broken = True
+            raise
         return None
 
     def finish(self) -> BaseException | None:
@@ -99,6 +105,7 @@ class CollectiveSink:
             self._collective.wait(work)
             return None
         except CollectiveError as error:
+            self.broken = True
             return error
 
 

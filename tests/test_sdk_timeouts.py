@@ -106,7 +106,9 @@ def test_inline_push_to_a_sigstopped_server_fails_typed_and_the_next_push_commit
             # Still stopped: a query and a new push are bounded too, and name the server.
             query = bounded(client.server_info, BOUND)
             assert isinstance(query, WeightSyncRpcError), repr(query)
-            assert (query.server, query.code) == (node.address, grpc.StatusCode.DEADLINE_EXCEEDED)
+            # Its deadline, or the keepalive that closed the dead connection first: bounded and named either way.
+            assert query.server == node.address
+            assert query.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE), query
             refused = bounded(lambda: client.push(model(3), version="while-stopped", transport="inline"), BOUND)
             assert isinstance(refused, UpdateFailed) and refused.server == node.address, repr(refused)
             assert refused.reason == "READY_TIMEOUT"

@@ -12,7 +12,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from weightsync.client import PushProgress, UpdateFailed, WeightSyncClient, WeightSyncRpcError
+from weightsync.client import (
+    PushProgress,
+    UpdateFailed,
+    WeightSyncClient,
+    WeightSyncClientError,
+    WeightSyncRpcError,
+)
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from faultkit import (
@@ -74,6 +80,10 @@ def test_worker_sigkilled_mid_update(node):
         assert isinstance(error.cause, WeightSyncRpcError), repr(error.cause)
         assert error.code == grpc.StatusCode.UNAVAILABLE, error
         assert "worker 1" in str(error), error
+        # Our side of the broken group is closed at once (its communicator aborted), and refused after.
+        assert client._group.broken and client._group.collective._pg is None
+        with pytest.raises(WeightSyncClientError, match="broken"):
+            client.push(v2, version="w2-again", mode="staged", bucket_size_bytes=BUCKET_BYTES)
         client.delete_group()
 
     # The worker is restarted and maps the store the server kept: nothing is lost. STAGED: both

@@ -104,6 +104,11 @@ class DeltaChoice:
     unchanged: set[str] = field(default_factory=set)
     """Bit for bit what the base holds: not sent at all (their generation on the node stays)."""
 
+    def keep_patches_within(self, bucket_size_bytes: int) -> None:
+        """A patch larger than a bucket goes dense (split into pieces): a patch is never split."""
+        for name in [n for n, p in self.patches.items() if p.data.numel() > bucket_size_bytes]:
+            del self.patches[name]
+
     def sent_bytes(self, items: list[tuple[str, torch.Tensor]]) -> int:
         """What this choice moves: the patches, and the changed tensors whole."""
         return sum(self.patches[n].data.numel() if n in self.patches else t.numel() * t.element_size()

@@ -43,7 +43,9 @@ class PackBuffers:
         if self.slots and self.slots[0].numel() >= size:
             return
         # Pinned host memory makes CUDA -> CPU copies real DMAs; their readers wait for them (read_order.py).
-        pin = self.device.type == "cpu" and torch.cuda.is_available()
+        # Only in a process that already uses CUDA: pinning creates a CUDA context, which a CPU-only
+        # trainer on a GPU host must not get (on GPU 0, whoever uses it).
+        pin = self.device.type == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized()
         # zeros() touches every page once, here, not during the first push.
         self.slots = [torch.zeros(size, dtype=torch.uint8, device=self.device, pin_memory=pin) for _ in range(2)]
         self.fences = [BufferFence(self.events) for _ in self.slots]
@@ -121,6 +123,20 @@ class TensorSource:
         self._iterator = iterator
         self._stash: dict[str, torch.Tensor] = {}
         self._pulled: set[str] = set()
+        self._split: tuple[str, torch.Tensor] | None = None
+        """The tensor whose pieces are being sent, as contiguous bytes (taken once for all its pieces)."""
+
+    def piece(self, spec: tensor_pb2.TensorSpec) -> torch.Tensor:
+        """The bytes of one piece of a split tensor (uint8, contiguous): the tensor is taken at its first
+        piece and kept, made contiguous once, until its last."""
+        if spec.piece.offset_bytes == 0 or self._split is None or self._split[0] != spec.name:
+            tensor = self.take(spec)
+            self._split = (spec.name, tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        whole = self._split[1]
+        start = spec.piece.offset_bytes
+        if start + spec.size_bytes >= whole.numel():
+            self._split = None  # the last piece: nothing of the tensor is held past it
+        return whole[start : start + spec.size_bytes]
 
     def put_back(self, name: str, tensor: torch.Tensor) -> None:
         if self._mapping is None:
@@ -177,6 +193,8 @@ def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source:
     if is_zero_copy(buffers, bucket):
         assert bucket.flat_source is not None
         return Payload.own_memory(bucket.flat_source)
+    if bucket.spec.tensors and bucket.spec.tensors[0].HasField("piece"):
+        return _fill_piece(buffers, bucket, index, source)
     if len(bucket.spec.tensors) == 1 and bucket.spec.tensors[0].offset_bytes == 0:
         # A streamed tensor in a bucket of its own: send its memory if it can be.
         spec = bucket.spec.tensors[0]
@@ -199,6 +217,22 @@ def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source:
             for target, tensor in zip(destinations, sources, strict=True):
                 target.copy_(tensor, non_blocking=True)
     devices = devices_of(sources)
+    fence = buffers.fences[slot]
+    fence.after_copies(read_order(devices, buffer.device))
+    return Payload(buffer, packed=True, source_devices=devices, fence=fence)
+
+
+def _fill_piece(buffers: PackBuffers, bucket: PlannedBucket, index: int, source: TensorSource) -> Payload:
+    """A piece of a split tensor whose memory cannot be sent as it lies (not contiguous, or on another device
+    than the buffers): copied into its pack buffer."""
+    data = source.piece(bucket.spec.tensors[0])
+    if data.device == buffers.device:  # the tensor's own bytes, or the contiguous copy the source keeps
+        return Payload.own_memory(data)
+    slot = index % len(buffers.slots)
+    buffer = buffers.slots[slot][: bucket.spec.size_bytes]
+    with torch.no_grad():
+        buffer.copy_(data, non_blocking=True)
+    devices = frozenset({data.device})
     fence = buffers.fences[slot]
     fence.after_copies(read_order(devices, buffer.device))
     return Payload(buffer, packed=True, source_devices=devices, fence=fence)

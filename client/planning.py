@@ -7,6 +7,9 @@ Two kinds of bucket:
     broadcast as they are, with no pack copy: a large contiguous tensor on its
     own, or consecutive tensors laid out in one storage (a flat parameter),
     described at their real byte offsets.
+A tensor larger than a bucket is split into pieces, one bucket each
+(tensor.proto, WeightPlan): flat where its memory is contiguous, packed
+otherwise.
 
 Emission order follows the input: a flat bucket is emitted where its tensor
 appears; a packed bucket when it is full (or at the end). So a consumer that
@@ -109,12 +112,45 @@ def _flat_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: 
             misaligned = (_byte_offset(t) - base) % t.element_size()
             if end - base > bucket_size_bytes or misaligned:
                 close()
+        if _nbytes(t) > bucket_size_bytes:
+            out.extend(_piece_buckets(name, t, bucket_size_bytes))
+            continue
         group.append((name, t))
     close()
     return out
 
 
 DEFAULT_ZERO_COPY_MIN_BYTES = 4 << 20
+PIECE_ALIGN_BYTES = 64
+"""Pieces are cut at multiples of this (and so of every element size)."""
+MIN_PIECE_BYTES = 8
+"""A piece is its bucket, and a bucket is at least 8 bytes (receivers check its last 8)."""
+
+
+def piece_ranges(size: int, bucket_size_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) byte ranges of a tensor's pieces: as large as a bucket allows, cut at multiples of
+    PIECE_ALIGN_BYTES; the last one never shorter than MIN_PIECE_BYTES."""
+    step = max(PIECE_ALIGN_BYTES, bucket_size_bytes // PIECE_ALIGN_BYTES * PIECE_ALIGN_BYTES)
+    bounds = list(range(0, size, step)) + [size]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < MIN_PIECE_BYTES:
+        bounds[-2] -= PIECE_ALIGN_BYTES  # the piece before gives the last one a little
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _piece_buckets(name: str, tensor: torch.Tensor, bucket_size_bytes: int) -> list[PlannedBucket]:
+    """One bucket per piece of a tensor too large for one; flat (its own memory) where it is contiguous."""
+    size = _nbytes(tensor)
+    contiguous = tensor.is_contiguous()
+    storage = _storage_bytes(tensor) if contiguous else None
+    base = _byte_offset(tensor)
+    out = []
+    for start, end in piece_ranges(size, bucket_size_bytes):
+        spec = tensor_pb2.BucketSpec(size_bytes=end - start)
+        piece = spec.tensors.add(name=name, dtype=dtypes.from_torch(tensor.dtype), shape=list(tensor.shape),
+                                 offset_bytes=0, size_bytes=end - start)
+        piece.piece.offset_bytes = start
+        out.append(PlannedBucket(spec, None if storage is None else storage[base + start : base + end]))
+    return out
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -136,6 +172,9 @@ def _loose_buckets(
 
     for name, tensor in loose:
         size = _nbytes(tensor)
+        if size > bucket_size_bytes:  # emitted where it appears, like a zero-copy bucket; the packed one stays open
+            out.extend(_piece_buckets(name, tensor, bucket_size_bytes))
+            continue
         if zero_copy_min_bytes and size >= zero_copy_min_bytes and tensor.is_contiguous():
             spec = tensor_pb2.BucketSpec(size_bytes=size)
             spec.tensors.add(name=name, dtype=dtypes.from_torch(tensor.dtype), shape=list(tensor.shape),

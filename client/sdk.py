@@ -295,6 +295,7 @@ class WeightSyncClient:
         if not self._delta.same_layout(items):
             return None
         choice = self._delta.choose(items, auto=delta == "auto")
+        choice.keep_patches_within(bucket_size_bytes)
         if not choice.patches and (not choice.unchanged or len(choice.unchanged) == len(items)):
             # Every tensor changed too much, or nothing changed at all: the plain dense push, whose
             # plan may be reused (a version re-pushed as it is).
@@ -519,7 +520,7 @@ def _committed(runs: list[tuple[PlanChoice, PushRun, list[ServerOutcome]]], outc
     sent = sum(choice.total_bytes for choice, _, _ in runs)
     result = PushResult(
         version=version,
-        tensor_count=max(sum(len(b.spec.tensors) for b in choice.planned) for choice, _, _ in runs),
+        tensor_count=max(len({t.name for b in choice.planned for t in b.spec.tensors}) for choice, _, _ in runs),
         bucket_count=sum(len(choice.planned) for choice, _, _ in runs),
         size_bytes=sent,
         seconds=seconds,

@@ -22,6 +22,7 @@ _U32 = struct.Struct("<I")
 _TENSOR_HEAD = struct.Struct("<II")
 _TENSOR_TAIL = struct.Struct("<qqIQ")
 _PATCH = struct.Struct("<Iq")
+_PIECE = struct.Struct("<q")
 _PATCH_ENCODINGS = (tensor_pb2.TENSOR_ENCODING_PATCH_POSITIONS, tensor_pb2.TENSOR_ENCODING_PATCH_GAPS,
                     tensor_pb2.TENSOR_ENCODING_PATCH_BITMASK)
 
@@ -44,4 +45,6 @@ def plan_id_of(plan: tensor_pb2.WeightPlan) -> str:
             )
             if tensor.encoding in _PATCH_ENCODINGS:  # dense plans keep the ids they always had
                 digest.update(_PATCH.pack(tensor.encoding, tensor.patch_count))
+            if tensor.HasField("piece"):
+                digest.update(b"piece" + _PIECE.pack(tensor.piece.offset_bytes))
     return digest.hexdigest()[:PLAN_ID_HEX_DIGITS]

@@ -1,9 +1,9 @@
 """Structural validation of a WeightPlan, before any byte moves.
 
 Checks only what the plan says about itself and the server's limits; checks
-against the weight store (existing names, dtypes, shapes) happen in the worker,
-which owns the store. Every failure is an InvalidArgument naming the offending
-bucket and tensor in its metadata.
+against the weight store (existing names, dtypes, shapes) happen where the
+store's layout is known. Every failure is an InvalidArgument naming the
+offending bucket and tensor in its metadata.
 """
 
 from __future__ import annotations
@@ -45,6 +45,15 @@ class PlanSummary:
     """Tensors sent as patches (they need BeginUpdate.base_generation)."""
 
 
+@dataclass(slots=True)
+class _OpenPieces:
+    """A split tensor whose pieces are still coming."""
+
+    spec: tensor_pb2.TensorSpec
+    next_offset: int
+    size_bytes: int
+
+
 def validate_plan(plan: tensor_pb2.WeightPlan, limits: PlanLimits) -> PlanSummary:
     """Raise InvalidArgument for the first problem found; return totals otherwise."""
     if not plan.buckets:
@@ -54,9 +63,11 @@ def validate_plan(plan: tensor_pb2.WeightPlan, limits: PlanLimits) -> PlanSummar
     patched = 0
     total_bytes = 0
     largest = 0
+    pieces: _OpenPieces | None = None
     for index, bucket in enumerate(plan.buckets):
+        pieces = _validate_pieces(index, bucket, pieces)
         _validate_bucket(index, bucket, limits, names)
-        tensor_count += len(bucket.tensors)
+        tensor_count += sum(1 for t in bucket.tensors if not t.HasField("piece") or not t.piece.offset_bytes)
         patched += sum(1 for t in bucket.tensors if patches.is_patch(t.encoding))
         total_bytes += bucket.size_bytes
         largest = max(largest, bucket.size_bytes)
@@ -75,7 +86,56 @@ def validate_plan(plan: tensor_pb2.WeightPlan, limits: PlanLimits) -> PlanSummar
                 limit=limits.max_plan_bytes,
                 bucket=index,
             )
+    if pieces is not None:
+        raise _incomplete(len(plan.buckets), pieces)
     return PlanSummary(tensor_count, total_bytes, largest, patched)
+
+
+def _incomplete(index: int, pieces: _OpenPieces) -> InvalidArgument:
+    name = pieces.spec.name
+    return InvalidArgument("PIECES_INCOMPLETE", f"tensor {name!r} is split, and its pieces stop at byte "
+                           f"{pieces.next_offset} of {pieces.size_bytes} (bucket {index} must be its next piece)",
+                           bucket=index, tensor=name, received_bytes=pieces.next_offset,
+                           size_bytes=pieces.size_bytes)
+
+
+def _validate_pieces(index: int, bucket: tensor_pb2.BucketSpec, pieces: _OpenPieces | None) -> _OpenPieces | None:
+    """The piece rules (WeightPlan): a piece alone in its bucket, the pieces of one tensor consecutive, in
+    order, covering it exactly. Returns the split tensor still open after this bucket."""
+    piece = next((t for t in bucket.tensors if t.HasField("piece")), None)
+    if piece is None:
+        if pieces is not None:
+            raise _incomplete(index, pieces)
+        return None
+    name = piece.name
+    if len(bucket.tensors) != 1 or piece.offset_bytes != 0 or bucket.size_bytes != piece.size_bytes:
+        raise InvalidArgument("PIECE_NOT_ALONE", f"bucket {index} holds a piece of tensor {name!r}: a piece is alone "
+                              "in its bucket, at offset 0, and the bucket is exactly its size", bucket=index,
+                              tensor=name)
+    if patches.is_patch(piece.encoding):
+        raise InvalidArgument("PIECE_INVALID", f"tensor {name!r}: a patch is never split into pieces",
+                              bucket=index, tensor=name)
+    start = piece.piece.offset_bytes
+    if pieces is None:
+        if start != 0:
+            raise InvalidArgument("PIECE_OUT_OF_ORDER", f"tensor {name!r}: its first piece starts at byte {start}, "
+                                  "not 0", bucket=index, tensor=name, piece_offset_bytes=start)
+        itemsize = dtypes.itemsize(piece.dtype, tensor=name)
+        pieces = _OpenPieces(piece, 0, math.prod(piece.shape) * itemsize)
+    elif (name, piece.dtype, list(piece.shape)) != (pieces.spec.name, pieces.spec.dtype, list(pieces.spec.shape)):
+        raise _incomplete(index, pieces)
+    elif start != pieces.next_offset:
+        raise InvalidArgument("PIECE_OUT_OF_ORDER", f"tensor {name!r}: a piece at byte {start}, expected "
+                              f"{pieces.next_offset}", bucket=index, tensor=name, piece_offset_bytes=start,
+                              expected=pieces.next_offset)
+    itemsize = dtypes.itemsize(piece.dtype, tensor=name)
+    end = start + piece.size_bytes
+    if piece.size_bytes <= 0 or piece.size_bytes % itemsize or end > pieces.size_bytes:
+        raise InvalidArgument("PIECE_INVALID", f"tensor {name!r}: a piece of {piece.size_bytes} bytes at byte "
+                              f"{start} (pieces are whole elements inside the tensor's {pieces.size_bytes} bytes)",
+                              bucket=index, tensor=name, size_bytes=piece.size_bytes, piece_offset_bytes=start)
+    pieces.next_offset = end
+    return None if end == pieces.size_bytes else pieces
 
 
 def _validate_bucket(
@@ -149,6 +209,7 @@ def _encoded_size(index: int, spec: tensor_pb2.TensorSpec, numel: int, itemsize:
 
 
 def _validate_tensor(index: int, spec: tensor_pb2.TensorSpec, names: set[str]) -> None:
+    """One spec's own fields; a piece after the first repeats its tensor's name (_validate_pieces)."""
     name = spec.name
     if not name:
         raise InvalidArgument("TENSOR_NAME_EMPTY", f"bucket {index} has a tensor with no name", bucket=index)
@@ -159,7 +220,8 @@ def _validate_tensor(index: int, spec: tensor_pb2.TensorSpec, names: set[str]) -
             bucket=index,
             tensor=name[:64],
         )
-    if name in names:
+    continued = spec.HasField("piece") and spec.piece.offset_bytes > 0
+    if name in names and not continued:
         raise InvalidArgument(
             "TENSOR_NAME_DUPLICATE", f"tensor {name!r} appears twice in the plan", bucket=index, tensor=name
         )
@@ -186,7 +248,7 @@ def _validate_tensor(index: int, spec: tensor_pb2.TensorSpec, names: set[str]) -
             bucket=index,
             tensor=name,
         )
-    expected = _encoded_size(index, spec, numel, itemsize)
+    expected = spec.size_bytes if spec.HasField("piece") else _encoded_size(index, spec, numel, itemsize)
     if spec.size_bytes != expected:
         what = (f"shape {list(spec.shape)} of {itemsize}-byte elements" if not patches.is_patch(spec.encoding) else
                 f"a {tensor_pb2.TensorEncoding.Name(spec.encoding)} patch of {spec.patch_count} elements")

@@ -268,8 +268,11 @@ class WeightStore:
         def target(segment: int) -> torch.Tensor:
             return self.segment_bytes(segment, shadow=segment in shadowed)
 
-        update.receive_into = [None if r.receive_into_segment is None else target(r.receive_into_segment)
-                               for r in plan.routes]
+        update.receive_into = [
+            None if r.receive_into is None
+            else target(r.receive_into.segment)[r.receive_into.offset_bytes : r.receive_into.offset_bytes + r.size_bytes]
+            for r in plan.routes
+        ]
         update.copies = [
             [(c.src_offset, c.size_bytes, target(c.segment)[c.dst_offset : c.dst_offset + c.size_bytes])
              for c in route.copies]
@@ -338,7 +341,7 @@ class WeightStore:
             raise
         received = self.receive_buffer(sequence)
         covered = arm_tail(received, receive.tail)
-        if route.receive_into_segment is not None:
+        if route.direct:
             self.mark_started(sequence)  # the broadcast lands in the store itself
         try:
             broadcast(received)
@@ -351,7 +354,7 @@ class WeightStore:
         except WeightSyncError:
             update.phase = Phase.FAILED
             raise
-        return Applied(self.apply_bucket(sequence, received, receive.checksum), route.receive_into_segment is not None)
+        return Applied(self.apply_bucket(sequence, received, receive.checksum), route.direct)
 
     def receive_from_ingress(self, receive: wpb.ReceiveBucketCommand, ingress: torch.Tensor | None) -> Applied | None:
         """INLINE/SHM: the bucket (or one piece of it) is in the ingress already; copy it into the store.
@@ -375,10 +378,10 @@ class WeightStore:
             raise
         arrived = ingress[start : start + length]
         whole = offset == 0 and length == route.size_bytes
-        if offset == 0 and route.receive_into_segment is not None:
+        if offset == 0 and route.direct:
             self.mark_started(sequence)  # pieces are copied into the store itself
         checked = receive.checksum.algorithm != tensor_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED or bool(route.checks)
-        if whole and route.receive_into_segment is None and not checked:
+        if whole and not route.direct and not checked:
             received = arrived  # nothing to verify: each tensor is copied straight from the ingress
         else:
             # The segment, or staging. Checked bytes are always checked in this copy, never in
@@ -388,7 +391,7 @@ class WeightStore:
             received[offset : offset + length].copy_(arrived)
         if not whole and not receive.last_piece:
             return None
-        return Applied(self.apply_bucket(sequence, received, receive.checksum), route.receive_into_segment is not None)
+        return Applied(self.apply_bucket(sequence, received, receive.checksum), route.direct)
 
     def apply_bucket(self, sequence: int, received: torch.Tensor, bucket_checksum: tensor_pb2.Checksum) -> int:
         """Check a received bucket and put its tensors in place; returns its size.

@@ -6,7 +6,11 @@ decides, for each bucket, where its bytes go:
     path): the live side for IN_PLACE, the shadow side for STAGED;
   - straight into a new segment, when every tensor of the bucket is new (the
     first update, or allow_new_tensors);
+  - straight into its place in the tensor, for a piece of a split tensor (a
+    new split tensor gets a segment of its own at its first piece);
   - into the staging buffer, then one copy per tensor (the general path).
+STAGED: a shadowed segment this update does not rewrite whole starts as a copy
+of its live bytes.
 
 It allocates nothing and reads nothing but the store's layout, so the result
 depends only on (plan id, layout version, mode): the worker keeps it in its
@@ -17,6 +21,7 @@ separately (`needed_bytes`), against the store as it is at prepare time.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -77,18 +82,30 @@ class PatchTarget:
 
 
 @dataclass(frozen=True, slots=True)
+class DirectTarget:
+    """Where a bucket received straight into the store lands: segment bytes [offset_bytes, +size)."""
+
+    segment: int
+    offset_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class BucketRoute:
     """Where one bucket's bytes go."""
 
     size_bytes: int
-    receive_into_segment: int | None
-    """Receive the broadcast straight into this segment (existing or new); None: staging + copies."""
+    receive_into: DirectTarget | None
+    """Receive the bytes straight into the store (a segment, or a split tensor's place); None: staging + copies."""
     copies: tuple[TensorCopy, ...]
     checks: tuple[TensorCheck, ...]
     overwrites: tuple[str, ...]
     """Tensors already in the store that this bucket rewrites (IN_PLACE abort marks them dirty)."""
     patches: tuple[PatchTarget, ...] = ()
     """Tensors of this bucket sent as patches: never copied whole, never shadowed."""
+
+    @property
+    def direct(self) -> bool:
+        return self.receive_into is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +135,7 @@ class UpdatePlan:
 
     @property
     def fast_path_count(self) -> int:
-        return sum(1 for r in self.routes if r.receive_into_segment is not None)
+        return sum(1 for r in self.routes if r.direct)
 
     @property
     def new_segment_bytes(self) -> int:
@@ -153,7 +170,7 @@ def _check_against_store(index: int, spec: tensor_pb2.TensorSpec, stored: Stored
 
 
 def _checks(bucket: tensor_pb2.BucketSpec) -> tuple[TensorCheck, ...]:
-    """Dense tensors with a WS64 (a patch's checksum is of the patched tensor: see PatchTarget)."""
+    """Dense tensors (and pieces) with a WS64 (a patch's checksum is of the patched tensor: see PatchTarget)."""
     return tuple(
         TensorCheck(s.name, s.offset_bytes, s.size_bytes, s.checksum.value)
         for s in bucket.tensors
@@ -162,9 +179,141 @@ def _checks(bucket: tensor_pb2.BucketSpec) -> tuple[TensorCheck, ...]:
 
 
 def _new_tensor(spec: tensor_pb2.TensorSpec, segment: int, offset: int) -> StoredTensor:
-    return StoredTensor(
-        spec.name, dtypes.to_torch(spec.dtype, tensor=spec.name), tuple(spec.shape), segment, offset, spec.size_bytes
-    )
+    whole = math.prod(spec.shape) * dtypes.itemsize(spec.dtype, tensor=spec.name)
+    return StoredTensor(spec.name, dtypes.to_torch(spec.dtype, tensor=spec.name), tuple(spec.shape), segment, offset,
+                        whole)
+
+
+class _Derivation:
+    """One derive_update_plan call: the store's layout, and what the plan's buckets add to it so far."""
+
+    def __init__(self, tensors: dict[str, StoredTensor], segment_signatures: list[bytes],
+                 segment_sizes: list[int], *, staged: bool, allow_new: bool) -> None:
+        self.tensors = tensors
+        self.segment_sizes = segment_sizes
+        self.staged = staged
+        self.allow_new = allow_new
+        self.by_signature = {sig: i for i, sig in enumerate(segment_signatures) if sig}
+        self.first_new = len(segment_signatures)
+        self.new_segments: list[NewSegment] = []
+        self.new_tensors: dict[str, StoredTensor] = {}
+        self.routes: list[BucketRoute] = []
+        self.touched: set[int] = set()
+        self.written: dict[int, int] = {}
+        """Existing segment -> bytes of it this update rewrites (a segment rewritten whole needs no shadow copy)."""
+        self.staging = 0
+        self.names: set[str] = set()
+
+    def _write(self, segment: int, size: int) -> None:
+        self.touched.add(segment)
+        self.written[segment] = self.written.get(segment, 0) + size
+
+    def _new_segment(self, size: int, signature: bytes) -> int:
+        self.new_segments.append(NewSegment(size, signature))
+        return self.first_new + len(self.new_segments) - 1
+
+    def bucket(self, index: int, bucket: tensor_pb2.BucketSpec) -> None:
+        for spec in bucket.tensors:
+            self.names.add(spec.name)
+        checks = _checks(bucket)
+        if bucket.tensors and bucket.tensors[0].HasField("piece"):
+            self.routes.append(self._piece(index, bucket.tensors[0], checks))
+            return
+        existing, patched = self._existing_and_patched(index, bucket)
+        if patched:
+            self.routes.append(self._general(bucket, checks, existing, tuple(patched)))
+        elif not existing:  # every tensor is new: the bucket defines a segment of its own
+            segment = self._new_segment(bucket.size_bytes, bucket_signature(bucket))
+            self.new_tensors.update((s.name, _new_tensor(s, segment, s.offset_bytes)) for s in bucket.tensors)
+            self.routes.append(BucketRoute(bucket.size_bytes, DirectTarget(segment), (), checks, ()))
+        elif (segment := self.by_signature.get(bucket_signature(bucket))) is not None and all(
+                self.tensors[n].segment == segment for n in existing):
+            self._write(segment, self.segment_sizes[segment])
+            self.routes.append(BucketRoute(bucket.size_bytes, DirectTarget(segment), (), checks, tuple(existing)))
+        else:
+            self.routes.append(self._general(bucket, checks, existing, ()))
+
+    def _existing_and_patched(self, index: int, bucket: tensor_pb2.BucketSpec) -> tuple[list[str], list[PatchTarget]]:
+        """The bucket's tensors already in the store (checked against it), and its patches."""
+        existing: list[str] = []
+        patched: list[PatchTarget] = []
+        for spec in bucket.tensors:
+            stored = self.tensors.get(spec.name)
+            if patches.is_patch(spec.encoding):
+                if stored is None:
+                    raise InvalidArgument("TENSOR_UNKNOWN", f"tensor {spec.name!r} is sent as a patch but is not in "
+                                          "the store: send it dense", bucket=index, tensor=spec.name)
+                _check_against_store(index, spec, stored)
+                patched.append(PatchTarget(spec.name, spec.offset_bytes, spec.size_bytes, spec.encoding,
+                                           spec.patch_count, spec.checksum.value))
+            elif stored is None:
+                self._require_new_allowed(index, spec)
+            else:
+                _check_against_store(index, spec, stored)
+                existing.append(spec.name)
+        return existing, patched
+
+    def _require_new_allowed(self, index: int, spec: tensor_pb2.TensorSpec) -> None:
+        if not self.allow_new:
+            raise InvalidArgument("TENSOR_UNKNOWN", f"tensor {spec.name!r} is not in the store; set "
+                                  "allow_new_tensors to add it", bucket=index, tensor=spec.name)
+
+    def _piece(self, index: int, spec: tensor_pb2.TensorSpec, checks: tuple[TensorCheck, ...]) -> BucketRoute:
+        """A piece of a split tensor goes straight to its place in the tensor (validation made the bucket
+        exactly the piece); a new split tensor gets a segment of its own at its first piece."""
+        stored = self.tensors.get(spec.name)
+        if stored is not None:
+            _check_against_store(index, spec, stored)
+            self._write(stored.segment, spec.size_bytes)
+            target = DirectTarget(stored.segment, stored.offset_bytes + spec.piece.offset_bytes)
+            return BucketRoute(spec.size_bytes, target, (), checks, (spec.name,))
+        new = self.new_tensors.get(spec.name)
+        if new is None:
+            self._require_new_allowed(index, spec)
+            new = _new_tensor(spec, self.first_new + len(self.new_segments), 0)
+            self._new_segment(new.size_bytes, b"")
+            self.new_tensors[spec.name] = new
+        return BucketRoute(spec.size_bytes, DirectTarget(new.segment, spec.piece.offset_bytes), (), checks, ())
+
+    def _general(self, bucket: tensor_pb2.BucketSpec, checks: tuple[TensorCheck, ...], existing: list[str],
+                 patched: tuple[PatchTarget, ...]) -> BucketRoute:
+        """Staging, then one copy per dense tensor (new tensors of the bucket get one packed segment of their
+        own); patches are scattered from staging."""
+        self.staging = max(self.staging, bucket.size_bytes)
+        copies: list[TensorCopy] = []
+        fresh = [s for s in bucket.tensors if s.name not in self.tensors]
+        if fresh:
+            fresh_segment = self.first_new + len(self.new_segments)
+            cursor = 0
+            for spec in fresh:
+                start = align_up(cursor)
+                self.new_tensors[spec.name] = _new_tensor(spec, fresh_segment, start)
+                copies.append(TensorCopy(spec.offset_bytes, spec.size_bytes, fresh_segment, start))
+                cursor = start + spec.size_bytes
+            self._new_segment(align_up(cursor), b"")
+        for spec in bucket.tensors:
+            stored = self.tensors.get(spec.name)
+            if stored is not None and not patches.is_patch(spec.encoding):
+                copies.append(TensorCopy(spec.offset_bytes, spec.size_bytes, stored.segment, stored.offset_bytes))
+                self._write(stored.segment, spec.size_bytes)
+        overwrites = (*existing, *(p.name for p in patched))
+        return BucketRoute(bucket.size_bytes, None, tuple(copies), checks, overwrites, patched)
+
+    def result(self, plan_id: str, layout_version: int) -> UpdatePlan:
+        shadowed = tuple(sorted(self.touched)) if self.staged else ()
+        return UpdatePlan(
+            plan_id=plan_id,
+            layout_version=layout_version,
+            staged=self.staged,
+            routes=tuple(self.routes),
+            first_new_segment=self.first_new,
+            new_segments=tuple(self.new_segments),
+            new_tensors=tuple(self.new_tensors.values()),
+            shadowed_segments=shadowed,
+            copied_to_shadow=tuple(s for s in shadowed if self.written.get(s, 0) < self.segment_sizes[s]),
+            staging_bytes=self.staging,
+            names=frozenset(self.names),
+        )
 
 
 def derive_update_plan(
@@ -175,103 +324,15 @@ def derive_update_plan(
     allow_new_tensors: bool,
     tensors: dict[str, StoredTensor],
     segment_signatures: list[bytes],
+    segment_sizes: list[int],
     layout_version: int,
 ) -> UpdatePlan:
     """Validate the plan against the store's layout and route every bucket (see the module docstring)."""
-    staged = mode == pb.UPDATE_MODE_STAGED
-    allow_new = allow_new_tensors or not tensors
-    by_signature = {sig: i for i, sig in enumerate(segment_signatures) if sig}
-    first_new = len(segment_signatures)
-    new_segments: list[NewSegment] = []
-    new_tensors: list[StoredTensor] = []
-    routes: list[BucketRoute] = []
-    touched: set[int] = set()
-    rewritten: set[int] = set()
-    staging = 0
-    names: set[str] = set()
+    derivation = _Derivation(tensors, segment_signatures, segment_sizes, staged=mode == pb.UPDATE_MODE_STAGED,
+                             allow_new=allow_new_tensors or not tensors)
     for index, bucket in enumerate(plan.buckets):
-        existing: list[str] = []
-        patched: list[PatchTarget] = []
-        for spec in bucket.tensors:
-            names.add(spec.name)
-            stored = tensors.get(spec.name)
-            if patches.is_patch(spec.encoding):
-                if stored is None:
-                    raise InvalidArgument("TENSOR_UNKNOWN", f"tensor {spec.name!r} is sent as a patch but is not in "
-                                          "the store: send it dense", bucket=index, tensor=spec.name)
-                _check_against_store(index, spec, stored)
-                patched.append(PatchTarget(spec.name, spec.offset_bytes, spec.size_bytes, spec.encoding,
-                                           spec.patch_count, spec.checksum.value))
-                continue  # its segment is neither copied nor shadowed: the patch is scattered (store.py)
-            if stored is None:
-                if not allow_new:
-                    raise InvalidArgument(
-                        "TENSOR_UNKNOWN",
-                        f"tensor {spec.name!r} is not in the store; set allow_new_tensors to add it",
-                        bucket=index, tensor=spec.name,
-                    )
-                continue
-            _check_against_store(index, spec, stored)
-            existing.append(spec.name)
-            touched.add(stored.segment)
-        signature = bucket_signature(bucket)
-        checks = _checks(bucket)
-        if patched:
-            routes.append(_general_route(bucket, tensors, first_new, new_segments, new_tensors, checks, existing,
-                                         tuple(patched)))
-            staging = max(staging, bucket.size_bytes)
-            continue
-        if not existing:  # every tensor is new: the bucket defines a segment of its own
-            segment = first_new + len(new_segments)
-            new_segments.append(NewSegment(bucket.size_bytes, signature))
-            new_tensors.extend(_new_tensor(s, segment, s.offset_bytes) for s in bucket.tensors)
-            routes.append(BucketRoute(bucket.size_bytes, segment, (), checks, ()))
-            continue
-        segment = by_signature.get(signature)
-        if segment is not None and all(tensors[n].segment == segment for n in existing):
-            rewritten.add(segment)
-            routes.append(BucketRoute(bucket.size_bytes, segment, (), checks, tuple(existing)))
-            continue
-        routes.append(_general_route(bucket, tensors, first_new, new_segments, new_tensors, checks, existing, ()))
-        staging = max(staging, bucket.size_bytes)
-    shadowed = tuple(sorted(touched | rewritten)) if staged else ()
-    return UpdatePlan(
-        plan_id=plan_id,
-        layout_version=layout_version,
-        staged=staged,
-        routes=tuple(routes),
-        first_new_segment=first_new,
-        new_segments=tuple(new_segments),
-        new_tensors=tuple(new_tensors),
-        shadowed_segments=shadowed,
-        copied_to_shadow=tuple(s for s in shadowed if s not in rewritten),
-        staging_bytes=staging,
-        names=frozenset(names),
-    )
-
-
-def _general_route(bucket: tensor_pb2.BucketSpec, tensors: dict[str, StoredTensor], first_new: int,
-                   new_segments: list[NewSegment], new_tensors: list[StoredTensor], checks: tuple[TensorCheck, ...],
-                   existing: list[str], patched: tuple[PatchTarget, ...]) -> BucketRoute:
-    """Staging, then one copy per dense tensor (new tensors of the bucket get one packed segment
-    of their own); patches are scattered from staging."""
-    copies: list[TensorCopy] = []
-    fresh = [s for s in bucket.tensors if s.name not in tensors]
-    fresh_segment = first_new + len(new_segments)
-    cursor = 0
-    for spec in fresh:
-        start = align_up(cursor)
-        new_tensors.append(_new_tensor(spec, fresh_segment, start))
-        copies.append(TensorCopy(spec.offset_bytes, spec.size_bytes, fresh_segment, start))
-        cursor = start + spec.size_bytes
-    if fresh:
-        new_segments.append(NewSegment(align_up(cursor), b""))
-    for spec in bucket.tensors:
-        stored = tensors.get(spec.name)
-        if stored is not None and not patches.is_patch(spec.encoding):
-            copies.append(TensorCopy(spec.offset_bytes, spec.size_bytes, stored.segment, stored.offset_bytes))
-    overwrites = (*existing, *(p.name for p in patched))
-    return BucketRoute(bucket.size_bytes, None, tuple(copies), checks, overwrites, patched)
+        derivation.bucket(index, bucket)
+    return derivation.result(plan_id, layout_version)
 
 
 class PlanCache:

@@ -239,7 +239,8 @@ class Worker:
         plan = self.plans.get(prepare.plan_id, store.layout_version, prepare.mode == pb.UPDATE_MODE_STAGED) or derive_update_plan(
             plan=prepare.plan, plan_id=prepare.plan_id, mode=prepare.mode,
             allow_new_tensors=prepare.allow_new_tensors, tensors=store.tensors,
-            segment_signatures=[s.signature for s in store.segments], layout_version=store.layout_version,
+            segment_signatures=[s.signature for s in store.segments],
+            segment_sizes=[s.size_bytes for s in store.segments], layout_version=store.layout_version,
         )
         needed = store.needed_bytes(plan)
         limit = self.config.memory_limit_bytes

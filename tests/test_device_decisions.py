@@ -238,6 +238,7 @@ def small_model(seed: int) -> dict[str, torch.Tensor]:
 def derive(store: WeightStore, plan, mode=pb.UPDATE_MODE_STAGED, allow_new=False):
     return derive_update_plan(plan=plan, plan_id=plan_id_of(plan), mode=mode, allow_new_tensors=allow_new,
                               tensors=store.tensors, segment_signatures=[s.signature for s in store.segments],
+        segment_sizes=[s.size_bytes for s in store.segments],
                               layout_version=store.layout_version)
 
 

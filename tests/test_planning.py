@@ -19,8 +19,9 @@ def f32(numel: int) -> torch.Tensor:
     [
         # tensor sizes in float32 elements -> [(names, zero-copy?)] per bucket, in emission order
         ([16, 16], [(("t0", "t1"), False)]),
-        ([MiB, 16], [(("t0",), True), (("t1",), False)]),  # 4 MiB: sent from its own memory
-        ([16, MiB, 16], [(("t1",), True), (("t0", "t2"), False)]),  # the packed bucket stays open
+        ([MiB, 16], [(("t0",), True), (("t0",), True), (("t1",), False)]),  # 4 MiB: pieces, from its own memory
+        ([16, MiB, 16], [(("t1",), True), (("t1",), True), (("t0", "t2"), False)]),  # the packed bucket stays open
+        ([MiB * 3 // 4, 16], [(("t0",), False), (("t1",), False)]),  # 3 MiB: a bucket, under the zero-copy size
         ([MiB // 2, MiB // 2], [(("t0",), False), (("t1",), False)]),  # 2 MiB each: packed, 3 MiB buckets
     ],
 )
@@ -33,15 +34,25 @@ def test_bucket_kinds_and_order(sizes, expected):
 
 def test_zero_copy_bucket_aliases_the_tensor():
     big = torch.randn(MiB)
-    (planned,) = build_plan([("big", big)], bucket_size_bytes=MiB, zero_copy_min_bytes=MiB)
+    (planned,) = build_plan([("big", big)], bucket_size_bytes=4 * MiB, zero_copy_min_bytes=MiB)
     assert planned.flat_source.data_ptr() == big.data_ptr()
     assert planned.spec.size_bytes == 4 * MiB
 
 
 def test_non_contiguous_large_tensor_is_packed():
     big = torch.randn(2048, 1024).t()
-    (planned,) = build_plan([("big", big)], bucket_size_bytes=MiB, zero_copy_min_bytes=MiB)
+    (planned,) = build_plan([("big", big)], bucket_size_bytes=8 * MiB, zero_copy_min_bytes=MiB)
     assert planned.flat_source is None
+
+
+def test_a_tensor_larger_than_a_bucket_is_cut_into_pieces_of_its_own_memory():
+    big = torch.randn(MiB + 1)  # 4 MiB + 4 bytes: the last piece takes 64 bytes from the one before
+    planned = build_plan([("big", big)], bucket_size_bytes=MiB, zero_copy_min_bytes=MiB)
+    spans = [(p.spec.tensors[0].piece.offset_bytes, p.spec.size_bytes) for p in planned]
+    assert spans == [(0, MiB), (MiB, MiB), (2 * MiB, MiB), (3 * MiB, MiB - 64), (4 * MiB - 64, 68)]
+    assert [p.flat_source.data_ptr() for p in planned] == [big.data_ptr() + start for start, _ in spans]
+    transposed = torch.randn(1024, 2048).t()
+    assert all(p.flat_source is None for p in build_plan([("t", transposed)], MiB, MiB))  # packed pieces
 
 
 def test_flat_parameter_views_keep_their_offsets():

@@ -21,7 +21,8 @@ IN_PLACE, STAGED = pb.UPDATE_MODE_IN_PLACE, pb.UPDATE_MODE_STAGED
 def derive(store: WeightStore, plan, mode=IN_PLACE, allow_new=False):
     return derive_update_plan(
         plan=plan, plan_id=plan_id_of(plan), mode=mode, allow_new_tensors=allow_new, tensors=store.tensors,
-        segment_signatures=[s.signature for s in store.segments], layout_version=store.layout_version,
+        segment_signatures=[s.signature for s in store.segments],
+        segment_sizes=[s.size_bytes for s in store.segments], layout_version=store.layout_version,
     )
 
 
@@ -170,7 +171,7 @@ def test_an_ingress_bucket_is_checked_and_applied_from_the_workers_own_copy(plan
     push(store, plan, model(0), allow_new=True)
     regrouped = plan_proto(build_plan(list(model(1).items()), bucket_size_bytes=4096, zero_copy_min_bytes=0))
     derived = derive(store, regrouped, STAGED)
-    assert all(r.receive_into_segment is None for r in derived.routes)  # the general path: staging + copies
+    assert all(r.receive_into is None for r in derived.routes)  # the general path: staging + copies
     store.begin_update(derived, "shm", "")
     buckets = buckets_of(regrouped, model(1))
     ingress = torch.zeros(max(b.numel() for b in buckets), dtype=torch.uint8)

@@ -65,7 +65,7 @@ class Checksum(_message.Message):
     def __init__(self, algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., value: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset_bytes", "size_bytes", "checksum", "encoding", "patch_count")
+    __slots__ = ("name", "dtype", "shape", "offset_bytes", "size_bytes", "checksum", "encoding", "patch_count", "piece")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class TensorSpec(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     PATCH_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: Dtype
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -82,7 +83,14 @@ class TensorSpec(_message.Message):
     checksum: Checksum
     encoding: TensorEncoding
     patch_count: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ..., encoding: _Optional[_Union[TensorEncoding, str]] = ..., patch_count: _Optional[int] = ...) -> None: ...
+    piece: TensorPiece
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ..., encoding: _Optional[_Union[TensorEncoding, str]] = ..., patch_count: _Optional[int] = ..., piece: _Optional[_Union[TensorPiece, _Mapping]] = ...) -> None: ...
+
+class TensorPiece(_message.Message):
+    __slots__ = ("offset_bytes",)
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    offset_bytes: int
+    def __init__(self, offset_bytes: _Optional[int] = ...) -> None: ...
 
 class BucketSpec(_message.Message):
     __slots__ = ("size_bytes", "tensors")

@@ -144,7 +144,7 @@ KIT_WHEELS = {w.name: w for w in (
     wheel("pluggy", "1.7.0"),
     wheel("iniconfig", "2.3.1"),
 )}
-FALLBACK_WHEELS = {w.name: w for w in (wheel("grpcio", "1.85.1"), wheel("protobuf", "7.36.2"))}
+FALLBACK_WHEELS = {w.name: w for w in (wheel("grpcio", "1.85.1", "typing-extensions~=4.12"), wheel("protobuf", "7.36.2"))}
 
 
 def test_the_plan_installs_what_is_missing_and_keeps_what_fits():
@@ -173,6 +173,9 @@ def test_an_old_grpcio_or_protobuf_gets_the_fallback_on_pythonpath_not_installed
     assert "grpcio" not in [w.name for w in plan.install]
     grpc_warning = next(w for w in plan.warnings if "grpcio 1.78.0" in w)
     assert "grpcio-health-checking wants grpcio>=1.85.1" in grpc_warning and "fallback grpcio 1.85.1" in grpc_warning
+    assert any("grpcio 1.85.1 needs typing-extensions~=4.12, which neither" in w for w in plan.warnings)
+    plan = kit.make_plan(KIT_WHEELS, FALLBACK_WHEELS, dict(have, **{"typing-extensions": "4.15.0"}))
+    assert not any("typing-extensions" in w for w in plan.warnings)
     plan = kit.make_plan(KIT_WHEELS, {}, {"torch": "2.4.0", "grpcio": "1.60.0", "protobuf": "7.36.2"})
     assert not plan.overlay and any("no fallback" in w for w in plan.warnings)
 

@@ -237,7 +237,26 @@ def make_plan(kit: dict[str, Wheel], fallback: dict[str, Wheel], have: dict[str,
             warnings.append(f"replacing the machine's {name} {have[name]} with the kit's {kit[name].version} "
                             f"(asked for: {', '.join(f'{o} {s}' for o, s in wanted.get(name, []))})")
     keep = {n: have[n] for n in kit if n not in chosen}
+    warnings += unmet([kit[n] for n in sorted(chosen)] + overlay,
+                      dict(have, **{n: kit[n].version for n in chosen}, **{w.name: w.version for w in overlay}))
     return Plan([kit[n] for n in sorted(chosen)], overlay, keep, warnings)
+
+
+def unmet(wheels: list[Wheel], after: dict[str, str]) -> list[str]:
+    """What the wheels being installed ask for that nothing will provide (a kit cannot bring it)."""
+    Requirement, _ = _packaging()
+    out = []
+    for wheel in wheels:
+        for line in wheel.requires:
+            req = Requirement(line)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            name = normalize(req.name)
+            if name not in after:
+                out.append(f"{wheel.name} {wheel.version} needs {req}, which neither the machine nor the kit has")
+            elif name not in PROTECTED and not _meets(after[name], [req.specifier]):
+                out.append(f"{wheel.name} {wheel.version} needs {req}, and {name} {after[name]} is what it gets")
+    return out
 
 
 def plan(kit_dir: Path) -> int:

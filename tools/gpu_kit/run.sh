@@ -102,14 +102,19 @@ stale() {
   if "$PY" tools/gpu_kit/kit.py stale "$KIT"; then
     return 0
   fi
-  echo "rebuilding the weightsync wheel from this tree (needs setuptools>=68 here)"
+  if ! "$PY" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 68)' 2>/dev/null; then
+    echo "cannot rebuild it here (no setuptools>=68): installing the kit's wheel, built from other sources"
+    return 1
+  fi
+  echo "rebuilding the weightsync wheel from this tree"
   rm -rf "$STATE/wheel"
-  if "$PY" -m pip wheel -q --no-deps --no-build-isolation --no-index -w "$STATE/wheel" .; then
+  if "$PY" -m pip wheel -q --no-deps --no-build-isolation --no-index -w "$STATE/wheel" . >"$STATE/wheel.log" 2>&1; then
     rm -f "$KIT"/weightsync-*.whl
     cp "$STATE"/wheel/weightsync-*.whl "$KIT"/
     echo "rebuilt: $(ls "$STATE"/wheel)"
     return 0
   fi
+  tail -20 "$STATE/wheel.log"
   echo "could not rebuild: installing the kit's weightsync wheel, built from other sources"
   return 1
 }

@@ -89,6 +89,12 @@ def model_shapes(target_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
+def ingress_slot_bytes(bucket_bytes: int, largest_tensor_bytes: int) -> int:
+    """The server's ingress slot: an SHM bucket must fit one, and the SDK gives a tensor larger
+    than the bucket size a bucket of its own (the embedding: 272 MB)."""
+    return max(bucket_bytes, -(-largest_tensor_bytes // MIB) * MIB)
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -120,8 +126,9 @@ def markdown(results: dict) -> str:
         f"Machine: {machine.get('gpu', '?')}, {machine.get('cores', '?')} cores, torch {machine.get('torch', '?')} "
         f"(CUDA {machine.get('cuda', '?')}), Python {machine.get('python', '?')}.", "",
         f"Model: {model['tensors']} bf16 tensors, {model['bytes'] / GB:.2f} GB (Qwen2.5-0.5B's shapes, "
-        f"{model['layers']} layers) on cuda:0. Server: {cfg['workers']} CPU worker(s), store in host memory; "
-        f"buckets of {cfg['bucket_bytes'] // MIB} MiB. Medians of {cfg['reps']} after one warm-up, modes "
+        f"{model['layers']} layers) on cuda:0. Server: {cfg['workers']} CPU worker(s), store in host memory, "
+        f"ingress slots of {cfg.get('ingress_slot_bytes', 0) // MIB} MiB; buckets of {cfg['bucket_bytes'] // MIB} MiB "
+        f"(a larger tensor gets its own). Medians of {cfg['reps']} after one warm-up, modes "
         "alternated. `x baseline` = median / the section's plain-copy median (1.00: as fast as the copy).",
     ]
     for sec in results["sections"]:
@@ -249,8 +256,9 @@ def run(args: argparse.Namespace) -> dict:
     log(f"model: {len(model)} bf16 tensors, {size / GB:.2f} GB on cuda:0")
     copies = Copies(pinned={n: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for n, t in model.items()},
                     pageable={n: torch.empty(t.shape, dtype=t.dtype) for n, t in model.items()})
+    slot = ingress_slot_bytes(args.bucket_mib * MIB, max(t.numel() * t.element_size() for t in model.values()))
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as workdir:
-        server = Server(args.workers, Path(workdir), extra=("--ingress-slot-bytes", str(args.bucket_mib * MIB)))
+        server = Server(args.workers, Path(workdir), extra=("--ingress-slot-bytes", str(slot)))
         try:
             push, push_ok = measure_push(server, model, copies, args, size)
             _copy_all(copies.pinned, model)  # the h2d baselines copy the model's own bytes
@@ -265,7 +273,8 @@ def run(args: argparse.Namespace) -> dict:
     return {"machine": machine(),
             "model": {"tensors": len(model), "bytes": size, "dtype": "bfloat16",
                       "layers": (len(model) - 2) // len(LAYER)},
-            "config": {"reps": args.reps, "bucket_bytes": args.bucket_mib * MIB, "workers": args.workers},
+            "config": {"reps": args.reps, "bucket_bytes": args.bucket_mib * MIB, "workers": args.workers,
+                       "ingress_slot_bytes": slot},
             "sections": [push, engine],
             "verified": {"server holds the pushed bytes (verify)": push_ok,
                          "engine's module equals the model": engine_ok}}
@@ -279,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.gpu: skipped: no CUDA device here (torch {torch.__version__}); it runs on a GPU machine "
               "(bash tools/gpu_kit/run.sh there)")
         return 0
+    from weightsync.common.logging import configure_logging
+
+    configure_logging("warning")  # not a line per push
     results = run(args)
     js, md = write(results, args.out)
     print(markdown(results))

@@ -220,6 +220,12 @@ def test_bench_gpu_arguments():
         gpu.parse_args(["--out", "x", "--reps", "0"])
 
 
+def test_bench_gpu_ingress_slots_hold_the_largest_tensor():
+    embedding = gpu.VOCAB * gpu.HIDDEN * gpu.DTYPE_BYTES
+    assert gpu.ingress_slot_bytes(128 << 20, embedding) == 260 << 20
+    assert gpu.ingress_slot_bytes(512 << 20, embedding) == 512 << 20
+
+
 @pytest.mark.parametrize("gb", [0.05, 1.0, 1.5, 2.0])
 def test_bench_gpu_model_is_about_the_size_asked_with_hundreds_of_tensors(gb):
     shapes = gpu.model_shapes(int(gb * gpu.GB))
@@ -240,7 +246,7 @@ def made_up_results() -> dict:
     return {"machine": {"gpu": "NVIDIA H100 80GB HBM3", "cores": 16, "torch": "2.11.0+cu130", "cuda": "13.0",
                         "python": "3.12.3"},
             "model": {"tensors": 494, "bytes": size, "dtype": "bfloat16", "layers": 41},
-            "config": {"reps": 3, "bucket_bytes": 128 << 20, "workers": 1},
+            "config": {"reps": 3, "bucket_bytes": 128 << 20, "workers": 1, "ingress_slot_bytes": 260 << 20},
             "sections": [push, engine], "verified": {"server holds the pushed bytes (verify)": True}}
 
 
@@ -256,6 +262,7 @@ def test_bench_gpu_report_on_made_up_numbers(tmp_path):
     assert "| push_inline | 1.2000 | 1.25 | 20.00 |" in text
     assert "| engine_apply | 0.3000 | 5.00 | 5.46 |" in text  # 0.3 / 0.055
     assert "494 bf16 tensors, 1.50 GB" in text and "verify) ok" in text
+    assert "ingress slots of 260 MiB; buckets of 128 MiB" in text and "Medians of 3 after" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the bench would run")

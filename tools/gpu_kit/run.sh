@@ -18,7 +18,7 @@
 #
 # Environment: OUT (default /tmp/gpu-kit-out), GPU_PY (python3), GPU_KIT (.gpu-kit),
 # GPU_KIT_TOTAL_S (540: the whole run stays under the device's 600 s per command),
-# GPU_KIT_PYTEST_S (300), GPU_KIT_BENCH_S (150), GPU_KIT_BENCH_ARGS (extra bench.gpu arguments),
+# GPU_KIT_PYTEST_S (340), GPU_KIT_BENCH_S (150), GPU_KIT_BENCH_ARGS (extra bench.gpu arguments),
 # GPU_KIT_DRY_RUN=1 (info and the install plan only: installs nothing, runs nothing).
 # Exit status: 0 when every step passed, 1 otherwise.
 
@@ -30,7 +30,7 @@ OUT=${OUT:-/tmp/gpu-kit-out}
 PY=${GPU_PY:-python3}
 KIT=${GPU_KIT:-.gpu-kit}
 TOTAL=${GPU_KIT_TOTAL_S:-540}
-PYTEST_S=${GPU_KIT_PYTEST_S:-300}
+PYTEST_S=${GPU_KIT_PYTEST_S:-340}
 BENCH_S=${GPU_KIT_BENCH_S:-150}
 DRY_RUN=${GPU_KIT_DRY_RUN:-0}
 STATE=$(mktemp -d /tmp/gpu-kit-state.XXXXXX)

@@ -11,7 +11,7 @@ BUF := tools/node_modules/.bin/buf
 NODE_TRAINER := examples/node/node_modules/.package-lock.json
 PROTOS := $(wildcard protos/weightsync/v1/*.proto) $(wildcard protos/weightsync/worker/v1/*.proto)
 
-.PHONY: install engine-install stubs test test-gpu test-multihost test-engines lint proto run demo demo-multihost demo-engine bench bench-quick clean
+.PHONY: install engine-install stubs test test-gpu gpu-kit test-multihost test-engines lint proto run demo demo-multihost demo-engine bench bench-quick clean
 
 # torch first, with an exact pin: on this machine it is a CPU build on local
 # disk; a looser requirement could pull a multi-GB CUDA build.
@@ -67,6 +67,24 @@ GPU_PY ?= $(PY)
 test-gpu: $(if $(filter $(PY),$(GPU_PY)),install)
 	$(GPU_PY) -m pytest -q -rs -p no:cacheprovider tests/gpu
 
+# The GPU kit: what the lent GPU machine (CPython 3.12, a CUDA torch, grpcio and protobuf, no
+# package registry) lacks to run test-gpu and bench.gpu, as wheels in .gpu-kit/ (ignored): the
+# pinned, hashed files of tools/gpu_kit/requirements.txt, grpcio and protobuf as fallbacks
+# (.gpu-kit/fallback/, used only if the machine's are too old), and a weightsync wheel built from
+# this tree. Carry it with `carry: [".gpu-kit"]` and run `bash tools/gpu_kit/run.sh` there.
+GPU_KIT := .gpu-kit
+GPU_KIT_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+GPU_KIT_DOWNLOAD := $(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+  --require-hashes --python-version 3.12 --implementation cp --abi cp312 \
+  $(addprefix --platform ,$(GPU_KIT_PLATFORMS))
+gpu-kit: install
+	rm -rf $(GPU_KIT)
+	mkdir -p $(GPU_KIT)/fallback
+	$(GPU_KIT_DOWNLOAD) -d $(GPU_KIT) -r tools/gpu_kit/requirements.txt
+	$(GPU_KIT_DOWNLOAD) -d $(GPU_KIT)/fallback -r tools/gpu_kit/fallback.txt
+	$(PY) -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation --no-index -w $(GPU_KIT) .
+	$(PY) tools/gpu_kit/kit.py manifest $(GPU_KIT)
+
 # Three network namespaces on one machine (needs root; skipped with a reason otherwise).
 test-multihost: install
 	$(PY) -m pytest -q -rs tests/multihost
@@ -106,4 +124,4 @@ bench-quick: install
 	$(PY) -m bench --quick
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) tools/node_modules examples/node/node_modules build .pytest_cache
+	rm -rf $(VENV) $(ENGINE_VENV) tools/node_modules examples/node/node_modules build .pytest_cache $(GPU_KIT)

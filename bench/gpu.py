@@ -1,0 +1,302 @@
+"""`python -m bench.gpu --out DIR`: weightsync against plain CUDA copies of the same bytes.
+
+A bf16 model shaped like Qwen2.5-0.5B's layers, scaled to about --gb (1.5: 41 layers, 494
+tensors), lives on cuda:0. One weightsync server runs with CPU workers (its store in host memory),
+started as a user starts it (bench.servers.Server).
+
+(a) trainer -> server. The CUDA trainer pushes the model IN_PLACE over INLINE (bytes in the gRPC
+    stream) and SHM (buckets written into the server's shared memory), against `d2h_pinned`: a
+    plain `copy_(non_blocking=True)` of every tensor into preallocated pinned host tensors, then
+    `torch.cuda.synchronize()`. `d2h_pageable` (the same into ordinary host memory) shows what
+    host memory that is not pinned costs.
+(b) store -> engine. An engine on the same host (`weightsync.engine.EngineClient`) acquires the
+    committed version (the store mapped read-only) and copies every tensor into a module on
+    cuda:0 (`apply_to_module`), synchronizes and releases, against `h2d_pinned`: a plain copy of
+    the same tensors from pinned host memory; `h2d_pageable` from ordinary host memory.
+
+Every mode runs once to warm up, then --reps times, alternated; medians. The pushed and applied
+bytes are checked (verify() on the server, torch.equal on the engine's module). Writes
+DIR/gpu_bench.json and DIR/gpu_bench.md and prints the table. Without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 10**9
+MIB = 1 << 20
+DTYPE_BYTES = 2  # bfloat16
+
+# Qwen2.5-0.5B's shapes (tied embeddings): one layer is 12 tensors, about 29.8 MB in bf16.
+HIDDEN, KV, FFN, VOCAB = 896, 128, 4864, 151936
+LAYER = (
+    ("self_attn.q_proj.weight", (HIDDEN, HIDDEN)), ("self_attn.q_proj.bias", (HIDDEN,)),
+    ("self_attn.k_proj.weight", (KV, HIDDEN)), ("self_attn.k_proj.bias", (KV,)),
+    ("self_attn.v_proj.weight", (KV, HIDDEN)), ("self_attn.v_proj.bias", (KV,)),
+    ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+    ("mlp.gate_proj.weight", (FFN, HIDDEN)), ("mlp.up_proj.weight", (FFN, HIDDEN)),
+    ("mlp.down_proj.weight", (HIDDEN, FFN)),
+    ("input_layernorm.weight", (HIDDEN,)), ("post_attention_layernorm.weight", (HIDDEN,)),
+)
+
+SECTIONS = {
+    "push": ("Trainer -> server: CUDA tensors into a CPU worker's store", "d2h_pinned"),
+    "engine": ("Store -> engine: the committed version into a module on the GPU", "h2d_pinned"),
+}
+WHAT = {
+    "d2h_pinned": "plain copy_ to pinned host tensors + synchronize (the baseline)",
+    "d2h_pageable": "plain copy_ to ordinary host tensors + synchronize",
+    "push_inline": "client.push(transport='inline'), to Committed",
+    "push_shm": "client.push(transport='shm'), to Committed",
+    "h2d_pinned": "plain copy_ from pinned host tensors + synchronize (the baseline)",
+    "h2d_pageable": "plain copy_ from ordinary host tensors + synchronize",
+    "engine_apply": "EngineClient.acquire + apply_to_module (CUDA module) + synchronize + release",
+}
+
+
+# -- pure parts (tested without a GPU) ---------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_bench.json and gpu_bench.md")
+    parser.add_argument("--gb", type=float, default=1.5, help="model size in GB (10^9 bytes), bf16 (default 1.5)")
+    parser.add_argument("--reps", type=int, default=5, help="timed runs of every mode after one warm-up (default 5)")
+    parser.add_argument("--bucket-mib", type=int, default=128,
+                        help="push bucket size, and the server's ingress slot size (default 128)")
+    parser.add_argument("--workers", type=int, default=1, help="CPU workers of the server (default 1)")
+    args = parser.parse_args(argv)
+    if not 0.05 <= args.gb <= 16:
+        parser.error(f"--gb {args.gb}: between 0.05 and 16")
+    if args.reps < 1 or args.bucket_mib < 1 or args.workers < 1:
+        parser.error("--reps, --bucket-mib and --workers must be at least 1")
+    return args
+
+
+def model_shapes(target_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of a Qwen2-like model of about target_bytes in bf16 (at least one layer)."""
+    layer_bytes = sum(_numel(shape) for _, shape in LAYER) * DTYPE_BYTES
+    fixed_bytes = (VOCAB * HIDDEN + HIDDEN) * DTYPE_BYTES
+    layers = max(1, round((target_bytes - fixed_bytes) / layer_bytes))
+    shapes = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
+    shapes += [(f"model.layers.{i}.{name}", shape) for i in range(layers) for name, shape in LAYER]
+    shapes.append(("model.norm.weight", (HIDDEN,)))
+    return shapes
+
+
+def ingress_slot_bytes(bucket_bytes: int, largest_tensor_bytes: int) -> int:
+    """The server's ingress slot: an SHM bucket must fit one, and the SDK gives a tensor larger
+    than the bucket size a bucket of its own (the embedding: 272 MB)."""
+    return max(bucket_bytes, -(-largest_tensor_bytes // MIB) * MIB)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def summarize(mode: str, seconds: list[float], size: int, baseline_median: float | None = None) -> dict:
+    m = statistics.median(seconds)
+    run = {"mode": mode, "what": WHAT.get(mode, ""), "seconds": [round(s, 6) for s in seconds],
+           "median_seconds": round(m, 6), "gbps": round(size / m / GB, 3)}
+    if baseline_median:
+        run["x_baseline"] = round(m / baseline_median, 3)
+    return run
+
+
+def section(key: str, times: dict[str, list[float]], size: int) -> dict:
+    """One table: every mode's medians, and its time as a multiple of the section's baseline."""
+    title, baseline = SECTIONS[key]
+    base = statistics.median(times[baseline])
+    return {"key": key, "title": title, "baseline": baseline,
+            "runs": [summarize(mode, seconds, size, base) for mode, seconds in times.items()]}
+
+
+def markdown(results: dict) -> str:
+    model, cfg, machine = results["model"], results["config"], results["machine"]
+    lines = [
+        "# weightsync on a GPU (bench.gpu)", "",
+        f"Machine: {machine.get('gpu', '?')}, {machine.get('cores', '?')} cores, torch {machine.get('torch', '?')} "
+        f"(CUDA {machine.get('cuda', '?')}), Python {machine.get('python', '?')}.", "",
+        f"Model: {model['tensors']} bf16 tensors, {model['bytes'] / GB:.2f} GB (Qwen2.5-0.5B's shapes, "
+        f"{model['layers']} layers) on cuda:0. Server: {cfg['workers']} CPU worker(s), store in host memory, "
+        f"ingress slots of {cfg.get('ingress_slot_bytes', 0) // MIB} MiB; buckets of {cfg['bucket_bytes'] // MIB} MiB "
+        f"(a larger tensor gets its own). Medians of {cfg['reps']} after one warm-up, modes "
+        "alternated. `x baseline` = median / the section's plain-copy median (1.00: as fast as the copy).",
+    ]
+    for sec in results["sections"]:
+        lines += ["", f"## {sec['title']}", "", "| mode | median s | GB/s | x baseline | what |",
+                  "|---|---:|---:|---:|---|"]
+        for run in sec["runs"]:
+            lines.append(f"| {run['mode']} | {run['median_seconds']:.4f} | {run['gbps']:.2f} | "
+                         f"{run.get('x_baseline', 0):.2f} | {run['what']} |")
+    checks = results.get("verified", {})
+    if checks:
+        lines += ["", "Checked: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in checks.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def write(results: dict, out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    js, md = out / "gpu_bench.json", out / "gpu_bench.md"
+    js.write_text(json.dumps(results, indent=1) + "\n")
+    md.write_text(markdown(results))
+    return js, md
+
+
+# -- the measurements (CUDA) ---------------------------------------------------------------
+@dataclass(slots=True)
+class Copies:
+    """Host tensors shaped like the model: pinned and ordinary."""
+    pinned: dict
+    pageable: dict
+
+
+def _timed(action):
+    import torch
+
+    def run() -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        action()
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+    return run
+
+
+def _copy_all(targets: dict, sources: dict) -> None:
+    for name, target in targets.items():
+        target.copy_(sources[name], non_blocking=True)
+
+
+def make_model(shapes: list[tuple[str, tuple[int, ...]]]) -> dict:
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return {name: torch.randn(shape, device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
+            for name, shape in shapes}
+
+
+def measure_push(server, model: dict, copies: Copies, args: argparse.Namespace, size: int) -> tuple[dict, bool]:
+    from bench.harness import alternate
+    from weightsync.client import WeightSyncClient
+
+    bucket = args.bucket_mib * MIB
+    with WeightSyncClient(server.address, timeout=300) as client:
+        client.push(model, version="define", transport="inline", allow_new_tensors=True, bucket_size_bytes=bucket)
+
+        def push(transport: str):
+            return lambda: client.push(model, version=f"{transport}-{time.monotonic_ns()}", transport=transport,
+                                       bucket_size_bytes=bucket)
+
+        times = alternate({
+            "d2h_pinned": _timed(lambda: _copy_all(copies.pinned, model)),
+            "d2h_pageable": _timed(lambda: _copy_all(copies.pageable, model)),
+            "push_inline": _timed(push("inline")),
+            "push_shm": _timed(push("shm")),
+        }, args.reps, "gpu push")
+        verified = client.verify(model).ok
+    return section("push", times, size), verified
+
+
+def measure_engine(server, model: dict, copies: Copies, args: argparse.Namespace, size: int) -> tuple[dict, bool]:
+    import torch
+
+    from bench.engine_apply import module_with
+    from bench.harness import alternate
+    from weightsync.engine import EngineClient, apply_to_module
+
+    module = module_with(model)  # zeros like the model: on cuda:0
+    targets = {name: torch.empty_like(t) for name, t in model.items()}
+    with EngineClient(server=server.address, name="bench-gpu") as engine:
+
+        def engine_apply() -> None:
+            with engine.acquire() as snapshot:
+                apply_to_module(module, snapshot)
+                torch.cuda.synchronize()  # the copies ran before the lease goes
+
+        times = alternate({
+            "h2d_pinned": _timed(lambda: _copy_all(targets, copies.pinned)),
+            "h2d_pageable": _timed(lambda: _copy_all(targets, copies.pageable)),
+            "engine_apply": _timed(engine_apply),
+        }, args.reps, "gpu engine")
+    state = module.state_dict()
+    verified = all(torch.equal(state[name], tensor) for name, tensor in model.items())
+    return section("engine", times, size), verified
+
+
+def machine() -> dict:
+    import platform
+
+    import torch
+
+    from bench.machine import describe
+
+    m = describe()
+    m |= {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda, "python": platform.python_version()}
+    return m
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    from bench.progress import log
+    from bench.servers import Server
+
+    shapes = model_shapes(int(args.gb * GB))
+    model = make_model(shapes)
+    size = sum(t.numel() * t.element_size() for t in model.values())
+    log(f"model: {len(model)} bf16 tensors, {size / GB:.2f} GB on cuda:0")
+    copies = Copies(pinned={n: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for n, t in model.items()},
+                    pageable={n: torch.empty(t.shape, dtype=t.dtype) for n, t in model.items()})
+    slot = ingress_slot_bytes(args.bucket_mib * MIB, max(t.numel() * t.element_size() for t in model.values()))
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as workdir:
+        server = Server(args.workers, Path(workdir), extra=("--ingress-slot-bytes", str(slot)))
+        try:
+            push, push_ok = measure_push(server, model, copies, args, size)
+            _copy_all(copies.pinned, model)  # the h2d baselines copy the model's own bytes
+            _copy_all(copies.pageable, model)
+            torch.cuda.synchronize()
+            engine, engine_ok = measure_engine(server, model, copies, args, size)
+        except BaseException:
+            print(server.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
+            raise
+        finally:
+            server.stop()
+    return {"machine": machine(),
+            "model": {"tensors": len(model), "bytes": size, "dtype": "bfloat16",
+                      "layers": (len(model) - 2) // len(LAYER)},
+            "config": {"reps": args.reps, "bucket_bytes": args.bucket_mib * MIB, "workers": args.workers,
+                       "ingress_slot_bytes": slot},
+            "sections": [push, engine],
+            "verified": {"server holds the pushed bytes (verify)": push_ok,
+                         "engine's module equals the model": engine_ok}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"bench.gpu: skipped: no CUDA device here (torch {torch.__version__}); it runs on a GPU machine "
+              "(bash tools/gpu_kit/run.sh there)")
+        return 0
+    from weightsync.common.logging import configure_logging
+
+    configure_logging("warning")  # not a line per push
+    results = run(args)
+    js, md = write(results, args.out)
+    print(markdown(results))
+    print(f"wrote {js} and {md}")
+    return 0 if all(results["verified"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

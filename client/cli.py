@@ -118,14 +118,17 @@ def _info(args: argparse.Namespace) -> int:
         return 0
     version = info.current_version
     print(f"server       {args.server} (weightsync {info.server_version})")
-    print(f"store        {pb.StoreState.Name(info.store_state)}")
-    print(f"version      {version.version or '-'} (generation {version.generation})")
+    store = info.store
+    print(f"store        {pb.StoreState.Name(store.state)}: {store.tensor_count} tensors, {store.live_bytes} bytes "
+          f"live, {store.held_bytes} held in host memory (shadows included)")
+    print(f"version      {version.version or '-'} (generation {version.generation}, store epoch {version.store_epoch})")
     print(f"transports   {', '.join(pb.Transport.Name(t) for t in info.transports)}")
-    print(f"{'worker':>6}  {'device':<8} {'state':<22} {'store':<26} {'tensors':>8} {'bytes':>14} {'pid':>8} {'restarts':>8}")
+    print(f"{'worker':>6}  {'device':<8} {'state':<22} {'received':>14} {'staging':>14} {'pid':>8} {'restarts':>8}")
     for w in info.workers:
+        staging = f"{w.staging_bytes}{' dev' if w.staging_on_device else ''}"
         print(
-            f"{w.index:>6}  {w.device:<8} {pb.WorkerState.Name(w.state):<22} {pb.StoreState.Name(w.store_state):<26} "
-            f"{w.tensor_count:>8} {w.store_bytes:>14} {w.pid:>8} {w.restart_count:>8}"
+            f"{w.index:>6}  {w.device:<8} {pb.WorkerState.Name(w.state):<22} {w.received_bytes:>14} {staging:>14} "
+            f"{w.pid:>8} {w.restart_count:>8}"
         )
     return 0
 
@@ -162,7 +165,7 @@ def _push(args: argparse.Namespace) -> int:
             check = client.verify(tensors)
             if not check.ok:
                 first = check.mismatches[0]
-                raise RuntimeError(f"{len(check.mismatches)} checksum mismatches, first {first.name!r} on {first.server} worker {first.worker}")
+                raise RuntimeError(f"{len(check.mismatches)} checksum mismatches, first {first.name!r} on {first.server}")
             verified = "ok"
     print(
         f"pushed {result.version}: {result.tensor_count} tensors, {result.size_bytes} bytes "
@@ -183,7 +186,7 @@ def _verify(args: argparse.Namespace) -> int:
         return 0
     for m in result.mismatches[:20]:
         where = "missing" if m.remote is None else f"{m.remote:#018x} != local {m.local:#018x}"
-        print(f"{m.server} worker {m.worker}: {m.name}: {where}")
+        print(f"{m.server}: {m.name}: {where}")
     names = {m.name for m in result.mismatches}
     raise RuntimeError(f"{len(names)} tensors differ")
 

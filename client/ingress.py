@@ -35,7 +35,7 @@ def open_ingress(server: str, socket_path: str, token: str | None) -> IngressLea
             "use transport='inline' or 'collective'"
         ) from error
     try:
-        attach = local_pb2.LocalRequest(attach_store=local_pb2.AttachStoreRequest(worker_index=0, token=token or ""))
+        attach = local_pb2.LocalRequest(attach_store=local_pb2.AttachStoreRequest(token=token or ""))
         _expect(server, *connection.request(attach), "attach_store")
         response, fds = connection.request(local_pb2.LocalRequest(open_ingress=local_pb2.OpenIngressRequest()))
         opened = _expect(server, response, fds, "open_ingress")

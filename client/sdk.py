@@ -27,11 +27,10 @@ from typing import Literal
 
 import torch
 
-from weightsync.client import groups
+from weightsync.client import transfer_group
 from weightsync.client._loop import LoopThread
 from weightsync.client.delta import AUTO_DENSE_ABOVE, Delta, DeltaBase, DeltaChoice
 from weightsync.client.errors import UpdateFailed, WeightSyncClientError, WeightSyncRpcError
-from weightsync.client.groups import TransferGroup
 from weightsync.client.ingress import IngressLease, open_ingress
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.packing import PackBuffers, is_zero_copy
@@ -41,6 +40,7 @@ from weightsync.client.planning import DEFAULT_ZERO_COPY_MIN_BYTES, check_tensor
 from weightsync.client.push import UNSETTLED_RETRY_SECONDS, PushRun
 from weightsync.client.servers import Server, ServerSet
 from weightsync.client.sinks import CollectiveSink, InlineSink, ShmSink, Sink
+from weightsync.client.transfer_group import TransferGroup
 from weightsync.client.types import (
     PushProgress,
     PushResult,
@@ -153,7 +153,7 @@ class WeightSyncClient:
         """
         if self._group is not None:
             raise WeightSyncClientError(f"group {self._group.group_id} exists; delete_group() first")
-        group = groups.create(self._servers, backend=backend, timeout=timeout, group_id=group_id,
+        group = transfer_group.create(self._servers, backend=backend, timeout=timeout, group_id=group_id,
                               store_host=store_host, store_port=store_port)
         self._group = group
         if self._collective_buffers is None or self._collective_buffers.device != group.device:
@@ -169,7 +169,7 @@ class WeightSyncClient:
         Raises WeightSyncClientError naming the servers that refused to delete it."""
         group, self._group = self._group, None
         if group is not None:
-            groups.delete(self._servers, group)
+            transfer_group.delete(self._servers, group)
 
     @property
     def group_id(self) -> str | None:
@@ -201,7 +201,7 @@ class WeightSyncClient:
         all held at once; if it diverges, the update aborts and the committed
         weights stay as they were); otherwise it is materialised first, so
         that it is validated before any byte moves.
-        checksums: each bucket carries a WS64 checksum that every worker
+        checksums: each bucket carries a WS64 checksum that its receiving worker
         verifies (DATA_LOSS names the bucket on mismatch). None (default): on
         for every bucket whose bytes come from or through CUDA memory, where it
         costs a few percent of device bandwidth and nothing else checks the
@@ -380,7 +380,7 @@ class WeightSyncClient:
     # -- verify ------------------------------------------------------------------
     @_serialized
     def verify(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> VerifyResult:
-        """Compare local WS64 checksums with every worker of every server."""
+        """Compare local WS64 checksums with every server's store."""
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         check_tensors(items)
         with one_intra_op_thread():
@@ -395,18 +395,17 @@ class WeightSyncClient:
         answers = self._loop.run(fetch())
         mismatches = []
         for server, answer in zip(self._servers.servers, answers, strict=True):
-            for worker in answer.workers:
-                remote = {t.name: t.checksum.value for t in worker.tensors}
-                for name, value in local.items():
-                    if remote.get(name) != value:
-                        mismatches.append(TensorMismatch(server.address, worker.worker_index, name, value, remote.get(name)))
+            remote = {t.name: t.checksum.value for t in answer.tensors}
+            for name, value in local.items():
+                if remote.get(name) != value:
+                    mismatches.append(TensorMismatch(server.address, name, value, remote.get(name)))
         return VerifyResult(len(local), tuple(mismatches))
 
     @_serialized
     def adopt_base(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Take these tensors as what the servers hold now, for push(delta=...), where they do:
         a new trainer process (or the CLI) resumes sending patches without a dense push first.
-        Each server's every worker is checked tensor by tensor (WS64, as verify()); a server that
+        Each server's store is checked tensor by tensor (WS64, as verify()); a server that
         holds them, CONSISTENT, is recorded at its committed generation; the others get the next
         push dense. Returns the addresses that hold them. Keeps a copy (see delta_host_copy)."""
         items = _materialized(named_tensors)
@@ -422,7 +421,7 @@ class WeightSyncClient:
         for server, answer in zip(self._servers.servers, self._loop.run(fetch()), strict=True):
             if isinstance(answer, BaseException) or answer.store_state != pb.STORE_STATE_CONSISTENT:
                 continue
-            if all({t.name: t.checksum.value for t in w.tensors} == local for w in answer.workers):
+            if {t.name: t.checksum.value for t in answer.tensors} == local:
                 generations[server.address] = StoreGeneration(answer.version.store_epoch, answer.version.generation)
         self._delta.committed(items, None, generations)
         return sorted(generations)
@@ -436,10 +435,9 @@ class WeightSyncClient:
                 raise
         answer = await self._settled_checksums(server, pb.GetTensorChecksumsRequest())
         wanted = set(request.names)
-        for worker in answer.workers:
-            kept = [t for t in worker.tensors if t.name in wanted]
-            del worker.tensors[:]
-            worker.tensors.extend(kept)
+        kept = [t for t in answer.tensors if t.name in wanted]
+        del answer.tensors[:]
+        answer.tensors.extend(kept)
         return answer
 
     async def _settled_checksums(self, server: Server, request: pb.GetTensorChecksumsRequest):

@@ -8,7 +8,9 @@ sink reads a bucket's bytes through `Payload.read()` only, so no read can
 overtake the copies into them (read_order.py).
 
   COLLECTIVE  pack into pack buffer k % 2 while bucket k-1 is on the wire;
-              at most one broadcast in flight.
+              at most one bucket in flight. NCCL: a broadcast to the group.
+              Gloo: a send to each server's owner of the bucket alone (the
+              rank its Ready named), so a node receives each byte once.
   INLINE      pack, then cut into BucketChunks queued on every stream (gRPC
               flow control holds the trainer back when the server is slower;
               a server that stops taking chunks fails its stream, streams.py).
@@ -33,7 +35,7 @@ from weightsync.client.planning import PlannedBucket
 from weightsync.client.streams import UpdateStream
 from weightsync.client.wire import encode_bucket_chunk
 from weightsync.common.checksum import tensor_checksum
-from weightsync.common.collective import CollectiveError, CollectiveGroup, bucket_tail
+from weightsync.common.collective import CollectiveError, CollectiveGroup, bucket_tag, bucket_tail
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -63,7 +65,7 @@ def announce(loop: LoopThread, streams: list[UpdateStream], index: int, size: in
 
 
 class CollectiveSink:
-    """Broadcast each bucket to the group (rank 0 is us)."""
+    """Send each bucket to the group (rank 0 is us): a broadcast (NCCL), or to its owners (Gloo)."""
 
     transport = pb.TRANSPORT_COLLECTIVE
 
@@ -71,8 +73,8 @@ class CollectiveSink:
         self._loop = loop
         self._collective = collective
         self.buffers = buffers
-        self._in_flight: dist.Work | None = None
-        """The previous bucket's broadcast, still on the wire."""
+        self._in_flight: list[dist.Work] = []
+        """The previous bucket's transfers, still on the wire."""
         self.broken = False
         """A broadcast of ours failed or timed out: the group is unusable on every rank."""
 
@@ -91,22 +93,38 @@ class CollectiveSink:
         # tail lets them tell a short broadcast from a full one; read() waited for the pack copies.
         announce(self._loop, streams, index, payload.size, checksum, bucket_tail(data))
         try:
-            self._in_flight = self._collective.broadcast_async(data)
+            if self._collective.backend == pb.BACKEND_NCCL:
+                self._in_flight = [self._collective.broadcast_async(data)]
+            else:
+                self._in_flight = [self._collective.send_async(data, rank, bucket_tag(index))
+                                   for rank in owner_ranks(streams, index)]
         except CollectiveError:
             self.broken = True
             raise
         return None
 
     def finish(self) -> BaseException | None:
-        work, self._in_flight = self._in_flight, None
-        if work is None:
-            return None
-        try:
-            self._collective.wait(work)
-            return None
-        except CollectiveError as error:
-            self.broken = True
-            return error
+        works, self._in_flight = self._in_flight, []
+        failure: BaseException | None = None
+        for work in works:  # every one, even after a failure: none is left in flight
+            try:
+                self._collective.wait(work)
+            except CollectiveError as error:
+                self.broken = True
+                failure = failure or error
+        return failure
+
+
+def owner_ranks(streams: list[UpdateStream], index: int) -> list[int]:
+    """The group ranks that receive bucket `index`: each server's owner, from its Ready."""
+    ranks = []
+    for stream in streams:
+        owners = stream.ready.result().bucket_owner_ranks
+        if index >= len(owners):
+            raise CollectiveError(f"{stream.server} named no receiver for bucket {index} (UpdateReady."
+                                  "bucket_owner_ranks): a server older than this SDK", timed_out=False)
+        ranks.append(owners[index])
+    return ranks
 
 
 class InlineSink:

@@ -84,10 +84,9 @@ class PushProgress:
 
 @dataclass(frozen=True, slots=True)
 class TensorMismatch:
-    """A tensor whose checksum on a server's worker differs from the local one."""
+    """A tensor whose checksum in a server's store differs from the local one."""
 
     server: str
-    worker: int
     name: str
     local: int
     remote: int | None

@@ -71,6 +71,11 @@ def bucket_tail(buffer: torch.Tensor) -> bytes:
     return bytes(buffer[buffer.numel() - n :].cpu().tolist()) if n else b""
 
 
+def bucket_tag(sequence: int) -> int:
+    """The Gloo tag of bucket `sequence`'s send to its owner (tags are 32-bit: they wrap)."""
+    return sequence % (1 << 31)
+
+
 # -- running something that may hang -----------------------------------------------------
 def run_bounded(fn: Callable[[], None], timeout: float, name: str) -> bool:
     """Run fn in a thread of its own and wait for it at most `timeout` seconds; True if it finished
@@ -198,6 +203,25 @@ class CollectiveGroup:
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.wait(self.broadcast_async(tensor))
+
+    def send_async(self, tensor: torch.Tensor, destination: int, tag: int) -> dist.Work:
+        """Start sending to one rank (Gloo: a bucket goes to its owner only); wait() on the result."""
+        if self._pg is None:
+            raise CollectiveError(f"group {self.group_id} is closed", timed_out=False)
+        try:
+            return self._pg.send([tensor], destination, tag)  # type: ignore[attr-defined]
+        except RuntimeError as error:
+            raise CollectiveError(str(error), timed_out=_looks_like_timeout(error)) from error
+
+    def receive(self, tensor: torch.Tensor, source: int, tag: int) -> None:
+        """Receive what `source` sends with `tag`, within the group's timeout."""
+        if self._pg is None:
+            raise CollectiveError(f"group {self.group_id} is closed", timed_out=False)
+        try:
+            work = self._pg.recv([tensor], source, tag)  # type: ignore[attr-defined]
+        except RuntimeError as error:
+            raise CollectiveError(str(error), timed_out=_looks_like_timeout(error)) from error
+        self.wait(work)
 
     def close(self, join_seconds: float = CLOSE_JOIN_SECONDS) -> bool:
         """Abort and release the communicator, waiting at most join_seconds; safe to call twice.

@@ -21,6 +21,9 @@ class WeightSyncError(Exception):
     """Set when the failure left a transfer group unusable (its collective failed)."""
     worker_index: int | None = None
     """Set when one worker reported the failure."""
+    store_touched: bool = True
+    """A bucket's receive that failed: whether its bytes may have reached the store (the worker says;
+    a failure nobody reported, a worker's death, is assumed to have)."""
 
     def __init__(self, reason: str, message: str, **metadata: object) -> None:
         super().__init__(message)

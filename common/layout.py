@@ -18,6 +18,8 @@ from weightsync.v1 import tensor_pb2
 
 ALIGN_BYTES = 64
 DEFAULT_BUCKET_BYTES = 256 << 20
+SEGMENT_ALIGN_BYTES = 4096
+"""Store segments start on page boundaries inside their arena (engines map whole arenas)."""
 
 
 def align_up(value: int, alignment: int = ALIGN_BYTES) -> int:
@@ -25,6 +27,11 @@ def align_up(value: int, alignment: int = ALIGN_BYTES) -> int:
     if alignment <= 0:
         raise ValueError(f"alignment must be positive, got {alignment}")
     return -(-value // alignment) * alignment
+
+
+def align_segment(size: int) -> int:
+    """A store segment's footprint in its arena: its size rounded up to a page."""
+    return align_up(size, SEGMENT_ALIGN_BYTES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,22 +1,19 @@
 """The engine's connection to the node's weightsync server (its local socket).
 
-`EngineClient` attaches to the worker store on the engine's device. `acquire()`
-returns a `StoreSnapshot`: the committed version, pinned by a lease until
-released, with every tensor as a read-only view into the mapped store (host
-memory: the arenas' descriptors, mapped MAP_SHARED, PROT_READ; CUDA: IPC
-handles, same GPU). Nothing is copied until the engine copies it into its own
-model; releasing says whether the engine now serves that version, which the
+`EngineClient` attaches to the node's store: one store per node, in host memory the
+server keeps, which every engine process of the node (every tensor-parallel rank of
+vLLM included) maps read-only and loads what it needs from with its own loader.
+`acquire()` returns a `StoreSnapshot`: the committed version, pinned by a lease until
+released, with every tensor as a read-only view into the mapped store (the arenas'
+descriptors, mapped MAP_SHARED, PROT_READ). Nothing is copied until the engine copies it
+into its own model; releasing says whether the engine now serves that version, which the
 server reports in GetServerInfo.engines and WatchWeights.
 
-GPU identity: a CUDA engine attaches with its GPU's UUID, and the server
-picks the worker on that GPU (never by ordinal: this process may number its
-GPUs otherwise). An IPC handle names its GPU's UUID too; it is opened on this
-process's ordinal for that UUID. Arenas are mapped once and kept while the
-worker process that exported them lives (AcquireVersionResponse.worker_
-incarnation); a new incarnation's arenas replace the old mappings, which
-close when their last view goes. Releasing first waits for every copy this
-process queued on the store's GPU(s): an IN_PLACE update may overwrite
-those bytes as soon as the lease is gone.
+Arenas are mapped once and kept (an arena id is never reused in a server's life); a CUDA
+engine (device="cuda:N") also pins each mapping for the device's DMA engines, so copies
+to the GPU are asynchronous and at full speed. Releasing first waits for every copy this
+process queued on its device: an IN_PLACE update may overwrite the store's bytes as soon
+as the lease is gone.
 """
 
 from __future__ import annotations
@@ -34,14 +31,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from weightsync.common import dtypes
-from weightsync.common.device_identity import (
-    cuda_ordinal,
-    cuda_uuid,
-    is_cuda,
-    local_ordinal,
-    visible_uuids,
-)
-from weightsync.common.errors import WeightSyncError, status_code
+from weightsync.common.errors import status_code
+from weightsync.common.host_pinning import READ_ONLY, pin_host, unpin_host
 from weightsync.common.local_wire import LocalConnection, close_fds
 from weightsync.v1 import local_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -62,23 +53,19 @@ class EngineError(Exception):
 @dataclass(slots=True)
 class _Mapped:
     identity: tuple
-    """What makes it the same memory: the inode (host), or (worker incarnation, GPU UUID, IPC handle,
-    offset) (CUDA). Arena ids alone are reused by a restarted store."""
+    """What makes it the same memory: the arena's inode (memfd inodes are not reused while mapped)."""
     data: torch.Tensor
-    mapping: mmap.mmap | None
+    mapping: mmap.mmap
+    pinned: list[int] = field(default_factory=list)
 
-
-def cuda_identity(incarnation: int, arena: local_pb2.ArenaHandle) -> tuple:
-    cuda = arena.cuda
-    return (incarnation, cuda.device_uuid, bytes(cuda.handle), cuda.offset_bytes, arena.size_bytes)
+    def close(self) -> None:
+        unpin_host(self.pinned)
+        self.pinned = []
 
 
 def devices_to_synchronize(devices: Iterable[torch.device]) -> list[torch.device]:
-    """The CUDA devices whose queued work must finish before a lease goes, sorted.
-
-    A copy out of the store runs on a stream of the store's device (torch runs a cross-device copy
-    on the source's stream), so finishing the store's devices finishes every read of its bytes.
-    Host memory is read synchronously."""
+    """The CUDA devices whose queued work must finish before a lease goes, sorted: the engine's own
+    (its copies from the pinned store run there, asynchronously). Host copies are synchronous."""
     return sorted({d for d in devices if d.type == "cuda"}, key=lambda d: d.index or 0)
 
 
@@ -101,7 +88,7 @@ class StoreSnapshot:
     released: bool = False
     applied: bool = field(default=False, repr=False)
     devices: frozenset[torch.device] = frozenset()
-    """Where the mapped store lives: release() waits for this process's work on them first."""
+    """The engine's CUDA device, if any: release() waits for this process's work there first."""
 
     @property
     def generation(self) -> int:
@@ -132,7 +119,7 @@ class StoreSnapshot:
 
 
 class EngineClient:
-    """Attach to the worker store on a device, read versions, report what is served."""
+    """Attach to the node's store, read versions, report what is served."""
 
     def __init__(
         self,
@@ -146,10 +133,14 @@ class EngineClient:
         timeout: float = 60.0,
     ) -> None:
         """server: the node's gRPC address (its local socket is looked up with GetServerInfo), or
-        socket_path: the local socket itself. device: this engine's device ("cpu", "cuda:N" in this
-        process's numbering). worker: an index, or -1 for the worker on `device` (a GPU: the worker
-        on the same physical GPU, found by UUID)."""
-        device_uuid = _own_uuid(device) if worker < 0 else ""
+        socket_path: the local socket itself. device: where this engine copies the weights ("cpu",
+        "cuda:N" in this process's numbering): a CUDA engine pins the mapped store and waits for its
+        copies before a release. worker: ignored (servers before 0.3 kept one replica per worker)."""
+        del worker
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise EngineError("DEVICE_UNAVAILABLE", f"this process has no CUDA device {device!r}",
+                              metadata={"device": device})
         if socket_path is None:
             if server is None:
                 raise ValueError("give server (host:port) or socket_path")
@@ -158,18 +149,11 @@ class EngineClient:
         self.name = name
         self._connection = LocalConnection(socket_path, timeout)
         self._mapped: dict[int, _Mapped] = {}
-        self._visible: list[str] | None = None
-        """This process's GPUs' UUIDs by ordinal, asked once."""
         try:
-            attached = self._request(attach_store=local_pb2.AttachStoreRequest(
-                engine_name=name, worker_index=worker, device=device, token=token or "",
-                device_uuid=device_uuid))[0].attach_store
+            self._request(attach_store=local_pb2.AttachStoreRequest(engine_name=name, token=token or ""))
         except BaseException:
             self._connection.close()
             raise
-        self.worker_index = attached.worker_index
-        self.device = attached.device
-        self.device_uuid = attached.device_uuid
 
     # -- requests --------------------------------------------------------------------
     def _request(self, **kwargs) -> tuple[local_pb2.LocalResponse, list[int]]:
@@ -191,7 +175,7 @@ class EngineClient:
         response, fds = self._request(acquire_version=request)
         acquired = response.acquire_version
         try:
-            arenas = {a.arena_id: self._map(a, fds, acquired.worker_incarnation) for a in acquired.arenas}
+            arenas = {a.arena_id: self._map(a, fds) for a in acquired.arenas}
             self._forget_unlisted(arenas)
             tensors = {t.name: _view(arenas[t.arena_id], t) for t in acquired.tensors}
         except BaseException as error:
@@ -200,52 +184,43 @@ class EngineClient:
             raise
         close_fds(fds)  # mapped: the descriptors are not needed any more
         written = {t.name: t.written_generation for t in acquired.tensors}
-        return StoreSnapshot(self, acquired.lease_id, acquired.version, tensors, written,
-                             devices=frozenset(a.device for a in arenas.values()))
+        devices = frozenset({self.device}) if self.device.type == "cuda" else frozenset()
+        return StoreSnapshot(self, acquired.lease_id, acquired.version, tensors, written, devices=devices)
 
     def _release(self, lease_id: int, *, applied: bool, error: str) -> None:
         self._request(release_version=local_pb2.ReleaseVersionRequest(lease_id=lease_id, applied=applied,
                                                                       error=error[:2000]))
 
     # -- mapping ------------------------------------------------------------------------
-    def _map(self, arena: local_pb2.ArenaHandle, fds: list[int], incarnation: int) -> torch.Tensor:
-        """The arena's bytes, mapped once per memory: a later acquire of the same memory reuses the
-        mapping (so CUDA IPC reference counts stay at one per arena, not one per acquire)."""
-        if arena.fd_index < 0:
-            identity = cuda_identity(incarnation, arena)
-        else:
-            identity = ("host", os.fstat(fds[arena.fd_index]).st_ino)  # memfd inodes are never reused
+    def _map(self, arena: local_pb2.ArenaHandle, fds: list[int]) -> torch.Tensor:
+        """The arena's bytes, mapped once per memory: a later acquire of the same arena reuses the mapping."""
+        if not 0 <= arena.fd_index < len(fds):
+            raise EngineError("ANSWER_MALFORMED", f"arena {arena.arena_id} names descriptor {arena.fd_index} of "
+                              f"{len(fds)}")
+        identity = ("host", os.fstat(fds[arena.fd_index]).st_ino)
         known = self._mapped.get(arena.arena_id)
         if known is not None and known.identity == identity:
             return known.data
-        self._mapped.pop(arena.arena_id, None)  # the old memory goes once its last view does
-        if arena.fd_index < 0:
-            data, mapping = self._open_cuda(arena), None
-        else:
-            mapping = mmap.mmap(fds[arena.fd_index], arena.size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            with warnings.catch_warnings():  # read-only on purpose: torch warns that it cannot write
-                warnings.simplefilter("ignore", UserWarning)
-                data = torch.frombuffer(mapping, dtype=torch.uint8)
-        self._mapped[arena.arena_id] = _Mapped(identity, data, mapping)
+        old = self._mapped.pop(arena.arena_id, None)
+        if old is not None:
+            old.close()
+        mapping = mmap.mmap(fds[arena.fd_index], arena.size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():  # read-only on purpose: torch warns that it cannot write
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(mapping, dtype=torch.uint8)
+        pinned = pin_host(data, READ_ONLY) if self.device.type == "cuda" else []
+        self._mapped[arena.arena_id] = _Mapped(identity, data, mapping, pinned)
         return data
 
     def _forget_unlisted(self, listed: dict[int, torch.Tensor]) -> None:
         """Drop mappings of arenas the store no longer lists."""
         for arena_id in [a for a in self._mapped if a not in listed]:
-            del self._mapped[arena_id]
-
-    def _open_cuda(self, arena: local_pb2.ArenaHandle) -> torch.Tensor:
-        """Map a CUDA worker's arena through its IPC handle, on this process's ordinal of its GPU."""
-        if self._visible is None:
-            self._visible = visible_uuids()
-        try:
-            ordinal = local_ordinal(arena.cuda.device_uuid, self._visible)
-        except WeightSyncError as error:
-            raise EngineError(error.reason, error.message, error.code, error.metadata) from None
-        return _open_cuda(arena, ordinal)
+            self._mapped.pop(arena_id).close()
 
     def close(self) -> None:
         self._connection.close()
+        for mapped in self._mapped.values():
+            mapped.close()
         self._mapped.clear()  # mappings go with the last view
 
     def __enter__(self) -> EngineClient:
@@ -260,29 +235,6 @@ def _view(arena: torch.Tensor, t: local_pb2.StoredTensorLocation) -> torch.Tenso
     if t.size_bytes == 0:
         return torch.empty(tuple(t.shape), dtype=dtype, device=arena.device)
     return arena[t.offset_bytes : t.offset_bytes + t.size_bytes].view(dtype).view(tuple(t.shape))
-
-
-def _open_cuda(arena: local_pb2.ArenaHandle, ordinal: int) -> torch.Tensor:
-    """Map a CUDA worker's arena through its IPC handle (same GPU, another process), as cuda:ordinal
-    of this process (the handle's own `device` is the worker's numbering, not ours)."""
-    cuda = arena.cuda
-    storage = torch.UntypedStorage._new_shared_cuda(  # noqa: SLF001 - torch's own IPC entry point
-        ordinal, cuda.handle, cuda.allocation_size_bytes, cuda.offset_bytes, cuda.ref_counter_handle,
-        cuda.ref_counter_offset, cuda.event_handle or None, cuda.event_sync_required,
-    )
-    data = torch.empty(0, dtype=torch.uint8, device=f"cuda:{ordinal}").set_(storage)
-    return data[: arena.size_bytes]
-
-
-def _own_uuid(device: str) -> str:
-    """This process's GPU UUID for a CUDA `device` ("" for CPU); EngineError if it has no such GPU."""
-    if not is_cuda(device):
-        return ""
-    try:
-        return cuda_uuid(cuda_ordinal(device))
-    except (ValueError, RuntimeError, AssertionError) as error:  # AssertionError: a CPU build of torch
-        raise EngineError("DEVICE_UNAVAILABLE", f"this process has no CUDA device {device!r}: {error}",
-                          metadata={"device": device}) from None
 
 
 def _local_socket_of(server: str, token: str | None, timeout: float) -> str:

@@ -6,10 +6,11 @@ plugin in vllm_plugin.py registers it). vLLM's weight-transfer calls map to:
 
   init_weight_transfer_engine {"init_info": {"local_socket": PATH | "server": HOST:PORT,
                                              "worker": -1, "engine_name": "", "token": ""}}
-      attach an EngineClient to the worker store on this device (the node's
-      weightsync server; its local socket). worker -1 (what the server's
-      driver sends): each vLLM worker (tensor-parallel rank) finds the
-      weightsync worker on its own GPU by UUID, whatever its CUDA ordinal.
+      attach an EngineClient to the node's store (the node's weightsync
+      server; its local socket): every vLLM worker (tensor-parallel rank)
+      maps the same one store, read-only, and loads its shard of it with
+      vLLM's own load_weights. ("worker" is accepted and ignored: servers
+      before 0.3 kept a replica per weightsync worker.)
   start_weight_update
       opens a session; touches nothing.
   update_weights {"update_info": {"generation": 0, "since_generation": -1}}
@@ -103,8 +104,8 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     server: str = ""
     """The server's gRPC address (host:port); its local socket is looked up."""
     worker: int = -1
-    """The weightsync worker whose store to read; -1: the one on this vLLM worker's own device (a GPU:
-    the same physical GPU, by UUID; so every tensor-parallel rank reads the store on its GPU)."""
+    """Ignored: the node has one store, which every tensor-parallel rank reads (kept so that drivers of
+    older servers, which name a worker, still attach)."""
     engine_name: str = ""
     """Empty when the server drives this vLLM (--engine) and reports for it; else the name the
     server shows in GetServerInfo.engines (kind "local")."""
@@ -316,8 +317,8 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         except OSError as error:
             where = init_info.local_socket or init_info.server
             raise WeightSyncUpdateError("SERVER_UNREACHABLE", f"cannot reach weightsync at {where}: {error}") from None
-        logger.info("weightsync: attached to worker %d (%s) at %s as %r", self._client.worker_index,
-                    self._client.device, self._client.socket_path, init_info.engine_name or "(driven)")
+        logger.info("weightsync: attached to the node's store at %s as %r (this rank's device: %s)",
+                    self._client.socket_path, init_info.engine_name or "(driven)", self._client.device)
 
     def start_weight_update(self) -> None:
         self._require_client()

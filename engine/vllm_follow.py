@@ -66,11 +66,10 @@ class VllmFollower:
         self._failed_generation = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        # This connection only reads the version and store state, so any worker does (this process
-        # may have no GPU at all): the given one, else worker 0. vLLM's workers attach on their own,
-        # as `name`, each to the worker on its own GPU (worker -1: by UUID) unless one was given.
+        # This connection only reads the version and store state (this process may have no GPU at all).
+        # vLLM's workers attach on their own, as `name`: every rank maps the node's one store.
         self._status = EngineClient(server=server, socket_path=socket_path, name="",
-                                    worker=worker if worker >= 0 else 0, token=token, timeout=timeout)
+                                    token=token, timeout=timeout)
         try:
             llm.init_weight_transfer_engine({"init_info": {
                 "local_socket": self._status.socket_path, "worker": worker,

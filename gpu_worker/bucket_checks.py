@@ -14,18 +14,20 @@ complement (a relaying rank forwards its whole buffer, end included).
 
 A broadcast longer than the buffer cannot be caught this way: Gloo aborts the
 receiving process, and the node keeps its weights because the store lives in
-memory the server keeps (see memory.py).
+memory the server keeps (server/node_store.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from weightsync.common.checksum import ws64
 from weightsync.common.collective import tail_length
 from weightsync.common.errors import DataLoss, InvalidArgument
-from weightsync.gpu_worker.update_plan import TensorCheck
 from weightsync.v1 import tensor_pb2
+from weightsync.worker.v1 import worker_pb2 as wpb
 
 
 def check_tail_announced(sequence: int, size_bytes: int, tail: bytes) -> None:
@@ -77,7 +79,7 @@ def check_tail(sequence: int, buffer: torch.Tensor, tail: bytes) -> None:
 
 
 def verify_bucket(
-    sequence: int, checks: tuple[TensorCheck, ...], received: torch.Tensor, bucket_checksum: tensor_pb2.Checksum
+    sequence: int, checks: Sequence[wpb.TensorCheck], received: torch.Tensor, bucket_checksum: tensor_pb2.Checksum
 ) -> None:
     """DATA_LOSS naming the bucket or tensor whose bytes do not match their checksum."""
     if bucket_checksum.algorithm == tensor_pb2.CHECKSUM_ALGORITHM_WS64:

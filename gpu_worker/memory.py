@@ -1,25 +1,22 @@
-"""Store memory: arenas, each one contiguous block that holds many segments.
+"""A worker's memory: its mappings of the node store, its staging buffers, and the device helpers.
 
-On CPU an arena is a memfd (anonymous shared memory): the worker maps it, and
-at commit hands the descriptor to the server, which keeps it open. The memory
-therefore outlives the worker process: a restarted worker maps the same bytes
-again, and an engine on the host can map them read-only. A memfd is not a
-file in /dev/shm, so nothing is left behind and no /dev/shm size limit
-applies; it counts against the container's memory limit like any memory.
+The node store is the server's (server/arenas.py): memfd arenas it creates and keeps. A
+worker maps every arena read-write (the descriptors come over its fd channel) and writes
+the buckets it owns into them; the memory outlives the worker, so its death loses nothing.
+A mapping's pages are faulted in when it is made, so the first bucket received into it
+does not pay a page fault per 4 KiB (on CPU that costs Gloo about 4x its throughput).
+That takes a while for a large arena and must never hold the GIL meanwhile: the worker's
+heartbeat thread has to keep beating, or the server takes a busy worker for a stalled one
+(mmap.madvise holds the GIL for the whole call; madvise through ctypes, in chunks, does not).
 
-On CUDA an arena is plain device memory owned by the worker process, and dies
-with it (the store reads LOST until refilled).
+A CUDA worker copies what NCCL delivered into its device staging buffers to the store
+with the device's DMA engines: it pins each mapping (cudaHostRegister) when it maps it,
+so those copies are asynchronous and at full speed. If pinning fails the copies still
+work, synchronously, and the worker says so once.
 
-Arenas are pre-faulted when created, so the first broadcast into them does not
-pay a page fault per 4 KiB (on CPU that costs Gloo about 4x its throughput).
-Pre-faulting a large arena takes seconds, and must never hold the GIL meanwhile:
-the worker's heartbeat thread has to keep beating, or the server takes a busy
-worker for a stalled one (mmap.madvise holds the GIL for the whole call; madvise
-through ctypes, in chunks, does not).
-
-The device helpers at the end are the CUDA decisions of the store (what memory
-counts as available, when to wait for the device's copies), kept small and
-pure where they can be, so they are tested on CPU.
+The device helpers at the end are the CUDA decisions (what memory counts as available,
+when to wait for the device's copies), kept small and pure where they can be, so they
+are tested on CPU.
 """
 
 from __future__ import annotations
@@ -32,52 +29,40 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync.common.host_pinning import pin_host, unpin_host
+
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; mmap does not name it before Python 3.13
 POPULATE_CHUNK_BYTES = 64 << 20
 """Pre-fault in chunks: each madvise call is short even where the GIL would be held."""
-SEGMENT_ALIGN_BYTES = 4096
-"""Segments start on page boundaries inside an arena (engines map whole arenas)."""
-
-
-def align_segment(size: int) -> int:
-    return -(-size // SEGMENT_ALIGN_BYTES) * SEGMENT_ALIGN_BYTES
 
 
 @dataclass(slots=True)
-class Arena:
-    """One block of store memory; segments are byte ranges of `data`."""
+class MappedArena:
+    """One arena of the node store, mapped read-write in this worker."""
 
     arena_id: int
     data: torch.Tensor
     """uint8 over the whole arena."""
-    fd: int = -1
-    """The memfd (host arenas); -1 for device memory."""
-    mapping: mmap.mmap | None = None
+    mapping: mmap.mmap
+    pinned: list[int]
+    """CUDA: base addresses registered with cudaHostRegister (unregistered when unmapped)."""
 
     @property
     def size_bytes(self) -> int:
         return self.data.numel()
 
-    @property
-    def shareable(self) -> bool:
-        """Whether the server can keep this arena alive (host shared memory)."""
-        return self.fd >= 0
-
     def region(self, offset_bytes: int, size_bytes: int) -> torch.Tensor:
         return self.data[offset_bytes : offset_bytes + size_bytes]
 
     def release(self) -> None:
-        """Unmap and close. Views handed out before must be dropped first."""
+        """Unpin and unmap. Views handed out before must be dropped first."""
+        unpin_host(self.pinned)
+        self.pinned = []
         self.data = torch.empty(0, dtype=torch.uint8)
-        if self.mapping is not None:
-            try:
-                self.mapping.close()
-            except BufferError:  # a view is still alive: the GC unmaps it later
-                pass
-            self.mapping = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        try:
+            self.mapping.close()
+        except BufferError:  # a view is still alive: the GC unmaps it later
+            pass
 
 
 def _libc_madvise():
@@ -108,36 +93,18 @@ def populate(data: torch.Tensor) -> None:
             data[start : start + length].zero_()  # older kernel: touch the pages by hand
 
 
-def _map_host(fd: int, size_bytes: int, *, prefault: bool) -> tuple[mmap.mmap, torch.Tensor]:
-    mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    data = torch.frombuffer(mapping, dtype=torch.uint8)
-    if prefault:
-        populate(data)
-    return mapping, data
-
-
-def allocate_arena(arena_id: int, size_bytes: int, device: torch.device) -> Arena:
-    """A zero-filled, pre-faulted arena of at least one page."""
-    size_bytes = align_segment(max(size_bytes, 1))
-    if device.type != "cpu":
-        return Arena(arena_id, torch.zeros(size_bytes, dtype=torch.uint8, device=device))
-    fd = os.memfd_create(f"weightsync-arena-{arena_id}", os.MFD_CLOEXEC)
+def map_arena(arena_id: int, fd: int, size_bytes: int, device: torch.device) -> MappedArena:
+    """Map an arena the server sent, fault its pages in, and pin it on a CUDA worker; closes `fd`."""
     try:
-        os.ftruncate(fd, size_bytes)
-        mapping, data = _map_host(fd, size_bytes, prefault=True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return Arena(arena_id, data, fd, mapping)
-
-
-def map_arena(arena_id: int, fd: int, size_bytes: int) -> Arena:
-    """Map an arena handed over by the server (a restarted worker's store)."""
-    actual = os.fstat(fd).st_size
-    if actual != size_bytes:
-        raise ValueError(f"arena {arena_id}: descriptor holds {actual} bytes, the manifest says {size_bytes}")
-    mapping, data = _map_host(fd, size_bytes, prefault=False)
-    return Arena(arena_id, data, fd, mapping)
+        actual = os.fstat(fd).st_size
+        if actual != size_bytes:
+            raise ValueError(f"arena {arena_id}: its descriptor holds {actual} bytes, the server says {size_bytes}")
+        mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)  # the mapping keeps the memory; the server holds the arena itself
+    data = torch.frombuffer(mapping, dtype=torch.uint8)
+    populate(data)
+    return MappedArena(arena_id, data, mapping, pin_host(data) if device.type == "cuda" else [])
 
 
 def map_ingress(fd: int, size_bytes: int) -> torch.Tensor | None:

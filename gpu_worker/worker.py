@@ -1,22 +1,21 @@
-"""The worker's command loop: one device, one store, its groups.
+"""The worker's command loop: one device, its groups, its part of the node's updates.
 
-    prepare_update   the store takes the update in, SIZED (needed_bytes > 0: it waits
-                     for the server's admission), or allocated at once
-    allocate_update  SIZED -> receiving
-    receive_bucket   one bucket, from a broadcast or the ingress
-    commit_update    the new version goes live
+    map_arenas       map arenas of the node store (descriptors on the fd channel)
+    unmap_arenas     drop the mappings of arenas the store no longer uses
+    prepare_update   take this worker's part of an update in: its buckets and their places
+    receive_bucket   one bucket, from a Gloo receive, an NCCL broadcast or the ingress
+    commit_update    STAGED patches scattered, every copy done
     abort_update, leave_group of the update's group, shutdown: the update is dropped
     shutdown         exit 0
 
-The update's lifecycle (and every check on a bucket) lives in store.py; this
-module only dispatches, and reports what the store became. Commands are
-handled one at a time, in order; each gets exactly one event with the same
-command_id: its result or CommandFailed. A command blocks the loop only inside
-a collective (every collective has its group's timeout) or a join (bounded by
-its deadline, see groups.py).
+The update's lifecycle (and every check on a bucket) lives in receiver.py; this module only
+dispatches. Commands are handled one at a time, in order; each gets exactly one event with
+the same command_id: its result or CommandFailed. A command blocks the loop only inside a
+collective (every collective has its group's timeout) or a join (bounded by its deadline,
+see groups.py).
 
 A sticky CUDA error ends the process after its CommandFailed went out (see
-device_faults.py): the supervisor restarts the worker on the store it kept.
+device_faults.py): the supervisor restarts the worker; the store is the server's.
 """
 
 from __future__ import annotations
@@ -32,19 +31,19 @@ from weightsync.common.collective import CollectiveError, backend_for_device
 from weightsync.common.device_identity import cuda_uuid
 from weightsync.common.errors import (
     Aborted,
+    FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     WeightSyncError,
     code_number,
 )
-from weightsync.common.fd_passing import send_fds
+from weightsync.common.fd_passing import recv_fds
 from weightsync.common.logging import get_logger
 from weightsync.common.shm_queue import ShmQueue
 from weightsync.gpu_worker.device_faults import DeviceFault, classify
-from weightsync.gpu_worker.groups import GroupTable
-from weightsync.gpu_worker.memory import available_bytes, map_ingress
-from weightsync.gpu_worker.store import Applied, StoreUpdate, WeightStore
-from weightsync.gpu_worker.update_plan import PlanCache, derive_update_plan
+from weightsync.gpu_worker.group_table import GroupTable
+from weightsync.gpu_worker.memory import available_bytes, map_arena, map_ingress
+from weightsync.gpu_worker.receiver import Applied, Receiver
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -66,7 +65,7 @@ class _DeviceFailed(Exception):
 
 
 class Worker:
-    """Owns the store, the groups and the current update of one device."""
+    """Owns the groups, the mapped node store and the current update of one device."""
 
     def __init__(
         self,
@@ -80,21 +79,18 @@ class Worker:
         self.commands = commands
         self.events = events
         self.fd_channel = fd_channel
-        self.store = WeightStore(self.device)
+        self.receiver = Receiver(self.device, config.memory_limit_bytes)
         self.ingress = map_ingress(config.ingress_fd, config.ingress_bytes)
         self.groups = GroupTable(self.device)
-        self.plans = PlanCache()
         self._handlers: dict[str, Callable[[wpb.WorkerCommand, wpb.WorkerEvent], None]] = {
             "join_group": self._join_group,
             "leave_group": self._leave_group,
+            "map_arenas": self._map_arenas,
+            "unmap_arenas": self._unmap_arenas,
             "prepare_update": self._prepare_update,
-            "allocate_update": self._allocate_update,
             "receive_bucket": self._receive_bucket,
             "commit_update": self._commit_update,
             "abort_update": self._abort_update,
-            "compute_checksums": self._compute_checksums,
-            "restore_store": self._restore_store,
-            "export_store": self._export_store,
             "shutdown": self._shutdown,
         }
 
@@ -155,7 +151,7 @@ class Worker:
                 raise InvalidArgument("COMMAND_UNKNOWN", f"unknown worker command {kind!r}")
             handler(command, event)
         except _Shutdown:
-            event.store.CopyFrom(self.store.status())
+            event.status.CopyFrom(self._status())
             self._emit(event)
             raise
         except WeightSyncError as error:
@@ -175,7 +171,7 @@ class Worker:
             self._fail(event, failure)
             self._exit_if_device_failed(error)
         else:
-            event.store.CopyFrom(self.store.status())
+            event.status.CopyFrom(self._status())
             self._emit(event)
 
     def _exit_if_device_failed(self, error: BaseException) -> None:
@@ -197,19 +193,21 @@ class Worker:
         failed.message = error.message
         failed.metadata.update(error.metadata)
         failed.broken_group_id = error.broken_group_id
-        event.store.CopyFrom(self.store.status())
+        failed.store_touched = self.receiver.touched
+        event.status.CopyFrom(self._status())
         self._emit(event)
 
     def _emit(self, event: wpb.WorkerEvent) -> None:
         self.events.put(event.SerializeToString(), timeout=30.0)
 
-    def _snapshot(self) -> tuple[wpb.StoreManifest, list[int]]:
-        """The store's manifest, after handing the server the arenas it does not hold yet."""
-        unsent = self.store.unsent_arenas()
-        if unsent and self.fd_channel is not None:
-            send_fds(self.fd_channel, [a.fd for a in unsent])
-            self.store.mark_persisted([a.arena_id for a in unsent])
-        return self.store.manifest(), [a.arena_id for a in unsent] if self.fd_channel is not None else []
+    def _status(self) -> wpb.WorkerStatus:
+        status = self.receiver.status()
+        if self.device.type == "cuda":
+            try:
+                status.device_available_bytes = available_bytes(self.device)
+            except Exception:  # noqa: BLE001 - a failing device reports 0 free (the command's failure says why)
+                status.device_available_bytes = 0
+        return status
 
     # -- groups ------------------------------------------------------------------
     def _join_group(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
@@ -223,121 +221,86 @@ class Worker:
 
     def _leave_group(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         group_id = command.leave_group.group_id
-        if self.store.update is not None and self.store.update.group_id == group_id:
+        update = self.receiver.update
+        if update is not None and update.group_id == group_id:
             self._abort("group deleted")
         self.groups.leave(group_id)
         event.group_left.group_id = group_id
         log.info("group_left", group_id=group_id)
 
-    # -- updates -------------------------------------------------------------------
+    # -- the node store -------------------------------------------------------------------
+    def _map_arenas(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
+        arenas = list(command.map_arenas.arenas)
+        if self.fd_channel is None:
+            raise FailedPrecondition("FD_CHANNEL_MISSING", "this worker has no fd channel to receive arenas on")
+        fds = recv_fds(self.fd_channel, len(arenas))
+        for i, spec in enumerate(arenas):
+            try:
+                self.receiver.maps.add(map_arena(spec.arena_id, fds[i], spec.size_bytes, self.device))
+            except BaseException:
+                for fd in fds[i + 1 :]:
+                    os.close(fd)
+                raise
+        event.arenas_mapped.arena_ids.extend(sorted(self.receiver.maps.arenas))
+        log.info("arenas_mapped", arenas=[a.arena_id for a in arenas], bytes=sum(a.size_bytes for a in arenas))
+
+    def _unmap_arenas(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
+        self.receiver.maps.drop(command.unmap_arenas.arena_ids)
+        event.arenas_mapped.arena_ids.extend(sorted(self.receiver.maps.arenas))
+
+    # -- updates -------------------------------------------------------------------------
+    def _device_lane(self, group_id: str) -> bool:
+        """NCCL broadcasts land in device staging; everything else in host memory."""
+        return bool(group_id) and self.groups.get(group_id).backend == pb.BACKEND_NCCL
+
     def _prepare_update(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         prepare = command.prepare_update
-        store = self.store
-        store.require_idle()
         if prepare.group_id:  # COLLECTIVE; INLINE and SHM buckets come through the ingress
             self.groups.get(prepare.group_id)
-        plan = self.plans.get(prepare.plan_id, store.layout_version, prepare.mode == pb.UPDATE_MODE_STAGED) or derive_update_plan(
-            plan=prepare.plan, plan_id=prepare.plan_id, mode=prepare.mode,
-            allow_new_tensors=prepare.allow_new_tensors, tensors=store.tensors,
-            segment_signatures=[s.signature for s in store.segments],
-            segment_sizes=[s.size_bytes for s in store.segments], layout_version=store.layout_version,
-        )
-        needed = store.needed_bytes(plan)
-        limit = self.config.memory_limit_bytes
-        if limit and store.held_bytes + needed > limit:
-            raise ResourceExhausted(
-                "WORKER_MEMORY_LIMIT",
-                f"the update needs {needed} more bytes; this worker holds {store.held_bytes} of its "
-                f"{limit}-byte limit (--worker-memory-limit-bytes)",
-                needed_bytes=needed, held_bytes=store.held_bytes, limit=limit,
-            )
-        update = store.prepare_update(plan, prepare.update_id, prepare.group_id)
+        self.receiver.prepare(prepare, device_lane=self._device_lane(prepare.group_id))
         prepared = event.update_prepared
         prepared.update_id = prepare.update_id
-        prepared.fast_path_bucket_count = plan.fast_path_count
-        prepared.held_bytes = store.held_bytes
-        if update.needed_bytes == 0:
-            self._allocate(prepare.update_id)
-            return
-        prepared.needed_bytes = update.needed_bytes
-        if self.device.type == "cuda":
-            prepared.device_available_bytes = available_bytes(self.device)
-
-    def _allocate_update(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
-        update = self._allocate(command.allocate_update.update_id)
-        event.update_prepared.update_id = update.update_id
-        event.update_prepared.fast_path_bucket_count = update.plan.fast_path_count
-        event.update_prepared.held_bytes = self.store.held_bytes
-
-    def _allocate(self, update_id: str) -> StoreUpdate:
-        update = self.store.allocate_update(update_id)
-        log.info("update_prepared", update_id=update_id, buckets=len(update.plan.routes),
-                 fast_path=update.plan.fast_path_count)
-        return update
+        prepared.staging_bytes = self.receiver.staging_bytes
+        prepared.staging_on_device = self.receiver.lane is not None and self.receiver.lane.held_bytes > 0
+        log.info("update_prepared", update_id=prepare.update_id, buckets=len(prepare.buckets),
+                 shadow_copies=len(prepare.shadow_copies))
 
     def _receive_bucket(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         receive = command.receive_bucket
         event.bucket_received.sequence = receive.sequence
         applied: Applied | None
         if receive.from_ingress:
-            applied = self.store.receive_from_ingress(receive, self.ingress)
+            applied = self.receiver.receive_from_ingress(receive, self.ingress)
         else:
-            group = self.groups.get(self.store.current(receive.update_id).group_id)
-            applied = self.store.receive_broadcast(receive, lambda buffer: self.groups.broadcast(group, buffer))
+            group = self.groups.get(self.receiver.current(receive.update_id).group_id)
+            applied = self.receiver.receive_collective(
+                receive, lambda buffer: self.groups.transfer(group, buffer, receive.sequence),
+                device_lane=group.backend == pb.BACKEND_NCCL)
         if applied is not None:
             event.bucket_received.size_bytes = applied.size_bytes
             event.bucket_received.fast_path = applied.fast_path
 
     def _commit_update(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         update_id = command.commit_update.update_id
-        received = self.store.current(update_id).received_bytes
-        plan = self.store.commit_update()
-        self.plans.remember(plan, self.store.layout_version)
-        manifest, sent = self._snapshot()
+        self.receiver.commit(update_id)
         event.update_committed.update_id = update_id
-        event.update_committed.manifest.CopyFrom(manifest)
-        event.update_committed.sent_arena_ids.extend(sent)
-        log.info("update_committed", update_id=update_id, bytes=received)
+        log.info("update_committed", update_id=update_id)
 
     def _abort_update(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
         update_id = command.abort_update.update_id
-        if self.store.update is not None and self.store.update.update_id == update_id:
+        update = self.receiver.update
+        if update is not None and update.update_id == update_id:
             self._abort("requested")
-        manifest, sent = self._snapshot()
         event.update_aborted.update_id = update_id
-        event.update_aborted.manifest.CopyFrom(manifest)
-        event.update_aborted.sent_arena_ids.extend(sent)
 
     def _abort(self, why: str) -> None:
-        update = self.store.update
+        update = self.receiver.update
         assert update is not None
-        self.store.abort_update()
-        log.info("update_aborted", update_id=update.update_id, why=why, store_state=self.store.state)
-
-    # -- store -------------------------------------------------------------------------
-    def _restore_store(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
-        restore = command.restore_store
-        self.store.restore(restore.manifest, {a.arena_id: a.fd for a in restore.arenas}, list(restore.dirty))
-        event.store_restored.tensor_count = len(self.store.tensors)
-        log.info("store_restored", tensors=len(self.store.tensors), state=self.store.state)
-
-    def _export_store(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
-        """This worker's GPU UUID and the CUDA IPC handles of its committed arenas, for an engine on
-        the same GPU (host arenas go as fds); each arena is shared once per process (cuda_export.py)."""
-        from weightsync.gpu_worker.cuda_export import ArenaExporter, committed_arena_ids
-
-        exporter = getattr(self, "_arena_exporter", None)
-        if exporter is None:
-            exporter = self._arena_exporter = ArenaExporter.for_device(self.device)
-        exported = event.store_exported
-        exported.device_uuid = exporter.device_uuid
-        exported.arenas.extend(exporter.export(self.store.arenas, committed_arena_ids(self.store)))
-
-    def _compute_checksums(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
-        event.checksums_computed.tensors.extend(self.store.checksums(list(command.compute_checksums.names)))
+        self.receiver.abort()
+        log.info("update_aborted", update_id=update.update_id, why=why)
 
     def _shutdown(self, command: wpb.WorkerCommand, event: wpb.WorkerEvent) -> None:
-        if self.store.update is not None:
+        if self.receiver.update is not None:
             self._abort("shutdown")
         self.groups.close_all()
         raise _Shutdown()

@@ -1,21 +1,21 @@
-"""Memory admission: does this update fit, counting every worker that shares the memory?
+"""Memory admission: does this update fit, before anything is allocated or moved?
 
-Workers answer PrepareUpdate with the bytes they would still allocate. CPU
-workers share the host's RAM, so their needs are summed and checked against
-MemAvailable (minus a reserve for everything else on the host) and the
-operator's --host-memory-limit-bytes; workers on the same CUDA device are
-summed against that device's free memory. A refusal is RESOURCE_EXHAUSTED
-before any worker allocated a byte or any byte moved.
+The node's store is host memory (node_store.py): what an update adds to it (new segments,
+STAGED shadows the first time) is counted against MemAvailable minus a reserve for
+everything else on the host, and the operator's --host-memory-limit-bytes (minus what the
+store and the workers' host staging already hold). Staging a worker would still allocate
+counts where it lives: host memory for Gloo, INLINE and SHM, the worker's device for an
+NCCL broadcast (two buffers of the largest bucket), against the free memory that worker
+last reported. A refusal is RESOURCE_EXHAUSTED before any byte is allocated or moved.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from weightsync.common.errors import ResourceExhausted
-from weightsync.server.supervisor import WorkerHandle
-from weightsync.worker.v1 import worker_pb2 as wpb
+from weightsync.server.fleet import FleetWorker
 
 
 def host_available_bytes() -> int:
@@ -27,40 +27,56 @@ def host_available_bytes() -> int:
     return 1 << 62
 
 
+@dataclass(frozen=True, slots=True)
+class StagingNeed:
+    """The staging one worker must hold for an update."""
+
+    worker: FleetWorker
+    size_bytes: int
+    on_device: bool
+
+    @property
+    def growth(self) -> int:
+        """What it would allocate: staging is reused, and grows only."""
+        held = self.worker.status.staging_bytes
+        return max(0, self.size_bytes - held) if self.size_bytes > held else 0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemoryAdmission:
     host_limit_bytes: int = 0
-    """Cap on what the CPU workers' stores and buffers may hold together; 0: none."""
+    """Cap on what the store and the workers' host staging may hold together; 0: none."""
     reserve_bytes: int = 256 << 20
     """Host memory left for everything else (the server, engines, the OS)."""
+    store_held_bytes: Callable[[], int] = lambda: 0
+    """What the store holds now (for the cap)."""
+    available: Callable[[], int] = host_available_bytes
 
-    def check(self, prepared: list[tuple[WorkerHandle, wpb.UpdatePrepared]]) -> None:
-        host = [(w, p) for w, p in prepared if w.host_memory]
-        needed = sum(p.needed_bytes for _, p in host)
+    def check(self, *, store_bytes: int, staging: list[StagingNeed]) -> None:
+        host_staging = sum(n.growth for n in staging if not n.on_device)
+        needed = store_bytes + host_staging
         if needed:
-            available = host_available_bytes() - self.reserve_bytes
+            available = self.available() - self.reserve_bytes
             where = f"MemAvailable minus the {self.reserve_bytes}-byte reserve"
             if self.host_limit_bytes:
-                under_limit = self.host_limit_bytes - sum(p.held_bytes for _, p in host)
+                held = self.store_held_bytes() + sum(n.worker.status.staging_bytes for n in staging
+                                                     if not n.on_device)
+                under_limit = self.host_limit_bytes - held
                 if under_limit < available:
-                    available, where = under_limit, f"--host-memory-limit-bytes {self.host_limit_bytes} minus what the workers hold"
+                    available, where = under_limit, f"--host-memory-limit-bytes {self.host_limit_bytes} minus what the store and staging hold"
             if needed > available:
                 raise ResourceExhausted(
                     "HOST_OUT_OF_MEMORY",
-                    f"the update needs {needed} more bytes of host memory across {sum(1 for _, p in host if p.needed_bytes)} "
-                    f"CPU worker(s), but only {max(available, 0)} are available ({where})",
+                    f"the update needs {needed} more bytes of host memory ({store_bytes} for the store, "
+                    f"{host_staging} for staging), but only {max(available, 0)} are available ({where})",
                     needed_bytes=needed, available_bytes=max(available, 0),
                 )
-        by_device: dict[str, list[wpb.UpdatePrepared]] = defaultdict(list)
-        for worker, p in prepared:
-            if not worker.host_memory and p.needed_bytes:
-                by_device[worker.device].append(p)
-        for device, answers in by_device.items():
-            needed = sum(p.needed_bytes for p in answers)
-            available = min(p.device_available_bytes for p in answers)
-            if needed > available:
+        for need in staging:
+            if need.on_device and need.growth > need.worker.status.device_available_bytes:
                 raise ResourceExhausted(
                     "DEVICE_OUT_OF_MEMORY",
-                    f"the update needs {needed} more bytes on {device}, which has {available} free",
-                    needed_bytes=needed, available_bytes=available, device=device,
+                    f"worker {need.worker.index} needs {need.growth} more bytes of staging on {need.worker.device}, "
+                    f"which has {need.worker.status.device_available_bytes} free",
+                    needed_bytes=need.growth, available_bytes=need.worker.status.device_available_bytes,
+                    device=need.worker.device,
                 )

@@ -1,4 +1,4 @@
-"""Read leases on a store: engines never see a torn version.
+"""Read leases on the node's store: engines (and the server's own checksum reads) never see a torn version.
 
 An engine maps the store and copies from it while the trainer may already be
 pushing the next version. A lease pins the bytes of one committed generation
@@ -30,7 +30,6 @@ from weightsync.server.state import PublishedVersion
 @dataclass(frozen=True, slots=True)
 class Lease:
     lease_id: int
-    worker_index: int
     version: PublishedVersion
     """The committed version it pins."""
     owner: int
@@ -73,12 +72,11 @@ class LeaseTable:
         async with self._changed:
             self._changed.notify_all()
 
-    async def grant(self, worker_index: int, version_now: Callable[[], PublishedVersion], owner: int,
-                    timeout: float) -> Lease:
+    async def grant(self, version_now: Callable[[], PublishedVersion], owner: int, timeout: float) -> Lease:
         """A lease on the current version (read after any IN_PLACE write finished)."""
         await self._wait(lambda: not self.writing_live and not self.publishing, timeout, "STORE_UPDATING",
                          f"an update kept writing or publishing the store for {timeout:g} s")
-        lease = Lease(next(self._ids), worker_index, version_now(), owner)
+        lease = Lease(next(self._ids), version_now(), owner)
         self.leases[lease.lease_id] = lease
         return lease
 

@@ -3,19 +3,17 @@
 A unix stream socket (weightsync/v1/local.proto for the messages, common/
 local_wire.py for the framing). Only peers with the server's uid (or one
 allowed with --local-allow-uid) are served, checked with SO_PEERCRED; the
-socket file itself is 0600. An engine attaches to one worker's store, then
-acquires the current version (a lease, see leases.py): it gets the arenas as
-read-only descriptors (CPU) or CUDA IPC handles, and every tensor's place in
-them; it copies what changed into its model and releases, saying whether it
-now serves that version. An SHM trainer opens the ingress instead.
+socket file itself is 0600. An engine attaches, then acquires the current
+version (a lease, see leases.py): it gets the node store's arenas as read-only
+descriptors, and every tensor's place in them; it copies what changed into its
+model (a CUDA engine: host to device) and releases, saying whether it now serves
+that version. Every engine process of the node, every tensor-parallel rank,
+reads the same one store. An SHM trainer opens the ingress instead.
 
 The token is read from the server's Credentials at every check, never
 copied: after a SIGHUP rotation the new token attaches and the old one is
 refused, here as on gRPC. A connection attached with the old token is
 refused at its next request (but release_version, which only gives back).
-A CUDA engine is matched to the worker on its own GPU by UUID (see
-common/device_identity.py); the IPC handles it gets name that UUID and the
-worker incarnation they belong to.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ import socket
 import stat
 from dataclasses import dataclass, field
 
-from weightsync.common.device_identity import WorkerDevice, is_cuda, pick_worker
 from weightsync.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -48,11 +45,10 @@ from weightsync.server.credentials import Credentials
 from weightsync.server.engines import EngineRegistry
 from weightsync.server.ingress import Ingress
 from weightsync.server.leases import LeaseTable
+from weightsync.server.node_store import NodeStore
 from weightsync.server.publisher import Publisher
-from weightsync.server.supervisor import Supervisor, WorkerHandle
 from weightsync.v1 import local_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
-from weightsync.worker.v1 import worker_pb2 as wpb
 
 log = get_logger("weightsync.local")
 
@@ -68,7 +64,7 @@ class _Peer:
 
     conn_id: int
     uid: int
-    worker: WorkerHandle | None = None
+    attached: bool = False
     engine_name: str = ""
     presented: str = field(default="", repr=False)
     """The token this peer attached with, checked again at each request (the server's may rotate)."""
@@ -79,24 +75,22 @@ class LocalHandoff:
         self,
         path: str,
         *,
-        supervisor: Supervisor,
+        store: NodeStore,
         publisher: Publisher,
         leases: LeaseTable,
         engines: EngineRegistry,
         ingress: Ingress | None,
         credentials: Credentials,
         allowed_uids: tuple[int, ...],
-        command_timeout: float,
     ) -> None:
         self.path = path
-        self._supervisor = supervisor
+        self._store = store
         self._publisher = publisher
         self._leases = leases
         self._engines = engines
         self._ingress = ingress
         self._credentials = credentials
         self._uids = {os.getuid(), *allowed_uids}
-        self._command_timeout = command_timeout
         self._ids = itertools.count(1)
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -194,7 +188,7 @@ class LocalHandoff:
         kind = request.WhichOneof("request")
         if kind == "attach_store":
             return await self._attach(peer, request.attach_store), []
-        if peer.worker is None:
+        if not peer.attached:
             raise FailedPrecondition("NOT_ATTACHED", "send attach_store first")
         if kind != "release_version":  # giving a lease back needs no credentials
             self._check_token(peer.presented, "the server's token changed since this connection attached; "
@@ -206,10 +200,8 @@ class LocalHandoff:
         if kind == "open_ingress":
             return self._open_ingress()
         if kind == "get_status":
-            worker = peer.worker
             return local_pb2.LocalResponse(get_status=local_pb2.GetStatusResponse(
-                version=self._publisher.version.to_proto(),
-                store_state=worker.store_state)), []
+                version=self._publisher.version.to_proto(), store_state=self._store.state)), []
         raise InvalidArgument("REQUEST_UNKNOWN", f"unknown local request {kind!r}")
 
     # -- requests -------------------------------------------------------------------
@@ -222,74 +214,33 @@ class LocalHandoff:
         self._check_token(attach.token)
         if attach.engine_name and not ENGINE_NAME.match(attach.engine_name):
             raise InvalidArgument("ENGINE_NAME_INVALID", "engine_name must be 1 to 128 characters of [A-Za-z0-9._:-]")
-        workers = self._supervisor.workers
-        if attach.worker_index < 0 and attach.device_uuid:
-            await self._learn_device_uuids()
-        index = pick_worker([self._identity(w) for w in workers], worker_index=attach.worker_index,
-                            device=attach.device, device_uuid=attach.device_uuid)
-        worker = workers[index]
-        peer.worker = worker
+        peer.attached = True
         peer.engine_name = attach.engine_name
         peer.presented = attach.token
         if attach.engine_name:
-            self._engines.register(attach.engine_name, "local", f"worker:{worker.index}")
+            self._engines.register(attach.engine_name, "local", "node-store")
         return local_pb2.LocalResponse(attach_store=local_pb2.AttachStoreResponse(
-            worker_index=worker.index, device=worker.device, version=self._publisher.version.to_proto(),
-            store_state=worker.store_state,
-            device_uuid=worker.kept.exports.uuid(worker.restart_count)))
-
-    @staticmethod
-    def _identity(worker: WorkerHandle) -> WorkerDevice:
-        return WorkerDevice(worker.index, worker.device, worker.kept.exports.uuid(worker.restart_count),
-                            running=worker.state == pb.WORKER_STATE_RUNNING)
-
-    async def _learn_device_uuids(self) -> None:
-        """Ask every running CUDA worker whose GPU UUID is not known (for its incarnation) to export."""
-        unknown = [w for w in self._supervisor.workers if is_cuda(w.device) and w.state == pb.WORKER_STATE_RUNNING
-                   and not w.kept.exports.uuid(w.restart_count)]
-        results = await asyncio.gather(*(self._export(w) for w in unknown), return_exceptions=True)
-        for worker, result in zip(unknown, results, strict=True):
-            if isinstance(result, BaseException):  # that worker cannot be matched now; pick_worker says so
-                log.warning("device_uuid_unknown", worker=worker.index, error=str(result))
-
-    async def _export(self, worker: WorkerHandle) -> None:
-        """One ExportStoreCommand; its answer is kept only if the same worker process is still there."""
-        incarnation = worker.restart_count
-        event = await self._supervisor.call(worker, self._command_timeout, export_store=wpb.ExportStoreCommand())
-        exported = event.store_exported
-        worker.kept.exports.absorb(incarnation, worker.restart_count, exported.device_uuid, list(exported.arenas))
+            version=self._publisher.version.to_proto(), store_state=self._store.state))
 
     async def _acquire(self, peer: _Peer, acquire: local_pb2.AcquireVersionRequest):
-        worker = peer.worker
-        assert worker is not None
         wait = acquire.wait.ToTimedelta().total_seconds() if acquire.HasField("wait") else DEFAULT_WAIT_SECONDS
-        lease = await self._leases.grant(worker.index, lambda: self._publisher.version, peer.conn_id, wait)
+        lease = await self._leases.grant(lambda: self._publisher.version, peer.conn_id, wait)
         try:
+            # Read in the same step as the grant: the store's layout and the lease's version agree.
             version = lease.version
-            incarnation = worker.restart_count
             if acquire.generation and acquire.generation != version.generation:
                 raise FailedPrecondition("VERSION_GONE", f"generation {acquire.generation} is not held; the store "
                                          f"holds generation {version.generation}", generation=acquire.generation,
                                          current=version.generation)
-            self._require_readable(worker)
-            kept = worker.kept
+            self._require_readable()
+            store = self._store
             response = local_pb2.AcquireVersionResponse(lease_id=lease.lease_id, version=version.to_proto(),
-                                                        tensors=kept.locations(), worker_incarnation=incarnation)
+                                                        tensors=store.locations())
             fds: list[int] = []
-            assert kept.layout is not None
-            wanted = kept.live_arena_ids()
-            exported = await self._device_handles(worker, wanted) if not worker.host_memory else {}
-            if worker.restart_count != incarnation or kept.layout is None:
-                raise FailedPrecondition("STORE_LOST", "the worker died while its store was being exported",
-                                         worker=worker.index)
-            sizes = {a.arena_id: a.size_bytes for a in kept.layout.arenas}
-            for arena_id in wanted:
-                handle = response.arenas.add(arena_id=arena_id, size_bytes=sizes[arena_id], fd_index=-1)
-                if worker.host_memory:
-                    handle.fd_index = len(fds)
-                    fds.append(kept.fds[arena_id])
-                else:
-                    handle.cuda.CopyFrom(exported[arena_id].cuda)
+            for arena_id in store.live_arena_ids():
+                arena = store.arena(arena_id)
+                response.arenas.add(arena_id=arena_id, size_bytes=arena.size_bytes, fd_index=len(fds))
+                fds.append(arena.fd)
         except BaseException:
             await self._leases.release(lease.lease_id, peer.conn_id)
             raise
@@ -297,29 +248,15 @@ class LocalHandoff:
             self._engines.applying(peer.engine_name)
         return local_pb2.LocalResponse(acquire_version=response), fds
 
-    def _require_readable(self, worker: WorkerHandle) -> None:
-        state = worker.store_state
-        if state in (pb.STORE_STATE_CONSISTENT, pb.STORE_STATE_UPDATING) and worker.kept.layout is not None \
-                and worker.kept.tensors and not worker.kept.layout.dirty:
-            return  # UPDATING here means a STAGED update: the live bytes are the committed version
-        why = {
-            pb.STORE_STATE_EMPTY: ("STORE_EMPTY", "the store holds no weights yet"),
-            pb.STORE_STATE_LOST: ("STORE_LOST", "the worker died and its store was lost; a full update refills it"),
-        }.get(state, ("STORE_INCONSISTENT", "an aborted IN_PLACE update left tensors half-written; a full update "
-                                            "repairs the store"))
-        raise FailedPrecondition(why[0], why[1], worker=worker.index, store_state=pb.StoreState.Name(state))
-
-    async def _device_handles(self, worker: WorkerHandle, wanted: list[int]) -> dict[int, local_pb2.ArenaHandle]:
-        """CUDA IPC handles of the committed arenas, asked of this worker process once per arena
-        (kept with its store, see store_keeper.DeviceExports: a restarted worker's are new)."""
-        held = worker.kept.exports.lookup(worker.restart_count, wanted)
-        if held is None:
-            await self._export(worker)
-            held = worker.kept.exports.lookup(worker.restart_count, wanted)
-        if held is None:
-            raise FailedPrecondition("STORE_LOST", f"worker {worker.index} did not export every arena of its "
-                                     "committed store (it restarted, or lost it)", worker=worker.index)
-        return held
+    def _require_readable(self) -> None:
+        store = self._store
+        if store.readable():
+            return  # an UPDATING store here runs a STAGED update: the live bytes are the committed version
+        state = store.state
+        why = {pb.STORE_STATE_EMPTY: ("STORE_EMPTY", "the store holds no weights yet")}.get(
+            state, ("STORE_INCONSISTENT", "an aborted IN_PLACE update left tensors half-written; a full update "
+                                          "repairs the store"))
+        raise FailedPrecondition(why[0], why[1], store_state=pb.StoreState.Name(state))
 
     async def _release(self, peer: _Peer, release: local_pb2.ReleaseVersionRequest) -> local_pb2.LocalResponse:
         lease = await self._leases.release(release.lease_id, peer.conn_id)

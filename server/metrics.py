@@ -78,17 +78,25 @@ class StateCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         info = self._snapshot()
-        store = GaugeMetricFamily("weightsync_store_state", "1 for each worker's current store state.",
-                                  labels=["worker", "state"])
-        tensors = GaugeMetricFamily("weightsync_store_tensors", "Tensors in each worker's store.", labels=["worker"])
-        held = GaugeMetricFamily("weightsync_store_bytes", "Live bytes of each worker's store.", labels=["worker"])
+        store = GaugeMetricFamily("weightsync_store_state", "1 for the store's current state.", labels=["state"])
+        store.add_metric([_label(pb.StoreState, info.store.state)], 1)
+        tensors = GaugeMetricFamily("weightsync_store_tensors", "Tensors in the node's store.")
+        tensors.add_metric([], info.store.tensor_count)
+        live = GaugeMetricFamily("weightsync_store_bytes", "Live bytes of the node's store.")
+        live.add_metric([], info.store.live_bytes)
+        held = GaugeMetricFamily("weightsync_store_held_bytes", "Host memory the store holds, shadows included.")
+        held.add_metric([], info.store.held_bytes)
+        yield from (store, tensors, live, held)
         up = GaugeMetricFamily("weightsync_worker_up", "1 while the worker is running.", labels=["worker", "device"])
+        staging = GaugeMetricFamily("weightsync_worker_staging_bytes", "Staging each worker holds.",
+                                    labels=["worker", "memory"])
+        received = GaugeMetricFamily("weightsync_worker_received_bytes",
+                                     "Bytes each worker received into the store since it started.", labels=["worker"])
         for w in info.workers:
-            store.add_metric([str(w.index), _label(pb.StoreState, w.store_state)], 1)
-            tensors.add_metric([str(w.index)], w.tensor_count)
-            held.add_metric([str(w.index)], w.store_bytes)
             up.add_metric([str(w.index), w.device], 1 if w.state == pb.WORKER_STATE_RUNNING else 0)
-        yield from (store, tensors, held, up)
+            staging.add_metric([str(w.index), "device" if w.staging_on_device else "host"], w.staging_bytes)
+            received.add_metric([str(w.index)], w.received_bytes)
+        yield from (up, staging, received)
         generation = GaugeMetricFamily("weightsync_committed_generation", "Generation of the published version.")
         generation.add_metric([], info.current_version.generation)
         yield generation

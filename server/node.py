@@ -1,9 +1,10 @@
 """The inference node's parts, built and wired in one place.
 
-A Node owns the supervisor (worker processes), the publisher (version and watchers), the
-groups, the plan cache, memory admission, the leases, the ingress, the local socket, the
-engine drivers, the metrics and the credentials. It reacts to the workers' lives (died,
-started, unresponsive) and holds the one update gate. The servicer (service.py) only serves
+A Node owns the store (node_store.py: every tensor once, in host memory the server keeps),
+the supervisor (worker processes: the node's receivers), the publisher (version and
+watchers), the groups, the plan cache, memory admission, the leases, the ingress, the local
+socket, the engine drivers, the metrics, the credentials and the update gate. It reacts to
+the workers' lives (died, started, unresponsive). The servicer (service.py) only serves
 RPCs over it, and an update session sees only SessionServices.
 """
 
@@ -19,25 +20,27 @@ from typing import TypeVar
 
 from grpc_health.v1 import health_pb2
 
-from weightsync.common.errors import FailedPrecondition, Unavailable
+from weightsync.common.errors import Unavailable
 from weightsync.common.logging import get_logger
 from weightsync.server.admission import MemoryAdmission
 from weightsync.server.config import ServerConfig
 from weightsync.server.credentials import Credentials
 from weightsync.server.engine_driver import VllmHttpDriver
 from weightsync.server.engines import EngineRegistry
-from weightsync.server.groups import GroupRegistry
+from weightsync.server.group_registry import GroupRegistry
 from weightsync.server.ingress import Ingress
 from weightsync.server.leases import LeaseTable
 from weightsync.server.local_socket import LocalHandoff
 from weightsync.server.metrics import Metrics, StateCollector
-from weightsync.server.plan_cache import PlanCache
+from weightsync.server.node_store import NodeStore
 from weightsync.server.publisher import Publisher
 from weightsync.server.request_checks import available_backends_for, max_chunk_bytes
 from weightsync.server.state import GroupRecord
 from weightsync.server.supervisor import Supervisor, WorkerHandle
 from weightsync.server.tasks import TaskSet
-from weightsync.server.update_session import SessionServices, UpdateSession
+from weightsync.server.update_gate import UpdateGate
+from weightsync.server.update_session import SessionServices
+from weightsync.server.validated_plans import ValidatedPlans
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -67,17 +70,21 @@ class Node:
             on_worker_unresponsive=self._on_worker_unresponsive,
             ingress=self.ingress,
         )
+        self.store = NodeStore()
         self.engines = EngineRegistry(on_change=lambda: self.publisher.publish_state())
-        self.publisher = Publisher(self.supervisor, self.engines)
+        self.publisher = Publisher(self.store, self.engines)
         self.leases = LeaseTable()
         self.groups = GroupRegistry(on_trainer_gone=self._release_group)
-        self.plans = PlanCache()
-        self.sessions = SessionServices(
-            supervisor=self.supervisor,
+        self.plans = ValidatedPlans()
+        self.gate = UpdateGate()
+        self.session_services = SessionServices(
+            fleet=self.supervisor,
+            store=self.store,
             publisher=self.publisher,
             groups=self.groups,
             admission=MemoryAdmission(host_limit_bytes=config.host_memory_limit_bytes,
-                                      reserve_bytes=config.host_memory_reserve_bytes),
+                                      reserve_bytes=config.host_memory_reserve_bytes,
+                                      store_held_bytes=lambda: self.store.held_bytes),
             leases=self.leases,
             ingress=self.ingress,
             command_timeout=config.worker_call_timeout_seconds,
@@ -92,9 +99,8 @@ class Node:
             if path == "auto":
                 path = os.path.join(tempfile.gettempdir(), f"weightsync-{os.getpid()}.sock")
             self.local = LocalHandoff(
-                path, supervisor=self.supervisor, publisher=self.publisher, leases=self.leases, engines=self.engines,
+                path, store=self.store, publisher=self.publisher, leases=self.leases, engines=self.engines,
                 ingress=self.ingress, credentials=credentials, allowed_uids=config.local_allow_uids,
-                command_timeout=config.worker_call_timeout_seconds,
             )
         self.drivers = [
             VllmHttpDriver.from_spec(spec, i, publisher=self.publisher, engines=self.engines,
@@ -102,8 +108,6 @@ class Node:
             for i, spec in enumerate(config.engines)
         ]
         self.draining = False
-        self.update_lock = asyncio.Lock()
-        self.active_update: UpdateSession | None = None
         self.background = TaskSet()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -137,27 +141,24 @@ class Node:
                 log.exception("stop_step_failed", step=name)
         if self.ingress is not None:
             self.ingress.close()
+        self.store.close()
 
     async def drain(self, grace_seconds: float) -> None:
         """Refuse new work, let a running update finish within the grace period, then abort it."""
         self.draining = True
         self.groups.stop()
         await self.health.enter_graceful_shutdown()
-        session = self.active_update
-        if session is not None and not session.finished:
+        session = self.gate.running_update()
+        if session is not None:
             log.info("draining_update", update_id=session.update_id, grace_seconds=grace_seconds)
             try:
-                await asyncio.wait_for(self._wait_idle(), grace_seconds)
+                await asyncio.wait_for(self.gate.wait_idle(), grace_seconds)
             except TimeoutError:
-                session.request_shutdown()
+                session.request_shutdown()  # type: ignore[attr-defined]
                 try:
-                    await asyncio.wait_for(self._wait_idle(), 5.0)
+                    await asyncio.wait_for(self.gate.wait_idle(), 5.0)
                 except TimeoutError:
                     log.warning("update_still_running_at_shutdown")
-
-    async def _wait_idle(self) -> None:
-        while self.active_update is not None:
-            await asyncio.sleep(0.05)
 
     # -- the update gate -----------------------------------------------------------------
     def require_serving(self) -> None:
@@ -165,17 +166,6 @@ class Node:
             raise Unavailable("SERVER_DRAINING", "the server is shutting down")
         if not self.supervisor.all_running:
             raise Unavailable("WORKER_UNAVAILABLE", "a worker is restarting or unresponsive; retry shortly")
-
-    def require_idle(self) -> None:
-        """FAILED_PRECONDITION while an update runs. One that already committed or aborted and is
-        only finishing its clean-up is not refused: the next update waits for the lock instead."""
-        active = self.active_update
-        if active is not None and not active.finished:
-            raise FailedPrecondition(
-                "UPDATE_IN_PROGRESS",
-                "another update is running on this server's store; retry after it commits or aborts",
-                update_id=active.update_id if active else "",
-            )
 
     # -- what the workers' lives change ------------------------------------------------------
     def _on_worker_died(self, worker: WorkerHandle) -> None:
@@ -210,12 +200,14 @@ class Node:
 
     # -- what the node looks like --------------------------------------------------------
     def info(self) -> pb.GetServerInfoResponse:
-        config = self.config
+        config, store = self.config, self.store
         workers = [
             pb.WorkerInfo(
-                index=w.index, device=w.device, backend=w.backend, state=w.state, store_state=w.store_state,
-                tensor_count=w.store.tensor_count, store_bytes=w.store.store_bytes, pid=w.pid,
-                restart_count=w.restart_count, device_uuid=w.device_uuid,
+                index=w.index, device=w.device, backend=w.backend, state=w.state, store_state=store.state,
+                tensor_count=len(store.tensors), store_bytes=store.live_bytes, pid=w.pid,
+                restart_count=w.restart_count, device_uuid=w.device_uuid, staging_bytes=w.status.staging_bytes,
+                staging_on_device=not w.host_memory and w.status.staging_bytes > 0,
+                received_bytes=w.status.received_bytes,
             )
             for w in self.supervisor.workers
         ]
@@ -224,18 +216,20 @@ class Node:
             workers=workers,
             backends=available_backends_for(self.supervisor.workers),
             transports=self.transports(),
-            store_state=self.publisher.store_state(),
+            store_state=store.state,
             current_version=self.publisher.version.to_proto(),
             limits=pb.ServerLimits(
                 max_tensors=config.max_tensors, max_plan_bytes=config.max_plan_bytes,
                 max_bucket_bytes=config.max_bucket_bytes, max_message_bytes=config.max_message_bytes,
-                max_chunk_bytes=self.sessions.max_chunk_bytes if self.ingress else 0,
+                max_chunk_bytes=self.session_services.max_chunk_bytes if self.ingress else 0,
                 ingress_slot_bytes=self.ingress.slot_bytes if self.ingress else 0,
                 ingress_slot_count=self.ingress.slot_count if self.ingress else 0,
             ),
             draining=self.draining,
             engines=self.engines.protos(),
             local_socket=self.local.path if self.local else "",
+            store=pb.StoreInfo(state=store.state, tensor_count=len(store.tensors), live_bytes=store.live_bytes,
+                               held_bytes=store.held_bytes),
         )
 
     def transports(self) -> list[int]:

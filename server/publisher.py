@@ -1,38 +1,28 @@
 """What the server tells the world about its weights: the published version,
-the aggregate store state, and WatchWeights events."""
+the store's state, and WatchWeights events."""
 
 from __future__ import annotations
 
 import datetime
 
 from weightsync.server.engines import EngineRegistry
-from weightsync.server.state import (
-    PublishedVersion,
-    Watchers,
-    aggregate_store_state,
-    new_store_epoch,
-)
-from weightsync.server.supervisor import Supervisor
+from weightsync.server.node_store import NodeStore
+from weightsync.server.state import PublishedVersion, Watchers, new_store_epoch
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 
 class Publisher:
     """Owns the published version; every state change goes out to watchers from here."""
 
-    def __init__(self, supervisor: Supervisor, engines: EngineRegistry) -> None:
-        self._supervisor = supervisor
+    def __init__(self, store: NodeStore, engines: EngineRegistry) -> None:
+        self._store = store
         self.engines = engines
         self.version = PublishedVersion(new_store_epoch())
+        """The store's epoch is drawn once, with the store: the server's life."""
         self.watchers = Watchers()
-        self.mixed = False
-        """A commit reached some workers but not all: they hold different weights."""
 
     def store_state(self) -> int:
-        workers = self._supervisor.workers
-        state = aggregate_store_state([w.store.state for w in workers], [w.lost for w in workers])
-        if self.mixed and state == pb.STORE_STATE_CONSISTENT:
-            return pb.STORE_STATE_INCONSISTENT
-        return state
+        return self._store.state
 
     def event(self) -> pb.WatchWeightsResponse:
         event = pb.WatchWeightsResponse(version=self.version.to_proto(), store_state=self.store_state(),
@@ -55,6 +45,5 @@ class Publisher:
             generation=self.next_generation,
             commit_time=datetime.datetime.now(datetime.UTC),
         )
-        self.mixed = False
         self.publish_state()
         return self.version

@@ -14,10 +14,10 @@ from weightsync.common.errors import FailedPrecondition, InvalidArgument, NotFou
 from weightsync.common.plan_id import plan_id_of
 from weightsync.common.plan_validation import PlanLimits, PlanSummary, validate_plan
 from weightsync.server.config import ServerConfig
-from weightsync.server.groups import GroupRegistry
-from weightsync.server.plan_cache import PlanCache
+from weightsync.server.group_registry import GroupRegistry
 from weightsync.server.state import GroupRecord, PublishedVersion
 from weightsync.server.supervisor import WorkerHandle
+from weightsync.server.validated_plans import ValidatedPlans
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -79,7 +79,7 @@ def check_begin(begin: pb.BeginUpdate, offered: list[int]) -> None:
         raise InvalidArgument("VERSION_INVALID", f"version must be 1 to {MAX_VERSION_BYTES} bytes")
 
 
-def plan_for(begin: pb.BeginUpdate, plans: PlanCache, limits: PlanLimits,
+def plan_for(begin: pb.BeginUpdate, plans: ValidatedPlans, limits: PlanLimits,
              ingress_slot_bytes: int) -> tuple[tensor_pb2.WeightPlan, str, PlanSummary]:
     """The update's plan (sent, or held under its content id), validated, and its id."""
     has_plan = begin.HasField("plan")
@@ -108,16 +108,6 @@ def plan_for(begin: pb.BeginUpdate, plans: PlanCache, limits: PlanLimits,
         )
     return plan, plan_id, summary
 
-
-def require_full_update_of_empty_stores(workers: list[WorkerHandle], summary: PlanSummary) -> None:
-    """A restarted worker with an empty store (CUDA) takes only a full update."""
-    largest = max(w.store.tensor_count for w in workers)
-    if any(w.store.state == pb.STORE_STATE_EMPTY for w in workers) and summary.tensor_count < largest:
-        raise FailedPrecondition(
-            "STORE_EMPTY",
-            f"a worker's store is empty (restarted); send a full update of all {largest} tensors first",
-            tensors=summary.tensor_count, expected=largest,
-        )
 
 def require_base(begin: pb.BeginUpdate, summary: PlanSummary, version: PublishedVersion, store_state: int) -> None:
     """Patches apply to one committed generation of one store: the one this server holds, whole, or none."""
@@ -176,7 +166,9 @@ def max_chunk_bytes(config: ServerConfig) -> int:
 
 
 def available_backends_for(workers: list[WorkerHandle]) -> list[int]:
-    """Gloo for CPU workers; NCCL when the workers sit on CUDA devices (and the build has it)."""
+    """Gloo always: every worker receives a Gloo transfer into host memory, the node's store, whatever its
+    device (so a trainer on a worker's GPU, which NCCL cannot put in a group with it, still has a
+    collective); NCCL too when the workers sit on CUDA devices and the build has it."""
     if any(w.device.startswith("cuda") for w in workers) and pb.BACKEND_NCCL in available_backends():
-        return [pb.BACKEND_NCCL]
+        return [pb.BACKEND_GLOO, pb.BACKEND_NCCL]
     return [pb.BACKEND_GLOO]

@@ -1,12 +1,15 @@
 """The WeightSyncService servicer: one method per RPC, over the node's parts (node.py).
 
-It checks each request (request_checks.py), asks the node, and answers; it builds nothing and
-holds no state of its own. An update stream is run by an UpdateSession (update_session.py).
+Each method checks its request (request_checks.py), asks the node's parts, and answers; the
+node builds and holds everything. An update stream is run by an UpdateSession
+(update_session.py) under the node's update gate (update_gate.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import uuid
 from collections.abc import AsyncIterator
 
@@ -21,7 +24,6 @@ from weightsync.server.request_checks import (
     group_record,
     plan_for,
     require_base,
-    require_full_update_of_empty_stores,
 )
 from weightsync.server.update_session import UpdateSession
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -32,6 +34,10 @@ log = get_logger("weightsync.service")
 
 JOIN_MARGIN_SECONDS = 2.0
 """Workers answer a join by its deadline (+1 s); this much more before the server gives up on them."""
+CHECKSUM_LEASE_SECONDS = 5.0
+"""A checksum read waits this long at most for a commit being published to end."""
+_reader_ids = itertools.count(-1, -1)
+"""Lease owners for the server's own reads of the store (engines' connections count up from 1)."""
 
 
 class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
@@ -72,8 +78,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
                 self.node.groups.remove(record.group_id)
                 self.node.background.spawn(self.node.leave_everywhere(record.group_id), "leave_group")
                 log.warning("group_create_failed")
-        if record.state == pb.GROUP_STATE_JOINING:
-            record.state = pb.GROUP_STATE_READY
+        self.node.groups.joined(record)
         log.info("group_ready")
         return pb.CreateTransferGroupResponse(group=record.to_proto())
 
@@ -81,8 +86,8 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         record = self.node.groups.get(request.group_id)
         if record is None:
             raise NotFound("GROUP_NOT_FOUND", f"no group {request.group_id!r}", group_id=request.group_id[:128])
-        active = self.node.active_update
-        if active is not None and active.group is record and not active.finished:
+        active = self.node.gate.running_update()
+        if active is not None and getattr(active, "group", None) is record:
             raise FailedPrecondition(
                 "UPDATE_IN_PROGRESS", f"update {active.update_id} is running on group {record.group_id!r}",
                 group_id=record.group_id, update_id=active.update_id,
@@ -103,21 +108,22 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             duplicate = next(n for n in names if names.count(n) > 1)
             raise InvalidArgument("TENSOR_NAME_DUPLICATE", f"tensor {duplicate!r} is asked for twice",
                                   tensor=duplicate[:256])
-        active = self.node.active_update
-        if active is not None and not active.finished:
-            raise FailedPrecondition("STORE_UPDATING", "an update is running; ask again after it commits or aborts")
-        self.node.require_serving()
-        events = await self.node.supervisor.call_all(
-            self.node.config.worker_call_timeout_seconds, compute_checksums=wpb.ComputeChecksumsCommand(names=names),
-        )
-        return pb.GetTensorChecksumsResponse(
-            version=self.node.publisher.version.to_proto(),
-            store_state=self.node.publisher.store_state(),
-            workers=[
-                pb.WorkerChecksums(worker_index=w.index, tensors=e.checksums_computed.tensors)
-                for w, e in zip(self.node.supervisor.workers, events, strict=True)
-            ],
-        )
+        node = self.node
+        running = node.gate.running_update()
+        if running is not None and getattr(running, "in_place", True):
+            raise FailedPrecondition("STORE_UPDATING", "an IN_PLACE update is writing the store; ask again after it "
+                                     "commits or aborts")
+        # The committed bytes, read by the server itself under a lease (a STAGED update running meanwhile
+        # writes only shadows; the lease keeps the next one from writing these before the read ends).
+        owner = next(_reader_ids)
+        lease = await node.leases.grant(lambda: node.publisher.version, owner, CHECKSUM_LEASE_SECONDS)
+        try:
+            targets = node.store.checksum_targets(names)
+            tensors = await asyncio.to_thread(node.store.compute_checksums, targets)
+        finally:
+            await node.leases.release(lease.lease_id, owner)
+        return pb.GetTensorChecksumsResponse(version=lease.version.to_proto(), store_state=node.store.state,
+                                             tensors=tensors)
 
     async def WatchWeights(self, request: pb.WatchWeightsRequest, context) -> AsyncIterator[pb.WatchWeightsResponse]:
         queue = self.node.publisher.watchers.subscribe()
@@ -141,26 +147,22 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         plan, plan_id, summary = plan_for(begin, self.node.plans, self.node.config.limits,
                                           self.node.ingress.slot_bytes if self.node.ingress else 0)
         self.node.require_serving()
-        require_full_update_of_empty_stores(self.node.supervisor.workers, summary)
         publisher = self.node.publisher
         require_base(begin, summary, publisher.version, publisher.store_state())
-        self.node.require_idle()
-        async with self.node.update_lock:
-            update_id = uuid.uuid4().hex[:16]
+        gate = self.node.gate
+        gate.require_idle()
+        update_id = uuid.uuid4().hex[:16]
+        session = UpdateSession(self.node.session_services, update_id, group, begin, plan, plan_id)
+        async with gate.running(session):
             structlog.contextvars.bind_contextvars(update_id=update_id, group_id=group.group_id if group else "",
                                                    transport=pb.Transport.Name(begin.transport))
-            session = UpdateSession(self.node.sessions, update_id, group, begin, plan, plan_id)
-            self.node.active_update = session
-            try:
-                # aclosing: the session's clean-up runs here, before the lock is released, even
-                # when this handler is cancelled while gRPC holds one of its responses.
-                async with contextlib.aclosing(session.run(requests)) as responses:
-                    async for response in responses:
-                        if response.WhichOneof("message") == "committed":
-                            self.node.plans.remember(plan_id, plan, summary)
-                        yield response
-            finally:
-                self.node.active_update = None
+            # aclosing: the session's clean-up runs here, before the gate is released, even
+            # when this handler is cancelled while gRPC holds one of its responses.
+            async with contextlib.aclosing(session.run(requests)) as responses:
+                async for response in responses:
+                    if response.WhichOneof("message") == "committed":
+                        self.node.plans.remember(plan_id, plan, summary)
+                    yield response
 
 
 __all__ = ["WeightSyncServicer", "SERVICE_NAME"]

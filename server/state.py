@@ -41,11 +41,6 @@ class GroupRecord:
             broken_reason=self.broken_reason,
         )
 
-    def mark_broken(self, reason: str) -> None:
-        if self.state != pb.GROUP_STATE_BROKEN:
-            self.state = pb.GROUP_STATE_BROKEN
-            self.broken_reason = reason
-
 
 def new_store_epoch() -> int:
     """A store's epoch: positive, random, so two stores (a server before and after a restart) differ."""
@@ -90,17 +85,3 @@ class Watchers:
             if queue.full():  # a stalled watcher loses its oldest event, never blocks us
                 queue.get_nowait()
             queue.put_nowait(event)
-
-
-def aggregate_store_state(states: list[int], lost: list[bool]) -> int:
-    """The worst state over the workers."""
-    if any(lost):
-        return pb.STORE_STATE_LOST
-    for worst in (pb.STORE_STATE_INCONSISTENT, pb.STORE_STATE_UPDATING):
-        if worst in states:
-            return worst
-    if all(s == pb.STORE_STATE_EMPTY for s in states):
-        return pb.STORE_STATE_EMPTY
-    if pb.STORE_STATE_EMPTY in states:
-        return pb.STORE_STATE_INCONSISTENT
-    return pb.STORE_STATE_CONSISTENT

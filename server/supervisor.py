@@ -6,9 +6,9 @@ through a pidfd the loop also watches, so it is noticed at once. A heartbeat
 in the command ring (written by a thread of the worker) tells a stopped or
 wedged worker from one that sits in a long collective.
 
-A dead worker is restarted with backoff. If its store lives in host memory
-the server keeps (store_keeper.py), the new process maps it again before it
-takes commands: the node keeps its weights.
+A dead worker is restarted with backoff. The node's store is the server's
+(node_store.py), so nothing is lost: the new process maps the store's arenas
+when it is next given something to write.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from weightsync.common.errors import Unavailable, WeightSyncError, error_from_code
-from weightsync.common.fd_passing import recv_fds
+from weightsync.common.fd_passing import send_fds
 from weightsync.common.logging import get_logger
 from weightsync.common.shm_queue import OwnedQueue, QueueCorrupted
 from weightsync.gpu_worker.device_faults import EXIT_DEVICE_LOST
+from weightsync.server.arenas import HostArena
+from weightsync.server.fleet import FanOut
 from weightsync.server.ingress import Ingress
-from weightsync.server.store_keeper import KeptStore
 from weightsync.server.tasks import supervised
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
@@ -67,24 +68,20 @@ class WorkerHandle:
     process: subprocess.Popen[bytes] | None = None
     pidfd: int = -1
     channel: socket.socket | None = None
-    """The server's end of the fd channel (arena descriptors at commit/abort)."""
+    """The server's end of the fd channel (the node store's arena descriptors go this way)."""
     state: int = pb.WORKER_STATE_STARTING
-    store: wpb.StoreStatus = field(default_factory=lambda: wpb.StoreStatus(state=pb.STORE_STATE_EMPTY))
-    kept: KeptStore = field(default_factory=KeptStore)
-    writes_in_flight: set[str] = field(default_factory=set)
-    """Tensors an IN_PLACE update is writing: dirty in a store restored after a crash."""
+    status: wpb.WorkerStatus = field(default_factory=wpb.WorkerStatus)
+    """What the worker last reported of itself (staging, bytes received, device memory)."""
+    mapped: set[int] = field(default_factory=set)
+    """Arenas this worker process was sent (a restarted one starts with none)."""
     backend: int = pb.BACKEND_UNSPECIFIED
     device_uuid: str = ""
     """The GPU's UUID as the worker reported it at start (empty: CPU)."""
-    lost: bool = False
-    """The worker died holding weights that did not survive; cleared once its store is refilled."""
     restart_count: int = 0
     quick_failures: int = 0
     ready_at: float = 0.0
     pending: dict[int, asyncio.Future[wpb.WorkerEvent]] = field(default_factory=dict)
     started: asyncio.Event = field(default_factory=asyncio.Event)
-    restore_command: wpb.RestoreStoreCommand | None = None
-    """Sent as the first command of a restarted worker whose store the server kept."""
 
     @property
     def pid(self) -> int:
@@ -100,41 +97,6 @@ class WorkerHandle:
         """The process runs and takes commands (an UNRESPONSIVE one may only be slow: it queues them)."""
         return self.state in (pb.WORKER_STATE_RUNNING, pb.WORKER_STATE_UNRESPONSIVE)
 
-    @property
-    def store_state(self) -> int:
-        """What this worker's store holds, as GetServerInfo and engines see it."""
-        return pb.STORE_STATE_LOST if self.lost else self.store.state
-
-
-@dataclass(frozen=True, slots=True)
-class FanOut:
-    """Every addressed worker's answer to one command: its event, or the error it ended with.
-    All answers are in before a FanOut exists, so no worker is left mid-command."""
-
-    answers: list[tuple[WorkerHandle, wpb.WorkerEvent | BaseException]]
-
-    @property
-    def errors(self) -> list[BaseException]:
-        return [a for _, a in self.answers if isinstance(a, BaseException)]
-
-    @property
-    def events(self) -> list[wpb.WorkerEvent]:
-        """Every event, in worker order; raises the first error if any worker failed."""
-        errors = self.errors
-        if errors:
-            raise errors[0]
-        return [a for _, a in self.answers]  # type: ignore[misc]
-
-    def raise_first(self) -> None:
-        """The first worker's error, if any worker failed."""
-        errors = self.errors
-        if errors:
-            raise errors[0]
-
-    def log_errors(self, event: str, **context: object) -> None:
-        for worker, answer in self.answers:
-            if isinstance(answer, BaseException):
-                log.warning(event, worker=worker.index, error=str(answer), **context)
 
 
 class Supervisor:
@@ -188,10 +150,6 @@ class Supervisor:
     def _spawn(self, worker: WorkerHandle) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
-        restore: wpb.RestoreStoreCommand | None = None
-        inherited: list[int] = []
-        if worker.kept.restorable:
-            restore, inherited = worker.kept.restore_command(worker.writes_in_flight)
         config = wpb.WorkerConfig(
             index=worker.index,
             device=worker.device,
@@ -216,7 +174,7 @@ class Supervisor:
             worker.state = pb.WORKER_STATE_STARTING
         try:
             process = subprocess.Popen(
-                argv, pass_fds=(*cmd, *evt, theirs.fileno(), *inherited, *self._ingress_fds()),
+                argv, pass_fds=(*cmd, *evt, theirs.fileno(), *self._ingress_fds()),
                 stdin=subprocess.DEVNULL,
             )
         except OSError:
@@ -232,16 +190,14 @@ class Supervisor:
             ours.close()
             raise
         worker.process = process
-        worker.writes_in_flight = set()  # now in the restore command; kept until here for a retried spawn
+        worker.mapped = set()
         if worker.channel is not None:
             worker.channel.close()
         worker.channel = ours
         worker.pidfd = pidfd
         assert self._loop is not None
         self._loop.add_reader(worker.pidfd, self._reap, worker)
-        worker.restore_command = restore
-        log.info("worker_spawned", worker=worker.index, pid=worker.process.pid, device=worker.device,
-                 restoring=restore is not None)
+        log.info("worker_spawned", worker=worker.index, pid=worker.process.pid, device=worker.device)
 
     def _ingress_fds(self) -> tuple[int, ...]:
         return (self._ingress.fd,) if self._ingress is not None else ()
@@ -253,20 +209,13 @@ class Supervisor:
         os.close(worker.pidfd)
         worker.pidfd = -1
         code = worker.process.wait()
-        had_weights = worker.store.state != pb.STORE_STATE_EMPTY or worker.lost
         self._fail_pending(worker, Unavailable("WORKER_DIED", f"worker {worker.index} exited with {code}", worker=worker.index))
         if self._stopping:
             worker.state = pb.WORKER_STATE_STOPPED
             return
-        keeps = worker.kept.restorable
-        log.error("worker_died", worker=worker.index, exit_code=code, had_weights=had_weights, store_kept=keeps)
+        log.error("worker_died", worker=worker.index, exit_code=code)
         worker.state = pb.WORKER_STATE_RESTARTING
-        worker.lost = had_weights and not keeps
-        if keeps:
-            worker.store = worker.kept.status(worker.writes_in_flight)  # what the restarted worker will map
-        else:
-            worker.kept.forget()
-            worker.store = wpb.StoreStatus(state=pb.STORE_STATE_EMPTY)
+        worker.mapped = set()
         worker.restart_count += 1
         quick = worker.ready_at == 0.0 or time.monotonic() - worker.ready_at < STABLE_AFTER_SECONDS
         worker.quick_failures = worker.quick_failures + 1 if quick else 0
@@ -322,22 +271,15 @@ class Supervisor:
     def _handle_event(self, worker: WorkerHandle, event: wpb.WorkerEvent) -> None:
         if worker.state == pb.WORKER_STATE_UNRESPONSIVE:
             self._responsive_again(worker)  # it answered: alive, whatever its heartbeat said a moment ago
-        if event.HasField("store"):
-            worker.store = event.store
-            if worker.lost and event.store.state == pb.STORE_STATE_CONSISTENT:
-                worker.lost = False
+        if event.HasField("status"):
+            worker.status = event.status
         kind = event.WhichOneof("event")
         if kind == "started":
             worker.backend = event.started.backend
             worker.device_uuid = event.started.device_uuid
             log.info("worker_ready", worker=worker.index, pid=event.started.pid)
-            if worker.restore_command is not None:
-                self._begin_restore(worker)
-                return
             self._mark_running(worker)
             return
-        if kind in ("update_committed", "update_aborted"):
-            self._keep_store(worker, getattr(event, kind))
         future = worker.pending.pop(event.command_id, None)
         if future is None or future.done():
             if not self._stopping:
@@ -350,44 +292,6 @@ class Supervisor:
         worker.ready_at = time.monotonic()
         worker.started.set()
         self._on_started(worker)
-
-    def _begin_restore(self, worker: WorkerHandle) -> None:
-        assert worker.restore_command is not None and self._loop is not None
-        command = wpb.WorkerCommand(command_id=next(self._ids), restore_store=worker.restore_command)
-        worker.restore_command = None
-        restoring: asyncio.Future[wpb.WorkerEvent] = self._loop.create_future()
-        worker.pending[command.command_id] = restoring
-        if not worker.commands.queue.try_put(command.SerializeToString()):
-            log.error("restore_did_not_fit", worker=worker.index)
-            self._kill(worker)
-            return
-        restoring.add_done_callback(lambda done: self._restored(worker, done))
-
-    def _restored(self, worker: WorkerHandle, done: asyncio.Future[wpb.WorkerEvent]) -> None:
-        if done.cancelled() or done.exception() is not None:
-            return  # the worker died again; _reap handles it
-        event = done.result()
-        if event.WhichOneof("event") != "store_restored":
-            failed = event.command_failed
-            log.error("store_restore_failed", worker=worker.index, reason=failed.reason, message=failed.message)
-            worker.kept.forget()
-            worker.lost = True
-        else:
-            log.info("store_restored", worker=worker.index, tensors=event.store_restored.tensor_count,
-                     state=pb.StoreState.Name(worker.store.state))
-        self._mark_running(worker)
-
-    def _keep_store(self, worker: WorkerHandle, reported: wpb.UpdateCommitted | wpb.UpdateAborted) -> None:
-        """Hold the arenas and manifest the worker just reported (see store_keeper.py)."""
-        worker.writes_in_flight = set()
-        if worker.channel is None:
-            return
-        try:
-            fds = recv_fds(worker.channel, len(reported.sent_arena_ids)) if reported.sent_arena_ids else []
-            worker.kept.absorb(reported.manifest, list(reported.sent_arena_ids), fds)
-        except (OSError, ValueError, ConnectionError) as error:
-            log.error("store_not_kept", worker=worker.index, error=str(error))
-            worker.kept.forget()
 
     def _kill(self, worker: WorkerHandle) -> None:
         if worker.process is not None and worker.process.poll() is None:
@@ -412,6 +316,34 @@ class Supervisor:
         log.info("worker_responsive_again", worker=worker.index)
         worker.state = pb.WORKER_STATE_RUNNING
         self._on_started(worker)
+
+    # -- the node store's arenas ---------------------------------------------------------
+    async def map_arenas(self, worker: WorkerHandle, arenas: list[HostArena], timeout: float) -> None:
+        """Make sure this worker process maps these arenas: their descriptors go over its fd channel,
+        then the command that names them (in that order, so the worker finds them there)."""
+        missing = [a for a in arenas if a.arena_id not in worker.mapped]
+        if not missing:
+            return
+        if worker.channel is None or not worker.alive:
+            raise Unavailable("WORKER_UNAVAILABLE", f"worker {worker.index} is {pb.WorkerState.Name(worker.state)}",
+                              worker=worker.index)
+        command = wpb.MapArenasCommand(arenas=[wpb.ArenaSpec(arena_id=a.arena_id, size_bytes=a.size_bytes)
+                                               for a in missing])
+        send_fds(worker.channel, [a.fd for a in missing])
+        incarnation = worker.restart_count
+        await self.call(worker, timeout, map_arenas=command)
+        if worker.restart_count == incarnation:
+            worker.mapped.update(a.arena_id for a in missing)
+
+    def forget_arenas(self, arena_ids: list[int]) -> None:
+        """Arenas the store released: unmapped wherever they were mapped (fire and forget: a worker that
+        misses it holds a mapping of freed memory until it restarts, and never writes there)."""
+        for worker in self.workers:
+            gone = worker.mapped & set(arena_ids)
+            if gone and worker.alive:
+                worker.mapped -= gone
+                future = self.submit_or_refusal(worker, unmap_arenas=wpb.UnmapArenasCommand(arena_ids=sorted(gone)))
+                future.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     # -- commands ------------------------------------------------------------------
     def submit(self, worker: WorkerHandle, **command: object) -> asyncio.Future[wpb.WorkerEvent]:
@@ -455,6 +387,7 @@ class Supervisor:
             error = error_from_code(failed.code, failed.reason, failed.message, dict(failed.metadata))
             error.broken_group_id = failed.broken_group_id
             error.worker_index = worker.index
+            error.store_touched = failed.store_touched
             raise error
         return event
 
@@ -537,7 +470,6 @@ class Supervisor:
             self._loop.remove_reader(worker.events.doorbell_fd)
             worker.commands.close()
             worker.events.close()
-            worker.kept.forget()
             if worker.channel is not None:
                 worker.channel.close()
                 worker.channel = None

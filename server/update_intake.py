@@ -1,17 +1,20 @@
 """The reading half of an UpdateWeights stream: client messages in, worker receives out.
 
-Each BucketStart is checked and then, by transport:
-  - COLLECTIVE: forwarded at once to every worker, which joins the broadcast
-    that follows (so the client can pipeline bucket k+1 behind bucket k). A
+Each bucket goes to its owner (common/ownership.py), the one worker of the node that
+receives it into the store. Each BucketStart is checked and then, by transport:
+  - COLLECTIVE: forwarded at once, so the client can pipeline bucket k+1 behind
+    bucket k: to the owner alone over Gloo (the trainer sends it there); over NCCL
+    to every worker, each joining the broadcast, the others dropping the bytes. A
     wrong announcement (a missing or wrong-length tail included) is still
     joined, at the announced length, and dropped, so the sender never hangs.
   - INLINE: the BucketChunks that follow are written into the bucket's ingress
-    slot (after the workers released it: until then the stream is not read,
-    which is gRPC's back-pressure); a complete bucket is forwarded.
-  - SHM: the client wrote the slot before announcing; it is forwarded at once.
-    It must carry a WS64 checksum (the workers check their own copy of the
-    slot against it). An announcement that reuses a slot before BucketApplied
-    freed it is refused.
+    slot (after its owner released it: until then the stream is not read,
+    which is gRPC's back-pressure); a complete bucket, or a full slot of a
+    larger one, is forwarded to the owner.
+  - SHM: the client wrote the slot before announcing; it is forwarded to the
+    owner at once. It must carry a WS64 checksum (the owner checks its own copy
+    of the slot against it). An announcement that reuses a slot before
+    BucketApplied freed it is refused.
 The driver (update_session.py) awaits the forwarded receives in order. The intake
 owns the announcements, the ingress piece counter and the forwarding; it sees
 its session only through IntakeSession, and never writes the session's state.
@@ -27,8 +30,8 @@ from typing import Protocol
 from weightsync.common.collective import tail_length
 from weightsync.common.errors import DeadlineExceeded, InvalidArgument, WeightSyncError
 from weightsync.common.logging import get_logger
+from weightsync.server.fleet import FleetWorker, WorkerFleet
 from weightsync.server.ingress import Ingress
-from weightsync.server.supervisor import Supervisor, WorkerHandle
 from weightsync.server.wire import ChunkView
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -42,10 +45,10 @@ KNOWN_CHECKSUMS = (tensor_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED, tensor_pb2.CHECKSU
 # -- what the reader hands the driver ------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """A bucket (or a piece of one) every worker is receiving."""
+    """A bucket (or a piece of one) its owner is receiving (over NCCL: every worker, the others dropping it)."""
 
     sequence: int
-    receives: list[tuple[WorkerHandle, asyncio.Future[wpb.WorkerEvent]]]
+    receives: list[tuple[FleetWorker, asyncio.Future[wpb.WorkerEvent]]]
     discard: bool
     last: bool = True
     """False for a piece that does not complete its bucket (INLINE buckets larger than a slot)."""
@@ -109,7 +112,18 @@ class IntakeSession(Protocol):
     def bucket_timeout(self) -> float: ...
 
     @property
-    def in_place(self) -> bool: ...
+    def broadcast_to_all(self) -> bool:
+        """NCCL: every worker joins every broadcast (non-owners drop the bytes)."""
+
+    @property
+    def owners(self) -> list[int]:
+        """Per bucket: the worker that receives it."""
+
+    def touched(self, sequence: int) -> None:
+        """Bytes of bucket `sequence` may reach the store from now on."""
+
+    def route_is_direct(self, sequence: int) -> bool:
+        """Bucket `sequence` is received straight into the store (no staging)."""
 
     def fail(self, error: WeightSyncError) -> None: ...
 
@@ -123,22 +137,22 @@ class IntakeSession(Protocol):
 class BucketIntake:
     """Reads one stream's messages after Begin (see the module docstring)."""
 
-    def __init__(self, session: IntakeSession, *, transport: int, supervisor: Supervisor, ingress: Ingress | None,
+    def __init__(self, session: IntakeSession, *, transport: int, fleet: WorkerFleet, ingress: Ingress | None,
                  max_chunk_bytes: int) -> None:
-        self.s = session
+        self.session = session
         self.transport = transport
-        self.supervisor = supervisor
+        self.fleet = fleet
         self.ingress = ingress
         self.max_chunk_bytes = max_chunk_bytes
         self.filling: _Filling | None = None
         self.announced = 0
         self.pieces_sent = 0
         """Ingress pieces forwarded (INLINE/SHM): piece p uses slot p % slot_count."""
-        self.receives: list[tuple[WorkerHandle, asyncio.Future[wpb.WorkerEvent]]] = []
-        """Every receive_bucket submitted; the session's abort path settles the ones nobody awaited."""
+        self.pending: list[Bucket] = []
+        """Every bucket forwarded; the session's abort path settles the receives nobody awaited."""
 
     async def read(self, requests: AsyncIterator[pb.UpdateWeightsRequest]) -> None:
-        inbox = self.s.inbox
+        inbox = self.session.inbox
         try:
             async for request in requests:
                 kind = request.WhichOneof("message")
@@ -171,14 +185,14 @@ class BucketIntake:
 
     def _refuse(self, error: WeightSyncError) -> None:
         """Fail the update; the driver tells the client at once."""
-        if self.s.failure is None:
-            self.s.fail(error)
-            self.s.inbox.put_nowait(Failed(error))
+        if self.session.failure is None:
+            self.session.fail(error)
+            self.session.inbox.put_nowait(Failed(error))
 
     # -- announcements -------------------------------------------------------------
     def _check(self, start: pb.BucketStart) -> WeightSyncError | None:
         """Why a BucketStart cannot be received into the store, if it cannot."""
-        sequence, buckets = start.sequence, len(self.s.plan.buckets)
+        sequence, buckets = start.sequence, len(self.session.plan.buckets)
         announced = self.announced
         if sequence < announced:
             return InvalidArgument("BUCKET_OUT_OF_ORDER", f"bucket {sequence} was already announced; expected "
@@ -189,7 +203,7 @@ class BucketIntake:
         if sequence != announced:
             return InvalidArgument("BUCKET_OUT_OF_ORDER", f"bucket {sequence} announced, expected {announced}",
                                    bucket=sequence, expected=announced)
-        planned = self.s.plan.buckets[sequence].size_bytes
+        planned = self.session.plan.buckets[sequence].size_bytes
         if start.size_bytes and start.size_bytes != planned:
             return InvalidArgument(
                 "BUCKET_SIZE_MISMATCH",
@@ -214,7 +228,7 @@ class BucketIntake:
         """SHM: the client may write bucket k's slot only after BucketApplied(k - slots) came back."""
         assert self.ingress is not None
         slots = self.ingress.slot_count
-        if sequence - slots >= self.s.applied_sent:
+        if sequence - slots >= self.session.applied_sent:
             return InvalidArgument(
                 "SHM_SLOT_BUSY",
                 f"bucket {sequence} was announced before bucket {sequence - slots} (same ingress slot) was applied: "
@@ -225,13 +239,13 @@ class BucketIntake:
 
     async def _announce(self, start: pb.BucketStart) -> None:
         self._refuse_if_filling()
-        if self.s.failure is None:
+        if self.session.failure is None:
             refusal = self._check(start)
             if refusal is not None:
                 self._refuse(refusal)
-        if self.s.failure is None:
+        if self.session.failure is None:
             self.announced += 1
-            size = self.s.plan.buckets[start.sequence].size_bytes
+            size = self.session.plan.buckets[start.sequence].size_bytes
             if self.transport == pb.TRANSPORT_INLINE:
                 self.filling = _Filling(start.sequence, size, start.checksum)
                 await self._claim_slot()
@@ -240,7 +254,7 @@ class BucketIntake:
                 return
             shm = self.transport == pb.TRANSPORT_SHM
             assert not shm or self.ingress is not None
-            await self.s.inbox.put(self.forward(
+            await self.session.inbox.put(self.forward(
                 start.sequence, start.checksum, discard=False, size=size, tail=start.tail,
                 ingress_offset=self.ingress.slot_offset(start.sequence) if shm and self.ingress else None))
             if shm:
@@ -253,14 +267,15 @@ class BucketIntake:
     async def _drain(self, start: pb.BucketStart) -> None:
         """The update is failing: join the announced broadcast at its length, or break the group."""
         length = self._announced_length(start)
-        if length is None:
-            # Nothing can receive it: the sender's broadcast fails at the group timeout, so the group breaks.
-            assert self.s.failure is not None
-            self.s.break_group(f"{self.s.failure.reason}: bucket {start.sequence} was announced with a length the "
-                               "workers cannot drain")
-            await self.s.inbox.put(Failed(self.s.failure))
+        owned = 0 <= start.sequence < len(self.session.owners)
+        if length is None or not (owned or self.session.broadcast_to_all):
+            # Nothing can receive it: the sender's transfer fails at the group timeout, so the group breaks.
+            assert self.session.failure is not None
+            self.session.break_group(f"{self.session.failure.reason}: bucket {start.sequence} was announced with a "
+                                     "length, or a sequence, the workers cannot drain")
+            await self.session.inbox.put(Failed(self.session.failure))
             return
-        await self.s.inbox.put(self.forward(start.sequence, start.checksum, discard=True, size=length))
+        await self.session.inbox.put(self.forward(start.sequence, start.checksum, discard=True, size=length))
 
     def _announced_length(self, start: pb.BucketStart) -> int | None:
         """The length of the broadcast that follows a BucketStart, if it is known and drainable."""
@@ -268,11 +283,11 @@ class BucketIntake:
             return None
         length = start.size_bytes
         if not length:
-            if not 0 <= start.sequence < len(self.s.plan.buckets):
+            if not 0 <= start.sequence < len(self.session.plan.buckets):
                 return None
-            length = self.s.plan.buckets[start.sequence].size_bytes
+            length = self.session.plan.buckets[start.sequence].size_bytes
         # Draining costs a scratch buffer of that length on every worker: no more than the plan's largest bucket.
-        return length if length <= max(b.size_bytes for b in self.s.plan.buckets) else None
+        return length if length <= max(b.size_bytes for b in self.session.plan.buckets) else None
 
     # -- INLINE ----------------------------------------------------------------------
     # A bucket arrives in chunks; its bytes fill ingress slots one after another, each slot
@@ -284,13 +299,13 @@ class BucketIntake:
         assert self.ingress is not None
         pieces, slots = self.pieces_sent, self.ingress.slot_count
         try:
-            await asyncio.wait_for(self.s.wait_pieces(pieces - slots + 1), self.s.bucket_timeout)
+            await asyncio.wait_for(self.session.wait_pieces(pieces - slots + 1), self.session.bucket_timeout)
         except TimeoutError:
             raise DeadlineExceeded("INGRESS_SLOT_TIMEOUT", f"the workers did not apply an earlier piece within "
-                                   f"{self.s.bucket_timeout:g} s") from None
+                                   f"{self.session.bucket_timeout:g} s") from None
 
     async def _chunk(self, chunk: pb.BucketChunk | ChunkView) -> None:
-        if self.s.failure is not None:
+        if self.session.failure is not None:
             return  # the update is failing: chunks are dropped, nothing waits for them
         filling = self.filling
         data = chunk.data
@@ -326,7 +341,7 @@ class BucketIntake:
                 self._forward_piece(last=done)
                 if not done:
                     await self._claim_slot()
-                    if self.s.failure is not None:
+                    if self.session.failure is not None:
                         return
 
     def _forward_piece(self, *, last: bool) -> None:
@@ -337,14 +352,14 @@ class BucketIntake:
                              piece_offset=filling.piece_start, piece_size=filling.received - filling.piece_start,
                              last=last)
         self.pieces_sent += 1
-        self.s.inbox.put_nowait(piece)
+        self.session.inbox.put_nowait(piece)
         filling.piece_start = filling.received
         if last:
             self.filling = None
 
     def _refuse_if_filling(self) -> None:
         filling = self.filling
-        if filling is not None and self.s.failure is None:
+        if filling is not None and self.session.failure is None:
             self.filling = None
             self._refuse(InvalidArgument(
                 "BUCKET_INCOMPLETE", f"bucket {filling.sequence} got {filling.received} of its "
@@ -356,19 +371,32 @@ class BucketIntake:
     def forward(self, sequence: int, checksum: tensor_pb2.Checksum, *, discard: bool, size: int,
                 ingress_offset: int | None = None, piece_offset: int = 0, piece_size: int = 0,
                 last: bool = True, tail: bytes = b"") -> Bucket:
-        """Every worker receives bucket `sequence` now: it joins the broadcast that follows, or
-        copies the bucket (or one piece of it) from the ingress at `ingress_offset`. A worker that
-        cannot take the command (it died) answers with its error; the others still get theirs,
-        so none of them waits on a broadcast the rest never joined."""
-        command = wpb.ReceiveBucketCommand(update_id=self.s.update_id, sequence=sequence, checksum=checksum,
+        """Bucket `sequence` is received now: its owner joins the transfer that follows (NCCL: every other
+        worker joins it too and drops the bytes), or copies the bucket (or one piece of it) from the ingress
+        at `ingress_offset`. A worker that cannot take the command (it died) answers with its error; the
+        others still get theirs, so none of them waits on a transfer the rest never joined."""
+        command = wpb.ReceiveBucketCommand(update_id=self.session.update_id, sequence=sequence, checksum=checksum,
                                            discard=discard, size_bytes=size, from_ingress=ingress_offset is not None,
                                            ingress_offset_bytes=ingress_offset or 0, piece_offset_bytes=piece_offset,
                                            piece_size_bytes=piece_size, last_piece=last, tail=tail)
-        names = {t.name for t in self.s.plan.buckets[sequence].tensors} if not discard and self.s.in_place else ()
+        owners = self.session.owners
+        owner = owners[sequence] if 0 <= sequence < len(owners) else None
+        if not discard and self.session.route_is_direct(sequence):
+            self.session.touched(sequence)  # received straight into the store: its bytes may land at any time
         receives = []
-        for worker in self.supervisor.workers:
-            if names:
-                worker.writes_in_flight.update(names)
-            receives.append((worker, self.supervisor.submit_or_refusal(worker, receive_bucket=command)))
-        self.receives.extend(receives)
-        return Bucket(sequence, receives, discard, last)
+        for worker in self.fleet.workers:
+            if worker.index == owner:
+                receives.append((worker, self.fleet.submit_or_refusal(worker, receive_bucket=command)))
+            elif self.session.broadcast_to_all and ingress_offset is None:
+                dropped = wpb.ReceiveBucketCommand()
+                dropped.CopyFrom(command)
+                dropped.discard = True
+                receives.append((worker, self.fleet.submit_or_refusal(worker, receive_bucket=dropped)))
+        bucket = Bucket(sequence, receives, discard, last)
+        self.pending.append(bucket)
+        return bucket
+
+    def forwarded_to(self, worker_index: int) -> list[int]:
+        """The buckets forwarded to this worker to receive into the store (not to drop)."""
+        return sorted({b.sequence for b in self.pending if not b.discard
+                       and any(w.index == worker_index for w, _ in b.receives)})

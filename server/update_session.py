@@ -2,16 +2,22 @@
 
 Two tasks cooperate:
   - the reader (update_intake.py) takes client messages and forwards each
-    bucket to every worker as soon as its bytes can be received: at once for a
-    collective broadcast or an SHM slot, once its chunks are in for INLINE;
+    bucket to its owner (and, for an NCCL broadcast, to every other worker,
+    which joins it and drops the bytes) as soon as its bytes can be received:
+    at once for a collective or an SHM slot, once its chunks are in for INLINE;
   - the driver (this module, the stream handler itself) awaits the workers'
     answers in order and writes BucketApplied, Aborting and Committed.
 
+The node's store (node_store.py) decides where every byte goes before any
+moves: the session derives the update there, admits its memory, allocates,
+hands each worker its part, and at the end commits the store and publishes the
+version in one step (no lease sees one without the other), or aborts it.
+
 Once anything fails the session is "aborting": it tells the client, keeps
-draining what the client already announced (workers join those broadcasts and
+draining what the client already announced (workers join those transfers and
 drop the bytes, so nobody hangs), and ends with the failure's status when the
 client sends abort or closes. Whatever happens, the workers' update is
-committed or aborted before the store lock is released.
+committed or aborted before the update gate is released.
 """
 
 from __future__ import annotations
@@ -33,14 +39,15 @@ from weightsync.common.errors import (
 )
 from weightsync.common.logging import get_logger
 from weightsync.common.patches import is_patch
-from weightsync.server.admission import MemoryAdmission
-from weightsync.server.groups import GroupRegistry
+from weightsync.server.admission import MemoryAdmission, StagingNeed
+from weightsync.server.fleet import WorkerFleet
+from weightsync.server.group_registry import GroupRegistry
 from weightsync.server.ingress import Ingress
 from weightsync.server.leases import LeaseTable
 from weightsync.server.metrics import Metrics
+from weightsync.server.node_store import NodeStore, StoreUpdate
 from weightsync.server.publisher import Publisher
 from weightsync.server.state import GroupRecord
-from weightsync.server.supervisor import Supervisor
 from weightsync.server.tasks import finish_despite_cancel, retrieve_quietly
 from weightsync.server.update_intake import (
     Abort,
@@ -67,7 +74,8 @@ timeout itself at the group timeout; a worker that stays silent longer is killed
 class SessionServices:
     """What an update session needs from the server, and nothing more."""
 
-    supervisor: Supervisor
+    fleet: WorkerFleet
+    store: NodeStore
     publisher: Publisher
     groups: GroupRegistry
     admission: MemoryAdmission
@@ -94,6 +102,8 @@ class UpdateSession:
     plan_id: str
     inbox: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
     intake: BucketIntake | None = None
+    store_update: StoreUpdate | None = None
+    """The node store's side of this update, once derived."""
     failure: WeightSyncError | None = None
     aborting_sent: bool = False
     applied: int = 0
@@ -106,9 +116,9 @@ class UpdateSession:
     """Set whenever a piece or bucket was done or the update failed (frees ingress slots)."""
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once the update failed: the driver stops waiting for buckets and tells the client."""
-    prepared: bool = False
     finished: bool = False
-    fast_path_count: int = 0
+    torn: set[str] = field(default_factory=set)
+    """Tensors a commit that failed half-way may have half-written (STAGED patches)."""
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -118,12 +128,18 @@ class UpdateSession:
         return self.group.timeout.total_seconds() + BUCKET_MARGIN_SECONDS
 
     @property
-    def patched(self) -> bool:
-        return any(is_patch(t.encoding) for b in self.plan.buckets for t in b.tensors)
-
-    @property
     def in_place(self) -> bool:
         return self.begin.mode == pb.UPDATE_MODE_IN_PLACE
+
+    @property
+    def broadcast_to_all(self) -> bool:
+        """NCCL: every worker joins every broadcast (non-owners drop the bytes)."""
+        return self.group is not None and self.group.backend == pb.BACKEND_NCCL
+
+    @property
+    def owners(self) -> list[int]:
+        assert self.store_update is not None
+        return self.store_update.owners
 
     def break_group(self, why: str) -> None:
         if self.group is not None:
@@ -139,22 +155,27 @@ class UpdateSession:
             self.progress.clear()
             await self.progress.wait()
 
+    def route_is_direct(self, sequence: int) -> bool:
+        """Bucket `sequence` is received straight into the store (no staging)."""
+        update = self.store_update
+        return update is not None and 0 <= sequence < len(update.plan.routes) and update.plan.routes[sequence].direct
+
+    def touched(self, sequence: int) -> None:
+        """Bytes of bucket `sequence` may have reached the store (an IN_PLACE abort marks them dirty)."""
+        if self.store_update is not None:
+            self.services.store.touched(self.store_update, sequence)
+
     # -- driver ------------------------------------------------------------------
     async def run(self, requests: AsyncIterator[pb.UpdateWeightsRequest]) -> AsyncIterator[pb.UpdateWeightsResponse]:
         reader: asyncio.Task[None] | None = None
         if self.group is not None:
-            self.group.updating = True
+            self.services.groups.update_started(self.group)
         try:
             await self._prepare()
             self.services.publisher.publish_state()  # watchers see UPDATING
-            log.info("update_ready", buckets=len(self.plan.buckets), fast_path=self.fast_path_count,
-                     version=self.begin.version)
-            yield pb.UpdateWeightsResponse(ready=pb.UpdateReady(
-                update_id=self.update_id, plan_id=self.plan_id, bucket_count=len(self.plan.buckets),
-                fast_path_bucket_count=self.fast_path_count,
-            ))
+            yield self._ready()
             services = self.services
-            self.intake = BucketIntake(self, transport=self.begin.transport, supervisor=services.supervisor,
+            self.intake = BucketIntake(self, transport=self.begin.transport, fleet=services.fleet,
                                        ingress=services.ingress, max_chunk_bytes=services.max_chunk_bytes)
             reader = asyncio.create_task(self.intake.read(requests))
             idle = self.bucket_timeout
@@ -199,6 +220,16 @@ class UpdateSession:
             # and then cancels): the workers' abort, the engines' leases, the group's idle mark.
             await finish_despite_cancel(self._finish(reader))
 
+    def _ready(self) -> pb.UpdateWeightsResponse:
+        plan = self.store_update.plan if self.store_update else None
+        fast = plan.fast_path_count if plan else 0
+        log.info("update_ready", buckets=len(self.plan.buckets), fast_path=fast, version=self.begin.version)
+        ready = pb.UpdateReady(update_id=self.update_id, plan_id=self.plan_id, bucket_count=len(self.plan.buckets),
+                               fast_path_bucket_count=fast)
+        if self.group is not None:
+            ready.bucket_owner_ranks.extend(self.group.rank_offset + owner for owner in self.owners)
+        return pb.UpdateWeightsResponse(ready=ready)
+
     async def _finish(self, reader: asyncio.Task[None] | None) -> None:
         if reader is not None:
             reader.cancel()
@@ -210,32 +241,47 @@ class UpdateSession:
         finally:
             await self.services.leases.write_done()
             if self.group is not None:
-                self.group.updating = False
+                self.services.groups.update_ended(self.group)
 
     async def _prepare(self) -> None:
-        supervisor = self.services.supervisor
+        services = self.services
+        fleet, store = services.fleet, services.store
         # Engines reading the bytes this update would write finish first (see leases.py).
-        await self.services.leases.before_write(staged=not self.in_place, timeout=self.services.lease_timeout,
-                                                generation=self.services.publisher.version.generation)
-        command = wpb.PrepareUpdateCommand(
-            update_id=self.update_id, group_id=self.group.group_id if self.group else "", plan=self.plan,
-            mode=self.begin.mode, allow_new_tensors=self.begin.allow_new_tensors, plan_id=self.plan_id,
-        )
-        self.prepared = True  # from here on, abort is owed to the workers
-        timeout = self.services.command_timeout
-        events = await supervisor.call_all(timeout, prepare_update=command)
-        answers = [(w, e.update_prepared) for w, e in zip(supervisor.workers, events, strict=True)]
-        if any(p.needed_bytes for _, p in answers):
-            self.services.admission.check(answers)
-            sized = [w for w, p in answers if p.needed_bytes]
-            allocated = await supervisor.fan_out(timeout, sized, allocate_update=wpb.AllocateUpdateCommand(
-                update_id=self.update_id))
-            allocated.raise_first()
-        self.fast_path_count = min(p.fast_path_bucket_count for _, p in answers)
+        await services.leases.before_write(staged=not self.in_place, timeout=services.lease_timeout,
+                                           generation=services.publisher.version.generation)
+        update = store.prepare(update_id=self.update_id, plan=self.plan, plan_id=self.plan_id, mode=self.begin.mode,
+                               allow_new_tensors=self.begin.allow_new_tensors, workers=len(fleet.workers))
+        self.store_update = update  # from here on, abort is owed to the store and the workers
+        services.admission.check(store_bytes=update.needed_bytes, staging=self._staging_needs(update))
+        await store.allocate(update)
+        arenas = [store.arena(a) for a in store.arena_ids()]
+        timeout = services.command_timeout
+        mapped = await asyncio.gather(*(fleet.map_arenas(w, arenas, timeout) for w in fleet.workers),
+                                      return_exceptions=True)
+        for result in mapped:
+            if isinstance(result, BaseException):
+                raise result
+        group_id = self.group.group_id if self.group else ""
+        prepared = await fleet.fan_out(timeout, command_for=lambda w: {"prepare_update": store.assignment(
+            update, w.index, update_id=self.update_id, group_id=group_id)})
+        prepared.raise_first()
+
+    def _staging_needs(self, update: StoreUpdate) -> list[StagingNeed]:
+        """What each worker's staging must hold for this update (admission counts what it adds)."""
+        largest = max((r.size_bytes for r in update.plan.routes), default=0)
+        needs = []
+        for worker in self.services.fleet.workers:
+            if self.broadcast_to_all and not worker.host_memory:
+                needs.append(StagingNeed(worker, 2 * largest, on_device=True))
+                continue
+            general = max((r.size_bytes for k, r in enumerate(update.plan.routes)
+                           if update.owners[k] == worker.index and r.receive_into is None), default=0)
+            needs.append(StagingNeed(worker, general, on_device=False))
+        return needs
 
     async def _bucket_done(self, bucket: Bucket) -> pb.UpdateWeightsResponse | None:
-        supervisor = self.services.supervisor
-        waiting = asyncio.ensure_future(supervisor.settle(bucket.receives, self.bucket_timeout))
+        fleet = self.services.fleet
+        waiting = asyncio.ensure_future(fleet.settle(bucket.receives, self.bucket_timeout))
         failing = asyncio.ensure_future(self.failed.wait())
         await asyncio.wait({waiting, failing}, return_when=asyncio.FIRST_COMPLETED)
         failing.cancel()
@@ -246,7 +292,7 @@ class UpdateSession:
             retrieve_quietly(waiting)
             return None
         settled = waiting.result()
-        results = [answer for _, answer in settled.answers]
+        self._note_touched(bucket.sequence, settled.answers, discard=bucket.discard)
         errors = settled.errors
         for error in errors:
             self._note_broken(error)
@@ -265,9 +311,21 @@ class UpdateSession:
         if not bucket.last:
             return None
         self.applied += 1
-        size = results[0].bucket_received.size_bytes  # type: ignore[union-attr]
+        size = self.plan.buckets[bucket.sequence].size_bytes
         self.applied_bytes += size
         return pb.UpdateWeightsResponse(bucket_applied=pb.BucketApplied(sequence=bucket.sequence, size_bytes=size))
+
+    def _note_touched(self, sequence: int, answers, *, discard: bool) -> None:
+        """The owner's answer says whether the bucket's bytes reached the store: applied, or failed after they
+        could (its flag), or it died holding them (assumed)."""
+        if discard or self.store_update is None or not 0 <= sequence < len(self.owners):
+            return
+        owner = self.owners[sequence]
+        for worker, answer in answers:
+            if worker.index != owner:
+                continue
+            if not isinstance(answer, BaseException) or getattr(answer, "store_touched", True):
+                self.touched(sequence)
 
     async def _commit(self) -> pb.UpdateWeightsResponse:
         buckets = len(self.plan.buckets)
@@ -276,26 +334,25 @@ class UpdateSession:
                                        received=self.applied, expected=buckets)
             self.fail(error)
             raise error
-        supervisor = self.services.supervisor
-        if not self.in_place and self.patched:
+        services = self.services
+        store, update = services.store, self.store_update
+        assert update is not None
+        patched = store.patched_names(update)
+        if store.live_writes_at_commit(update):
             # A STAGED patch is scattered into the live bytes at commit: engines reading the
             # committed version finish first, and none starts until the commit is done.
-            await self.services.leases.before_write(staged=False, timeout=self.services.lease_timeout,
-                                                    generation=self.services.publisher.version.generation)
-        async with self.services.leases.publishing_commit():
-            committed = await supervisor.fan_out(self.services.command_timeout,
-                                                 commit_update=wpb.CommitUpdateCommand(update_id=self.update_id))
-            failures = committed.errors
-            if failures:
-                if len(failures) < len(committed.answers):
-                    self.services.publisher.mixed = True  # some workers hold the new weights, some the old
-                raise failures[0]
+            await services.leases.before_write(staged=False, timeout=services.lease_timeout,
+                                               generation=services.publisher.version.generation)
+        async with services.leases.publishing_commit():
+            committed = await services.fleet.fan_out(services.command_timeout,
+                                                     commit_update=wpb.CommitUpdateCommand(update_id=self.update_id))
+            if committed.errors:
+                self.torn = patched if not self.in_place else set()  # some owners may have scattered theirs
+                raise committed.errors[0]
             self.finished = True
-            generation = self.services.publisher.next_generation
-            names = [t.name for b in self.plan.buckets for t in b.tensors]
-            for worker in supervisor.workers:
-                worker.kept.mark_written(names, generation)  # before watchers hear of it: engines read what changed
-            version = self.services.publisher.publish_version(self.begin.version)
+            # One step: the store's new layout and the new version, with nothing in between.
+            store.commit(update, services.publisher.next_generation)
+            version = services.publisher.publish_version(self.begin.version)
         seconds = time.monotonic() - self.started
         duration = duration_pb2.Duration()
         duration.FromNanoseconds(int(seconds * 1e9))
@@ -342,36 +399,51 @@ class UpdateSession:
 
     async def _abort_workers(self) -> None:
         self.finished = True
-        if not self.prepared:
+        update = self.store_update
+        if update is None:
             return
-        supervisor = self.services.supervisor
+        fleet = self.services.fleet
         settled = asyncio.ensure_future(self._settle_receives())
-        aborted = await supervisor.fan_out(self.bucket_timeout, supervisor.alive_workers(),
-                                           abort_update=wpb.AbortUpdateCommand(update_id=self.update_id))
+        aborted = await fleet.fan_out(self.bucket_timeout, fleet.alive_workers(),
+                                      abort_update=wpb.AbortUpdateCommand(update_id=self.update_id))
         await settled
         aborted.log_errors("abort_failed_on_worker")
+        # Workers that died holding an IN_PLACE bucket of theirs may have written some of it.
+        for worker in fleet.workers:
+            if not worker.alive:
+                for sequence in self.intake.forwarded_to(worker.index) if self.intake else ():
+                    self.touched(sequence)
+        released = self.services.store.abort(update, torn=self.torn)
+        fleet.forget_arenas(released)
         if self.group is not None and self.group.state == pb.GROUP_STATE_BROKEN:
             # Every worker leaves: a group that failed one collective is unusable for all.
-            left = await supervisor.fan_out(self.services.command_timeout, supervisor.alive_workers(),
-                                            leave_group=wpb.LeaveGroupCommand(group_id=self.group.group_id))
+            left = await fleet.fan_out(self.services.command_timeout, fleet.alive_workers(),
+                                       leave_group=wpb.LeaveGroupCommand(group_id=self.group.group_id))
             left.log_errors("leave_failed_on_worker")
-        log.info("update_aborted", reason=self.failure.reason if self.failure else "")
+        log.info("update_aborted", reason=self.failure.reason if self.failure else "",
+                 store_state=pb.StoreState.Name(self.services.store.state))
         self.services.publisher.publish_state()
 
     async def _settle_receives(self) -> None:
         """Await the announced buckets' results that nobody awaited.
 
         When the stream is cancelled (the trainer died) while workers sit in a
-        broadcast, the driver stops awaiting that bucket. The workers still
+        transfer, the driver stops awaiting that bucket. The workers still
         answer it (the abort is queued behind it anyway); a collective failure
         in that answer must still mark the group BROKEN, or the server would
         keep a group the workers already dropped.
         """
         if self.intake is None:
             return
-        receives, self.intake.receives = self.intake.receives, []
-        settled = await self.services.supervisor.settle(receives, self.bucket_timeout)
-        for result in settled.errors:
-            if isinstance(result, WeightSyncError):
-                self.fail(result)
-                self._note_broken(result)
+        pending, self.intake.pending = self.intake.pending, []
+        for bucket in pending:
+            settled = await self.services.fleet.settle(bucket.receives, self.bucket_timeout)
+            self._note_touched(bucket.sequence, settled.answers, discard=bucket.discard)
+            for result in settled.errors:
+                if isinstance(result, WeightSyncError):
+                    self.fail(result)
+                    self._note_broken(result)
+
+
+def is_patched(plan: tensor_pb2.WeightPlan) -> bool:
+    return any(is_patch(t.encoding) for b in plan.buckets for t in b.tensors)

@@ -22,7 +22,7 @@ import grpc
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -203,6 +203,8 @@ class PlainTrainer:
     timeout: float = 30.0
     pg: ProcessGroupGloo | None = None
     store: TCPStore | None = None
+    receivers: list[list[int]] = field(default_factory=list)
+    """Per server of the update in flight: the group rank that receives each bucket (UpdateReady.bucket_owner_ranks)."""
 
     def create_group(self, workers_per_server: int = 2) -> list[pb.CreateTransferGroupResponse]:
         timeout = datetime.timedelta(seconds=self.timeout)
@@ -235,10 +237,17 @@ class PlainTrainer:
                 raise r
         return results
 
-    def broadcast(self, buf: torch.Tensor) -> None:
-        options = BroadcastOptions()
-        options.rootRank = 0
-        self.pg.broadcast([buf], options).wait()
+    def send_bucket(self, buf: torch.Tensor, sequence: int) -> None:
+        """Send bucket `sequence` as docs/data-plane.md says for Gloo: to each server's owner of it (its Ready
+        named the rank), tag = the sequence. A sequence a server named no owner for goes to its first worker."""
+        works = [self.pg.send([buf], owners[sequence] if 0 <= sequence < len(owners) else 1, sequence)
+                 for owners in self.receivers]
+        for work in works:
+            work.wait()
+
+    def expect(self, ready: pb.UpdateReady) -> None:
+        """The update in flight is this Ready's (one server)."""
+        self.receivers = [list(ready.bucket_owner_ranks)]
 
     def begin(self, stub, plan, version: str, mode=pb.UPDATE_MODE_IN_PLACE, **kw) -> tuple[UpdateStream, pb.UpdateReady]:
         stream = UpdateStream(stub)
@@ -246,6 +255,7 @@ class PlainTrainer:
                                          transport=pb.TRANSPORT_COLLECTIVE, **kw))
         response = stream.recv()
         assert response.WhichOneof("message") == "ready", response
+        self.expect(response.ready)
         return stream, response.ready
 
     def push(self, named: dict[str, torch.Tensor], version: str, *, mode=pb.UPDATE_MODE_IN_PLACE,
@@ -269,7 +279,7 @@ class PlainTrainer:
             buf = pack(plan, named, index)
             checksum = tensor_checksum(buf) if checksum_override is None else checksum_override(index, buf)
             stream.send(bucket_start=pb.BucketStart(sequence=index, checksum=checksum, tail=bucket_tail(buf)))
-            self.broadcast(buf)
+            self.send_bucket(buf, index)
             response = stream.recv()
             if response.WhichOneof("message") != "bucket_applied":
                 return response  # aborting: caller inspects it
@@ -296,8 +306,10 @@ def local_checksums(named: dict[str, torch.Tensor]) -> dict[str, int]:
 
 
 def server_checksums(server: ServerProcess, names: list[str] | None = None) -> list[dict[str, int]]:
+    """The store's checksums, as a one-element list (a node has one store, whatever its worker count)."""
     response = server.stub().GetTensorChecksums(pb.GetTensorChecksumsRequest(names=names or []), timeout=60)
-    return [{t.name: t.checksum.value for t in w.tensors} for w in response.workers]
+    assert not response.workers, "servers answer for their one store, not per worker"
+    return [{t.name: t.checksum.value for t in response.tensors}]
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):

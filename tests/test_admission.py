@@ -1,10 +1,9 @@
-"""Issue 9, defect 7: memory admission counts every worker that shares the host's memory.
+"""Memory admission: the node's store is one copy in host memory, whatever the worker count.
 
-Each CPU worker used to compare its own needs with the same MemAvailable, so two
-workers each admitted an update that only one of them could hold. The server
-now sums what every worker would allocate and admits it against the host
-(MemAvailable minus a reserve, and --host-memory-limit-bytes), before any
-worker allocates a byte.
+Each worker used to hold a replica, so a node of two workers needed twice the model (and
+twice again for STAGED shadows). The node now holds every tensor once: an update is
+admitted against the host (MemAvailable minus a reserve, and --host-memory-limit-bytes)
+for what the store adds once, before anything is allocated.
 """
 
 from __future__ import annotations
@@ -35,29 +34,29 @@ def model(mib: int, seed: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(mib * MIB // 4, generator=g), "b": torch.randn(16, generator=g)}
 
 
-def test_two_workers_are_admitted_together_not_each_alone(limited):
-    # 16 MiB fits one worker under the 24 MiB host limit, but the node has two workers: 32 MiB.
-    too_big, fits = model(16, 1), model(8, 2)
+def test_a_node_of_two_workers_holds_one_copy_and_its_shadow_is_counted(limited):
+    too_big, fits = model(32, 1), model(16, 2)
     with WeightSyncClient(limited.address) as client:
         client.create_group(timeout=30)
         with pytest.raises(UpdateFailed) as caught:
             client.push(too_big, version="too-big", allow_new_tensors=True)
         error = caught.value
         assert (error.code, error.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "HOST_OUT_OF_MEMORY")
-        assert "2 CPU worker(s)" in str(error)
         needed = int(error.cause.metadata["needed_bytes"])
-        assert needed >= 2 * 16 * MIB > HOST_LIMIT >= int(error.cause.metadata["available_bytes"])
+        assert needed >= 32 * MIB > HOST_LIMIT >= int(error.cause.metadata["available_bytes"])
         info = client.server_info()[0]
         assert info.store_state == pb.STORE_STATE_EMPTY  # refused before anything was allocated or moved
-        assert [w.store_bytes for w in info.workers] == [0, 0]
-        # The next normal update: 2 x 8 MiB fits.
+        assert info.store.held_bytes == 0
+        # 16 MiB fits under 24 MiB with two workers (two replicas, 32 MiB, did not).
         client.push(fits, version="fits", allow_new_tensors=True)
         assert client.verify(fits).ok
-        assert server_checksums(limited) == [local_checksums(fits)] * 2
-        # And a second STAGED update needs shadows (2 x 8 MiB more): over the limit again, refused cleanly.
+        assert server_checksums(limited) == [local_checksums(fits)]
+        info = client.server_info()[0]
+        assert 16 * MIB <= info.store.held_bytes < 17 * MIB  # once, not per worker
+        # A STAGED update needs a shadow (16 MiB more): over the limit, refused cleanly.
         with pytest.raises(UpdateFailed) as caught:
-            client.push(model(8, 3), version="staged", mode="staged")
+            client.push(model(16, 3), version="staged", mode="staged")
         assert caught.value.reason == "HOST_OUT_OF_MEMORY"
-        assert server_checksums(limited) == [local_checksums(fits)] * 2
-        client.push(model(8, 4), version="in-place")  # no extra memory: admitted
-        assert client.verify(model(8, 4)).ok
+        assert server_checksums(limited) == [local_checksums(fits)]
+        client.push(model(16, 4), version="in-place")  # no extra memory: admitted
+        assert client.verify(model(16, 4)).ok

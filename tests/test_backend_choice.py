@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from weightsync.client.errors import WeightSyncClientError
-from weightsync.client.groups import ServerDevices, choose_backend, normalize_uuid
+from weightsync.client.transfer_group import ServerDevices, choose_backend, normalize_uuid
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 GLOO, NCCL = pb.BACKEND_GLOO, pb.BACKEND_NCCL

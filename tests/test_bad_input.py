@@ -48,7 +48,10 @@ pytestmark = pytest.mark.timeout(120)
 MAX_TENSORS = 20
 MAX_BUCKET_BYTES = 4 << 20
 MAX_PLAN_BYTES = 16 << 20
-WORKER_MEMORY_LIMIT = 8 << 20
+WORKER_MEMORY_LIMIT = 2 << 20
+"""A worker's staging (a general-path bucket is received there)."""
+HOST_MEMORY_LIMIT = 12 << 20
+"""The node's store and host staging together."""
 BUCKET_BYTES = 1 << 20  # the module's good plans: 3 buckets (see mixed_model)
 SERVICE = "/weightsync.v1.WeightSyncService/"
 
@@ -65,6 +68,7 @@ def server(tmp_path_factory) -> ServerProcess:
         "--max-bucket-bytes", str(MAX_BUCKET_BYTES),
         "--max-plan-bytes", str(MAX_PLAN_BYTES),
         "--worker-memory-limit-bytes", str(WORKER_MEMORY_LIMIT),
+        "--host-memory-limit-bytes", str(HOST_MEMORY_LIMIT),
     )
     segments = proc.segments()
     assert len(segments) == 4  # a command and an event queue per worker
@@ -100,7 +104,7 @@ class Tracker:
         assert isinstance(committed, pb.UpdateCommitted), committed
         self.committed(model, committed)
         self.expect_consistent = True
-        assert server_checksums(self.server) == [local_checksums(model)] * 2
+        assert server_checksums(self.server) == [local_checksums(model)]
 
     def assert_unchanged(self) -> None:
         """The last good version is published and (unless told otherwise) held bit for bit."""
@@ -110,7 +114,7 @@ class Tracker:
         assert info.current_version.generation == self.version.generation
         if self.expect_consistent:
             assert info.store_state == pb.STORE_STATE_CONSISTENT
-            assert server_checksums(self.server) == [local_checksums(self.model)] * 2
+            assert server_checksums(self.server) == [local_checksums(self.model)]
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +209,7 @@ def send_bucket(trainer: PlainTrainer, stream: UpdateStream, plan, model, index:
     buf = pack(plan, model, index)
     stream.send(bucket_start=pb.BucketStart(sequence=index, checksum=ws64(buf) if checksum is None else checksum,
                                             tail=bucket_tail(buf)))
-    trainer.broadcast(buf)
+    trainer.send_bucket(buf, index)
 
 
 def finish(trainer: PlainTrainer, stream: UpdateStream, plan, model, first: int) -> pb.UpdateCommitted:
@@ -365,7 +369,7 @@ def test_rendezvous_timeout_leaves_nothing_behind(server, tracker):
         model = tracker.next_model()
         committed = fresh.push(model, "after-rendezvous-timeout", bucket_bytes=BUCKET_BYTES)
         tracker.committed(model, committed)
-        assert server_checksums(server) == [local_checksums(model)] * 2
+        assert server_checksums(server) == [local_checksums(model)]
     finally:
         fresh.delete_group()
     assert group_ids(server) == [tracker.trainer.group_id]
@@ -414,7 +418,7 @@ def test_plan_id_not_cached(server, tracker):
     assert response.ready.plan_id == ready.plan_id
     assert response.ready.bucket_count == len(plan.buckets)
     tracker.committed(model, finish(tracker.trainer, stream, plan, model, 0))
-    assert server_checksums(server) == [local_checksums(model)] * 2
+    assert server_checksums(server) == [local_checksums(model)]
 
     # A plan rejected by the workers is not cached.
     bad = good_plan(model)
@@ -604,14 +608,26 @@ def test_plan_limits(server, tracker, plan, code, reason, metadata):
 
 
 @pytest.mark.parametrize("mode", [pb.UPDATE_MODE_IN_PLACE, pb.UPDATE_MODE_STAGED], ids=["in-place", "staged"])
-def test_worker_memory_limit(server, tracker, mode):
-    """Two new 4 MiB tensors on top of the store do not fit the 8 MiB worker limit."""
-    plan = _one_tensor_buckets(2, MAX_BUCKET_BYTES, "oom")
+def test_store_memory_limit(server, tracker, mode):
+    """Three new 4 MiB tensors on top of the store do not fit the 12 MiB host limit (the node's store and
+    host staging together): refused before any arena is allocated."""
+    held = server_info(server).store.held_bytes
+    plan = _one_tensor_buckets(3, MAX_BUCKET_BYTES, "oom")
     error = begin_error(server, begin_message(tracker.trainer.group_id, plan, mode=mode, allow_new_tensors=True))
-    assert_error(error, Code.RESOURCE_EXHAUSTED, "WORKER_MEMORY_LIMIT", needed_bytes=2 * MAX_BUCKET_BYTES)
-    info = error_info(error).metadata
-    assert int(info["held_bytes"]) + 2 * MAX_BUCKET_BYTES > int(info["limit"]) == 8 << 20
-    assert [w.tensor_count for w in server_info(server).workers] == [len(tracker.model)] * 2
+    assert_error(error, Code.RESOURCE_EXHAUSTED, "HOST_OUT_OF_MEMORY", needed_bytes=3 * MAX_BUCKET_BYTES,
+                 available_bytes=HOST_MEMORY_LIMIT - held)
+    info = server_info(server)
+    assert (info.store.tensor_count, info.store.held_bytes) == (len(tracker.model), held)
+
+
+def test_worker_staging_limit(server, tracker):
+    """A bucket that goes through staging (its layout is no segment's) larger than a worker's 2 MiB limit."""
+    plan = plan_buckets(list(tracker.next_model().items()), MAX_BUCKET_BYTES)
+    plan.buckets[0].size_bytes = MAX_BUCKET_BYTES  # padded: its layout is no segment's
+    assert len(plan.buckets) == 1
+    error = begin_error(server, begin_message(tracker.trainer.group_id, plan, mode=pb.UPDATE_MODE_STAGED))
+    assert_error(error, Code.RESOURCE_EXHAUSTED, "WORKER_MEMORY_LIMIT", needed_bytes=MAX_BUCKET_BYTES,
+                 limit=WORKER_MEMORY_LIMIT)
 
 
 # -- checksums -------------------------------------------------------------------------
@@ -633,7 +649,7 @@ def test_bucket_checksum_mismatch_staged(server, tracker):
     info = server_info(server)
     assert info.store_state == pb.STORE_STATE_CONSISTENT
     assert info.current_version == tracker.version
-    assert server_checksums(server) == [local_checksums(tracker.model)] * 2
+    assert server_checksums(server) == [local_checksums(tracker.model)]
 
 
 def test_bucket_checksum_mismatch_in_place(server, tracker):
@@ -668,13 +684,13 @@ def test_tensor_checksum_mismatch_staged(server, tracker):
     assert_error(end_with_abort(stream), Code.DATA_LOSS, "TENSOR_CHECKSUM_MISMATCH", bucket=0, tensor=spec.name)
     info = server_info(server)
     assert info.store_state == pb.STORE_STATE_CONSISTENT
-    assert server_checksums(server) == [local_checksums(tracker.model)] * 2
+    assert server_checksums(server) == [local_checksums(tracker.model)]
 
     # The same plan with correct tensor checksums commits.
     spec.checksum.value ^= 1
     stream, _ = trainer.begin(server.stub(), plan, "good-tensor", mode=pb.UPDATE_MODE_STAGED)
     tracker.committed(model, finish(trainer, stream, plan, model, 0))
-    assert server_checksums(server) == [local_checksums(model)] * 2
+    assert server_checksums(server) == [local_checksums(model)]
 
 
 def test_bucket_checksum_algorithm_unknown(server, tracker):
@@ -723,7 +739,7 @@ def test_stream_dropped_mid_update(server, tracker):
     stream.cancel()
     stream.close()
     wait_for(lambda: server_info(server).store_state == pb.STORE_STATE_CONSISTENT, timeout=10)
-    assert server_checksums_when_idle(server) == [local_checksums(tracker.model)] * 2
+    assert server_checksums_when_idle(server) == [local_checksums(tracker.model)]
 
 
 def server_checksums_when_idle(server: ServerProcess) -> list[dict[str, int]]:
@@ -769,9 +785,10 @@ def test_update_while_another_runs(server, tracker):
         with pytest.raises(grpc.RpcError) as caught:
             server.stub().DeleteTransferGroup(pb.DeleteTransferGroupRequest(group_id=trainer.group_id), timeout=10)
         assert_error(caught.value, Code.FAILED_PRECONDITION, "UPDATE_IN_PROGRESS", group_id=trainer.group_id)
-        with pytest.raises(grpc.RpcError) as caught:
-            server.stub().GetTensorChecksums(pb.GetTensorChecksumsRequest(), timeout=10)
-        assert_error(caught.value, Code.FAILED_PRECONDITION, "STORE_UPDATING")
+        # A STAGED update writes only shadows: the committed version is read meanwhile, as committed.
+        committed = server.stub().GetTensorChecksums(pb.GetTensorChecksumsRequest(), timeout=10)
+        assert committed.version == tracker.version
+        assert {t.name: t.checksum.value for t in committed.tensors} == local_checksums(tracker.model)
         assert server_info(server).store_state == pb.STORE_STATE_UPDATING
 
         send_bucket(trainer, stream, plan, model, 0)
@@ -783,7 +800,7 @@ def test_update_while_another_runs(server, tracker):
         committed = finish(trainer, stream, plan, model, 1)
         assert committed.version.version == "first"
         tracker.committed(model, committed)
-        assert server_checksums(server) == [local_checksums(model)] * 2
+        assert server_checksums(server) == [local_checksums(model)]
     finally:
         other.delete_group()
 
@@ -861,5 +878,6 @@ def test_checksums_of_known_names_answer_exactly_those(server, tracker):
     names = ["final_norm.weight", "embed.weight"]
     response = server.stub().GetTensorChecksums(pb.GetTensorChecksumsRequest(names=names), timeout=30)
     expected = {n: v for n, v in local_checksums(tracker.model).items() if n in names}
-    assert [{t.name: t.checksum.value for t in w.tensors} for w in response.workers] == [expected] * 2
-    assert [[t.name for t in w.tensors] for w in response.workers] == [sorted(names)] * 2
+    assert {t.name: t.checksum.value for t in response.tensors} == expected
+    assert [t.name for t in response.tensors] == sorted(names)
+    assert not response.workers

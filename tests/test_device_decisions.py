@@ -17,9 +17,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-import weightsync.gpu_worker.store as store_module
 from weightsync.client import rendezvous as rendezvous_module
-from weightsync.client.planning import build_plan, plan_proto
 from weightsync.common import nccl_env
 from weightsync.common.collective import (
     CollectiveError,
@@ -29,7 +27,6 @@ from weightsync.common.collective import (
     open_group,
     tail_length,
 )
-from weightsync.common.plan_id import plan_id_of
 from weightsync.common.shm_queue import OwnedQueue
 from weightsync.gpu_worker.device_faults import (
     EXIT_DEVICE_FAULT,
@@ -38,10 +35,7 @@ from weightsync.gpu_worker.device_faults import (
     classify,
 )
 from weightsync.gpu_worker.memory import device_available_bytes
-from weightsync.gpu_worker.store import WeightStore
-from weightsync.gpu_worker.update_plan import derive_update_plan
 from weightsync.gpu_worker.worker import Worker
-from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -230,47 +224,6 @@ def test_cached_but_unused_device_memory_counts_as_available():
     assert device_available_bytes(free_bytes=0, reserved_bytes=0, allocated_bytes=0) == 0
 
 
-def small_model(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"w{i}": torch.randn(300, generator=g) for i in range(4)}
-
-
-def derive(store: WeightStore, plan, mode=pb.UPDATE_MODE_STAGED, allow_new=False):
-    return derive_update_plan(plan=plan, plan_id=plan_id_of(plan), mode=mode, allow_new_tensors=allow_new,
-                              tensors=store.tensors, segment_signatures=[s.signature for s in store.segments],
-        segment_sizes=[s.size_bytes for s in store.segments],
-                              layout_version=store.layout_version)
-
-
-def bucket_bytes(spec, named) -> torch.Tensor:
-    buf = torch.zeros(spec.size_bytes, dtype=torch.uint8)
-    for t in spec.tensors:
-        buf[t.offset_bytes : t.offset_bytes + t.size_bytes].copy_(named[t.name].view(torch.uint8))
-    return buf
-
-
-def test_every_apply_and_commit_waits_for_the_devices_copies_and_an_abort_releases_the_cache(monkeypatch):
-    """BucketApplied and commit must not race the device-to-device copies (an engine could read
-    unwritten bytes); an aborted update's memory goes back to the device."""
-    events: list[str] = []
-    monkeypatch.setattr(store_module, "synchronize_device", lambda device: events.append("sync"))
-    monkeypatch.setattr(store_module, "release_cached_device_memory", lambda device: events.append("release"))
-    store = WeightStore(torch.device("cpu"))
-    plan = plan_proto(build_plan(list(small_model(0).items()), bucket_size_bytes=2048, zero_copy_min_bytes=0))
-    store.begin_update(derive(store, plan, allow_new=True), "u0", "")
-    for sequence, spec in enumerate(plan.buckets):
-        events.append(f"apply {sequence}")
-        store.apply_bucket(sequence, bucket_bytes(spec, small_model(0)), tensor_pb2.Checksum())
-    events.append("commit")
-    store.commit_update()
-    assert len(plan.buckets) > 1
-    assert events == [e for k in range(len(plan.buckets)) for e in (f"apply {k}", "sync")] + ["commit", "sync"]
-    events.clear()
-    store.begin_update(derive(store, plan), "u1", "")
-    store.abort_update()
-    assert events == ["release"]
-
-
 # -- a sticky CUDA error ends the worker with a status the supervisor can tell apart -------------------------------
 class AcceleratorError(RuntimeError):
     def __init__(self, message: str, error_code: int | None = None) -> None:
@@ -306,11 +259,11 @@ def test_a_cuda_worker_reports_a_sticky_error_then_exits_with_its_status():
     def crash(command, event):
         raise AcceleratorError("CUDA error: an illegal memory access was encountered", 700)
 
-    worker._handlers["compute_checksums"] = crash
-    worker._handlers["export_store"] = crash
-    commands.queue.put(wpb.WorkerCommand(command_id=7, compute_checksums=wpb.ComputeChecksumsCommand())
+    worker._handlers["unmap_arenas"] = crash
+    worker._handlers["abort_update"] = crash
+    commands.queue.put(wpb.WorkerCommand(command_id=7, unmap_arenas=wpb.UnmapArenasCommand())
                        .SerializeToString(), timeout=5)
-    commands.queue.put(wpb.WorkerCommand(command_id=8, export_store=wpb.ExportStoreCommand()).SerializeToString(),
+    commands.queue.put(wpb.WorkerCommand(command_id=8, abort_update=wpb.AbortUpdateCommand()).SerializeToString(),
                        timeout=5)
     assert worker.run(parent_alive=lambda: True) == EXIT_DEVICE_FAULT
     started = wpb.WorkerEvent.FromString(events.queue.get(timeout=5))

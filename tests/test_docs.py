@@ -53,12 +53,12 @@ INTERNAL_ONLY = {
     "INGRESS_MISSING",  # a worker checking the server's ingress commands
     "INGRESS_OUT_OF_RANGE",  # the same
     "SERVER_STOPPING",  # pending worker commands failed after the gRPC server stopped: no caller left
-    "STORE_NOT_EMPTY",  # a restarted worker restoring its kept store
     "UPDATE_NOT_PREPARED",  # a worker asked about an update it did not prepare (a server bug)
+    "ARENA_NOT_MAPPED",  # a worker told to write where the server never mapped it (a server bug)
+    "FD_CHANNEL_MISSING",  # a worker started without its fd channel (a server bug)
 }
 # Met only by engines (acquire_version / release_version): in the doc's Engines table instead.
-ENGINE_ONLY = {"LEASE_NOT_FOUND", "VERSION_GONE", "STORE_LOST", "STORE_INCONSISTENT", "DEVICE_NOT_VISIBLE",
-               "DEVICE_UUID_MISSING", "ENGINE_ANSWER_MALFORMED", "ENGINE_CALL_FAILED", "ENGINE_REFUSED",
+ENGINE_ONLY = {"LEASE_NOT_FOUND", "VERSION_GONE", "STORE_INCONSISTENT", "ENGINE_ANSWER_MALFORMED", "ENGINE_CALL_FAILED", "ENGINE_REFUSED",
                "ENGINE_UNREACHABLE"}
 # UPPER_SNAKE_CASE string literals in the source that are no ErrorInfo reason.
 NOT_REASONS = {

@@ -17,9 +17,7 @@ import pytest
 import torch
 
 from weightsync.client import UpdateFailed
-from weightsync.common.local_wire import LocalConnection
 from weightsync.engine import EngineClient, EngineError, ModuleFollower, apply_to_module
-from weightsync.v1 import local_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import running_server, sdk_client, wait_for
@@ -68,30 +66,20 @@ def test_an_empty_store_cannot_be_acquired(node):
     assert caught.value.reason == "STORE_EMPTY"
 
 
-def test_bad_attachments_are_named(node):
-    with pytest.raises(EngineError) as caught:
-        EngineClient(server=node.address, worker=5)
-    assert (caught.value.reason, caught.value.metadata) == ("WORKER_NOT_FOUND", {"worker": "5", "workers": "2"})
+def test_every_engine_reads_the_one_store_whatever_worker_it_names(node, trainer):
+    """Servers before 0.3 kept a replica per worker and engines picked one; the node's store is one."""
     with pytest.raises(EngineError) as caught:  # this process has no GPU: said before asking the server
         EngineClient(server=node.address, device="cuda:0")
     assert (caught.value.reason, caught.value.metadata) == ("DEVICE_UNAVAILABLE", {"device": "cuda:0"})
-    # A GPU engine is matched by its GPU's UUID, never by an ordinal that means another GPU elsewhere.
-    socket_path = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).local_socket
-    connection = LocalConnection(socket_path)
-    try:
-        refused = connection.request(local_pb2.LocalRequest(attach_store=local_pb2.AttachStoreRequest(
-            worker_index=-1, device="cuda:0", device_uuid="GPU-0A1B2C3D-0000-1111-2222-333344445555")))[0].error
-        assert (refused.code, refused.reason) == (grpc.StatusCode.NOT_FOUND.value[0], "WORKER_NOT_FOUND")
-        assert (refused.metadata["devices"], refused.metadata["device_uuid"]) == (
-            "cpu,cpu", "0a1b2c3d-0000-1111-2222-333344445555")
-        refused = connection.request(local_pb2.LocalRequest(attach_store=local_pb2.AttachStoreRequest(
-            worker_index=-1, device="cuda:0")))[0].error
-        assert (refused.code, refused.reason) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], "DEVICE_UUID_MISSING")
-        attached = connection.request(local_pb2.LocalRequest(attach_store=local_pb2.AttachStoreRequest(
-            worker_index=-1, device="cpu")))[0]  # the same connection still attaches
-        assert (attached.attach_store.worker_index, attached.attach_store.device_uuid) == (0, "")
-    finally:
-        connection.close()
+    v1 = weights(1)
+    trainer.push(v1, version="one-store", transport="inline", allow_new_tensors=True)
+    with EngineClient(server=node.address, name="a", worker=1) as a, EngineClient(server=node.address, name="b") as b:
+        with a.acquire() as first, b.acquire() as second:
+            assert first.version == second.version and first.version.version == "one-store"
+            for name, tensor in v1.items():
+                assert torch.equal(first.tensors[name], tensor) and torch.equal(second.tensors[name], tensor)
+                # the same memory: one copy per node, mapped by each engine
+                assert first.tensors[name].untyped_storage().nbytes() == second.tensors[name].untyped_storage().nbytes()
 
 
 def test_follower_warm_starts_then_applies_only_what_changed(node, trainer):

@@ -25,7 +25,7 @@ def test_no_lease_is_granted_while_a_commit_publishes_whatever_the_scheduling(st
             return PublishedVersion(1, "v", 1)
 
         async with table.publishing_commit():
-            grant = asyncio.ensure_future(table.grant(0, version_now, owner=1, timeout=5))
+            grant = asyncio.ensure_future(table.grant(version_now, owner=1, timeout=5))
             await asyncio.sleep(0)
             assert not grant.done()
         for _ in range(steps):  # the first commit published: the waiter is woken ...
@@ -46,10 +46,10 @@ def test_a_grant_waits_its_timeout_then_says_why():
         table = LeaseTable()
         table.writing_live = True
         with pytest.raises(Unavailable) as caught:
-            await table.grant(0, lambda: PublishedVersion(1), owner=1, timeout=0.2)
+            await table.grant(lambda: PublishedVersion(1), owner=1, timeout=0.2)
         assert caught.value.reason == "STORE_UPDATING"
         table.writing_live = False
-        lease = await table.grant(0, lambda: PublishedVersion(1, "v", 3), owner=1, timeout=0.2)
+        lease = await table.grant(lambda: PublishedVersion(1, "v", 3), owner=1, timeout=0.2)
         assert (lease.generation, list(table.leases)) == (3, [lease.lease_id])
 
     asyncio.run(scenario())

@@ -173,6 +173,8 @@ class FakeStream:
 
 
 class FakeCollective:
+    backend = pb.BACKEND_NCCL
+
     def __init__(self, readers: Readers) -> None:
         self._readers = readers
 

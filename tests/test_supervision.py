@@ -55,8 +55,8 @@ def test_a_failing_callback_does_not_stop_the_heartbeat_watch():
                 await until(lambda: worker.state == pb.WORKER_STATE_RUNNING)
             assert calls == [0, 0]
             # And it still takes commands.
-            event = await supervisor.call(worker, 10, compute_checksums={"names": []})
-            assert event.WhichOneof("event") == "checksums_computed"
+            event = await supervisor.call(worker, 10, unmap_arenas={"arena_ids": []})
+            assert event.WhichOneof("event") == "arenas_mapped"
         finally:
             os.kill(worker.process.pid, signal.SIGCONT)
             await supervisor.stop()
@@ -84,8 +84,8 @@ def test_a_respawn_whose_popen_fails_is_retried(monkeypatch):
             os.kill(first_pid, signal.SIGKILL)
             await until(lambda: failures and worker.state == pb.WORKER_STATE_RUNNING
                         and worker.process.pid != first_pid)
-            event = await supervisor.call(worker, 10, compute_checksums={"names": []})
-            assert event.WhichOneof("event") == "checksums_computed"
+            event = await supervisor.call(worker, 10, unmap_arenas={"arena_ids": []})
+            assert event.WhichOneof("event") == "arenas_mapped"
         finally:
             await supervisor.stop()
 

@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from weightsync.client import UpdateFailed, WeightSyncClient
+from weightsync.client import WeightSyncClient
 from weightsync.common.checksum import tensor_checksum
 from weightsync.common.local_wire import LocalConnection
 from weightsync.v1 import local_pb2
@@ -72,7 +72,7 @@ def committed(client, node):
     yield Committed.model
     info = client.server_info()[0]
     assert info.store_state == pb.STORE_STATE_CONSISTENT, pb.StoreState.Name(info.store_state)
-    assert server_checksums(node, sorted(Committed.model)) == [local_checksums(Committed.model)] * 2
+    assert server_checksums(node, sorted(Committed.model)) == [local_checksums(Committed.model)]
     after = mixed_model(Committed.seed + 500)
     client.push(after, version="after", transport="inline", bucket_size_bytes=256 << 10)
     assert client.verify(after).ok
@@ -109,10 +109,19 @@ def test_inline_needs_no_group_and_collective_still_does(client):
         client.push(mixed_model(3), version="x", transport="collective")
 
 
-def test_shm_refuses_a_tensor_larger_than_a_slot_before_sending(client, committed):
-    with pytest.raises(UpdateFailed) as caught:
-        client.push(committed, version="too-big", transport="shm")  # lm_head.weight is 1.2 MB > 1 MiB slot
-    assert (caught.value.code, caught.value.reason) == (Code.INVALID_ARGUMENT, "BUCKET_TOO_LARGE_FOR_INGRESS")
+def test_shm_sends_a_tensor_larger_than_a_slot_as_pieces_and_refuses_a_bucket_that_is(node, client, committed):
+    client.push(committed, version="pieces", transport="shm")  # lm_head.weight is 1.2 MB > 1 MiB slot
+    assert client.verify(committed).ok
+    plan = plan_buckets(list(committed.items()), 2 << 20)  # one bucket holds the whole 1.2 MB tensor
+    stream = UpdateStream(node.stub())
+    stream.send(begin=pb.BeginUpdate(version="too-big", plan=plan, mode=pb.UPDATE_MODE_STAGED,
+                                     transport=pb.TRANSPORT_SHM))
+    with pytest.raises(grpc.RpcError) as caught:
+        stream.recv()
+    stream.close()
+    assert (caught.value.code(), error_info(caught.value).reason) == (Code.INVALID_ARGUMENT,
+                                                                      "BUCKET_TOO_LARGE_FOR_INGRESS")
+    assert client.verify(committed).ok
 
 
 # -- INLINE byte by byte: every chunk rule ----------------------------------------------------------
@@ -154,7 +163,7 @@ def test_inline_byte_by_byte_commits_exactly(node, committed):
     stream.send(commit=pb.CommitUpdate())
     assert stream.recv().committed.version.version == "raw"
     stream.close()
-    assert server_checksums(node, sorted(model)) == [local_checksums(model)] * 2
+    assert server_checksums(node, sorted(model)) == [local_checksums(model)]
     Committed.model = model
 
 
@@ -295,12 +304,12 @@ def test_local_socket_is_private_to_the_servers_uid(node, committed):
     assert response.error.metadata["uid"] == "65534"
 
 
-def test_local_socket_needs_attach_first_and_names_bad_workers(node, committed):
+def test_local_socket_needs_attach_first_and_refuses_garbage(node, committed):
     path = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).local_socket
     response = local_request(path, open_ingress=local_pb2.OpenIngressRequest())
     assert (response.error.code, response.error.reason) == (Code.FAILED_PRECONDITION.value[0], "NOT_ATTACHED")
-    response = local_request(path, attach_store=local_pb2.AttachStoreRequest(worker_index=7))
-    assert (response.error.reason, dict(response.error.metadata)) == ("WORKER_NOT_FOUND", {"worker": "7", "workers": "2"})
+    response = local_request(path, attach_store=local_pb2.AttachStoreRequest(engine_name="bad name!"))
+    assert (response.error.code, response.error.reason) == (Code.INVALID_ARGUMENT.value[0], "ENGINE_NAME_INVALID")
     garbage = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a frame that is no LocalRequest
     garbage.connect(path)
     garbage.sendall(struct.pack("<I", 3) + b"\xff\xff\xff")

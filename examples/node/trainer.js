@@ -77,34 +77,29 @@ function parseArgs(argv) {
   return args;
 }
 
-/** Every worker's WS64 of every tensor (dtype and shape too) against our own, at `generation`. */
-async function verify(client, metadata, args, workerCount, file, sums, generation) {
+/** The store's WS64 of every tensor (dtype and shape too) against our own, at `generation`. */
+async function verify(client, metadata, args, file, sums, generation) {
   const response = await unary(client, metadata, 'GetTensorChecksums', { names: [] }, args.timeout);
   if (Number(response.version.generation) !== generation) {
     throw new Error(`another update committed meanwhile: the store is at generation ${response.version.generation}, not ${generation}`);
   }
-  if (response.workers.length !== workerCount) {
-    throw new Error(`GetTensorChecksums answered for ${response.workers.length} workers, the server has ${workerCount}`);
-  }
+  const held = new Map(response.tensors.map((t) => [t.name, t]));
   const wrong = [];
-  for (const worker of response.workers) {
-    const held = new Map(worker.tensors.map((t) => [t.name, t]));
-    for (const tensor of file.tensors) {
-      const got = held.get(tensor.name);
-      const same = got && got.dtype === tensor.dtype && got.shape.join(',') === tensor.shape.join(',')
-        && got.checksum && got.checksum.value === sums.get(tensor.name).toString();
-      if (!same) wrong.push(`worker ${worker.workerIndex}: ${tensor.name}`);
-    }
+  for (const tensor of file.tensors) {
+    const got = held.get(tensor.name);
+    const same = got && got.dtype === tensor.dtype && got.shape.join(',') === tensor.shape.join(',')
+      && got.checksum && got.checksum.value === sums.get(tensor.name).toString();
+    if (!same) wrong.push(tensor.name);
   }
   if (wrong.length) throw new Error(`${wrong.length} tensors differ from the file, e.g. ${wrong[0]}`);
-  return { workers: response.workers.length, tensorsVerified: response.workers.length * file.tensors.length };
+  return { tensorsVerified: file.tensors.length };
 }
 
 /** What an abandoned update must not change: the published version, the store state, every checksum. */
 async function snapshot(client, metadata, args) {
   const info = await unary(client, metadata, 'GetServerInfo', {}, args.timeout);
   const sums = await unary(client, metadata, 'GetTensorChecksums', { names: [] }, args.timeout);
-  return { version: info.currentVersion, storeState: info.storeState, checksums: JSON.stringify(sums.workers) };
+  return { version: info.currentVersion, storeState: info.storeState, checksums: JSON.stringify(sums.tensors) };
 }
 
 async function run(args, file, client, metadata) {
@@ -130,11 +125,11 @@ async function run(args, file, client, metadata) {
   const seconds = Number(process.hrtime.bigint() - started) / 1e9;
   const generation = Number(result.version.generation);
   const sums = planSums || tensorChecksums(file, file.tensors);
-  const check = await verify(client, metadata, args, info.workers.length, file, sums, generation);
+  const check = await verify(client, metadata, args, file, sums, generation);
   return { aborted: false, version: result.version.version, generation, updateId: result.updateId,
     planId: result.planId, bytes: result.bytes, tensors: file.tensors.length, buckets: buckets.length,
     chunks: result.chunks, fastPathBuckets: result.fastPathBuckets, seconds, gbps: result.bytes / seconds / 1e9,
-    verifiedWorkers: check.workers, tensorsVerified: check.tensorsVerified };
+    tensorsVerified: check.tensorsVerified };
 }
 
 /** Until the store is no longer UPDATING (WatchWeights sends the state at once, then every change).
@@ -176,7 +171,7 @@ function report(args, summary) {
   } else {
     console.log(`committed ${summary.version} (generation ${summary.generation}): ${summary.tensors} tensors, `
       + `${(summary.bytes / 1e6).toFixed(1)} MB in ${summary.seconds.toFixed(3)} s (${summary.gbps.toFixed(2)} GB/s); `
-      + `every tensor verified on ${summary.verifiedWorkers} workers`);
+      + `every tensor verified in the server's store`);
   }
 }
 

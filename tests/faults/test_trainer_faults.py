@@ -48,7 +48,7 @@ def full_update_succeeds(server, mode: int, seed: int, version: str, group_id: s
         model = mixed_model(seed)
         committed = trainer.push(model, version, mode=mode)
         assert committed.version.version == version
-        assert server_checksums(server) == [local_checksums(model)] * 2
+        assert server_checksums(server) == [local_checksums(model)]
         state = info(server)
         assert state.store_state == pb.STORE_STATE_CONSISTENT
         assert [w.store_state for w in state.workers] == [pb.STORE_STATE_CONSISTENT] * 2
@@ -86,14 +86,14 @@ def test_trainer_sigkilled_mid_bucket(node, tmp_path, mode):
     if mode == "staged":
         # The last commit, bit for bit.
         assert state.store_state == pb.STORE_STATE_CONSISTENT
-        assert server_checksums(node) == [local_checksums(v1)] * 2
+        assert server_checksums(node) == [local_checksums(v1)]
     else:
         # Bucket 0 of v2 landed in the live weights, the rest is still v1: INCONSISTENT, v1 still reported.
         assert state.store_state == pb.STORE_STATE_INCONSISTENT
         assert [w.store_state for w in state.workers] == [pb.STORE_STATE_INCONSISTENT] * 2
         expected = local_checksums(v1)
         expected.update({n: local_checksums(v2)[n] for n in applied["tensors"]})
-        assert server_checksums(node) == [expected] * 2
+        assert server_checksums(node) == [expected]
 
     # The broken group refuses updates, and can be deleted.
     stream = UpdateStream(node.stub())
@@ -168,7 +168,7 @@ def test_trainer_cancels_update_stream(node, how):
         plan = plan_buckets(list(v2.items()), 1 << 20)
         stream, _ = trainer.begin(pb_grpc.WeightSyncServiceStub(channel), plan, "c2", pb.UPDATE_MODE_STAGED)
         stream.send(bucket_start=pb.BucketStart(sequence=0, tail=bucket_tail(pack(plan, v2, 0))))
-        trainer.broadcast(pack(plan, v2, 0))
+        trainer.send_bucket(pack(plan, v2, 0), 0)
         assert stream.recv().bucket_applied.sequence == 0
         assert info(node).store_state == pb.STORE_STATE_UPDATING
 
@@ -186,13 +186,13 @@ def test_trainer_cancels_update_stream(node, how):
         assert state.store_state == pb.STORE_STATE_CONSISTENT
         assert [w.store_state for w in state.workers] == [pb.STORE_STATE_CONSISTENT] * 2
         assert state.current_version == committed.version
-        assert server_checksums(node) == [local_checksums(v1)] * 2
+        assert server_checksums(node) == [local_checksums(v1)]
         # The collective was idle, so the group is intact; the store lock is free: a new update commits.
         assert group_state(node, trainer.group_id) == pb.GROUP_STATE_READY
         v3 = mixed_model(43)
         again = trainer.push(v3, "c3", mode=pb.UPDATE_MODE_STAGED)
         assert again.version.generation == committed.version.generation + 1
-        assert server_checksums(node) == [local_checksums(v3)] * 2
+        assert server_checksums(node) == [local_checksums(v3)]
     finally:
         trainer.delete_group()
 
@@ -215,7 +215,7 @@ def test_trainer_process_killed_before_commit(node, tmp_path):
     assert [w.store_state for w in state.workers] == [pb.STORE_STATE_CONSISTENT] * 2
     assert state.current_version.version == "v1"
     assert state.current_version.generation == committed["generation"]
-    assert server_checksums(node) == [local_checksums(mixed_model(51))] * 2
+    assert server_checksums(node) == [local_checksums(mixed_model(51))]
     # Rank 0 is gone: the group is useless; delete it. The lock is free: a new group and update commit.
     delete_group(node, trainer.group_id)
     full_update_succeeds(node, pb.UPDATE_MODE_STAGED, seed=53, version="after-drop")

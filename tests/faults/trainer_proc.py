@@ -106,12 +106,13 @@ def main() -> int:
     stream.send(begin=pb.BeginUpdate(group_id=args.group_id, version="v2", plan=plan, mode=mode,
                                      transport=pb.TRANSPORT_COLLECTIVE))
     ready = stream.recv().ready
+    trainer.expect(ready)
     emit("ready", update_id=ready.update_id, buckets=len(plan.buckets))
     last = 1 if args.stop == "mid-bucket" else len(plan.buckets)
     for index in range(last):
         buf = pack(plan, v2, index)
         stream.send(bucket_start=pb.BucketStart(sequence=index, checksum=tensor_checksum(buf), tail=bucket_tail(buf)))
-        trainer.broadcast(buf)
+        trainer.send_bucket(buf, index)
         response = stream.recv()
         assert response.WhichOneof("message") == "bucket_applied", response
         emit("applied", sequence=index, tensors=[t.name for t in plan.buckets[index].tensors])

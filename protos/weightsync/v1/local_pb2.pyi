@@ -61,32 +61,20 @@ class LocalError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class AttachStoreRequest(_message.Message):
-    __slots__ = ("engine_name", "worker_index", "device", "token", "device_uuid")
+    __slots__ = ("engine_name", "token")
     ENGINE_NAME_FIELD_NUMBER: _ClassVar[int]
-    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     engine_name: str
-    worker_index: int
-    device: str
     token: str
-    device_uuid: str
-    def __init__(self, engine_name: _Optional[str] = ..., worker_index: _Optional[int] = ..., device: _Optional[str] = ..., token: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    def __init__(self, engine_name: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
 
 class AttachStoreResponse(_message.Message):
-    __slots__ = ("worker_index", "device", "version", "store_state", "device_uuid")
-    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("version", "store_state")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STORE_STATE_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
-    worker_index: int
-    device: str
     version: _weight_sync_service_pb2.WeightVersion
     store_state: _weight_sync_service_pb2.StoreState
-    device_uuid: str
-    def __init__(self, worker_index: _Optional[int] = ..., device: _Optional[str] = ..., version: _Optional[_Union[_weight_sync_service_pb2.WeightVersion, _Mapping]] = ..., store_state: _Optional[_Union[_weight_sync_service_pb2.StoreState, str]] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    def __init__(self, version: _Optional[_Union[_weight_sync_service_pb2.WeightVersion, _Mapping]] = ..., store_state: _Optional[_Union[_weight_sync_service_pb2.StoreState, str]] = ...) -> None: ...
 
 class AcquireVersionRequest(_message.Message):
     __slots__ = ("generation", "wait")
@@ -96,39 +84,15 @@ class AcquireVersionRequest(_message.Message):
     wait: _duration_pb2.Duration
     def __init__(self, generation: _Optional[int] = ..., wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
-class CudaIpcHandle(_message.Message):
-    __slots__ = ("device", "handle", "allocation_size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_uuid")
-    DEVICE_FIELD_NUMBER: _ClassVar[int]
-    HANDLE_FIELD_NUMBER: _ClassVar[int]
-    ALLOCATION_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
-    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
-    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
-    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
-    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
-    device: int
-    handle: bytes
-    allocation_size_bytes: int
-    offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
-    device_uuid: str
-    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., allocation_size_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_uuid: _Optional[str] = ...) -> None: ...
-
 class ArenaHandle(_message.Message):
-    __slots__ = ("arena_id", "size_bytes", "fd_index", "cuda")
+    __slots__ = ("arena_id", "size_bytes", "fd_index")
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FD_INDEX_FIELD_NUMBER: _ClassVar[int]
-    CUDA_FIELD_NUMBER: _ClassVar[int]
     arena_id: int
     size_bytes: int
     fd_index: int
-    cuda: CudaIpcHandle
-    def __init__(self, arena_id: _Optional[int] = ..., size_bytes: _Optional[int] = ..., fd_index: _Optional[int] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    def __init__(self, arena_id: _Optional[int] = ..., size_bytes: _Optional[int] = ..., fd_index: _Optional[int] = ...) -> None: ...
 
 class StoredTensorLocation(_message.Message):
     __slots__ = ("name", "dtype", "shape", "arena_id", "offset_bytes", "size_bytes", "written_generation")
@@ -149,18 +113,16 @@ class StoredTensorLocation(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., arena_id: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., written_generation: _Optional[int] = ...) -> None: ...
 
 class AcquireVersionResponse(_message.Message):
-    __slots__ = ("lease_id", "version", "arenas", "tensors", "worker_incarnation")
+    __slots__ = ("lease_id", "version", "arenas", "tensors")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ARENAS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
-    WORKER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     version: _weight_sync_service_pb2.WeightVersion
     arenas: _containers.RepeatedCompositeFieldContainer[ArenaHandle]
     tensors: _containers.RepeatedCompositeFieldContainer[StoredTensorLocation]
-    worker_incarnation: int
-    def __init__(self, lease_id: _Optional[int] = ..., version: _Optional[_Union[_weight_sync_service_pb2.WeightVersion, _Mapping]] = ..., arenas: _Optional[_Iterable[_Union[ArenaHandle, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[StoredTensorLocation, _Mapping]]] = ..., worker_incarnation: _Optional[int] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ..., version: _Optional[_Union[_weight_sync_service_pb2.WeightVersion, _Mapping]] = ..., arenas: _Optional[_Iterable[_Union[ArenaHandle, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[StoredTensorLocation, _Mapping]]] = ...) -> None: ...
 
 class ReleaseVersionRequest(_message.Message):
     __slots__ = ("lease_id", "applied", "error")

@@ -108,7 +108,7 @@ class WeightVersion(_message.Message):
     def __init__(self, version: _Optional[str] = ..., generation: _Optional[int] = ..., commit_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., store_epoch: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("index", "device", "backend", "state", "store_state", "tensor_count", "store_bytes", "pid", "restart_count", "device_uuid")
+    __slots__ = ("index", "device", "backend", "state", "store_state", "tensor_count", "store_bytes", "pid", "restart_count", "device_uuid", "staging_bytes", "staging_on_device", "received_bytes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,9 @@ class WorkerInfo(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_ON_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     index: int
     device: str
     backend: Backend
@@ -129,7 +132,22 @@ class WorkerInfo(_message.Message):
     pid: int
     restart_count: int
     device_uuid: str
-    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., tensor_count: _Optional[int] = ..., store_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    staging_bytes: int
+    staging_on_device: bool
+    received_bytes: int
+    def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., tensor_count: _Optional[int] = ..., store_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ..., device_uuid: _Optional[str] = ..., staging_bytes: _Optional[int] = ..., staging_on_device: _Optional[bool] = ..., received_bytes: _Optional[int] = ...) -> None: ...
+
+class StoreInfo(_message.Message):
+    __slots__ = ("state", "tensor_count", "live_bytes", "held_bytes")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    state: StoreState
+    tensor_count: int
+    live_bytes: int
+    held_bytes: int
+    def __init__(self, state: _Optional[_Union[StoreState, str]] = ..., tensor_count: _Optional[int] = ..., live_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
     __slots__ = ("max_tensors", "max_plan_bytes", "max_bucket_bytes", "max_message_bytes", "max_chunk_bytes", "ingress_slot_bytes", "ingress_slot_count")
@@ -174,7 +192,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("server_version", "workers", "backends", "transports", "store_state", "current_version", "limits", "draining", "engines", "local_socket")
+    __slots__ = ("server_version", "workers", "backends", "transports", "store_state", "current_version", "limits", "draining", "engines", "local_socket", "store")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +203,7 @@ class GetServerInfoResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     backends: _containers.RepeatedScalarFieldContainer[Backend]
@@ -195,7 +214,8 @@ class GetServerInfoResponse(_message.Message):
     draining: bool
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
     local_socket: str
-    def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., local_socket: _Optional[str] = ...) -> None: ...
+    store: StoreInfo
+    def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., local_socket: _Optional[str] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ...) -> None: ...
 
 class TransferGroup(_message.Message):
     __slots__ = ("group_id", "world_size", "rank_offset", "backend", "state", "timeout", "broken_reason")
@@ -328,16 +348,18 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, begin: _Optional[_Union[BeginUpdate, _Mapping]] = ..., bucket_start: _Optional[_Union[BucketStart, _Mapping]] = ..., commit: _Optional[_Union[CommitUpdate, _Mapping]] = ..., abort: _Optional[_Union[AbortUpdate, _Mapping]] = ..., bucket_chunk: _Optional[_Union[BucketChunk, _Mapping]] = ...) -> None: ...
 
 class UpdateReady(_message.Message):
-    __slots__ = ("update_id", "plan_id", "bucket_count", "fast_path_bucket_count")
+    __slots__ = ("update_id", "plan_id", "bucket_count", "fast_path_bucket_count", "bucket_owner_ranks")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_OWNER_RANKS_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     plan_id: str
     bucket_count: int
     fast_path_bucket_count: int
-    def __init__(self, update_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., bucket_count: _Optional[int] = ..., fast_path_bucket_count: _Optional[int] = ...) -> None: ...
+    bucket_owner_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, update_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., bucket_count: _Optional[int] = ..., fast_path_bucket_count: _Optional[int] = ..., bucket_owner_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BucketApplied(_message.Message):
     __slots__ = ("sequence", "size_bytes")
@@ -406,14 +428,16 @@ class WorkerChecksums(_message.Message):
     def __init__(self, worker_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorChecksum, _Mapping]]] = ...) -> None: ...
 
 class GetTensorChecksumsResponse(_message.Message):
-    __slots__ = ("version", "store_state", "workers")
+    __slots__ = ("version", "store_state", "workers", "tensors")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STORE_STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     version: WeightVersion
     store_state: StoreState
     workers: _containers.RepeatedCompositeFieldContainer[WorkerChecksums]
-    def __init__(self, version: _Optional[_Union[WeightVersion, _Mapping]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., workers: _Optional[_Iterable[_Union[WorkerChecksums, _Mapping]]] = ...) -> None: ...
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorChecksum]
+    def __init__(self, version: _Optional[_Union[WeightVersion, _Mapping]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., workers: _Optional[_Iterable[_Union[WorkerChecksums, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorChecksum, _Mapping]]] = ...) -> None: ...
 
 class WatchWeightsRequest(_message.Message):
     __slots__ = ()

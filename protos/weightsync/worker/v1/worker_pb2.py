@@ -23,12 +23,11 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
-from weightsync.v1 import local_pb2 as weightsync_dot_v1_dot_local__pb2
 from weightsync.v1 import tensor_pb2 as weightsync_dot_v1_dot_tensor__pb2
 from weightsync.v1 import weight_sync_service_pb2 as weightsync_dot_v1_dot_weight__sync__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!weightsync/worker/v1/worker.proto\x12\x14weightsync.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x19weightsync/v1/local.proto\x1a\x1aweightsync/v1/tensor.proto\x1a\'weightsync/v1/weight_sync_service.proto\"\xcd\x01\n\x0cWorkerConfig\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x11\n\tlog_level\x18\x03 \x01(\t\x12\x1c\n\x14queue_capacity_bytes\x18\x04 \x01(\x03\x12\x12\n\nparent_pid\x18\x05 \x01(\x05\x12\x1a\n\x12memory_limit_bytes\x18\x06 \x01(\x03\x12\x12\n\nfd_channel\x18\x07 \x01(\x05\x12\x12\n\ningress_fd\x18\x08 \x01(\x05\x12\x15\n\ringress_bytes\x18\t \x01(\x03\"\xc3\x01\n\x10JoinGroupCommand\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\'\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32\x16.weightsync.v1.Backend\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"%\n\x11LeaveGroupCommand\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\xb9\x01\n\x14PrepareUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\'\n\x04plan\x18\x03 \x01(\x0b\x32\x19.weightsync.v1.WeightPlan\x12\'\n\x04mode\x18\x04 \x01(\x0e\x32\x19.weightsync.v1.UpdateMode\x12\x19\n\x11\x61llow_new_tensors\x18\x05 \x01(\x08\x12\x0f\n\x07plan_id\x18\x06 \x01(\t\"*\n\x15\x41llocateUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"\x97\x02\n\x14ReceiveBucketCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x03\x12)\n\x08\x63hecksum\x18\x03 \x01(\x0b\x32\x17.weightsync.v1.Checksum\x12\x0f\n\x07\x64iscard\x18\x04 \x01(\x08\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x12\x14\n\x0c\x66rom_ingress\x18\x06 \x01(\x08\x12\x1c\n\x14ingress_offset_bytes\x18\x07 \x01(\x03\x12\x1a\n\x12piece_offset_bytes\x18\x08 \x01(\x03\x12\x18\n\x10piece_size_bytes\x18\t \x01(\x03\x12\x12\n\nlast_piece\x18\n \x01(\x08\x12\x0c\n\x04tail\x18\x0b \x01(\x0c\"(\n\x13\x43ommitUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"\'\n\x12\x41\x62ortUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"(\n\x17\x43omputeChecksumsCommand\x12\r\n\x05names\x18\x01 \x03(\t\"\x11\n\x0fShutdownCommand\"\x14\n\x12\x45xportStoreCommand\"P\n\rStoreExported\x12*\n\x06\x61renas\x18\x01 \x03(\x0b\x32\x1a.weightsync.v1.ArenaHandle\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\"\'\n\x07\x41renaFd\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x03\x12\n\n\x02\x66\x64\x18\x02 \x01(\x05\"\x8a\x01\n\x13RestoreStoreCommand\x12\x35\n\x08manifest\x18\x01 \x01(\x0b\x32#.weightsync.worker.v1.StoreManifest\x12-\n\x06\x61renas\x18\x02 \x03(\x0b\x32\x1d.weightsync.worker.v1.ArenaFd\x12\r\n\x05\x64irty\x18\x03 \x03(\t\"0\n\x06Region\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x03\"1\n\tArenaSpec\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"\x8e\x01\n\x0bSegmentSpec\x12\x12\n\nsize_bytes\x18\x01 \x01(\x03\x12*\n\x04live\x18\x02 \x01(\x0b\x32\x1c.weightsync.worker.v1.Region\x12,\n\x06shadow\x18\x03 \x01(\x0b\x32\x1c.weightsync.worker.v1.Region\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"\x8f\x01\n\x10StoredTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.weightsync.v1.Dtype\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0f\n\x07segment\x18\x04 \x01(\x05\x12\x14\n\x0coffset_bytes\x18\x05 \x01(\x03\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\"\xef\x01\n\rStoreManifest\x12/\n\x06\x61renas\x18\x01 \x03(\x0b\x32\x1f.weightsync.worker.v1.ArenaSpec\x12\x33\n\x08segments\x18\x02 \x03(\x0b\x32!.weightsync.worker.v1.SegmentSpec\x12\x37\n\x07tensors\x18\x03 \x03(\x0b\x32&.weightsync.worker.v1.StoredTensorSpec\x12\x18\n\x10tensors_included\x18\x04 \x01(\x08\x12\r\n\x05\x64irty\x18\x05 \x03(\t\x12\x16\n\x0elayout_version\x18\x06 \x01(\x03\"\x93\x06\n\rWorkerCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x03\x12<\n\njoin_group\x18\x02 \x01(\x0b\x32&.weightsync.worker.v1.JoinGroupCommandH\x00\x12>\n\x0bleave_group\x18\x03 \x01(\x0b\x32\'.weightsync.worker.v1.LeaveGroupCommandH\x00\x12\x44\n\x0eprepare_update\x18\x04 \x01(\x0b\x32*.weightsync.worker.v1.PrepareUpdateCommandH\x00\x12\x44\n\x0ereceive_bucket\x18\x05 \x01(\x0b\x32*.weightsync.worker.v1.ReceiveBucketCommandH\x00\x12\x42\n\rcommit_update\x18\x06 \x01(\x0b\x32).weightsync.worker.v1.CommitUpdateCommandH\x00\x12@\n\x0c\x61\x62ort_update\x18\x07 \x01(\x0b\x32(.weightsync.worker.v1.AbortUpdateCommandH\x00\x12J\n\x11\x63ompute_checksums\x18\x08 \x01(\x0b\x32-.weightsync.worker.v1.ComputeChecksumsCommandH\x00\x12\x39\n\x08shutdown\x18\t \x01(\x0b\x32%.weightsync.worker.v1.ShutdownCommandH\x00\x12\x46\n\x0f\x61llocate_update\x18\n \x01(\x0b\x32+.weightsync.worker.v1.AllocateUpdateCommandH\x00\x12\x42\n\rrestore_store\x18\x0b \x01(\x0b\x32).weightsync.worker.v1.RestoreStoreCommandH\x00\x12@\n\x0c\x65xport_store\x18\x0c \x01(\x0b\x32(.weightsync.worker.v1.ExportStoreCommandH\x00\x42\t\n\x07\x63ommand\"b\n\x0bStoreStatus\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.weightsync.v1.StoreState\x12\x14\n\x0ctensor_count\x18\x02 \x01(\x03\x12\x13\n\x0bstore_bytes\x18\x03 \x01(\x03\"j\n\rWorkerStarted\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\'\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x16.weightsync.v1.Backend\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\t\"5\n\x0bGroupJoined\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x14\n\x0cjoin_seconds\x18\x02 \x01(\x01\"\x1d\n\tGroupLeft\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x8d\x01\n\x0eUpdatePrepared\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x1e\n\x16\x66\x61st_path_bucket_count\x18\x02 \x01(\x03\x12\x14\n\x0cneeded_bytes\x18\x03 \x01(\x03\x12\x1e\n\x16\x64\x65vice_available_bytes\x18\x04 \x01(\x03\x12\x12\n\nheld_bytes\x18\x05 \x01(\x03\"I\n\x0e\x42ucketReceived\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x11\n\tfast_path\x18\x03 \x01(\x08\"s\n\x0fUpdateCommitted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x35\n\x08manifest\x18\x02 \x01(\x0b\x32#.weightsync.worker.v1.StoreManifest\x12\x16\n\x0esent_arena_ids\x18\x03 \x03(\x03\"q\n\rUpdateAborted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x35\n\x08manifest\x18\x02 \x01(\x0b\x32#.weightsync.worker.v1.StoreManifest\x12\x16\n\x0esent_arena_ids\x18\x03 \x03(\x03\"%\n\rStoreRestored\x12\x14\n\x0ctensor_count\x18\x01 \x01(\x03\"C\n\x11\x43hecksumsComputed\x12.\n\x07tensors\x18\x01 \x03(\x0b\x32\x1d.weightsync.v1.TensorChecksum\"\xcd\x01\n\rCommandFailed\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x43\n\x08metadata\x18\x04 \x03(\x0b\x32\x31.weightsync.worker.v1.CommandFailed.MetadataEntry\x12\x17\n\x0f\x62roken_group_id\x18\x05 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8e\x06\n\x0bWorkerEvent\x12\x12\n\ncommand_id\x18\x01 \x01(\x03\x12\x30\n\x05store\x18\x02 \x01(\x0b\x32!.weightsync.worker.v1.StoreStatus\x12\x36\n\x07started\x18\x03 \x01(\x0b\x32#.weightsync.worker.v1.WorkerStartedH\x00\x12\x39\n\x0cgroup_joined\x18\x04 \x01(\x0b\x32!.weightsync.worker.v1.GroupJoinedH\x00\x12\x35\n\ngroup_left\x18\x05 \x01(\x0b\x32\x1f.weightsync.worker.v1.GroupLeftH\x00\x12?\n\x0fupdate_prepared\x18\x06 \x01(\x0b\x32$.weightsync.worker.v1.UpdatePreparedH\x00\x12?\n\x0f\x62ucket_received\x18\x07 \x01(\x0b\x32$.weightsync.worker.v1.BucketReceivedH\x00\x12\x41\n\x10update_committed\x18\x08 \x01(\x0b\x32%.weightsync.worker.v1.UpdateCommittedH\x00\x12=\n\x0eupdate_aborted\x18\t \x01(\x0b\x32#.weightsync.worker.v1.UpdateAbortedH\x00\x12\x45\n\x12\x63hecksums_computed\x18\n \x01(\x0b\x32\'.weightsync.worker.v1.ChecksumsComputedH\x00\x12=\n\x0e\x63ommand_failed\x18\x0b \x01(\x0b\x32#.weightsync.worker.v1.CommandFailedH\x00\x12=\n\x0estore_restored\x18\x0c \x01(\x0b\x32#.weightsync.worker.v1.StoreRestoredH\x00\x12=\n\x0estore_exported\x18\r \x01(\x0b\x32#.weightsync.worker.v1.StoreExportedH\x00\x42\x07\n\x05\x65ventb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!weightsync/worker/v1/worker.proto\x12\x14weightsync.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1aweightsync/v1/tensor.proto\x1a\'weightsync/v1/weight_sync_service.proto\"\xcd\x01\n\x0cWorkerConfig\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x11\n\tlog_level\x18\x03 \x01(\t\x12\x1c\n\x14queue_capacity_bytes\x18\x04 \x01(\x03\x12\x12\n\nparent_pid\x18\x05 \x01(\x05\x12\x1a\n\x12memory_limit_bytes\x18\x06 \x01(\x03\x12\x12\n\nfd_channel\x18\x07 \x01(\x05\x12\x12\n\ningress_fd\x18\x08 \x01(\x05\x12\x15\n\ringress_bytes\x18\t \x01(\x03\"\xc3\x01\n\x10JoinGroupCommand\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\'\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32\x16.weightsync.v1.Backend\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"%\n\x11LeaveGroupCommand\x12\x10\n\x08group_id\x18\x01 \x01(\t\"1\n\tArenaSpec\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\"C\n\x10MapArenasCommand\x12/\n\x06\x61renas\x18\x01 \x03(\x0b\x32\x1f.weightsync.worker.v1.ArenaSpec\"\'\n\x12UnmapArenasCommand\x12\x11\n\tarena_ids\x18\x01 \x03(\x03\"0\n\x06Region\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x03\"e\n\nTensorCopy\x12\x18\n\x10src_offset_bytes\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12)\n\x03\x64st\x18\x03 \x01(\x0b\x32\x1c.weightsync.worker.v1.Region\"W\n\x0bTensorCheck\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x03\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x10\n\x08\x65xpected\x18\x04 \x01(\x04\"\xf7\x02\n\x0bPatchTarget\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10src_offset_bytes\x18\x02 \x01(\x03\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12/\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x1d.weightsync.v1.TensorEncoding\x12\r\n\x05\x63ount\x18\x05 \x01(\x03\x12\x10\n\x08\x65xpected\x18\x06 \x01(\x04\x12*\n\x04live\x18\x07 \x01(\x0b\x32\x1c.weightsync.worker.v1.Region\x12#\n\x05\x64type\x18\x08 \x01(\x0e\x32\x14.weightsync.v1.Dtype\x12\r\n\x05shape\x18\t \x03(\x03\x12\x1a\n\rlive_checksum\x18\n \x01(\x04H\x00\x88\x01\x01\x12\x31\n\x0b\x64\x65stination\x18\x0b \x01(\x0b\x32\x1c.weightsync.worker.v1.Region\x12\x19\n\x11scatter_at_commit\x18\x0c \x01(\x08\x42\x10\n\x0e_live_checksum\"\x80\x02\n\x0bOwnedBucket\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x32\n\x0creceive_into\x18\x03 \x01(\x0b\x32\x1c.weightsync.worker.v1.Region\x12\x30\n\x06\x63opies\x18\x04 \x03(\x0b\x32 .weightsync.worker.v1.TensorCopy\x12\x31\n\x06\x63hecks\x18\x05 \x03(\x0b\x32!.weightsync.worker.v1.TensorCheck\x12\x32\n\x07patches\x18\x06 \x03(\x0b\x32!.weightsync.worker.v1.PatchTarget\"\x81\x01\n\nShadowCopy\x12,\n\x06source\x18\x01 \x01(\x0b\x32\x1c.weightsync.worker.v1.Region\x12\x31\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x1c.weightsync.worker.v1.Region\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\"\xd6\x01\n\x14PrepareUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0e\n\x06staged\x18\x03 \x01(\x08\x12\x32\n\x07\x62uckets\x18\x04 \x03(\x0b\x32!.weightsync.worker.v1.OwnedBucket\x12\x37\n\rshadow_copies\x18\x05 \x03(\x0b\x32 .weightsync.worker.v1.ShadowCopy\x12\x1c\n\x14largest_bucket_bytes\x18\x06 \x01(\x03\"\x97\x02\n\x14ReceiveBucketCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x03\x12)\n\x08\x63hecksum\x18\x03 \x01(\x0b\x32\x17.weightsync.v1.Checksum\x12\x0f\n\x07\x64iscard\x18\x04 \x01(\x08\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x12\x14\n\x0c\x66rom_ingress\x18\x06 \x01(\x08\x12\x1c\n\x14ingress_offset_bytes\x18\x07 \x01(\x03\x12\x1a\n\x12piece_offset_bytes\x18\x08 \x01(\x03\x12\x18\n\x10piece_size_bytes\x18\t \x01(\x03\x12\x12\n\nlast_piece\x18\n \x01(\x08\x12\x0c\n\x04tail\x18\x0b \x01(\x0c\"(\n\x13\x43ommitUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"\'\n\x12\x41\x62ortUpdateCommand\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"\x11\n\x0fShutdownCommand\"\x85\x05\n\rWorkerCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x03\x12<\n\njoin_group\x18\x02 \x01(\x0b\x32&.weightsync.worker.v1.JoinGroupCommandH\x00\x12>\n\x0bleave_group\x18\x03 \x01(\x0b\x32\'.weightsync.worker.v1.LeaveGroupCommandH\x00\x12\x44\n\x0eprepare_update\x18\x04 \x01(\x0b\x32*.weightsync.worker.v1.PrepareUpdateCommandH\x00\x12\x44\n\x0ereceive_bucket\x18\x05 \x01(\x0b\x32*.weightsync.worker.v1.ReceiveBucketCommandH\x00\x12\x42\n\rcommit_update\x18\x06 \x01(\x0b\x32).weightsync.worker.v1.CommitUpdateCommandH\x00\x12@\n\x0c\x61\x62ort_update\x18\x07 \x01(\x0b\x32(.weightsync.worker.v1.AbortUpdateCommandH\x00\x12\x39\n\x08shutdown\x18\t \x01(\x0b\x32%.weightsync.worker.v1.ShutdownCommandH\x00\x12<\n\nmap_arenas\x18\n \x01(\x0b\x32&.weightsync.worker.v1.MapArenasCommandH\x00\x12@\n\x0cunmap_arenas\x18\x0b \x01(\x0b\x32(.weightsync.worker.v1.UnmapArenasCommandH\x00\x42\t\n\x07\x63ommandJ\x04\x08\x08\x10\tJ\x04\x08\x0c\x10\r\"j\n\rWorkerStarted\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\'\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x16.weightsync.v1.Backend\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\t\"5\n\x0bGroupJoined\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x14\n\x0cjoin_seconds\x18\x02 \x01(\x01\"\x1d\n\tGroupLeft\x12\x10\n\x08group_id\x18\x01 \x01(\t\"U\n\x0eUpdatePrepared\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x15\n\rstaging_bytes\x18\x02 \x01(\x03\x12\x19\n\x11staging_on_device\x18\x03 \x01(\x08\"I\n\x0e\x42ucketReceived\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x11\n\tfast_path\x18\x03 \x01(\x08\"$\n\x0fUpdateCommitted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"\"\n\rUpdateAborted\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"!\n\x0c\x41renasMapped\x12\x11\n\tarena_ids\x18\x01 \x03(\x03\"\xe4\x01\n\rCommandFailed\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x43\n\x08metadata\x18\x04 \x03(\x0b\x32\x31.weightsync.worker.v1.CommandFailed.MetadataEntry\x12\x17\n\x0f\x62roken_group_id\x18\x05 \x01(\t\x12\x15\n\rstore_touched\x18\x06 \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"]\n\x0cWorkerStatus\x12\x15\n\rstaging_bytes\x18\x01 \x01(\x03\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x03\x12\x1e\n\x16\x64\x65vice_available_bytes\x18\x03 \x01(\x03\"\x9a\x05\n\x0bWorkerEvent\x12\x12\n\ncommand_id\x18\x01 \x01(\x03\x12\x32\n\x06status\x18\x02 \x01(\x0b\x32\".weightsync.worker.v1.WorkerStatus\x12\x36\n\x07started\x18\x03 \x01(\x0b\x32#.weightsync.worker.v1.WorkerStartedH\x00\x12\x39\n\x0cgroup_joined\x18\x04 \x01(\x0b\x32!.weightsync.worker.v1.GroupJoinedH\x00\x12\x35\n\ngroup_left\x18\x05 \x01(\x0b\x32\x1f.weightsync.worker.v1.GroupLeftH\x00\x12?\n\x0fupdate_prepared\x18\x06 \x01(\x0b\x32$.weightsync.worker.v1.UpdatePreparedH\x00\x12?\n\x0f\x62ucket_received\x18\x07 \x01(\x0b\x32$.weightsync.worker.v1.BucketReceivedH\x00\x12\x41\n\x10update_committed\x18\x08 \x01(\x0b\x32%.weightsync.worker.v1.UpdateCommittedH\x00\x12=\n\x0eupdate_aborted\x18\t \x01(\x0b\x32#.weightsync.worker.v1.UpdateAbortedH\x00\x12=\n\x0e\x63ommand_failed\x18\x0b \x01(\x0b\x32#.weightsync.worker.v1.CommandFailedH\x00\x12;\n\rarenas_mapped\x18\x0e \x01(\x0b\x32\".weightsync.worker.v1.ArenasMappedH\x00\x42\x07\n\x05\x65ventJ\x04\x08\n\x10\x0bJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0e\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,70 +36,64 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMMANDFAILED_METADATAENTRY']._loaded_options = None
   _globals['_COMMANDFAILED_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERCONFIG']._serialized_start=188
-  _globals['_WORKERCONFIG']._serialized_end=393
-  _globals['_JOINGROUPCOMMAND']._serialized_start=396
-  _globals['_JOINGROUPCOMMAND']._serialized_end=591
-  _globals['_LEAVEGROUPCOMMAND']._serialized_start=593
-  _globals['_LEAVEGROUPCOMMAND']._serialized_end=630
-  _globals['_PREPAREUPDATECOMMAND']._serialized_start=633
-  _globals['_PREPAREUPDATECOMMAND']._serialized_end=818
-  _globals['_ALLOCATEUPDATECOMMAND']._serialized_start=820
-  _globals['_ALLOCATEUPDATECOMMAND']._serialized_end=862
-  _globals['_RECEIVEBUCKETCOMMAND']._serialized_start=865
-  _globals['_RECEIVEBUCKETCOMMAND']._serialized_end=1144
-  _globals['_COMMITUPDATECOMMAND']._serialized_start=1146
-  _globals['_COMMITUPDATECOMMAND']._serialized_end=1186
-  _globals['_ABORTUPDATECOMMAND']._serialized_start=1188
-  _globals['_ABORTUPDATECOMMAND']._serialized_end=1227
-  _globals['_COMPUTECHECKSUMSCOMMAND']._serialized_start=1229
-  _globals['_COMPUTECHECKSUMSCOMMAND']._serialized_end=1269
-  _globals['_SHUTDOWNCOMMAND']._serialized_start=1271
-  _globals['_SHUTDOWNCOMMAND']._serialized_end=1288
-  _globals['_EXPORTSTORECOMMAND']._serialized_start=1290
-  _globals['_EXPORTSTORECOMMAND']._serialized_end=1310
-  _globals['_STOREEXPORTED']._serialized_start=1312
-  _globals['_STOREEXPORTED']._serialized_end=1392
-  _globals['_ARENAFD']._serialized_start=1394
-  _globals['_ARENAFD']._serialized_end=1433
-  _globals['_RESTORESTORECOMMAND']._serialized_start=1436
-  _globals['_RESTORESTORECOMMAND']._serialized_end=1574
-  _globals['_REGION']._serialized_start=1576
-  _globals['_REGION']._serialized_end=1624
-  _globals['_ARENASPEC']._serialized_start=1626
-  _globals['_ARENASPEC']._serialized_end=1675
-  _globals['_SEGMENTSPEC']._serialized_start=1678
-  _globals['_SEGMENTSPEC']._serialized_end=1820
-  _globals['_STOREDTENSORSPEC']._serialized_start=1823
-  _globals['_STOREDTENSORSPEC']._serialized_end=1966
-  _globals['_STOREMANIFEST']._serialized_start=1969
-  _globals['_STOREMANIFEST']._serialized_end=2208
-  _globals['_WORKERCOMMAND']._serialized_start=2211
-  _globals['_WORKERCOMMAND']._serialized_end=2998
-  _globals['_STORESTATUS']._serialized_start=3000
-  _globals['_STORESTATUS']._serialized_end=3098
-  _globals['_WORKERSTARTED']._serialized_start=3100
-  _globals['_WORKERSTARTED']._serialized_end=3206
-  _globals['_GROUPJOINED']._serialized_start=3208
-  _globals['_GROUPJOINED']._serialized_end=3261
-  _globals['_GROUPLEFT']._serialized_start=3263
-  _globals['_GROUPLEFT']._serialized_end=3292
-  _globals['_UPDATEPREPARED']._serialized_start=3295
-  _globals['_UPDATEPREPARED']._serialized_end=3436
-  _globals['_BUCKETRECEIVED']._serialized_start=3438
-  _globals['_BUCKETRECEIVED']._serialized_end=3511
-  _globals['_UPDATECOMMITTED']._serialized_start=3513
-  _globals['_UPDATECOMMITTED']._serialized_end=3628
-  _globals['_UPDATEABORTED']._serialized_start=3630
-  _globals['_UPDATEABORTED']._serialized_end=3743
-  _globals['_STORERESTORED']._serialized_start=3745
-  _globals['_STORERESTORED']._serialized_end=3782
-  _globals['_CHECKSUMSCOMPUTED']._serialized_start=3784
-  _globals['_CHECKSUMSCOMPUTED']._serialized_end=3851
-  _globals['_COMMANDFAILED']._serialized_start=3854
-  _globals['_COMMANDFAILED']._serialized_end=4059
-  _globals['_COMMANDFAILED_METADATAENTRY']._serialized_start=4012
-  _globals['_COMMANDFAILED_METADATAENTRY']._serialized_end=4059
-  _globals['_WORKEREVENT']._serialized_start=4062
-  _globals['_WORKEREVENT']._serialized_end=4844
+  _globals['_WORKERCONFIG']._serialized_start=161
+  _globals['_WORKERCONFIG']._serialized_end=366
+  _globals['_JOINGROUPCOMMAND']._serialized_start=369
+  _globals['_JOINGROUPCOMMAND']._serialized_end=564
+  _globals['_LEAVEGROUPCOMMAND']._serialized_start=566
+  _globals['_LEAVEGROUPCOMMAND']._serialized_end=603
+  _globals['_ARENASPEC']._serialized_start=605
+  _globals['_ARENASPEC']._serialized_end=654
+  _globals['_MAPARENASCOMMAND']._serialized_start=656
+  _globals['_MAPARENASCOMMAND']._serialized_end=723
+  _globals['_UNMAPARENASCOMMAND']._serialized_start=725
+  _globals['_UNMAPARENASCOMMAND']._serialized_end=764
+  _globals['_REGION']._serialized_start=766
+  _globals['_REGION']._serialized_end=814
+  _globals['_TENSORCOPY']._serialized_start=816
+  _globals['_TENSORCOPY']._serialized_end=917
+  _globals['_TENSORCHECK']._serialized_start=919
+  _globals['_TENSORCHECK']._serialized_end=1006
+  _globals['_PATCHTARGET']._serialized_start=1009
+  _globals['_PATCHTARGET']._serialized_end=1384
+  _globals['_OWNEDBUCKET']._serialized_start=1387
+  _globals['_OWNEDBUCKET']._serialized_end=1643
+  _globals['_SHADOWCOPY']._serialized_start=1646
+  _globals['_SHADOWCOPY']._serialized_end=1775
+  _globals['_PREPAREUPDATECOMMAND']._serialized_start=1778
+  _globals['_PREPAREUPDATECOMMAND']._serialized_end=1992
+  _globals['_RECEIVEBUCKETCOMMAND']._serialized_start=1995
+  _globals['_RECEIVEBUCKETCOMMAND']._serialized_end=2274
+  _globals['_COMMITUPDATECOMMAND']._serialized_start=2276
+  _globals['_COMMITUPDATECOMMAND']._serialized_end=2316
+  _globals['_ABORTUPDATECOMMAND']._serialized_start=2318
+  _globals['_ABORTUPDATECOMMAND']._serialized_end=2357
+  _globals['_SHUTDOWNCOMMAND']._serialized_start=2359
+  _globals['_SHUTDOWNCOMMAND']._serialized_end=2376
+  _globals['_WORKERCOMMAND']._serialized_start=2379
+  _globals['_WORKERCOMMAND']._serialized_end=3024
+  _globals['_WORKERSTARTED']._serialized_start=3026
+  _globals['_WORKERSTARTED']._serialized_end=3132
+  _globals['_GROUPJOINED']._serialized_start=3134
+  _globals['_GROUPJOINED']._serialized_end=3187
+  _globals['_GROUPLEFT']._serialized_start=3189
+  _globals['_GROUPLEFT']._serialized_end=3218
+  _globals['_UPDATEPREPARED']._serialized_start=3220
+  _globals['_UPDATEPREPARED']._serialized_end=3305
+  _globals['_BUCKETRECEIVED']._serialized_start=3307
+  _globals['_BUCKETRECEIVED']._serialized_end=3380
+  _globals['_UPDATECOMMITTED']._serialized_start=3382
+  _globals['_UPDATECOMMITTED']._serialized_end=3418
+  _globals['_UPDATEABORTED']._serialized_start=3420
+  _globals['_UPDATEABORTED']._serialized_end=3454
+  _globals['_ARENASMAPPED']._serialized_start=3456
+  _globals['_ARENASMAPPED']._serialized_end=3489
+  _globals['_COMMANDFAILED']._serialized_start=3492
+  _globals['_COMMANDFAILED']._serialized_end=3720
+  _globals['_COMMANDFAILED_METADATAENTRY']._serialized_start=3673
+  _globals['_COMMANDFAILED_METADATAENTRY']._serialized_end=3720
+  _globals['_WORKERSTATUS']._serialized_start=3722
+  _globals['_WORKERSTATUS']._serialized_end=3815
+  _globals['_WORKEREVENT']._serialized_start=3818
+  _globals['_WORKEREVENT']._serialized_end=4484
 # @@protoc_insertion_point(module_scope)

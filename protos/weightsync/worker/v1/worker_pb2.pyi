@@ -1,7 +1,6 @@
 import datetime
 
 from google.protobuf import duration_pb2 as _duration_pb2
-from weightsync.v1 import local_pb2 as _local_pb2
 from weightsync.v1 import tensor_pb2 as _tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as _weight_sync_service_pb2
 from google.protobuf.internal import containers as _containers
@@ -58,27 +57,125 @@ class LeaveGroupCommand(_message.Message):
     group_id: str
     def __init__(self, group_id: _Optional[str] = ...) -> None: ...
 
+class ArenaSpec(_message.Message):
+    __slots__ = ("arena_id", "size_bytes")
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    arena_id: int
+    size_bytes: int
+    def __init__(self, arena_id: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class MapArenasCommand(_message.Message):
+    __slots__ = ("arenas",)
+    ARENAS_FIELD_NUMBER: _ClassVar[int]
+    arenas: _containers.RepeatedCompositeFieldContainer[ArenaSpec]
+    def __init__(self, arenas: _Optional[_Iterable[_Union[ArenaSpec, _Mapping]]] = ...) -> None: ...
+
+class UnmapArenasCommand(_message.Message):
+    __slots__ = ("arena_ids",)
+    ARENA_IDS_FIELD_NUMBER: _ClassVar[int]
+    arena_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, arena_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("arena_id", "offset_bytes")
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    arena_id: int
+    offset_bytes: int
+    def __init__(self, arena_id: _Optional[int] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
+
+class TensorCopy(_message.Message):
+    __slots__ = ("src_offset_bytes", "size_bytes", "dst")
+    SRC_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src_offset_bytes: int
+    size_bytes: int
+    dst: Region
+    def __init__(self, src_offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., dst: _Optional[_Union[Region, _Mapping]] = ...) -> None: ...
+
+class TensorCheck(_message.Message):
+    __slots__ = ("name", "offset_bytes", "size_bytes", "expected")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset_bytes: int
+    size_bytes: int
+    expected: int
+    def __init__(self, name: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., expected: _Optional[int] = ...) -> None: ...
+
+class PatchTarget(_message.Message):
+    __slots__ = ("name", "src_offset_bytes", "size_bytes", "encoding", "count", "expected", "live", "dtype", "shape", "live_checksum", "destination", "scatter_at_commit")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SRC_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    SCATTER_AT_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    src_offset_bytes: int
+    size_bytes: int
+    encoding: _tensor_pb2.TensorEncoding
+    count: int
+    expected: int
+    live: Region
+    dtype: _tensor_pb2.Dtype
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    live_checksum: int
+    destination: Region
+    scatter_at_commit: bool
+    def __init__(self, name: _Optional[str] = ..., src_offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., encoding: _Optional[_Union[_tensor_pb2.TensorEncoding, str]] = ..., count: _Optional[int] = ..., expected: _Optional[int] = ..., live: _Optional[_Union[Region, _Mapping]] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., live_checksum: _Optional[int] = ..., destination: _Optional[_Union[Region, _Mapping]] = ..., scatter_at_commit: _Optional[bool] = ...) -> None: ...
+
+class OwnedBucket(_message.Message):
+    __slots__ = ("sequence", "size_bytes", "receive_into", "copies", "checks", "patches")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_INTO_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    PATCHES_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    size_bytes: int
+    receive_into: Region
+    copies: _containers.RepeatedCompositeFieldContainer[TensorCopy]
+    checks: _containers.RepeatedCompositeFieldContainer[TensorCheck]
+    patches: _containers.RepeatedCompositeFieldContainer[PatchTarget]
+    def __init__(self, sequence: _Optional[int] = ..., size_bytes: _Optional[int] = ..., receive_into: _Optional[_Union[Region, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[TensorCopy, _Mapping]]] = ..., checks: _Optional[_Iterable[_Union[TensorCheck, _Mapping]]] = ..., patches: _Optional[_Iterable[_Union[PatchTarget, _Mapping]]] = ...) -> None: ...
+
+class ShadowCopy(_message.Message):
+    __slots__ = ("source", "destination", "size_bytes")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    source: Region
+    destination: Region
+    size_bytes: int
+    def __init__(self, source: _Optional[_Union[Region, _Mapping]] = ..., destination: _Optional[_Union[Region, _Mapping]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
 class PrepareUpdateCommand(_message.Message):
-    __slots__ = ("update_id", "group_id", "plan", "mode", "allow_new_tensors", "plan_id")
+    __slots__ = ("update_id", "group_id", "staged", "buckets", "shadow_copies", "largest_bucket_bytes")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
-    PLAN_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
-    ALLOW_NEW_TENSORS_FIELD_NUMBER: _ClassVar[int]
-    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_COPIES_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     group_id: str
-    plan: _tensor_pb2.WeightPlan
-    mode: _weight_sync_service_pb2.UpdateMode
-    allow_new_tensors: bool
-    plan_id: str
-    def __init__(self, update_id: _Optional[str] = ..., group_id: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., mode: _Optional[_Union[_weight_sync_service_pb2.UpdateMode, str]] = ..., allow_new_tensors: _Optional[bool] = ..., plan_id: _Optional[str] = ...) -> None: ...
-
-class AllocateUpdateCommand(_message.Message):
-    __slots__ = ("update_id",)
-    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
-    update_id: str
-    def __init__(self, update_id: _Optional[str] = ...) -> None: ...
+    staged: bool
+    buckets: _containers.RepeatedCompositeFieldContainer[OwnedBucket]
+    shadow_copies: _containers.RepeatedCompositeFieldContainer[ShadowCopy]
+    largest_bucket_bytes: int
+    def __init__(self, update_id: _Optional[str] = ..., group_id: _Optional[str] = ..., staged: _Optional[bool] = ..., buckets: _Optional[_Iterable[_Union[OwnedBucket, _Mapping]]] = ..., shadow_copies: _Optional[_Iterable[_Union[ShadowCopy, _Mapping]]] = ..., largest_bucket_bytes: _Optional[int] = ...) -> None: ...
 
 class ReceiveBucketCommand(_message.Message):
     __slots__ = ("update_id", "sequence", "checksum", "discard", "size_bytes", "from_ingress", "ingress_offset_bytes", "piece_offset_bytes", "piece_size_bytes", "last_piece", "tail")
@@ -118,108 +215,12 @@ class AbortUpdateCommand(_message.Message):
     update_id: str
     def __init__(self, update_id: _Optional[str] = ...) -> None: ...
 
-class ComputeChecksumsCommand(_message.Message):
-    __slots__ = ("names",)
-    NAMES_FIELD_NUMBER: _ClassVar[int]
-    names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
-
 class ShutdownCommand(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ExportStoreCommand(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class StoreExported(_message.Message):
-    __slots__ = ("arenas", "device_uuid")
-    ARENAS_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
-    arenas: _containers.RepeatedCompositeFieldContainer[_local_pb2.ArenaHandle]
-    device_uuid: str
-    def __init__(self, arenas: _Optional[_Iterable[_Union[_local_pb2.ArenaHandle, _Mapping]]] = ..., device_uuid: _Optional[str] = ...) -> None: ...
-
-class ArenaFd(_message.Message):
-    __slots__ = ("arena_id", "fd")
-    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
-    FD_FIELD_NUMBER: _ClassVar[int]
-    arena_id: int
-    fd: int
-    def __init__(self, arena_id: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
-
-class RestoreStoreCommand(_message.Message):
-    __slots__ = ("manifest", "arenas", "dirty")
-    MANIFEST_FIELD_NUMBER: _ClassVar[int]
-    ARENAS_FIELD_NUMBER: _ClassVar[int]
-    DIRTY_FIELD_NUMBER: _ClassVar[int]
-    manifest: StoreManifest
-    arenas: _containers.RepeatedCompositeFieldContainer[ArenaFd]
-    dirty: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, manifest: _Optional[_Union[StoreManifest, _Mapping]] = ..., arenas: _Optional[_Iterable[_Union[ArenaFd, _Mapping]]] = ..., dirty: _Optional[_Iterable[str]] = ...) -> None: ...
-
-class Region(_message.Message):
-    __slots__ = ("arena_id", "offset_bytes")
-    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
-    arena_id: int
-    offset_bytes: int
-    def __init__(self, arena_id: _Optional[int] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
-
-class ArenaSpec(_message.Message):
-    __slots__ = ("arena_id", "size_bytes")
-    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
-    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    arena_id: int
-    size_bytes: int
-    def __init__(self, arena_id: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
-
-class SegmentSpec(_message.Message):
-    __slots__ = ("size_bytes", "live", "shadow", "signature")
-    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    LIVE_FIELD_NUMBER: _ClassVar[int]
-    SHADOW_FIELD_NUMBER: _ClassVar[int]
-    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
-    size_bytes: int
-    live: Region
-    shadow: Region
-    signature: bytes
-    def __init__(self, size_bytes: _Optional[int] = ..., live: _Optional[_Union[Region, _Mapping]] = ..., shadow: _Optional[_Union[Region, _Mapping]] = ..., signature: _Optional[bytes] = ...) -> None: ...
-
-class StoredTensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "segment", "offset_bytes", "size_bytes")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    SHAPE_FIELD_NUMBER: _ClassVar[int]
-    SEGMENT_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    dtype: _tensor_pb2.Dtype
-    shape: _containers.RepeatedScalarFieldContainer[int]
-    segment: int
-    offset_bytes: int
-    size_bytes: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., segment: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
-
-class StoreManifest(_message.Message):
-    __slots__ = ("arenas", "segments", "tensors", "tensors_included", "dirty", "layout_version")
-    ARENAS_FIELD_NUMBER: _ClassVar[int]
-    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
-    TENSORS_FIELD_NUMBER: _ClassVar[int]
-    TENSORS_INCLUDED_FIELD_NUMBER: _ClassVar[int]
-    DIRTY_FIELD_NUMBER: _ClassVar[int]
-    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
-    arenas: _containers.RepeatedCompositeFieldContainer[ArenaSpec]
-    segments: _containers.RepeatedCompositeFieldContainer[SegmentSpec]
-    tensors: _containers.RepeatedCompositeFieldContainer[StoredTensorSpec]
-    tensors_included: bool
-    dirty: _containers.RepeatedScalarFieldContainer[str]
-    layout_version: int
-    def __init__(self, arenas: _Optional[_Iterable[_Union[ArenaSpec, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[SegmentSpec, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[StoredTensorSpec, _Mapping]]] = ..., tensors_included: _Optional[bool] = ..., dirty: _Optional[_Iterable[str]] = ..., layout_version: _Optional[int] = ...) -> None: ...
-
 class WorkerCommand(_message.Message):
-    __slots__ = ("command_id", "join_group", "leave_group", "prepare_update", "receive_bucket", "commit_update", "abort_update", "compute_checksums", "shutdown", "allocate_update", "restore_store", "export_store")
+    __slots__ = ("command_id", "join_group", "leave_group", "prepare_update", "receive_bucket", "commit_update", "abort_update", "shutdown", "map_arenas", "unmap_arenas")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     JOIN_GROUP_FIELD_NUMBER: _ClassVar[int]
     LEAVE_GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -227,11 +228,9 @@ class WorkerCommand(_message.Message):
     RECEIVE_BUCKET_FIELD_NUMBER: _ClassVar[int]
     COMMIT_UPDATE_FIELD_NUMBER: _ClassVar[int]
     ABORT_UPDATE_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
-    ALLOCATE_UPDATE_FIELD_NUMBER: _ClassVar[int]
-    RESTORE_STORE_FIELD_NUMBER: _ClassVar[int]
-    EXPORT_STORE_FIELD_NUMBER: _ClassVar[int]
+    MAP_ARENAS_FIELD_NUMBER: _ClassVar[int]
+    UNMAP_ARENAS_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     join_group: JoinGroupCommand
     leave_group: LeaveGroupCommand
@@ -239,22 +238,10 @@ class WorkerCommand(_message.Message):
     receive_bucket: ReceiveBucketCommand
     commit_update: CommitUpdateCommand
     abort_update: AbortUpdateCommand
-    compute_checksums: ComputeChecksumsCommand
     shutdown: ShutdownCommand
-    allocate_update: AllocateUpdateCommand
-    restore_store: RestoreStoreCommand
-    export_store: ExportStoreCommand
-    def __init__(self, command_id: _Optional[int] = ..., join_group: _Optional[_Union[JoinGroupCommand, _Mapping]] = ..., leave_group: _Optional[_Union[LeaveGroupCommand, _Mapping]] = ..., prepare_update: _Optional[_Union[PrepareUpdateCommand, _Mapping]] = ..., receive_bucket: _Optional[_Union[ReceiveBucketCommand, _Mapping]] = ..., commit_update: _Optional[_Union[CommitUpdateCommand, _Mapping]] = ..., abort_update: _Optional[_Union[AbortUpdateCommand, _Mapping]] = ..., compute_checksums: _Optional[_Union[ComputeChecksumsCommand, _Mapping]] = ..., shutdown: _Optional[_Union[ShutdownCommand, _Mapping]] = ..., allocate_update: _Optional[_Union[AllocateUpdateCommand, _Mapping]] = ..., restore_store: _Optional[_Union[RestoreStoreCommand, _Mapping]] = ..., export_store: _Optional[_Union[ExportStoreCommand, _Mapping]] = ...) -> None: ...
-
-class StoreStatus(_message.Message):
-    __slots__ = ("state", "tensor_count", "store_bytes")
-    STATE_FIELD_NUMBER: _ClassVar[int]
-    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
-    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    state: _weight_sync_service_pb2.StoreState
-    tensor_count: int
-    store_bytes: int
-    def __init__(self, state: _Optional[_Union[_weight_sync_service_pb2.StoreState, str]] = ..., tensor_count: _Optional[int] = ..., store_bytes: _Optional[int] = ...) -> None: ...
+    map_arenas: MapArenasCommand
+    unmap_arenas: UnmapArenasCommand
+    def __init__(self, command_id: _Optional[int] = ..., join_group: _Optional[_Union[JoinGroupCommand, _Mapping]] = ..., leave_group: _Optional[_Union[LeaveGroupCommand, _Mapping]] = ..., prepare_update: _Optional[_Union[PrepareUpdateCommand, _Mapping]] = ..., receive_bucket: _Optional[_Union[ReceiveBucketCommand, _Mapping]] = ..., commit_update: _Optional[_Union[CommitUpdateCommand, _Mapping]] = ..., abort_update: _Optional[_Union[AbortUpdateCommand, _Mapping]] = ..., shutdown: _Optional[_Union[ShutdownCommand, _Mapping]] = ..., map_arenas: _Optional[_Union[MapArenasCommand, _Mapping]] = ..., unmap_arenas: _Optional[_Union[UnmapArenasCommand, _Mapping]] = ...) -> None: ...
 
 class WorkerStarted(_message.Message):
     __slots__ = ("pid", "device", "backend", "device_uuid")
@@ -283,18 +270,14 @@ class GroupLeft(_message.Message):
     def __init__(self, group_id: _Optional[str] = ...) -> None: ...
 
 class UpdatePrepared(_message.Message):
-    __slots__ = ("update_id", "fast_path_bucket_count", "needed_bytes", "device_available_bytes", "held_bytes")
+    __slots__ = ("update_id", "staging_bytes", "staging_on_device")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
-    FAST_PATH_BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
-    NEEDED_BYTES_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_ON_DEVICE_FIELD_NUMBER: _ClassVar[int]
     update_id: str
-    fast_path_bucket_count: int
-    needed_bytes: int
-    device_available_bytes: int
-    held_bytes: int
-    def __init__(self, update_id: _Optional[str] = ..., fast_path_bucket_count: _Optional[int] = ..., needed_bytes: _Optional[int] = ..., device_available_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
+    staging_bytes: int
+    staging_on_device: bool
+    def __init__(self, update_id: _Optional[str] = ..., staging_bytes: _Optional[int] = ..., staging_on_device: _Optional[bool] = ...) -> None: ...
 
 class BucketReceived(_message.Message):
     __slots__ = ("sequence", "size_bytes", "fast_path")
@@ -307,39 +290,25 @@ class BucketReceived(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., size_bytes: _Optional[int] = ..., fast_path: _Optional[bool] = ...) -> None: ...
 
 class UpdateCommitted(_message.Message):
-    __slots__ = ("update_id", "manifest", "sent_arena_ids")
+    __slots__ = ("update_id",)
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
-    MANIFEST_FIELD_NUMBER: _ClassVar[int]
-    SENT_ARENA_IDS_FIELD_NUMBER: _ClassVar[int]
     update_id: str
-    manifest: StoreManifest
-    sent_arena_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, update_id: _Optional[str] = ..., manifest: _Optional[_Union[StoreManifest, _Mapping]] = ..., sent_arena_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, update_id: _Optional[str] = ...) -> None: ...
 
 class UpdateAborted(_message.Message):
-    __slots__ = ("update_id", "manifest", "sent_arena_ids")
+    __slots__ = ("update_id",)
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
-    MANIFEST_FIELD_NUMBER: _ClassVar[int]
-    SENT_ARENA_IDS_FIELD_NUMBER: _ClassVar[int]
     update_id: str
-    manifest: StoreManifest
-    sent_arena_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, update_id: _Optional[str] = ..., manifest: _Optional[_Union[StoreManifest, _Mapping]] = ..., sent_arena_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, update_id: _Optional[str] = ...) -> None: ...
 
-class StoreRestored(_message.Message):
-    __slots__ = ("tensor_count",)
-    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
-    tensor_count: int
-    def __init__(self, tensor_count: _Optional[int] = ...) -> None: ...
-
-class ChecksumsComputed(_message.Message):
-    __slots__ = ("tensors",)
-    TENSORS_FIELD_NUMBER: _ClassVar[int]
-    tensors: _containers.RepeatedCompositeFieldContainer[_weight_sync_service_pb2.TensorChecksum]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_weight_sync_service_pb2.TensorChecksum, _Mapping]]] = ...) -> None: ...
+class ArenasMapped(_message.Message):
+    __slots__ = ("arena_ids",)
+    ARENA_IDS_FIELD_NUMBER: _ClassVar[int]
+    arena_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, arena_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommandFailed(_message.Message):
-    __slots__ = ("code", "reason", "message", "metadata", "broken_group_id")
+    __slots__ = ("code", "reason", "message", "metadata", "broken_group_id", "store_touched")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -352,17 +321,29 @@ class CommandFailed(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     BROKEN_GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_TOUCHED_FIELD_NUMBER: _ClassVar[int]
     code: int
     reason: str
     message: str
     metadata: _containers.ScalarMap[str, str]
     broken_group_id: str
-    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., broken_group_id: _Optional[str] = ...) -> None: ...
+    store_touched: bool
+    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., broken_group_id: _Optional[str] = ..., store_touched: _Optional[bool] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("staging_bytes", "received_bytes", "device_available_bytes")
+    STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    staging_bytes: int
+    received_bytes: int
+    device_available_bytes: int
+    def __init__(self, staging_bytes: _Optional[int] = ..., received_bytes: _Optional[int] = ..., device_available_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
-    __slots__ = ("command_id", "store", "started", "group_joined", "group_left", "update_prepared", "bucket_received", "update_committed", "update_aborted", "checksums_computed", "command_failed", "store_restored", "store_exported")
+    __slots__ = ("command_id", "status", "started", "group_joined", "group_left", "update_prepared", "bucket_received", "update_committed", "update_aborted", "command_failed", "arenas_mapped")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
-    STORE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     GROUP_JOINED_FIELD_NUMBER: _ClassVar[int]
     GROUP_LEFT_FIELD_NUMBER: _ClassVar[int]
@@ -370,12 +351,10 @@ class WorkerEvent(_message.Message):
     BUCKET_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     UPDATE_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ABORTED_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUMS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FAILED_FIELD_NUMBER: _ClassVar[int]
-    STORE_RESTORED_FIELD_NUMBER: _ClassVar[int]
-    STORE_EXPORTED_FIELD_NUMBER: _ClassVar[int]
+    ARENAS_MAPPED_FIELD_NUMBER: _ClassVar[int]
     command_id: int
-    store: StoreStatus
+    status: WorkerStatus
     started: WorkerStarted
     group_joined: GroupJoined
     group_left: GroupLeft
@@ -383,8 +362,6 @@ class WorkerEvent(_message.Message):
     bucket_received: BucketReceived
     update_committed: UpdateCommitted
     update_aborted: UpdateAborted
-    checksums_computed: ChecksumsComputed
     command_failed: CommandFailed
-    store_restored: StoreRestored
-    store_exported: StoreExported
-    def __init__(self, command_id: _Optional[int] = ..., store: _Optional[_Union[StoreStatus, _Mapping]] = ..., started: _Optional[_Union[WorkerStarted, _Mapping]] = ..., group_joined: _Optional[_Union[GroupJoined, _Mapping]] = ..., group_left: _Optional[_Union[GroupLeft, _Mapping]] = ..., update_prepared: _Optional[_Union[UpdatePrepared, _Mapping]] = ..., bucket_received: _Optional[_Union[BucketReceived, _Mapping]] = ..., update_committed: _Optional[_Union[UpdateCommitted, _Mapping]] = ..., update_aborted: _Optional[_Union[UpdateAborted, _Mapping]] = ..., checksums_computed: _Optional[_Union[ChecksumsComputed, _Mapping]] = ..., command_failed: _Optional[_Union[CommandFailed, _Mapping]] = ..., store_restored: _Optional[_Union[StoreRestored, _Mapping]] = ..., store_exported: _Optional[_Union[StoreExported, _Mapping]] = ...) -> None: ...
+    arenas_mapped: ArenasMapped
+    def __init__(self, command_id: _Optional[int] = ..., status: _Optional[_Union[WorkerStatus, _Mapping]] = ..., started: _Optional[_Union[WorkerStarted, _Mapping]] = ..., group_joined: _Optional[_Union[GroupJoined, _Mapping]] = ..., group_left: _Optional[_Union[GroupLeft, _Mapping]] = ..., update_prepared: _Optional[_Union[UpdatePrepared, _Mapping]] = ..., bucket_received: _Optional[_Union[BucketReceived, _Mapping]] = ..., update_committed: _Optional[_Union[UpdateCommitted, _Mapping]] = ..., update_aborted: _Optional[_Union[UpdateAborted, _Mapping]] = ..., command_failed: _Optional[_Union[CommandFailed, _Mapping]] = ..., arenas_mapped: _Optional[_Union[ArenasMapped, _Mapping]] = ...) -> None: ...

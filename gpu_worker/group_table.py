@@ -23,6 +23,7 @@ from weightsync.common.collective import (
     CollectiveError,
     CollectiveGroup,
     RendezvousTimeout,
+    bucket_tag,
     connect_store,
     interface_of,
     local_address_towards,
@@ -119,14 +120,18 @@ class GroupTable:
         if group is not None:
             group.close()
 
-    def broadcast(self, group: CollectiveGroup, buffer: torch.Tensor) -> None:
-        """Join one broadcast from rank 0; a failure leaves the group (it is unusable) and says so."""
+    def transfer(self, group: CollectiveGroup, buffer: torch.Tensor, sequence: int) -> None:
+        """Receive bucket `sequence` from rank 0: Gloo sends each bucket to its owner alone (tag: the
+        sequence); NCCL broadcasts it to every rank. A failure leaves the group (it is unusable) and says so."""
         try:
-            group.broadcast(buffer)
+            if group.backend == pb.BACKEND_NCCL:
+                group.broadcast(buffer)
+            else:
+                group.receive(buffer, 0, bucket_tag(sequence))
         except CollectiveError as error:
             self.leave(group.group_id)
             kind, reason = (DeadlineExceeded, "COLLECTIVE_TIMEOUT") if error.timed_out else (Aborted, "COLLECTIVE_FAILED")
-            failure = kind(reason, f"group {group.group_id}: broadcast failed: {error}", group_id=group.group_id)
+            failure = kind(reason, f"group {group.group_id}: bucket {sequence} failed: {error}", group_id=group.group_id)
             failure.broken_group_id = group.group_id
             log.warning("collective_failed", group_id=group.group_id, reason=reason, error=str(error))
             raise failure from error

@@ -13,9 +13,9 @@ STAGED: a shadowed segment this update does not rewrite whole starts as a copy
 of its live bytes.
 
 It allocates nothing and reads nothing but the store's layout, so the result
-depends only on (plan id, layout version, mode): the worker keeps it in its
-one PlanCache and reuses it while the layout holds. Memory needs are computed
-separately (`needed_bytes`), against the store as it is at prepare time.
+depends only on (plan id, layout version, mode): the node store keeps it in its
+DerivedPlans and reuses it while the layout holds. Memory needs are computed
+separately (node_store.py), against the store as it is at prepare time.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ import torch
 
 from weightsync.common import dtypes, patches
 from weightsync.common.errors import InvalidArgument
-from weightsync.common.layout import align_up
-from weightsync.gpu_worker.memory import align_segment
+from weightsync.common.layout import align_segment, align_up
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -335,8 +334,8 @@ def derive_update_plan(
     return derivation.result(plan_id, layout_version)
 
 
-class PlanCache:
-    """The worker's derived plans, keyed by (plan id, layout version, mode): an entry can only
+class DerivedPlans:
+    """The node store's derived plans, keyed by (plan id, layout version, mode): an entry can only
     match the layout it was derived from. Filled on commit only (caches change on success)."""
 
     def __init__(self, capacity: int = 8) -> None:

@@ -1,4 +1,8 @@
-"""The transfer groups of this server, and the watch for trainers that went away.
+"""The transfer groups of this server, every change of their state, and the watch for trainers
+that went away.
+
+    JOINING --joined--> READY --mark_broken--> BROKEN --remove--> (gone)
+    READY --update_started / update_ended--> READY (an update runs on it meanwhile)
 
 A trainer keeps its rendezvous store (a TCPStore) listening for the life of
 its group. Between updates nothing else would notice a trainer that died: the
@@ -51,10 +55,22 @@ class GroupRegistry:
         self.records.pop(group_id, None)
         self._silent.pop(group_id, None)
 
+    def joined(self, record: GroupRecord) -> None:
+        """Every worker joined: READY (unless it broke meanwhile, e.g. a worker died)."""
+        if record.state == pb.GROUP_STATE_JOINING:
+            record.state = pb.GROUP_STATE_READY
+
+    def update_started(self, record: GroupRecord) -> None:
+        """An update runs on the group: its own collectives notice a dead trainer, the probe need not."""
+        record.updating = True
+
+    def update_ended(self, record: GroupRecord) -> None:
+        record.updating = False
+
     def mark_broken(self, group_id: str, reason: str) -> None:
         record = self.records.get(group_id)
         if record is not None:
-            record.mark_broken(reason)
+            _break(record, reason)
         broken = [g for g in self.records.values() if g.state == pb.GROUP_STATE_BROKEN]
         for old in broken[: max(0, len(broken) - MAX_BROKEN_KEPT)]:
             self.remove(old.group_id)
@@ -64,7 +80,7 @@ class GroupRegistry:
 
     def mark_all_broken(self, reason: str) -> None:
         for record in self.records.values():
-            record.mark_broken(reason)
+            _break(record, reason)
 
     # -- liveness ------------------------------------------------------------------
     def start(self) -> None:
@@ -105,3 +121,10 @@ class GroupRegistry:
         except OSError:
             pass
         return False
+
+
+def _break(record: GroupRecord, reason: str) -> None:
+    """BROKEN, with the first reason (a group breaks once)."""
+    if record.state != pb.GROUP_STATE_BROKEN:
+        record.state = pb.GROUP_STATE_BROKEN
+        record.broken_reason = reason

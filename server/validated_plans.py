@@ -8,7 +8,7 @@ from weightsync.common.plan_validation import PlanSummary
 from weightsync.v1 import tensor_pb2
 
 
-class PlanCache:
+class ValidatedPlans:
     """Validated plans by their content id. Filled on commit only (caches change on success)."""
 
     def __init__(self, capacity: int = 8) -> None:

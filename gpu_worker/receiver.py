@@ -1,0 +1,427 @@
+"""A worker's part of one update: receive the buckets it owns and write them into the node store.
+
+    (idle) --prepare--> RECEIVING: staging ready, this worker's shadow copies done
+    RECEIVING --receive (owned buckets, in plan order)--> RECEIVING, or FAILED when a bucket
+                fails its checks (every later bucket announced to it is received and dropped,
+                so no sender hangs)
+    RECEIVING --commit--> (idle): STAGED patches scattered into the live bytes, device copies done
+    any --abort--> (idle)
+
+The server decided everything before a byte moved (server/node_store.py): which buckets this
+worker owns, and for each the places in the store its bytes go (straight into a segment or a
+split tensor's place, or into staging and then one copy per tensor), the checks and patches.
+This module only moves and checks bytes. Two lanes:
+
+  host     a Gloo receive, or the ingress (INLINE, SHM): bytes land in host memory, the store
+           itself where they can, else a reused, pre-touched staging buffer;
+  device   an NCCL broadcast (CUDA workers): bytes land in one of two device staging buffers,
+           then go to the store on a copy stream. A staging buffer is received into again only
+           once the copy out of it completed (the current stream waits on its event), and the
+           update's commit or abort waits for every copy: nothing reads the store's bytes before
+           they are there.
+
+A bucket's bytes count as touching the store (an IN_PLACE abort marks its tensors dirty) from
+the moment they can reach it: before the receive for one received straight into the store,
+after every check passed for one that goes through staging.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.common import dtypes
+from weightsync.common.checksum import ws64
+from weightsync.common.errors import DataLoss, FailedPrecondition, InvalidArgument, WeightSyncError
+from weightsync.common.patches import DecodedPatch, apply_patch, decode_patch, ws64_after_patch
+from weightsync.gpu_worker.bucket_checks import (
+    arm_tail,
+    check_tail,
+    check_tail_announced,
+    restore_tail,
+    verify_bucket,
+)
+from weightsync.gpu_worker.memory import MappedArena, release_cached_device_memory
+from weightsync.v1 import tensor_pb2
+from weightsync.worker.v1 import worker_pb2 as wpb
+
+
+class Phase(enum.Enum):
+    RECEIVING = "receiving"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """A bucket in place."""
+
+    size_bytes: int
+    fast_path: bool
+
+
+@dataclass(slots=True)
+class ReceiveUpdate:
+    """This worker's part of the update in flight."""
+
+    command: wpb.PrepareUpdateCommand
+    owned: dict[int, wpb.OwnedBucket]
+    order: list[int]
+    """The owned sequences, in plan order: they arrive in this order."""
+    next_index: int = 0
+    phase: Phase = Phase.RECEIVING
+    kept: list[tuple[torch.Tensor, DecodedPatch]] = field(default_factory=list)
+    """STAGED: checked patches, scattered at commit."""
+
+    @property
+    def update_id(self) -> str:
+        return self.command.update_id
+
+    @property
+    def group_id(self) -> str:
+        return self.command.group_id
+
+
+class StoreMaps:
+    """The arenas of the node store this worker has mapped."""
+
+    def __init__(self) -> None:
+        self.arenas: dict[int, MappedArena] = {}
+
+    def add(self, arena: MappedArena) -> None:
+        old = self.arenas.pop(arena.arena_id, None)
+        if old is not None:
+            old.release()
+        self.arenas[arena.arena_id] = arena
+
+    def drop(self, arena_ids) -> None:
+        for arena_id in arena_ids:
+            arena = self.arenas.pop(arena_id, None)
+            if arena is not None:
+                arena.release()
+
+    def bytes_at(self, region: wpb.Region, size: int) -> torch.Tensor:
+        arena = self.arenas.get(region.arena_id)
+        if arena is None or region.offset_bytes < 0 or region.offset_bytes + size > arena.size_bytes:
+            raise FailedPrecondition("ARENA_NOT_MAPPED", f"store bytes [{region.offset_bytes}, +{size}) of arena "
+                                     f"{region.arena_id} are not mapped in this worker", arena=region.arena_id)
+        return arena.region(region.offset_bytes, size)
+
+    def tensor_at(self, region: wpb.Region, dtype: int, shape, name: str) -> torch.Tensor:
+        torch_dtype = dtypes.to_torch(dtype, tensor=name)
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        data = self.bytes_at(region, numel * torch_dtype.itemsize)
+        return data.view(torch_dtype).view(tuple(shape)) if numel else torch.empty(tuple(shape), dtype=torch_dtype)
+
+    def release(self) -> None:
+        self.drop(list(self.arenas))
+
+
+class DeviceLane:
+    """Two device staging buffers, a copy stream, and an event per buffer (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.slots: list[torch.Tensor] = []
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(s.numel() for s in self.slots)
+
+    def ensure(self, size: int) -> None:
+        if self.slots and self.slots[0].numel() >= size:
+            return
+        self.drain()
+        self.slots = [torch.empty(max(size, 1), dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self.copied = [None, None]
+
+    def take(self, size: int) -> tuple[int, torch.Tensor]:
+        """The next staging buffer, once the copy out of it completed (a wait on the device, not here)."""
+        index, self._next = self._next, self._next ^ 1
+        event = self.copied[index]
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        return index, self.slots[index][:size]
+
+    def copy_out(self, index: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy (device source, host destination) pairs on the copy stream, after what the current stream
+        did (the receive); the buffer is reused only after these copies (its event)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        received = torch.cuda.Event()
+        received.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(received)
+            for source, destination in pairs:
+                destination.copy_(source, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        self.copied[index] = done
+
+    def drain(self) -> None:
+        """Every copy out of staging completed (before a commit or an abort is answered)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def release(self) -> None:
+        self.drain()
+        self.slots = []
+        self.copied = [None, None]
+        release_cached_device_memory(self.device)
+
+
+class Receiver:
+    """The worker's update in flight, its staging, and the node store as this worker maps it."""
+
+    def __init__(self, device: torch.device, memory_limit_bytes: int = 0) -> None:
+        self.device = device
+        self.memory_limit_bytes = memory_limit_bytes
+        self.maps = StoreMaps()
+        self.staging: torch.Tensor | None = None
+        """Host lane: reused, pre-touched receive buffer of general-path buckets (never part of the store)."""
+        self.lane = DeviceLane(device) if device.type == "cuda" else None
+        self.update: ReceiveUpdate | None = None
+        self.received_bytes = 0
+        self.touched = False
+        """The bucket being received may have reached the store (reported with its failure)."""
+
+    # -- status ------------------------------------------------------------------------
+    @property
+    def staging_bytes(self) -> int:
+        host = 0 if self.staging is None else self.staging.numel()
+        return host + (self.lane.held_bytes if self.lane is not None else 0)
+
+    def status(self) -> wpb.WorkerStatus:
+        return wpb.WorkerStatus(staging_bytes=self.staging_bytes, received_bytes=self.received_bytes)
+
+    # -- the update's lifecycle -----------------------------------------------------------------
+    def prepare(self, command: wpb.PrepareUpdateCommand, *, device_lane: bool) -> ReceiveUpdate:
+        """Take this worker's part in: staging sized, shadow copies done (STAGED)."""
+        if self.update is not None:
+            raise FailedPrecondition("UPDATE_IN_PROGRESS", f"update {self.update.update_id} is still running",
+                                     update_id=self.update.update_id)
+        general = max((b.size_bytes for b in command.buckets if not b.HasField("receive_into")), default=0)
+        if device_lane:
+            assert self.lane is not None
+            self._within_limit(2 * command.largest_bucket_bytes)
+            self.lane.ensure(command.largest_bucket_bytes)  # every worker joins every NCCL broadcast
+        elif general and (self.staging is None or self.staging.numel() < general):
+            self._within_limit(general)
+            self.staging = torch.zeros(general, dtype=torch.uint8)  # zeros() touches every page now
+        for copy in command.shadow_copies:  # keep what this update does not rewrite
+            self.maps.bytes_at(copy.destination, copy.size_bytes).copy_(self.maps.bytes_at(copy.source, copy.size_bytes))
+        order = [b.sequence for b in command.buckets]
+        self.update = ReceiveUpdate(command, {b.sequence: b for b in command.buckets}, order)
+        return self.update
+
+    def _within_limit(self, size: int) -> None:
+        limit = self.memory_limit_bytes
+        if limit and size > limit:
+            from weightsync.common.errors import ResourceExhausted
+
+            raise ResourceExhausted("WORKER_MEMORY_LIMIT", f"the update needs {size} bytes of staging; this worker's "
+                                    f"limit is {limit} (--worker-memory-limit-bytes)", needed_bytes=size, limit=limit)
+
+    def current(self, update_id: str) -> ReceiveUpdate:
+        update = self.update
+        if update is None or update.update_id != update_id:
+            raise FailedPrecondition("UPDATE_NOT_PREPARED", f"update {update_id} is not prepared", update_id=update_id)
+        return update
+
+    def commit(self, update_id: str) -> None:
+        """Every owned bucket is in: scatter STAGED patches (the server holds engines off), wait for every copy."""
+        update = self.current(update_id)
+        if update.phase is not Phase.RECEIVING or update.next_index != len(update.order):
+            raise FailedPrecondition("BUCKETS_MISSING", f"commit after {update.next_index} of this worker's "
+                                     f"{len(update.order)} buckets", received=update.next_index,
+                                     expected=len(update.order))
+        if self.lane is not None:
+            self.lane.drain()
+        for live, patch in update.kept:
+            apply_patch(live, patch)
+        self.update = None
+
+    def abort(self) -> None:
+        if self.lane is not None:
+            self.lane.drain()  # no copy keeps writing into the store after the server took the abort
+        self.update = None
+
+    # -- receiving ------------------------------------------------------------------------------
+    def _expected(self, update: ReceiveUpdate, sequence: int, size: int) -> wpb.OwnedBucket:
+        owned = update.owned.get(sequence)
+        expected = update.order[update.next_index] if update.next_index < len(update.order) else None
+        if owned is None or sequence != expected or size != owned.size_bytes:
+            raise InvalidArgument("BUCKET_NOT_EXPECTED", f"bucket {sequence} of {size} bytes is not the next one "
+                                  f"this worker owns ({expected})", bucket=sequence)
+        return owned
+
+    def scratch(self, size: int) -> torch.Tensor:
+        """Bytes to receive a bucket into and drop (not owned, or the update is failing)."""
+        if self.lane is not None and self.lane.slots and self.lane.slots[0].numel() >= size:
+            return self.lane.take(size)[1]
+        if self.staging is not None and self.staging.numel() >= size:
+            return self.staging[:size]
+        return torch.empty(size, dtype=torch.uint8)
+
+    def receive_collective(self, receive: wpb.ReceiveBucketCommand, transfer: Callable[[torch.Tensor], None], *,
+                           device_lane: bool) -> Applied | None:
+        """Join the transfer of one announced bucket (a Gloo receive, an NCCL broadcast) and put it in place.
+        A bucket that cannot be taken is still received at its announced length and dropped, so the sender
+        never hangs; None when it was dropped on purpose (not owned, or after a failure)."""
+        update = self.current(receive.update_id)
+        self.touched = False
+        if receive.discard or update.phase is Phase.FAILED:
+            transfer(self.scratch(receive.size_bytes))
+            return None
+        try:
+            owned = self._expected(update, receive.sequence, receive.size_bytes)
+            check_tail_announced(receive.sequence, owned.size_bytes, receive.tail)
+        except WeightSyncError:
+            update.phase = Phase.FAILED
+            if 0 <= receive.size_bytes <= update.command.largest_bucket_bytes:
+                transfer(self.scratch(receive.size_bytes))
+            raise
+        slot, buffer = self._receive_buffer(owned, device_lane)
+        covered = arm_tail(buffer, receive.tail)
+        self.touched = buffer_is_store = owned.HasField("receive_into") and not device_lane
+        try:
+            transfer(buffer)
+        except BaseException:
+            if buffer_is_store:  # nothing may have arrived (a trainer killed before sending): put the tail back
+                restore_tail(buffer, covered)
+            raise
+        try:
+            check_tail(receive.sequence, buffer, receive.tail)
+            if device_lane:
+                return self._apply_from_device(update, owned, slot, buffer, receive.checksum)
+            return self._apply(update, owned, buffer, receive.checksum)
+        except WeightSyncError:
+            update.phase = Phase.FAILED
+            raise
+
+    def _receive_buffer(self, owned: wpb.OwnedBucket, device_lane: bool) -> tuple[int, torch.Tensor]:
+        if device_lane:
+            assert self.lane is not None
+            return self.lane.take(owned.size_bytes)
+        if owned.HasField("receive_into"):
+            return -1, self.maps.bytes_at(owned.receive_into, owned.size_bytes)
+        assert self.staging is not None
+        return -1, self.staging[: owned.size_bytes]
+
+    def receive_from_ingress(self, receive: wpb.ReceiveBucketCommand, ingress: torch.Tensor | None) -> Applied | None:
+        """INLINE/SHM: the bucket (or one piece of it) is in the ingress already; copy it into the store.
+        None while the bucket is not complete (a piece), or when it is dropped on purpose."""
+        update = self.current(receive.update_id)
+        self.touched = False
+        if receive.discard or update.phase is Phase.FAILED:
+            return None
+        if ingress is None:
+            raise FailedPrecondition("INGRESS_MISSING", "this worker has no ingress mapped")
+        try:
+            owned = self._expected(update, receive.sequence, receive.size_bytes)
+            offset, length = receive.piece_offset_bytes, receive.piece_size_bytes or owned.size_bytes
+            start = receive.ingress_offset_bytes
+            if start < 0 or start + length > ingress.numel() or offset < 0 or offset + length > owned.size_bytes:
+                raise InvalidArgument("INGRESS_OUT_OF_RANGE", f"bucket {receive.sequence}: piece [{offset}, +{length}) "
+                                      f"at ingress offset {start} does not fit", bucket=receive.sequence)
+            arrived = ingress[start : start + length]
+            whole = offset == 0 and length == owned.size_bytes
+            direct = owned.HasField("receive_into")
+            checked = (receive.checksum.algorithm != tensor_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED or bool(owned.checks)
+                       or bool(owned.patches))
+            if whole and not direct and not checked:
+                received = arrived  # nothing to verify: each tensor is copied straight from the ingress
+            else:
+                # The store, or staging. Checked bytes are always checked in this copy, never in the ingress:
+                # an SHM trainer can still write its slot, and a torn copy must fail its checksum rather than
+                # pass it on bytes that then change under the copies.
+                received = self._receive_buffer(owned, device_lane=False)[1]
+                self.touched = direct
+                received[offset : offset + length].copy_(arrived)
+            if not whole and not receive.last_piece:
+                return None
+            return self._apply(update, owned, received, receive.checksum)
+        except WeightSyncError:
+            update.phase = Phase.FAILED
+            raise
+
+    # -- putting a bucket in place ----------------------------------------------------------------
+    def _apply(self, update: ReceiveUpdate, owned: wpb.OwnedBucket, received: torch.Tensor,
+               bucket_checksum: tensor_pb2.Checksum) -> Applied:
+        """Check a bucket in host memory and put its tensors in place."""
+        verify_bucket(owned.sequence, owned.checks, received, bucket_checksum)
+        checked = self._check_patches(owned, received)
+        # Every check passed: only now may a byte of a staged bucket reach the store.
+        self.touched = True
+        for copy in owned.copies:
+            self.maps.bytes_at(copy.dst, copy.size_bytes).copy_(
+                received[copy.src_offset_bytes : copy.src_offset_bytes + copy.size_bytes])
+        self._take_patches(update, checked)
+        return self._done(update, owned)
+
+    def _apply_from_device(self, update: ReceiveUpdate, owned: wpb.OwnedBucket, slot: int, received: torch.Tensor,
+                           bucket_checksum: tensor_pb2.Checksum) -> Applied:
+        """Check a bucket in device staging (on the device) and copy it to the store on the copy stream."""
+        assert self.lane is not None
+        verify_bucket(owned.sequence, owned.checks, received, bucket_checksum)
+        patch_bytes = received.cpu() if owned.patches else received  # patches are decoded and checked on the host
+        checked = self._check_patches(owned, patch_bytes)
+        self.touched = True
+        if owned.HasField("receive_into"):
+            pairs = [(received, self.maps.bytes_at(owned.receive_into, owned.size_bytes))]
+        else:
+            pairs = [(received[c.src_offset_bytes : c.src_offset_bytes + c.size_bytes],
+                      self.maps.bytes_at(c.dst, c.size_bytes)) for c in owned.copies]
+        self.lane.copy_out(slot, pairs)
+        self._take_patches(update, checked)
+        return self._done(update, owned)
+
+    def _done(self, update: ReceiveUpdate, owned: wpb.OwnedBucket) -> Applied:
+        update.next_index += 1
+        self.received_bytes += owned.size_bytes
+        return Applied(owned.size_bytes, owned.HasField("receive_into"))
+
+    def _check_patches(self, owned: wpb.OwnedBucket,
+                       received: torch.Tensor) -> list[tuple[torch.Tensor, DecodedPatch, bool]]:
+        """Decode every patch of a bucket and check it against the live tensor, writing nothing: its WS64 once
+        patched must be the one the plan names (the end-to-end proof, in O(changed))."""
+        checked = []
+        for target in owned.patches:
+            live = self.maps.tensor_at(target.live, target.dtype, target.shape, target.name)
+            patch = decode_patch(received[target.src_offset_bytes : target.src_offset_bytes + target.size_bytes],
+                                 encoding=target.encoding, numel=live.numel(), count=target.count,
+                                 itemsize=live.element_size(), tensor=target.name)
+            base = target.live_checksum if target.HasField("live_checksum") else ws64(live)
+            actual = ws64_after_patch(base, live, patch)
+            if actual != target.expected:
+                raise DataLoss(
+                    "TENSOR_CHECKSUM_MISMATCH",
+                    f"tensor {target.name!r} in bucket {owned.sequence}: once patched its WS64 would be {actual:#018x}, "
+                    f"the plan says {target.expected:#018x} (was the base what the trainer thinks?)",
+                    bucket=owned.sequence, tensor=target.name,
+                )
+            destination = self.maps.tensor_at(target.destination, target.dtype, target.shape, target.name)
+            checked.append((destination, patch, target.scatter_at_commit))
+        return checked
+
+    def _take_patches(self, update: ReceiveUpdate, checked: list[tuple[torch.Tensor, DecodedPatch, bool]]) -> None:
+        """Checked patches: scattered now (IN_PLACE, or a STAGED one into its shadow), or kept for commit (a
+        copy: the bucket's buffer is reused)."""
+        for destination, patch, at_commit in checked:
+            if at_commit:
+                update.kept.append((destination, DecodedPatch(patch.positions.clone(), patch.values.clone())))
+            else:
+                apply_patch(destination, patch)
+
+    def release(self) -> None:
+        self.update = None
+        if self.lane is not None:
+            self.lane.release()
+        self.maps.release()

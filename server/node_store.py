@@ -1,0 +1,344 @@
+"""The node's store: every tensor once, in host memory the server keeps, for every worker and engine.
+
+    EMPTY / CONSISTENT / INCONSISTENT --prepare--> same state, an update SIZED
+                 (derived from the plan, owners chosen, memory counted: waits for admission)
+    SIZED --allocate--> UPDATING: new arenas and shadows exist; each owner gets its assignment
+    UPDATING --commit--> CONSISTENT, or INCONSISTENT while a dirty tensor was not rewritten
+    SIZED / UPDATING --abort--> as before (STAGED: the live bytes were never touched), or
+                 INCONSISTENT (IN_PLACE: the tensors of every bucket whose bytes may have
+                 reached the store are dirty)
+
+One object owns the server's view of the store: its arenas (arenas.py), segments (one per
+bucket of the plan that created them, so a bucket of the same layout is received straight
+into its segment), tensors, dirty set, the generation that last wrote each tensor, and the
+one update in flight. The update session, the intake and the local socket use it through
+the methods below; nothing else changes it. Workers hold no store of their own: each gets,
+per update, where the bytes of the buckets it owns go (common/ownership.py), as places in
+the arenas they map. A worker's death therefore loses nothing, whatever its device.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.common import dtypes, patches
+from weightsync.common.checksum import ws64
+from weightsync.common.errors import FailedPrecondition, NotFound
+from weightsync.common.layout import align_segment
+from weightsync.common.ownership import bucket_owners
+from weightsync.server.arenas import ArenaTable, HostArena
+from weightsync.server.update_plan import DerivedPlans, StoredTensor, UpdatePlan, derive_update_plan
+from weightsync.v1 import local_pb2, tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
+from weightsync.worker.v1 import worker_pb2 as wpb
+
+
+@dataclass(slots=True)
+class Region:
+    arena_id: int
+    offset_bytes: int
+
+    def at(self, offset: int) -> wpb.Region:
+        return wpb.Region(arena_id=self.arena_id, offset_bytes=self.offset_bytes + offset)
+
+
+@dataclass(slots=True)
+class Segment:
+    """One contiguous stretch of the store; STAGED updates write its shadow, swapped live at commit."""
+
+    size_bytes: int
+    live: Region
+    shadow: Region | None
+    signature: bytes
+    """Fingerprint of the bucket this segment mirrors (the fast path); b"" if packed otherwise."""
+
+
+class Phase(enum.Enum):
+    SIZED = "sized"
+    """Derived and sized: nothing allocated, the store untouched (waits for the server's admission)."""
+    ALLOCATED = "allocated"
+    """New arenas and shadows exist; the owners have their assignments."""
+
+
+@dataclass(slots=True)
+class StoreUpdate:
+    """The one update in flight."""
+
+    update_id: str
+    plan: UpdatePlan
+    owners: list[int]
+    """Per bucket: the worker that receives it (common/ownership.py)."""
+    workers: int
+    needed_bytes: int
+    """What allocate adds to the store: new segments and missing shadows."""
+    phase: Phase = Phase.SIZED
+    new_arena: int | None = None
+    touched: set[int] = field(default_factory=set)
+    """Buckets whose bytes may have reached the store (an IN_PLACE abort marks their tensors dirty)."""
+
+    @property
+    def staged(self) -> bool:
+        return self.plan.staged
+
+
+class NodeStore:
+    """The node's store (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.arenas = ArenaTable()
+        self.segments: list[Segment] = []
+        self.tensors: dict[str, StoredTensor] = {}
+        self.dirty: set[str] = set()
+        """Tensors an aborted IN_PLACE update (or a failed commit) may have half-written."""
+        self.written: dict[str, int] = {}
+        """Tensor name -> generation of the commit that last wrote it (engines copy only what changed)."""
+        self.layout_version = 0
+        """Bumped whenever segments or tensors are added (derived plans are keyed by it)."""
+        self.checksums: dict[str, int] = {}
+        """WS64 of live tensors a patch proved (kept so the next patch is checked in O(changed));
+        a tensor leaves it whenever anything but a patch writes it."""
+        self.plans = DerivedPlans()
+        self.update: StoreUpdate | None = None
+
+    # -- reading -------------------------------------------------------------------------
+    @property
+    def state(self) -> int:
+        if self.update is not None and self.update.phase is Phase.ALLOCATED:
+            return pb.STORE_STATE_UPDATING
+        if not self.tensors:
+            return pb.STORE_STATE_EMPTY
+        return pb.STORE_STATE_INCONSISTENT if self.dirty else pb.STORE_STATE_CONSISTENT
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(s.size_bytes for s in self.segments[: self._committed_segments])
+
+    @property
+    def held_bytes(self) -> int:
+        """Host memory the store holds: every arena, shadows included."""
+        return self.arenas.held_bytes
+
+    @property
+    def _committed_segments(self) -> int:
+        update = self.update
+        if update is not None and update.phase is Phase.ALLOCATED:
+            return update.plan.first_new_segment
+        return len(self.segments)
+
+    def arena_ids(self) -> list[int]:
+        return sorted(self.arenas.arenas)
+
+    def arena(self, arena_id: int) -> HostArena:
+        return self.arenas.arenas[arena_id]
+
+    def readable(self) -> bool:
+        """Whether engines may read the committed tensors (an UPDATING store's live bytes are the
+        committed version: only STAGED updates leave it readable, the lease table holds IN_PLACE off)."""
+        return bool(self.tensors) and not self.dirty
+
+    def locations(self) -> list[local_pb2.StoredTensorLocation]:
+        """Where every committed tensor's live bytes are, sorted by name (what an engine maps)."""
+        out = []
+        for name in sorted(self.tensors):
+            t = self.tensors[name]
+            live = self.segments[t.segment].live
+            out.append(local_pb2.StoredTensorLocation(
+                name=name, dtype=dtypes.from_torch(t.dtype), shape=list(t.shape), arena_id=live.arena_id,
+                offset_bytes=live.offset_bytes + t.offset_bytes, size_bytes=t.size_bytes,
+                written_generation=self.written.get(name, 0)))
+        return out
+
+    def live_arena_ids(self) -> list[int]:
+        """The arenas that hold committed tensors' live bytes (what an engine maps), sorted."""
+        return sorted({self.segments[t.segment].live.arena_id for t in self.tensors.values()})
+
+    def view(self, name: str) -> torch.Tensor:
+        """A committed tensor's live bytes, read-only, typed and shaped (the server's own reads)."""
+        t = self.tensors[name]
+        if t.size_bytes == 0:
+            return torch.empty(t.shape, dtype=t.dtype)
+        live = self.segments[t.segment].live
+        data = self.arena(live.arena_id).readable()
+        start = live.offset_bytes + t.offset_bytes
+        return data[start : start + t.size_bytes].view(t.dtype).view(t.shape)
+
+    def checksum_targets(self, names: list[str]) -> list[str]:
+        """The names to checksum (all when none asked), sorted; unknown ones are NOT_FOUND."""
+        missing = sorted(n for n in set(names) if n not in self.tensors)
+        if missing:
+            raise NotFound("TENSOR_NOT_FOUND", f"{len(missing)} tensor(s) not in the store, e.g. {missing[0]!r}",
+                           count=len(missing), tensors=",".join(missing[:20]))
+        return sorted(set(names) if names else self.tensors)
+
+    def compute_checksums(self, names: list[str]) -> list[pb.TensorChecksum]:
+        """WS64 of each committed tensor's live bytes. Runs in a thread; the caller pins the bytes (a lease)."""
+        return [pb.TensorChecksum(name=name, dtype=dtypes.from_torch(self.tensors[name].dtype),
+                                  shape=list(self.tensors[name].shape), checksum=tensor_pb2.Checksum(
+                                      algorithm=tensor_pb2.CHECKSUM_ALGORITHM_WS64, value=ws64(self.view(name))))
+                for name in names]
+
+    # -- an update -------------------------------------------------------------------------
+    def require_idle(self) -> None:
+        if self.update is not None:
+            raise FailedPrecondition("UPDATE_IN_PROGRESS", f"update {self.update.update_id} is still running",
+                                     update_id=self.update.update_id)
+
+    def prepare(self, *, update_id: str, plan: tensor_pb2.WeightPlan, plan_id: str, mode: int,
+                allow_new_tensors: bool, workers: int) -> StoreUpdate:
+        """Derive the update (or take it from the cache), choose its owners, count its memory: SIZED."""
+        self.require_idle()
+        staged = mode == pb.UPDATE_MODE_STAGED
+        derived = self.plans.get(plan_id, self.layout_version, staged) or derive_update_plan(
+            plan=plan, plan_id=plan_id, mode=mode, allow_new_tensors=allow_new_tensors, tensors=self.tensors,
+            segment_signatures=[s.signature for s in self.segments],
+            segment_sizes=[s.size_bytes for s in self.segments], layout_version=self.layout_version,
+        )
+        missing_shadows = sum(align_segment(self.segments[i].size_bytes) for i in derived.shadowed_segments
+                              if self.segments[i].shadow is None)
+        owners = bucket_owners([r.size_bytes for r in derived.routes], workers)
+        self.update = StoreUpdate(update_id, derived, owners, workers, derived.new_segment_bytes + missing_shadows)
+        return self.update
+
+    async def allocate(self, update: StoreUpdate) -> list[HostArena]:
+        """SIZED -> ALLOCATED: the arenas the update needs (missing shadows, new segments); returns them."""
+        plan = update.plan
+        created: list[HostArena] = []
+        missing = [i for i in plan.shadowed_segments if self.segments[i].shadow is None]
+        if missing:  # shadows stay once made: the next STAGED update reuses them
+            arena = await self.arenas.allocate(sum(align_segment(self.segments[i].size_bytes) for i in missing))
+            created.append(arena)
+            cursor = 0
+            for i in missing:
+                self.segments[i].shadow = Region(arena.arena_id, cursor)
+                cursor += align_segment(self.segments[i].size_bytes)
+        if plan.new_segments:
+            arena = await self.arenas.allocate(plan.new_segment_bytes)
+            created.append(arena)
+            update.new_arena = arena.arena_id
+            cursor = 0
+            for new in plan.new_segments:
+                self.segments.append(Segment(new.size_bytes, Region(arena.arena_id, cursor), None, new.signature))
+                cursor += align_segment(new.size_bytes)
+            self.layout_version += 1
+        update.phase = Phase.ALLOCATED
+        return created
+
+    def _place(self, update: StoreUpdate, segment: int, offset: int, *, writes: bool = True) -> wpb.Region:
+        """Where bytes written at `offset` of `segment` land: its shadow for a STAGED update's shadowed
+        segments, its live bytes otherwise (new segments are not live until commit anyway)."""
+        s = self.segments[segment]
+        if writes and update.staged and segment in update.plan.shadowed_segments:
+            assert s.shadow is not None
+            return s.shadow.at(offset)
+        return s.live.at(offset)
+
+    def assignment(self, update: StoreUpdate, worker: int, *, update_id: str, group_id: str) -> wpb.PrepareUpdateCommand:
+        """What worker `worker` does in this update: its buckets, each byte's place, its shadow copies."""
+        plan = update.plan
+        command = wpb.PrepareUpdateCommand(update_id=update_id, group_id=group_id, staged=update.staged,
+                                           largest_bucket_bytes=max((r.size_bytes for r in plan.routes), default=0))
+        for sequence, route in enumerate(plan.routes):
+            if update.owners[sequence] != worker:
+                continue
+            owned = command.buckets.add(sequence=sequence, size_bytes=route.size_bytes)
+            if route.receive_into is not None:
+                owned.receive_into.CopyFrom(self._place(update, route.receive_into.segment,
+                                                        route.receive_into.offset_bytes))
+            for copy in route.copies:
+                owned.copies.add(src_offset_bytes=copy.src_offset, size_bytes=copy.size_bytes,
+                                 dst=self._place(update, copy.segment, copy.dst_offset))
+            for check in route.checks:
+                owned.checks.add(name=check.name, offset_bytes=check.offset_bytes, size_bytes=check.size_bytes,
+                                 expected=check.expected)
+            for target in route.patches:
+                stored = self.tensors[target.name]
+                patch = owned.patches.add(
+                    name=target.name, src_offset_bytes=target.src_offset, size_bytes=target.size_bytes,
+                    encoding=target.encoding, count=target.count, expected=target.expected,
+                    live=self._place(update, stored.segment, stored.offset_bytes, writes=False),
+                    destination=self._place(update, stored.segment, stored.offset_bytes),
+                    scatter_at_commit=self.scatters_at_commit(update, target.name),
+                    dtype=dtypes.from_torch(stored.dtype), shape=list(stored.shape))
+                known = self.checksums.get(target.name)
+                if known is not None:
+                    patch.live_checksum = known
+        copies = list(plan.copied_to_shadow)
+        for segment, owner in zip(copies, bucket_owners([self.segments[i].size_bytes for i in copies],
+                                                        update.workers), strict=True):
+            if owner == worker:
+                s = self.segments[segment]
+                assert s.shadow is not None
+                command.shadow_copies.add(source=s.live.at(0), destination=s.shadow.at(0), size_bytes=s.size_bytes)
+        return command
+
+    def touched(self, update: StoreUpdate, sequence: int) -> None:
+        """Bytes of bucket `sequence` may have reached the store."""
+        update.touched.add(sequence)
+
+    def commit(self, update: StoreUpdate, generation: int) -> None:
+        """Publish: flip the shadows (STAGED), add the new tensors, clear what was rewritten. Synchronous:
+        the caller publishes the version in the same step, so no lease sees one without the other."""
+        assert update is self.update and update.phase is Phase.ALLOCATED
+        plan = update.plan
+        for index in plan.shadowed_segments:
+            segment = self.segments[index]
+            segment.live, segment.shadow = segment.shadow, segment.live  # type: ignore[assignment]
+        for tensor in plan.new_tensors:
+            self.tensors[tensor.name] = tensor
+        for name in plan.names:
+            self.checksums.pop(name, None)
+            self.written[name] = generation
+        for route in plan.routes:
+            for target in route.patches:  # proved by every owner's check: the next patch starts from it
+                self.checksums[target.name] = target.expected
+        self.dirty -= plan.names
+        self.plans.remember(plan, self.layout_version)
+        self.update = None
+
+    def abort(self, update: StoreUpdate, *, torn: set[str] = frozenset()) -> list[int]:
+        """Undo what can be undone; returns the arenas released (workers unmap them). IN_PLACE bytes that
+        may have been written, and `torn` (a commit that failed half-way), stay dirty."""
+        assert update is self.update
+        self.update = None
+        if update.phase is Phase.SIZED:
+            return []
+        dirtied = set(torn)
+        if not update.staged:
+            for sequence in update.touched:
+                dirtied.update(update.plan.routes[sequence].overwrites)
+        dirtied &= set(self.tensors)
+        self.dirty |= dirtied
+        for name in dirtied:
+            self.checksums.pop(name, None)
+        released = []
+        if update.new_arena is not None:
+            del self.segments[update.plan.first_new_segment :]
+            self.arenas.release(update.new_arena)
+            released.append(update.new_arena)
+            self.layout_version = update.plan.layout_version  # the layout is exactly what it was
+        return released
+
+    def patched_names(self, update: StoreUpdate) -> set[str]:
+        return {t.name for r in update.plan.routes for t in r.patches}
+
+    def scatters_at_commit(self, update: StoreUpdate, name: str) -> bool:
+        """A STAGED patch of a tensor whose segment this update does not shadow writes the live bytes: only
+        at commit (its other patches go into the shadow copy at once)."""
+        return update.staged and self.tensors[name].segment not in update.plan.shadowed_segments
+
+    def live_writes_at_commit(self, update: StoreUpdate) -> bool:
+        """Whether the commit writes live bytes (engines reading them must be held off)."""
+        return any(self.scatters_at_commit(update, name) for name in self.patched_names(update))
+
+    def close(self) -> None:
+        self.arenas.close()
+
+
+def owned_sequences(update: StoreUpdate, worker: int) -> list[int]:
+    return [k for k, owner in enumerate(update.owners) if owner == worker]
+
+
+__all__ = ["NodeStore", "StoreUpdate", "Phase", "owned_sequences", "patches"]

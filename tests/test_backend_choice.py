@@ -55,3 +55,32 @@ def test_a_backend_a_server_lacks_is_refused_naming_it():
 
 def test_uuid_spellings():
     assert normalize_uuid("GPU-ABC-def") == normalize_uuid("abc-DEF") == "abc-def"
+
+
+def test_a_server_with_cuda_workers_offers_gloo_so_auto_on_a_shared_gpu_works(monkeypatch):
+    """Every worker receives a Gloo transfer into host memory (the node's store), whatever its device: a
+    trainer on a worker's GPU gets Gloo from "auto", and the server offers it (it used to offer NCCL alone,
+    so auto picked Gloo and then failed with "does not offer BACKEND_GLOO")."""
+    from types import SimpleNamespace
+
+    from weightsync.server import request_checks
+
+    monkeypatch.setattr(request_checks, "available_backends", lambda: [GLOO, NCCL])  # a CUDA build
+    workers = [SimpleNamespace(device="cuda:0"), SimpleNamespace(device="cuda:1")]
+    offered = request_checks.available_backends_for(workers)
+    assert offered == [GLOO, NCCL]
+    server = ServerDevices("a:1", frozenset(offered), (OTHER, MINE))
+    assert choose_backend("auto", trainer_gpu_uuid=MINE, servers=[server]) == GLOO
+    assert choose_backend("auto", trainer_gpu_uuid=THIRD, servers=[server]) == NCCL
+
+
+def test_a_real_servers_offer_is_what_backend_choice_sees(server):
+    import grpc
+
+    from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
+
+    info = pb_grpc.WeightSyncServiceStub(grpc.insecure_channel(server.address)).GetServerInfo(
+        pb.GetServerInfoRequest(), timeout=10)
+    devices = ServerDevices.of(server.address, info)
+    assert devices.backends == frozenset({GLOO})  # CPU workers, no NCCL in this build
+    assert choose_backend("auto", trainer_gpu_uuid=MINE, servers=[devices]) == GLOO

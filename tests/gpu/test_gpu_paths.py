@@ -1,11 +1,12 @@
-"""The CUDA paths, on one GPU: ordering of copies, CUDA stores, IPC leases, device WS64.
+"""The CUDA paths, on one GPU: ordering of copies, CUDA workers writing the host store, a CUDA
+engine reading it, the device lane's staging and copy stream, device WS64.
 
 The trainer's tensors are written on the current stream right behind a long
 `torch.cuda._sleep`, then pushed at once: a push that reads them (or its pack buffers) before
-those kernels ran sends stale bytes, and `verify` (WS64 on every worker) plus the bytes an
-engine maps catch it. Engines get a long kernel queued before their copies, then an IN_PLACE
-push follows at once: an engine that released its lease before its copies ran would read torn
-bytes.
+those kernels ran sends stale bytes, and `verify` (WS64 of the store) plus the bytes an engine
+maps catch it. Engines get a long kernel queued before their copies out of the pinned store,
+then an IN_PLACE push follows at once: an engine that released its lease before its copies ran
+would read torn bytes (a control run without the release's synchronize shows it).
 """
 
 from __future__ import annotations
@@ -36,58 +37,75 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.mark.parametrize("transport", ["inline", "shm", "collective"])
 @pytest.mark.parametrize("store", ["cpu_server", "cuda_server"])
 def test_a_cuda_trainer_sends_the_bytes_its_stream_wrote(transport, store, request):
-    if transport == "collective" and store == "cuda_server":
-        pytest.skip("COLLECTIVE into a CUDA store is NCCL: trainer and worker need two GPUs (test_two_gpus.py)")
+    """Into a node of a CPU worker and of a CUDA worker: Gloo, INLINE and SHM land in the host store
+    whatever the worker's device (NCCL needs two GPUs: test_two_gpus.py)."""
     server = request.getfixturevalue(store)
-    device = "cuda:0" if store == "cuda_server" else "cpu"
     with WeightSyncClient(server.address, timeout=120) as client:
         if transport == "collective":
-            client.create_group(backend="gloo", timeout=60)
+            client.create_group(backend="auto", timeout=60)  # a worker on this GPU: auto picks Gloo
         for step in range(3):
             model = written_behind_a_sleep(gpu_model(step))
             mode = "staged" if step % 2 else "in_place"
             client.push(model, version=f"v{step}", mode=mode, transport=transport, bucket_size_bytes=1 << 20,
                         allow_new_tensors=True)
-            assert client.verify(model).ok, f"step {step}: a worker holds other bytes than the trainer's stream wrote"
-            assert_same_bytes(mapped_copy(server, device), model)
+            assert client.verify(model).ok, f"step {step}: the store holds other bytes than the trainer's stream wrote"
+            assert_same_bytes(mapped_copy(server, "cuda:0"), model)
+    worker = info(server).workers[0]
+    assert not worker.staging_on_device  # Gloo, INLINE and SHM never touch a worker's GPU
 
 
-def test_an_engine_keeps_its_lease_until_its_gpu_copies_ran(cuda_server):
+def follow_then_overwrite(server, monkeypatch, *, synchronize: bool) -> tuple[dict, dict, dict]:
+    """An engine copies v1 behind a long kernel; an IN_PLACE push of v2 (built on the CPU, so nothing of
+    it waits for that kernel) follows at once. Returns v1, v2, what the engine's module holds."""
+    from weightsync.engine import client as engine_client
+
+    if not synchronize:
+        monkeypatch.setattr(engine_client, "synchronize_devices", lambda devices: None)
     module = torch.nn.Module()
-    first = gpu_model(10)
+    first = {n: t.cpu() for n, t in gpu_model(10, scale=32).items()}
+    second = {n: t.cpu() for n, t in gpu_model(11, scale=32).items()}
     for name, tensor in first.items():
-        module.register_buffer(name.replace(".", "_"), torch.empty_like(tensor))
+        module.register_buffer(name.replace(".", "_"), torch.empty_like(tensor, device="cuda"))
     name_map = {n: n.replace(".", "_") for n in first}
-    with WeightSyncClient(cuda_server.address, timeout=120) as client:
+    with WeightSyncClient(server.address, timeout=120) as client:
         client.push(first, version="v1", transport="inline", allow_new_tensors=True)
-        torch.cuda.synchronize()
-        with EngineClient(server=cuda_server.address, name="module", device="cuda:0") as engine:
+        with EngineClient(server=server.address, name="module", device="cuda:0") as engine:
             follower = ModuleFollower(engine, module, name_map=name_map)
             torch.cuda._sleep(SLEEP_CYCLES)  # the follower's copies queue behind this
             assert follower.update()
-            client.push(gpu_model(11), version="v2", mode="in_place", transport="inline")  # writes the live bytes
+            client.push(second, version="v2", mode="in_place", transport="inline")  # writes the live bytes
             torch.cuda.synchronize()
-            assert_same_bytes({n: getattr(module, name_map[n]) for n in first}, first)  # v1 whole, never torn
-            assert follower.update()
-            torch.cuda.synchronize()
-            assert_same_bytes({n: getattr(module, name_map[n]) for n in first}, gpu_model(11))
+    return first, second, {n: getattr(module, name_map[n]) for n in first}
 
 
-def test_a_restarted_cuda_worker_gives_fresh_handles(cuda_server):
+def test_an_engine_keeps_its_lease_until_its_gpu_copies_ran(cuda_server, monkeypatch):
+    first, _second, held = follow_then_overwrite(cuda_server, monkeypatch, synchronize=True)
+    assert_same_bytes(held, first)  # v1 whole, never torn
+
+
+def test_without_the_release_synchronize_the_engine_would_copy_torn_bytes(cuda_server, monkeypatch):
+    """The control: the same sequence, the release not waiting for the engine's copies."""
+    first, _second, held = follow_then_overwrite(cuda_server, monkeypatch, synchronize=False)
+    with pytest.raises(AssertionError):
+        assert_same_bytes(held, first)
+
+
+def test_a_killed_cuda_worker_loses_nothing(cuda_server):
+    """The store is host memory the server keeps: a CUDA worker's death costs no weights (it used to be
+    LOST until a full update refilled it)."""
     with WeightSyncClient(cuda_server.address, timeout=120) as client:
         client.push(gpu_model(20), version="v1", transport="inline", allow_new_tensors=True)
-        assert_same_bytes(mapped_copy(cuda_server, "cuda:0"), gpu_model(20))
         pid = info(cuda_server).workers[0].pid
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: info(cuda_server).workers[0].state == pb.WORKER_STATE_RUNNING
                  and info(cuda_server).workers[0].pid != pid, timeout=120)
-        assert info(cuda_server).store_state == pb.STORE_STATE_LOST  # device memory died with the process
-        client.push(gpu_model(21), version="v2", transport="inline", allow_new_tensors=True)
-        # Handles exported by the dead process would open freed memory: these must be the new arenas.
+        assert info(cuda_server).store_state == pb.STORE_STATE_CONSISTENT
+        assert_same_bytes(mapped_copy(cuda_server, "cuda:0"), gpu_model(20))
+        client.push(gpu_model(21), version="v2", transport="inline")  # a partial update is fine: nothing was lost
         assert_same_bytes(mapped_copy(cuda_server, "cuda:0"), gpu_model(21))
 
 
-def test_staged_in_place_and_abort_on_a_cuda_store(cuda_server):
+def test_staged_in_place_and_abort_on_a_cuda_worker(cuda_server):
     from weightsync.client import UpdateFailed
 
     with WeightSyncClient(cuda_server.address, timeout=120) as client:
@@ -112,30 +130,47 @@ def test_staged_in_place_and_abort_on_a_cuda_store(cuda_server):
         assert client.verify(gpu_model(33)).ok
 
 
-def test_admission_after_an_aborted_staged_update(cuda_server):
-    """A STAGED update needs a shadow as large as the model; after an abort the shadow's memory
-    sits in torch's cache of the worker: the retry must be admitted (it is this worker's own)."""
-    from weightsync.client import UpdateFailed
+def test_the_device_lane_copies_to_the_pinned_store_only_after_the_receive_ran():
+    """A CUDA worker's NCCL path, in this process: the "broadcast" writes its staging buffer behind a long
+    kernel on the current stream; the copy to the pinned host store must run after it (an event), a
+    staging buffer must not be reused before its copy out ran, and commit waits for every copy. Staging
+    is the only device memory the receiver holds."""
+    import mmap as mmap_module
 
-    free, _total = torch.cuda.mem_get_info(0)
-    elements = int(free * 0.30) // 4 // 2  # two float32 tensors: 30% of free memory, a shadow doubles it
-    model = {"a": torch.ones(elements, device="cuda"), "b": torch.full((elements,), 2.0, device="cuda")}
-    with WeightSyncClient(cuda_server.address, timeout=600) as client:
-        client.push(model, version="v1", transport="inline", allow_new_tensors=True, bucket_size_bytes=256 << 20)
-        del model
-        torch.cuda.empty_cache()
+    from weightsync.gpu_worker.memory import map_arena
+    from weightsync.gpu_worker.receiver import Receiver
+    from weightsync.worker.v1 import worker_pb2 as wpb
 
-        def abort_after_first(report) -> None:
-            if report.bucket == 1:
-                raise RuntimeError("trainer gives up")
+    size, buckets = 4 << 20, 3
+    fd = os.memfd_create("arena")
+    os.ftruncate(fd, size * buckets)
+    receiver = Receiver(torch.device("cuda:0"))
+    allocated_before = torch.cuda.memory_allocated(0)
+    receiver.maps.add(map_arena(1, os.dup(fd), size * buckets, torch.device("cuda:0")))
+    assert receiver.maps.arenas[1].pinned, "the store mapping is pinned for DMA"
+    command = wpb.PrepareUpdateCommand(update_id="u", group_id="g", staged=False, largest_bucket_bytes=size)
+    for k in range(buckets):
+        command.buckets.add(sequence=k, size_bytes=size, receive_into=wpb.Region(arena_id=1, offset_bytes=k * size))
+    receiver.prepare(command, device_lane=True)
+    assert torch.cuda.memory_allocated(0) - allocated_before == 2 * size  # two staging buffers, nothing else
 
-        bigger = {"a": torch.full((elements,), 3.0, device="cuda"), "b": torch.full((elements,), 4.0, device="cuda")}
-        with pytest.raises((UpdateFailed, RuntimeError)):
-            client.push(bigger, version="aborted", mode="staged", transport="inline", bucket_size_bytes=256 << 20,
-                        progress=abort_after_first)
-        result = client.push(bigger, version="v2", mode="staged", transport="inline", bucket_size_bytes=256 << 20)
-        assert result.version == "v2"
-        assert client.verify(bigger).ok
+    def broadcast_behind_a_sleep(k: int):
+        def transfer(buffer: torch.Tensor) -> None:
+            torch.cuda._sleep(SLEEP_CYCLES // 4)
+            buffer.fill_(k + 1)  # what NCCL would have written, queued behind the sleep
+        return transfer
+
+    for k in range(buckets):
+        receive = wpb.ReceiveBucketCommand(update_id="u", sequence=k, size_bytes=size)
+        applied = receiver.receive_collective(receive, broadcast_behind_a_sleep(k), device_lane=True)
+        assert applied is not None and applied.fast_path
+    receiver.commit("u")  # waits for the copy stream
+    with mmap_module.mmap(fd, size * buckets, prot=mmap_module.PROT_READ) as view:
+        held = torch.frombuffer(bytearray(view), dtype=torch.uint8)
+    for k in range(buckets):
+        assert bool((held[k * size : (k + 1) * size] == k + 1).all()), f"bucket {k}: the copy ran before the receive"
+    receiver.release()
+    os.close(fd)
 
 
 @pytest.mark.parametrize("proto_dtype", SUPPORTED_PROTO_DTYPES)

@@ -1,5 +1,6 @@
-"""What needs two GPUs: NCCL groups (NCCL refuses two ranks on one GPU), torch's watchdog after a
-failed broadcast, engine ranks on different GPUs, a communicator that never forms.
+"""What needs two GPUs: NCCL groups (NCCL refuses two ranks on one GPU), that torch's watchdog and
+heartbeat monitor never terminate a process after a failed broadcast of ours, engine ranks on
+different GPUs reading the one store, a communicator that never forms.
 
 The trainer is on cuda:0, the server's worker(s) on cuda:1 (and cuda:0 for TP=2 engines).
 """
@@ -37,8 +38,10 @@ def test_nccl_push_staged_in_place_and_verify(server_on_gpu1):
         client.create_group(backend="nccl", timeout=GROUP_TIMEOUT)
         for step, mode in enumerate(("in_place", "staged", "in_place")):
             model = gpu_model(step)
-            client.push(model, version=f"v{step}", mode=mode, allow_new_tensors=True)
+            client.push(model, version=f"v{step}", mode=mode, allow_new_tensors=True, bucket_size_bytes=1 << 20)
             assert client.verify(model).ok
+    worker = info(server_on_gpu1).workers[0]
+    assert worker.staging_on_device and worker.staging_bytes == 2 << 20  # two buffers of the largest bucket
 
 
 def test_a_worker_killed_mid_broadcast_fails_the_push_and_the_trainer_lives_on(server_on_gpu1):
@@ -57,7 +60,7 @@ def test_a_worker_killed_mid_broadcast_fails_the_push_and_the_trainer_lives_on(s
         with pytest.raises(UpdateFailed):
             client.push(gpu_model(2, scale=64), version="v2", bucket_size_bytes=1 << 20, progress=kill_worker)
         assert time.monotonic() - started < GROUP_TIMEOUT + 30
-        time.sleep(90)  # past the watchdog's heartbeat timeout: a std::terminate would have come by now
+        time.sleep(90)  # past torch's watchdog abort (60 s): with it the trainer would be gone by now
         wait_for(lambda: info(server_on_gpu1).workers[0].state == pb.WORKER_STATE_RUNNING, timeout=120)
         client.delete_group()
         client.create_group(backend="nccl", timeout=GROUP_TIMEOUT)
@@ -99,28 +102,61 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_worker_and_its_store(server_o
         assert client.verify(gpu_model(6)).ok
 
 
-def test_tp2_engine_ranks_read_the_worker_on_their_own_gpu(tmp_path):
-    """Each engine rank sees its GPU as cuda:0 (as Ray arranges it); it must still map the store
-    of the weightsync worker on the same physical GPU (matched by UUID)."""
+def test_engine_ranks_on_two_gpus_read_the_one_store(tmp_path):
+    """Each rank sees its GPU as cuda:0 (as Ray arranges it) and maps the node's one host store."""
     server = start_server(tmp_path, "--local-socket", "auto", devices="cuda:0,cuda:1")
     try:
         with WeightSyncClient(server.address, timeout=120) as client:
             client.push(gpu_model(7), version="v1", transport="inline", allow_new_tensors=True)
         reader = textwrap.dedent("""
             import sys, torch
-                        with EngineClient(server=sys.argv[1], name="rank", device="cuda:0") as engine:
-                print(engine.worker_index, flush=True)
+            from weightsync.engine import EngineClient
+            with EngineClient(server=sys.argv[1], name="rank", device="cuda:0") as engine:
                 with engine.acquire() as snapshot:
-                    print(int(snapshot.tensors["steps"].sum().item()), flush=True)
+                    print(int(snapshot.tensors["steps"].to("cuda:0").sum().item()), flush=True)
         """)
         for gpu in (0, 1):
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
             out = subprocess.run([sys.executable, "-c", reader, server.address], env=env, capture_output=True,
                                  text=True, timeout=120, check=True).stdout.split()
-            assert out[0] == str(gpu), f"the rank on GPU {gpu} read worker {out[0]}"
-            assert int(out[1]) == int(gpu_model(7)["steps"].sum().item())
+            assert int(out[0]) == int(gpu_model(7)["steps"].sum().item()), f"the rank on GPU {gpu}"
     finally:
         assert server.stop() == 0
+
+
+MONITOR_TRAINER = textwrap.dedent("""
+    # The trainer's own NCCL group comes first (the process's first group: its heartbeat monitor is the
+    # one that kills on a dump signal), with a short heartbeat; then weightsync's group, whose push fails.
+    import datetime, os, sys, time, torch, torch.distributed as dist
+    os.environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] = "20"
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=30))
+    own = dist.ProcessGroupNCCL(dist.PrefixStore("own", store), 0, 1)
+    own.allreduce([torch.ones(1, device="cuda:0")]).wait()
+    from weightsync.client import WeightSyncClient
+    client = WeightSyncClient(sys.argv[1], timeout=120)
+    client.create_group(backend="nccl", timeout=float(sys.argv[2]))
+    print("joined", flush=True)
+    try:
+        client.push({"w": torch.randn(64 << 20, device="cuda:0")}, version="v", allow_new_tensors=True,
+                    bucket_size_bytes=1 << 20)
+    except Exception as error:
+        print("failed", type(error).__name__, flush=True)
+    time.sleep(float(sys.argv[3]))
+    print("alive", flush=True)
+""")
+
+
+def test_the_trainers_own_groups_monitor_does_not_kill_it_after_our_failed_broadcast(server_on_gpu1):
+    """Without TORCH_NCCL_BLOCKING_WAIT on our group, its watchdog would raise the process-wide dump flag and
+    the trainer's own (first) group's monitor would kill the process a heartbeat timeout later (20 s here)."""
+    trainer = subprocess.Popen([sys.executable, "-c", MONITOR_TRAINER, server_on_gpu1.address, str(GROUP_TIMEOUT),
+                                "60"], stdout=subprocess.PIPE, text=True)
+    assert trainer.stdout.readline().strip() == "joined"
+    victim = info(server_on_gpu1).workers[0].pid
+    time.sleep(1)
+    os.kill(victim, signal.SIGKILL)  # the push in flight fails
+    out = trainer.communicate(timeout=GROUP_TIMEOUT + 120)[0]
+    assert trainer.returncode == 0 and out.strip().endswith("alive"), out
 
 
 def test_a_communicator_that_never_forms_fails_at_the_deadline_and_leaves_nothing(server_on_gpu1):

@@ -1,4 +1,4 @@
-"""Issue 3: every bad input gets its status code and ErrorInfo reason, and changes nothing.
+"""Every bad input gets its status code and ErrorInfo reason, and changes nothing.
 
 One 2-worker server for the whole module, started with small limits so the
 limit checks can be reached with small plans. One transfer group (the module
@@ -859,7 +859,7 @@ def test_malformed_update_stream(server, tracker):
     assert server_info(server).store_state == pb.STORE_STATE_CONSISTENT
 
 
-# -- GetTensorChecksums (issue 9, defect 16) --------------------------------------------------
+# -- GetTensorChecksums --------------------------------------------------
 def test_checksums_of_unknown_names_are_not_found(server, tracker):
     request = pb.GetTensorChecksumsRequest(names=["embed.weight", "no.such.a", "no.such.b"])
     with pytest.raises(grpc.RpcError) as caught:

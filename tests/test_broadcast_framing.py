@@ -1,4 +1,4 @@
-"""Issue 9, defects 4 and 5: wrong-sized and out-of-order broadcasts.
+"""Wrong-sized and out-of-order broadcasts.
 
 A trainer written against the protos (no SDK) gets every one of these wrong on
 purpose. None commits, none hangs the trainer, and the node keeps its weights:

@@ -1,5 +1,5 @@
 """Operators' tools against a real server: buf curl and grpcurl through reflection (v1 and v1alpha),
-error details they can read, the token, and stubs generated for other languages (issue 11).
+error details they can read, the token, and stubs generated for other languages.
 
 buf comes from tools/ (npm ci), grpcurl and protoc from the dev dependencies: `make test`
 installs all three, so in CI these tests run rather than skip.

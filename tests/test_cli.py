@@ -1,4 +1,4 @@
-"""Issue 4: the weightsync CLI end to end, through subprocesses."""
+"""The weightsync CLI end to end, through subprocesses."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_failures_are_one_line_and_non_zero(server, checkpoints, args, needle):
     assert needle in lines[0]
 
 
-# -- issue 9, defect 18: what the CLI says when it cannot do its job ---------------------------------
+# -- what the CLI says when it cannot do its job ---------------------------------
 def test_a_scheme_in_the_address_says_drop_it(server):
     result = cli("info", "--server", f"http://{server.address}")
     assert result.returncode == 1

@@ -1,4 +1,4 @@
-"""Issue 2: the dtype table, the bucket layout helpers, and stub freshness."""
+"""The dtype table, the bucket layout helpers, and stub freshness."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The trainer's kept copy (client/delta.py, issue 18): when auto compares and patches, and how the
+"""The trainer's kept copy (client/delta.py): when auto compares and patches, and how the
 copy is refreshed in the background while a push's bytes move, claiming nothing until committed."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""push(delta=...) (issue 18): only what changed moves, on every transport, bit-exact after every
+"""Push(delta=...): only what changed moves, on every transport, bit-exact after every
 step; a server that does not hold the base gets the update dense, alone (INLINE) or with the whole
 group (COLLECTIVE). Every failure is followed by the next push and a verify."""
 

@@ -1,4 +1,4 @@
-"""Issue 17, defect 4: one worker per GPU. A GPU listed twice is refused at start-up with a
+"""One worker per GPU. A GPU listed twice is refused at start-up with a
 reason, through the command line as through the config; CPU workers may repeat."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 9, defects 19 and 20: the README and the proto comments tell the truth.
+"""The README and the proto comments tell the truth.
 
 And docs/data-plane.md lists every error reason a trainer can meet, with the codes the
 source raises it with: a reason added to the server without a row in its table fails here.

@@ -1,4 +1,4 @@
-"""Issue 10: the engine side (weightsync.engine) against a real server, with a plain torch module.
+"""The engine side (weightsync.engine) against a real server, with a plain torch module.
 
 The engine maps the worker store read-only through the local socket, applies
 versions between forward passes, never sees a torn one, and the server reports

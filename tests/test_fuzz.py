@@ -1,4 +1,4 @@
-"""Issue 6: property-based bad input. Every example gets a clear status (never
+"""Property-based bad input. Every example gets a clear status (never
 INTERNAL or UNKNOWN, never a crash or a hang), and a valid update afterwards
 still commits with correct checksums."""
 

@@ -1,4 +1,4 @@
-"""make gpu-kit, tools/gpu_kit/run.sh and bench.gpu, without a GPU.
+"""Make gpu-kit, tools/gpu_kit/run.sh and bench.gpu, without a GPU.
 
 The kit's list must follow pyproject.toml: every dependency but torch, grpcio and protobuf (the GPU
 machine's own), pytest and pytest-timeout, and what each of them pulls in, pinned to versions

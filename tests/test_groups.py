@@ -1,4 +1,4 @@
-"""Issue 9, transfer groups: refusals are fast and harmless, a join that times out costs nothing,
+"""Transfer groups: refusals are fast and harmless, a join that times out costs nothing,
 and a trainer that dies between updates does not leave its group behind (defects 2, 3, 6, 10)."""
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def test_a_trainer_that_dies_between_updates_breaks_and_releases_its_group(serve
 
 
 def test_an_abandoned_join_leaves_no_connection_to_the_silent_store(server, committed):
-    """Issue 16, defect 9: after DEADLINE_EXCEEDED, every connection the workers opened to a store
+    """After DEADLINE_EXCEEDED, every connection the workers opened to a store
     that never answers is closed (before: torch's TCPStore client kept two of four open)."""
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""client/intra_op.py: one intra-op thread for the SDK's own ops, in the calling thread only."""
+"""Client/intra_op.py: one intra-op thread for the SDK's own ops, in the calling thread only."""
 
 from __future__ import annotations
 

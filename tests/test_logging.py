@@ -1,4 +1,4 @@
-"""Issue 9, defect 17: processes that share one stderr never merge their log lines."""
+"""Processes that share one stderr never merge their log lines."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 11: a trainer in another language. examples/node (Node.js, @grpc/grpc-js) pushes a real
+"""A trainer in another language. examples/node (Node.js, @grpc/grpc-js) pushes a real
 safetensors file over INLINE to a real server, with WS64 computed in JavaScript.
 
 The bytes the node store holds are read back through the engine hand-off (the store mapped

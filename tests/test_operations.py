@@ -1,4 +1,4 @@
-"""Issue 12, operating a node: metrics, the plaintext health port, trace context, and
+"""Operating a node: metrics, the plaintext health port, trace context, and
 rotating the token and certificate (SIGHUP) without dropping a running update."""
 
 from __future__ import annotations

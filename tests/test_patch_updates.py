@@ -1,4 +1,4 @@
-"""Patched updates (issue 18) through the raw protocol, as a trainer in any language sends them:
+"""Patched updates through the raw protocol, as a trainer in any language sends them:
 INLINE, patches built with the documented byte layout, checked bit for bit on every worker.
 Every refusal is followed by the next normal update and a verify."""
 

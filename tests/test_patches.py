@@ -1,4 +1,4 @@
-"""Patches (issue 18): the byte layout of tensor.proto's TensorEncoding, round trips, refusals,
+"""Patches: the byte layout of tensor.proto's TensorEncoding, round trips, refusals,
 and WS64 after a patch computed in O(changed) equal to WS64 of the whole patched tensor."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 9, defect 1: a failed push never lends its plan to the next one.
+"""A failed push never lends its plan to the next one.
 
 The SDK used to remember the plan id of an update that answered Ready even
 when that update then failed, and the next push whose layout equalled the last

@@ -1,4 +1,4 @@
-"""Issue 4: the trainer SDK against real servers."""
+"""The trainer SDK against real servers."""
 
 from __future__ import annotations
 
@@ -147,12 +147,22 @@ def test_two_servers_one_group_and_verify_catches_divergence(two_servers):
         assert {(m.server, m.name) for m in check.mismatches} == {(b.address, "step")}
 
 
-def test_push_without_group_and_bad_arguments(server):
-    with WeightSyncClient(server.address) as client:
-        with pytest.raises(Exception, match="create_group"):
-            client.push({"x": torch.zeros(1)}, version="v")
-        info = client.server_info()[0]
-        assert info.store_state in (pb.STORE_STATE_CONSISTENT, pb.STORE_STATE_EMPTY, pb.STORE_STATE_INCONSISTENT)
+def test_push_without_group_and_bad_arguments(tmp_path):
+    from weightsync.client import WeightSyncClientError
+
+    fresh = start_server(tmp_path)  # its own server: nothing another test pushed
+    try:
+        with WeightSyncClient(fresh.address) as client:
+            with pytest.raises(WeightSyncClientError, match="create_group"):
+                client.push({"x": torch.zeros(1)}, version="v")
+            info = client.server_info()[0]
+            assert (info.store_state, info.current_version.generation) == (pb.STORE_STATE_EMPTY, 0)  # nothing sent
+            with pytest.raises(ValueError, match="mode must be"):
+                client.push({"x": torch.zeros(1)}, version="v", mode="sideways", transport="inline")
+            client.push({"x": torch.ones(1)}, version="after", transport="inline")  # the next call works
+            assert client.verify({"x": torch.ones(1)}).ok
+    finally:
+        assert fresh.stop() == 0
     with pytest.raises(ValueError, match="host:port"):
         WeightSyncClient(["nocolon"])
 

@@ -1,4 +1,4 @@
-"""Issue 9, what a trainer can hand the SDK: bad values, gapped views, threads,
+"""What a trainer can hand the SDK: bad values, gapped views, threads,
 iterators, and failures that must still carry a status (defects 8, 11, 12, 14, 15)."""
 
 from __future__ import annotations

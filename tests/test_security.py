@@ -1,4 +1,4 @@
-"""Issue 6, "Security": loopback by default, bearer token, TLS and mTLS, no pickle/eval.
+"""Security: loopback by default, bearer token, TLS and mTLS, no pickle/eval.
 
 Three real 1-worker CPU servers, one per module-scoped fixture (token, TLS,
 mTLS); every test talks real gRPC to them. Certificates are generated at test
@@ -342,7 +342,7 @@ def test_cli_token(token_server, token_files):
     assert "the token in --token-file is not the server's" in failed.stderr
     missing = _cli("info", "--server", token_server.address, "--timeout", "10")
     _assert_cli_failed_cleanly(missing, "UNAUTHENTICATED")
-    assert "pass --token-file" in missing.stderr  # issue 9, defect 18
+    assert "pass --token-file" in missing.stderr
     ok = _cli("info", "--server", token_server.address, "--token-file", right, "--timeout", "10")
     assert ok.returncode == 0, ok.stderr
     assert token_server.address in ok.stdout

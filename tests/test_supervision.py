@@ -1,4 +1,4 @@
-"""Issue 16, defect 6 (server half): no background task of the server dies silently.
+"""Defect 6 (server half): no background task of the server dies silently.
 
 A real Supervisor with a real worker process, in this test's event loop: a failing callback
 does not stop the heartbeat watch, and a respawn whose Popen fails is retried. Plus the two

@@ -1,4 +1,4 @@
-"""common/threads.py: a blocking call waited for until a deadline, abandoned past it."""
+"""Common/threads.py: a blocking call waited for until a deadline, abandoned past it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 11: INLINE and SHM, through the SDK and byte by byte through the protos.
+"""INLINE and SHM, through the SDK and byte by byte through the protos.
 
 A server with 1 MiB ingress slots, so buckets larger than a slot go through
 in pieces; every chunk rule of the contract is broken once, each followed by

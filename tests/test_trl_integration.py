@@ -1,4 +1,4 @@
-"""weightsync.integrations.trl without TRL: the version gate, the config, and how a sync decides
+"""Weightsync.integrations.trl without TRL: the version gate, the config, and how a sync decides
 that vLLM serves its version (pure functions over the protos, a fake clock).
 
 The integration end to end (TRL, vLLM, a weightsync server) is tests/engines/test_trl_grpo.py.

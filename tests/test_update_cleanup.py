@@ -1,4 +1,4 @@
-"""Issue 16, defects 2, 5 and 8: what an update leaves behind when it ends badly.
+"""What an update leaves behind when it ends badly.
 
 - A second cancel while an abort runs must not cut the clean-up short (defect 5): engines get
   leases again at once, and a trainer that dies afterwards is noticed (its group goes BROKEN).

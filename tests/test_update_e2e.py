@@ -1,4 +1,4 @@
-"""Issue 3's main scenario: a plain torch.distributed trainer against a real 2-worker server."""
+"""Main scenario: a plain torch.distributed trainer against a real 2-worker server."""
 
 from __future__ import annotations
 

@@ -38,4 +38,8 @@ def test_watch_sees_updating_then_the_published_version(server):
     assert pb.STORE_STATE_UPDATING in states
     final = events[-1]
     assert final.version.generation == first.version.generation + 1
-    assert final.event_time.seconds >= first.event_time.seconds
+    # Each event is stamped when it happened: in order, and the commit's within the push's time.
+    stamps = [e.event_time.ToNanoseconds() for e in events]
+    assert stamps == sorted(stamps) and len(set(stamps)) > 1
+    assert final.event_time.ToNanoseconds() >= final.version.commit_time.ToNanoseconds()
+    assert final.event_time.ToNanoseconds() - final.version.commit_time.ToNanoseconds() < 5_000_000_000

@@ -1,4 +1,4 @@
-"""Issue 9, defects 9 and 11: a stalled worker is seen, and a push that meets it fails at the
+"""A stalled worker is seen, and a push that meets it fails at the
 group timeout with a status code and a reason."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 6, faults on the inference side: a worker killed, one of two servers killed, SIGTERM mid-push."""
+"""Faults on the inference side: a worker killed, one of two servers killed, SIGTERM mid-push."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 6, faults on the trainer's side: killed mid-bucket, never joins, cancels, drops its connection."""
+"""Faults on the trainer's side: killed mid-bucket, never joins, cancels, drops its connection."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench import delta as delta_bench
-from bench import engine_apply, machine, node_inline, report, workloads
+from bench import engine_apply, machine, node_inline, node_store, report, workloads
 from bench import transports as transport_bench
 from bench.baselines import packed_source, strided_subset
 from bench.harness import (
@@ -206,7 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction,
                         help="also time weightsync with checksums=True and raw with the SDK's bucket plan "
                              "(default: on in full runs)")
-    parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine", "node", "delta"],
+    parser.add_argument("--before", metavar="PYTHON",
+                        help="node_store: also measure the weightsync of this interpreter's tree (another worktree's "
+                             ".venv/bin/python, e.g. of 44fabba) as 'before'; default: this tree only")
+    parser.add_argument("--rounds", type=int, help="node_store: rounds per side, run in turn (default 2, quick 1)")
+    parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine", "node", "delta",
+                                           "node_store"],
                         action="append",
                         help="run only these parts (repeatable); default: all")
     args = parser.parse_args(argv)
@@ -217,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, receiver_threads=args.receiver_threads)
     if args.diagnostics is not None:
         cfg = replace(cfg, diagnostics=args.diagnostics)
-    parts = set(args.only or ["main", "latency", "scaling", "load", "transports", "engine", "node", "delta"])
+    parts = set(args.only or ["main", "latency", "scaling", "load", "transports", "engine", "node", "delta",
+                              "node_store"])
     if args.per_tensor_limit is not None:
         cfg = replace(cfg, per_tensor_limit=args.per_tensor_limit)
     if args.trainer_threads is not None:
@@ -260,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         if "delta" in parts:
             h.stop_server()  # room for the two servers of the delta bench
         delta = delta_bench.run(Path(tmp), quick=args.quick) if "delta" in parts else None
+        if "node_store" in parts:
+            h.stop_server()  # room for the three servers of each side
+            started_node_store, load_node_store = time.monotonic(), machine.load_average()
+            stores = node_store.run(Path(tmp), quick=args.quick, before=args.before,
+                                    rounds=args.rounds or (1 if args.quick else 2))
         server_starts = h.server_starts
         control_load = None
         if "load" in parts:
@@ -273,6 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     log(f"cleanup: {len(h.processes)} processes started, still running: {leftovers['processes'] or 'none'}; "
         f"{len(h.shm)} shared-memory segments used, still present: {leftovers['shm_segments'] or 'none'}")
     seconds = time.monotonic() - started
+    if "node_store" in parts:
+        stores_meta = {"machine": machine.one_line(host), "command": "python -m bench " + " ".join(sys.argv[1:]),
+                       "elapsed_seconds": round(time.monotonic() - started_node_store, 1),
+                       "load_before": load_node_store, "load_after": machine.load_average()}
+        (out_dir / "node_store.json").write_text(json.dumps(stores | {"meta": stores_meta}, indent=2) + "\n")
+        (out_dir / "node_store.md").write_text(node_store.markdown(stores, stores_meta))
+        log(f"node_store: wrote {out_dir}/node_store.json and node_store.md")
+        if parts == {"node_store"}:  # latest.* stay what the last run of the other parts wrote
+            print(node_store.markdown(stores, stores_meta))
+            return 0
     results = {
         "runs": runs,
         "ratios": report.ratios(runs),

@@ -22,8 +22,9 @@ Per side, with the dense workload (bf16):
     receiver process that recvs into its preallocated buffer, the SDK's own bucket sizes
     (bench.receiver's p2p op); raw_inline, one gRPC client stream of the same bytes in chunks of
     the server's max_chunk_bytes, from one preallocated buffer (one copy into each message, as
-    the SDK makes) to a plain grpcio server process that copies each chunk into its preallocated
-    buffer. Every push and both raw paths are verified afterwards;
+    the SDK makes) to a plain grpcio (sync, thread pool) server process that copies each chunk
+    into its preallocated buffer; raw_inline_aio (a diagnostic), the same with a grpc.aio server,
+    as weightsync's is. Every push and every raw path is verified afterwards;
   - engine apply (bench/engine_apply.py, unchanged): acquire + apply_to_module against
     load_state_dict of the same tensors already in the process.
 """
@@ -33,12 +34,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent import futures
 from pathlib import Path
 
 import torch
@@ -47,13 +46,13 @@ from bench import engine_apply, workloads
 from bench.baselines import BaselineCluster, packed_source
 from bench.harness import FULL, QUICK, Harness, alternate, median, nbytes, sdk_layout
 from bench.progress import log
+from bench.raw_grpc import RawInline
 from bench.servers import REPO, Server
 
 WORKERS = (1, 2, 3)
 TRANSPORTS = ("collective", "inline")
 RAW = {"collective": "raw_gloo", "inline": "raw_inline"}
 GOALS = {"three_vs_one_workers": 1.25, "vs_raw_limit": 0.9, "memory_after_x": 2.0}
-_RAW_METHOD = "/bench.RawSink/Push"
 
 
 # -- memory ------------------------------------------------------------------------------
@@ -137,80 +136,6 @@ def as_multiple(memory: dict, size: int) -> dict:
             "tree_pss_x": round(memory["tree_pss_bytes"] / size, 3)}
 
 
-# -- the raw INLINE limit: a plain gRPC stream into a preallocated buffer -------------------
-def _sink_main(port_file: str, size: int) -> int:
-    import grpc
-
-    buffer = torch.zeros(size, dtype=torch.uint8)  # preallocated, touched
-    view = memoryview(buffer.numpy())
-
-    def push(requests, context):  # noqa: ARG001
-        received = 0
-        for message in requests:
-            offset = struct.unpack_from("<Q", message)[0]
-            view[offset : offset + len(message) - 8] = memoryview(message)[8:]
-            received += len(message) - 8
-        if received == 0:  # the digest call, untimed
-            from weightsync.common.checksum import ws64
-            return str(ws64(buffer)).encode()
-        return str(received).encode()
-
-    handler = grpc.method_handlers_generic_handler("bench.RawSink", {
-        "Push": grpc.stream_unary_rpc_method_handler(push)})
-    limit = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=limit, handlers=[handler])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    Path(port_file).write_text(str(port))
-    server.wait_for_termination()
-    return 0
-
-
-class RawInline:
-    """The sink process and a channel to it."""
-
-    def __init__(self, workdir: Path, size: int) -> None:
-        import grpc
-
-        port_file = workdir / f"raw-sink-{os.getpid()}-{time.monotonic_ns()}.port"
-        self.process = subprocess.Popen([sys.executable, "-m", "bench.node_store", "--raw-sink", str(port_file),
-                                         "--bytes", str(size)], cwd=REPO)
-        deadline = time.monotonic() + 60
-        while not port_file.exists() or not port_file.read_text():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the raw gRPC sink did not start")
-            time.sleep(0.05)
-        limit = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{int(port_file.read_text())}", options=limit)
-        self.call = self.channel.stream_unary(_RAW_METHOD)
-
-    def push(self, source: torch.Tensor, sizes: list[int], chunk: int) -> float:
-        view = memoryview(source.numpy())
-
-        def messages():
-            base = 0
-            for size in sizes:
-                for offset in range(0, size, chunk):
-                    end = min(size, offset + chunk)
-                    yield b"".join((struct.pack("<Q", base + offset), view[base + offset : base + end]))
-                base += size
-
-        started = time.perf_counter()
-        received = int(self.call(messages(), timeout=600))
-        elapsed = time.perf_counter() - started
-        if received != sum(sizes):
-            raise RuntimeError(f"raw inline: the sink took {received} of {sum(sizes)} bytes")
-        return elapsed
-
-    def digest(self) -> int:
-        return int(self.call(iter(()), timeout=600))
-
-    def close(self) -> None:
-        self.channel.close()
-        self.process.terminate()
-        self.process.wait(30)
-
-
 # -- one side ------------------------------------------------------------------------------
 def _timer(client, tensors: dict, transport: str, bucket: int):
     def push() -> float:
@@ -240,7 +165,7 @@ def measure_side(label: str, quick: bool, workdir: Path) -> dict:
         f"{len(sizes)} SDK buckets of <= {bucket >> 20} MiB")
     servers: dict[int, Server] = {}
     clients: dict[int, WeightSyncClient] = {}
-    cluster = raw_inline = None
+    cluster = raw_inline = raw_aio = None
     memory: dict = {}
     try:
         for n in WORKERS:
@@ -257,13 +182,14 @@ def measure_side(label: str, quick: bool, workdir: Path) -> dict:
         source = packed_source(tensors, layout, sizes)
         cluster = BaselineCluster(1, workdir)
         cluster.setup(None, raw_bytes=sum(sizes))
-        raw_inline = RawInline(workdir, sum(sizes))
+        raw_inline, raw_aio = RawInline(workdir, sum(sizes)), RawInline(workdir, sum(sizes), aio=True)
         runners = {}
         for transport in TRANSPORTS:
             for n in WORKERS:
                 runners[f"{transport}_{n}w"] = _timer(clients[n], tensors, transport, bucket)
             runners[RAW[transport]] = ((lambda: cluster.run_p2p(source, sizes)) if transport == "collective"
                                        else (lambda: raw_inline.push(source, sizes, chunk)))
+        runners["raw_inline_aio"] = lambda: raw_aio.push(source, sizes, chunk)  # diagnostic: an aio sink
         times = alternate(runners, cfg.reps, f"node_store {label}")
         for n in WORKERS:
             if not clients[n].verify(tensors).ok:
@@ -271,10 +197,10 @@ def measure_side(label: str, quick: bool, workdir: Path) -> dict:
             held = shared_memory(servers[n].process.pid)
             memory[n]["after_timing"] = held | as_multiple(held, size)
         cluster.verify(None, source, sum(sizes))
-        if raw_inline.digest() != ws64(source):
-            raise RuntimeError("raw inline: the sink's buffer differs from the source")
+        if raw_inline.digest() != ws64(source) or raw_aio.digest() != ws64(source):
+            raise RuntimeError("raw inline: a sink's buffer differs from the source")
     finally:
-        for closing in (*clients.values(), cluster, raw_inline, *servers.values()):
+        for closing in (*clients.values(), cluster, raw_inline, raw_aio, *servers.values()):
             if closing is not None:
                 closing.close() if not isinstance(closing, Server) else closing.stop()
     count = len(tensors)
@@ -333,6 +259,7 @@ def summarize(results: dict[str, list[dict]], quick: bool) -> dict:
                                            "vs_raw_limit": round(raw / med[f"{transport}_{n}w"], 3)}
                                        for n in WORKERS}
             side["push"][transport]["raw_seconds"] = round(raw, 4)
+        side["push"]["inline"]["raw_aio_seconds"] = round(med["raw_inline_aio"], 4)
         engines = [r["engine_apply"] for r in rounds if "error" not in r["engine_apply"]]
         if engines:
             side["engine_apply"] = {
@@ -388,6 +315,8 @@ def markdown(result: dict, meta: dict | None = None) -> str:
             lines.append(f"| {transport} | {n} | " + " | ".join(cells) + " |")
         raw = " / ".join(f"{s} {sides[s]['push'][transport]['raw_seconds']:.3f} s" for s in labels)
         lines.append(f"| {RAW[transport]} (limit) | 1 receiver | {raw} |" + " |" * (3 * len(labels) - 1))
+    aio = " / ".join(f"{s} {sides[s]['push']['inline']['raw_aio_seconds']:.3f} s" for s in labels)
+    lines.append(f"| raw_inline_aio (diagnostic) | 1 receiver | {aio} |" + " |" * (3 * len(labels) - 1))
     lines += ["", "## Engine apply from the store (1 worker, SHM pushes; median s)", "",
               "| side | load_state_dict (copy_baseline) | engine_apply | apply / copy | push | push -> served |",
               "|---|---:|---:|---:|---:|---:|"]
@@ -406,11 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--side", help="measure this interpreter's weightsync under this label")
     parser.add_argument("--json", help="where --side writes its result")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--raw-sink", help=argparse.SUPPRESS)
-    parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.raw_sink:
-        return _sink_main(args.raw_sink, args.bytes)
     torch.set_num_threads(1)  # as python -m bench: the trainer's own ops on one thread
     from weightsync.common.logging import configure_logging
 

@@ -1,6 +1,7 @@
 """`python -m bench [--quick]`: the side-by-side benchmark of issue 5.
 
-Starts a real weightsync server (2 CPU workers) and baseline receiver processes,
+Starts real weightsync servers (one per receiver, 1 CPU worker each: a server holds the model
+once per node) and baseline receiver processes,
 runs raw / weightsync / concat / per_tensor alternately on the dense, moe and
 tiny workloads, measures the one-tensor update latency and the scaling curves,
 and writes bench/results/latest.{json,md} plus PNG plots.
@@ -60,7 +61,7 @@ def compare_workload(h: Harness, wl: workloads.Workload, diagnostics: dict) -> l
     log(f"workload {wl.name}: raw/concat {len(sizes)} buckets of up to {max(sizes) / MB:.0f} MiB; "
         f"the SDK plans {len(ws_sizes)} buckets")
 
-    trainer = h.weightsync(workers=receivers, adding_bytes=size)
+    trainer = h.weightsync(receivers=receivers, adding_bytes=size)
     trainer.define(tensors)
     cluster = h.receivers(receivers)
     raw_bytes = max(sum(sizes), sum(ws_sizes)) if cfg.diagnostics else sum(sizes)
@@ -105,7 +106,7 @@ def compare_workload(h: Harness, wl: workloads.Workload, diagnostics: dict) -> l
 
 def one_tensor_latency(h: Harness) -> tuple[float, list[float]]:
     probe = {"probe.model.norm.weight": torch.ones(896, dtype=torch.bfloat16)}
-    trainer = h.weightsync(workers=2, adding_bytes=nbytes(probe))
+    trainer = h.weightsync(receivers=2, adding_bytes=nbytes(probe))
     trainer.define(probe)
     for _ in range(3):
         trainer.push(probe)
@@ -120,7 +121,7 @@ def flat_point(h: Harness, wl: workloads.Workload, receivers: int, label: str, r
     """weightsync and raw, alternately, on one flat workload."""
     tensors = wl.materialize(prefix=f"{wl.name}.")
     sizes, layout = plan_layout(tensors, h.cfg.bucket_bytes)
-    trainer = h.weightsync(workers=receivers, adding_bytes=nbytes(tensors))
+    trainer = h.weightsync(receivers=receivers, adding_bytes=nbytes(tensors))
     trainer.define(tensors)
     cluster = h.receivers(receivers)
     cluster.setup(None, raw_bytes=sum(sizes))

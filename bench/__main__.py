@@ -210,11 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", metavar="PYTHON",
                         help="node_store: also measure the weightsync of this interpreter's tree (another worktree's "
                              ".venv/bin/python, e.g. of 44fabba) as 'before'; default: this tree only")
-    parser.add_argument("--rounds", type=int, help="node_store: rounds per side, run in turn (default 2, quick 1)")
+    parser.add_argument("--rounds", type=int,
+                        help="node_store: rounds per side, run in turn (default: 2 with --before, 1 otherwise or --quick)")
     parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine", "node", "delta",
                                            "node_store"],
                         action="append",
-                        help="run only these parts (repeatable); default: all")
+                        help="run only these parts (repeatable); default: all but node_store (issue 24: "
+                             "--only node_store --before PYTHON writes bench/results/node_store.{md,json})")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     if args.reps:
@@ -223,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, receiver_threads=args.receiver_threads)
     if args.diagnostics is not None:
         cfg = replace(cfg, diagnostics=args.diagnostics)
-    parts = set(args.only or ["main", "latency", "scaling", "load", "transports", "engine", "node", "delta",
-                              "node_store"])
+    # node_store is asked for by name (--only node_store): it compares against another tree (--before), runs
+    # three servers per side, and writes node_store.{md,json} of its own.
+    parts = set(args.only or ["main", "latency", "scaling", "load", "transports", "engine", "node", "delta"])
     if args.per_tensor_limit is not None:
         cfg = replace(cfg, per_tensor_limit=args.per_tensor_limit)
     if args.trainer_threads is not None:
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             h.stop_server()  # room for the three servers of each side
             started_node_store, load_node_store = time.monotonic(), machine.load_average()
             stores = node_store.run(Path(tmp), quick=args.quick, before=args.before,
-                                    rounds=args.rounds or (1 if args.quick else 2))
+                                    rounds=args.rounds or (2 if args.before and not args.quick else 1))
         server_starts = h.server_starts
         control_load = None
         if "load" in parts:

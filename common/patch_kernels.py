@@ -93,6 +93,17 @@ def _host_bits(tensor: torch.Tensor, what: str) -> np.ndarray:
     return bits(tensor)
 
 
+_NO_WORDS = np.empty(0, np.uint64)
+
+
+def _words(flat: np.ndarray) -> np.ndarray:
+    """flat's whole 64-bit words when it is 8-byte aligned (the fast path), else empty."""
+    if flat.ctypes.data % 8:
+        return _NO_WORDS
+    whole = flat.size * flat.itemsize // 8
+    return flat[: whole * 8 // flat.itemsize].view(np.uint64)
+
+
 def _data(data: torch.Tensor | bytes | np.ndarray) -> np.ndarray:
     if isinstance(data, torch.Tensor):
         if data.dtype != torch.uint8 or data.device.type != "cpu":
@@ -112,7 +123,10 @@ def compare_and_encode(base: torch.Tensor, new: torch.Tensor, threads: int = 1, 
     numel, itemsize = a.size, a.itemsize
     ranges = _ranges(numel, itemsize, threads)
     guess = max(16, (ranges[0][1] - ranges[0][0]) // 64)
-    scans = _run([lambda s=s, e=e: jit.scan(a, b, s, e, guess) for s, e in ranges])
+    a64, b64 = _words(a), _words(b)
+    if not (a64.size and b64.size):
+        a64 = b64 = _NO_WORDS
+    scans = _run([lambda s=s, e=e: jit.scan(a, b, a64, b64, s, e, guess) for s, e in ranges])
     # Plan: the whole patch's shape from each range's summary (O(ranges)).
     count = sum(r[0] for r in scans)
     first_gaps, previous, gap_bytes = [], -1, 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -126,7 +127,7 @@ def compare_and_encode(base: torch.Tensor, new: torch.Tensor, threads: int = 1, 
     a64, b64 = _words(a), _words(b)
     if not (a64.size and b64.size):
         a64 = b64 = _NO_WORDS
-    scans = _run([lambda s=s, e=e: jit.scan(a, b, a64, b64, s, e, guess) for s, e in ranges])
+    scans = _run([partial(jit.scan, a, b, a64, b64, s, e, guess) for s, e in ranges])
     # Plan: the whole patch's shape from each range's summary (O(ranges)).
     count = sum(r[0] for r in scans)
     first_gaps, previous, gap_bytes = [], -1, 0
@@ -158,15 +159,13 @@ def compare_and_encode(base: torch.Tensor, new: torch.Tensor, threads: int = 1, 
     buffer = out.numpy()
     buffer[0] = index_kind
     buffer[kinds_at: kinds_at + itemsize] = kinds[:itemsize]
+    bitmask_at = 1 if index_kind == INDEX_BITMASK else -1
     heads = [np.zeros(8, np.int64) for _ in scans]
     calls, index_at, bit_start, sparse_at = [], 1, 0, sparse_bytes_at.copy()
     for (s, e), r, first_gap, head in zip(ranges, scans, first_gaps, heads, strict=True):
         r_count, first, _, varints, used, xors, r_nonzero, _ = r
-        calls.append(lambda s=s, e=e, r_count=r_count, first=first, varints=varints, used=used, xors=xors,
-                     first_gap=first_gap, index_at=index_at, bit_start=bit_start, sparse=sparse_at.copy(),
-                     head=head: jit.emit(buffer, s, e, r_count, first, varints, used, xors, first_gap,
-                                         1 if index_kind == INDEX_BITMASK else -1, index_at, kinds,
-                                         plane_at, bit_start, sparse, head))
+        calls.append(partial(jit.emit, buffer, s, e, r_count, first, varints, used, xors, first_gap, bitmask_at,
+                             index_at, kinds, plane_at, bit_start, sparse_at.copy(), head))
         if r_count:
             index_at += int(jit.varint_size(first_gap)) + used
         bit_start += r_count
@@ -196,16 +195,17 @@ def _structure(data: np.ndarray, numel: int, itemsize: int, count: int, tensor: 
     return index_end, kinds, plane_at, sparse_at
 
 
-def _walk(data: np.ndarray, live: np.ndarray, count: int, mode: int, tensor: str,
-          positions: np.ndarray | None = None, values: np.ndarray | None = None) -> int:
-    numel, itemsize = live.size, live.itemsize
-    shape = _structure(data, numel, itemsize, count, tensor)
-    positions = positions if positions is not None else np.empty(0, np.int64)
-    values = values if values is not None else np.empty(0, live.dtype)
+def _walk(data: np.ndarray, live: np.ndarray, numel: int, count: int, mode: int, tensor: str,
+          outputs: bool = False) -> tuple[int, np.ndarray, np.ndarray]:
+    """Validate, then walk the patch (patch_jit.walk's modes); outputs: (positions, values)
+    arrays of count, allocated once count is known to be sane."""
+    shape = _structure(data, numel, live.itemsize, count, tensor)
+    positions = np.empty(count if outputs else 0, np.int64)
+    values = np.empty(count if outputs else 0, live.dtype)
     status, bad, delta = jit.walk(data, numel, count, *shape, live, mode, positions, values)
     if status:
         raise refuse(_REASONS[status], tensor, f"position {bad} >= numel {numel}")
-    return int(delta)
+    return int(delta), positions, values
 
 
 def _check_layout(live: np.ndarray, numel: int, itemsize: int) -> None:
@@ -220,14 +220,15 @@ def check_patch(data: torch.Tensor | bytes, live: torch.Tensor, numel: int, item
     byte of the patch and writes nothing. InvalidArgument for a malformed patch."""
     flat = _host_bits(live, tensor or "live")
     _check_layout(flat, numel, itemsize)
-    return (live_ws64 + _walk(_data(data), flat, count, 0, tensor)) & MASK64
+    return (live_ws64 + _walk(_data(data), flat, numel, count, 0, tensor)[0]) & MASK64
 
 
 def apply_patch(data: torch.Tensor | bytes, target: torch.Tensor, count: int, *, tensor: str = "") -> int:
     """target ^= the patch's XORs in place (IN_PLACE on the receiver; the trainer's kept copy);
     returns the WS64 change. Run check_patch first: on a patch it refuses, apply never writes
     outside target, but may have written the elements before the fault."""
-    return _walk(_data(data), _host_bits(target, tensor or "target"), count, 1, tensor)
+    flat = _host_bits(target, tensor or "target")
+    return _walk(_data(data), flat, flat.size, count, 1, tensor)[0]
 
 
 def decode_new_values(data: torch.Tensor | bytes, live: torch.Tensor, count: int, *, live_ws64: int,
@@ -235,8 +236,7 @@ def decode_new_values(data: torch.Tensor | bytes, live: torch.Tensor, count: int
     """check_patch and the patch's (positions int64, new values in live's dtype) in one pass: a
     STAGED receiver keeps these until commit (then scatter_values)."""
     flat = _host_bits(live, tensor or "live")
-    positions, values = np.empty(count, np.int64), np.empty(count, flat.dtype)
-    delta = _walk(_data(data), flat, count, 2, tensor, positions, values)
+    delta, positions, values = _walk(_data(data), flat, flat.size, count, 2, tensor, outputs=True)
     values_t = torch.from_numpy(values.view(np.uint8)).view(live.dtype)
     return (live_ws64 + delta) & MASK64, torch.from_numpy(positions), values_t
 
@@ -244,9 +244,8 @@ def decode_new_values(data: torch.Tensor | bytes, live: torch.Tensor, count: int
 def decode_xor(data: torch.Tensor | bytes, numel: int, itemsize: int, count: int,
                *, tensor: str = "") -> tuple[np.ndarray, np.ndarray]:
     """(positions int64, XOR values as unsigned ints of the element's width): patch_format.decode."""
-    dtype = np.dtype(f"u{itemsize}")
-    positions, values = np.empty(count, np.int64), np.empty(count, dtype)
-    _walk(_data(data), np.empty(numel, dtype), count, 3, tensor, positions, values)
+    no_live = np.empty(0, np.dtype(f"u{itemsize}"))  # mode 3 never reads live
+    _, positions, values = _walk(_data(data), no_live, numel, count, 3, tensor, outputs=True)
     return positions, values
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from weightsync.common import patch_jit as jit
+from weightsync.common import patch_jit_check as check
 from weightsync.common.patch_format import (
     COUNT_MISMATCH,
     INDEX_BITMASK,
@@ -188,7 +189,7 @@ def count_changed(base: torch.Tensor, new: torch.Tensor, stride: int = 1) -> int
 
 # -- the receiver's side (and the trainer's kept copy) -----------------------------------------
 def _structure(data: np.ndarray, numel: int, itemsize: int, count: int, tensor: str):
-    status, detail, index_end, kinds, plane_at, sparse_at = jit.structure(data, numel, count, itemsize)
+    status, detail, index_end, kinds, plane_at, sparse_at = check.structure(data, numel, count, itemsize)
     if status:
         raise refuse(_REASONS[status], tensor, f"{_DETAILS[detail]} (numel {numel}, count {count}, "
                                                f"{data.size} bytes)")
@@ -202,7 +203,7 @@ def _walk(data: np.ndarray, live: np.ndarray, numel: int, count: int, mode: int,
     shape = _structure(data, numel, live.itemsize, count, tensor)
     positions = np.empty(count if outputs else 0, np.int64)
     values = np.empty(count if outputs else 0, live.dtype)
-    status, bad, delta = jit.walk(data, numel, count, *shape, live, mode, positions, values)
+    status, bad, delta = check.walk(data, numel, count, *shape, live, mode, positions, values)
     if status:
         raise refuse(_REASONS[status], tensor, f"position {bad} >= numel {numel}")
     return int(delta), positions, values
@@ -252,12 +253,14 @@ def decode_xor(data: torch.Tensor | bytes, numel: int, itemsize: int, count: int
 def scatter_values(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
     """target[positions] = values (a kept patch, from decode_new_values, at commit)."""
     flat = _host_bits(target, "target")
-    jit.scatter(flat, positions.numpy(), _host_bits(values, "values"))
+    check.scatter(flat, positions.numpy(), _host_bits(values, "values"))
 
 
-def warm_up() -> None:
-    """Load (or compile) every kernel for every element width; thread-safe, idempotent."""
-    for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64):
+def warm_up(itemsizes: tuple[int, ...] = (1, 2, 4, 8)) -> None:
+    """Load (or compile: ~13 s for all four widths on the bench machine, once per numba cache) every
+    kernel for these element widths; thread-safe, idempotent. Call it from a thread at start-up."""
+    widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    for dtype in (widths[i] for i in itemsizes):
         base = torch.zeros(9, dtype=dtype)
         new = base.clone()
         new[3] = 1

@@ -347,3 +347,10 @@ def test_example_doc_hex_matches_its_table():
     rows = re.findall(r"\| (\d) \| [^|]+ \| `([0-9a-f]{4})` \| [^|]+ \| `([0-9a-f]{4})` \| `([0-9a-f]{4})` \|", doc)
     assert [(int(p), int(o, 16) ^ int(n, 16)) for p, o, n, _ in rows] == [(int(p), int(x, 16)) for p, _, _, x in rows]
     assert [int(p) for p, *_ in rows] == [1, 4, 8]
+
+
+def test_the_kernels_use_the_checksum_constants():
+    from weightsync.common import patch_jit
+    from weightsync.common.checksum import COLUMN_FACTOR, ROW_WORDS
+
+    assert int(patch_jit.C) == COLUMN_FACTOR and ROW_WORDS == 512 == int(patch_jit.U511) + 1

@@ -74,6 +74,18 @@ def timed(call, reps: int) -> float:
     return median(times)
 
 
+def timed_together(calls: dict[str, object], reps: int) -> dict[str, list[float]]:
+    """Each call once per repetition, in turn: a neighbour's load then slows all of them alike
+    (ratios are taken per repetition, then the median)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - started)
+    return times
+
+
 def over_tensors(call, names: list[str], threads: int, pool: ThreadPoolExecutor) -> None:
     """call(name) for every tensor, on `threads` threads (largest first, so they finish together)."""
     if threads == 1:
@@ -161,9 +173,14 @@ def measure(base: dict[str, torch.Tensor], names: list[str], density: float, val
     """One row: the trainer's and the receivers' times for one step of `density` changes."""
     new, changed = step(base, density, values, seed=int(density * 1e6))
     log("density", changed=f"{100 * changed / sum(t.numel() for t in base.values()):.2f}%", values=values)
-    row = {"density": density, "values": values, "changed": changed, "copy_s": timed(lambda: memcpy(new), reps)}
-    for threads in (1, 2):
-        row[f"enc{threads}"] = timed(lambda th=threads: [pk.compare_and_encode(base[n], new[n], th) for n in names], reps)
+    times = timed_together({
+        "copy": lambda: memcpy(new),
+        "enc1": lambda: [pk.compare_and_encode(base[n], new[n], 1) for n in names],
+        "enc2": lambda: [pk.compare_and_encode(base[n], new[n], 2) for n in names],
+    }, reps)
+    row = {"density": density, "values": values, "changed": changed, "copy_s": median(times["copy"]),
+           "enc1": median(times["enc1"]), "enc2": median(times["enc2"]),
+           "x_memcpy": median([c / e for c, e in zip(times["copy"], times["enc2"], strict=True)])}
     patches = {n: pk.compare_and_encode(base[n], new[n], 2) for n in names}
     assert sum(p.count for p in patches.values()) == changed
     row["bytes"] = sum(p.data.numel() for p in patches.values())
@@ -197,8 +214,10 @@ def render(rows: list[dict], workload: str, dense_bytes: int, cold: float, warm:
         f"JIT: import + warm_up() costs {cold:.1f} s with an empty numba cache (compiles every kernel for 4 element "
         f"widths) and {warm:.2f} s once cached (beyond importing torch and numba).",
         "",
-        "Trainer: `compare` = compare_and_encode over every tensor, GB/s of both inputs read; `memcpy` = torch "
-        "copy_ of both inputs into touched memory (the same bytes read); `torch` = today's common.patches path. "
+        "Trainer: `compare` = compare_and_encode over every tensor, GB/s of both inputs read; `x memcpy` = torch "
+        "copy_ of both inputs into touched memory (the same bytes read) timed in turn with the compares, its time over "
+        "the 2-thread compare's per repetition (median); `ns/chg` = the 2-thread compare's whole time per changed "
+        "element; `torch` = today's common.patches path (changes_between, smallest_encoding, encode_patch). "
         "Receiver: ns per changed element, check_patch (validate + WS64, no write) and apply_patch (in place).",
         "",
         "| changed | values | B/changed | % dense | compare 1t GB/s | 2t GB/s | x memcpy (2t) | ns/chg 2t "
@@ -212,7 +231,7 @@ def render(rows: list[dict], workload: str, dense_bytes: int, cold: float, warm:
         torch_s = r.get("torch_s")
         lines.append(
             f"| {100 * r['density']:g}% | {r['values']} | {r['bytes'] / count:.2f} | {100 * r['bytes'] / dense_bytes:.2f}% "
-            f"| {enc1:.1f} | {enc2:.1f} | {r['copy_s'] / r['enc2']:.2f} | {r['enc2'] / count * 1e9:.1f} "
+            f"| {enc1:.1f} | {enc2:.1f} | {r['x_memcpy']:.2f} | {r['enc2'] / count * 1e9:.1f} "
             f"| {f'{torch_s:.2f}' if torch_s else '-'} | {f'{torch_s / best:.0f}x' if torch_s else '-'} "
             f"| {r['check1'] / count * 1e9:.1f} / {r['check2'] / count * 1e9:.1f} "
             f"| {r['apply1'] / count * 1e9:.1f} / {r['apply2'] / count * 1e9:.1f} |")

@@ -157,11 +157,12 @@ def main() -> None:
             scratch2[n].copy_(new[n])
 
     memcpy(base)
+    memcpy_alone = timed(lambda: memcpy(base), args.reps)
     rows = []
     for density in args.densities:
         for values in ("ulp", "random"):
             rows.append(measure(base, names, density, values, args.reps, pool, memcpy))
-    report = render(rows, args.workload, dense_bytes, cold, warm)
+    report = render(rows, args.workload, dense_bytes, cold, warm, memcpy_alone)
     print(report)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(report)
@@ -173,19 +174,8 @@ def measure(base: dict[str, torch.Tensor], names: list[str], density: float, val
     """One row: the trainer's and the receivers' times for one step of `density` changes."""
     new, changed = step(base, density, values, seed=int(density * 1e6))
     log("density", changed=f"{100 * changed / sum(t.numel() for t in base.values()):.2f}%", values=values)
-    times = timed_together({
-        "copy": lambda: memcpy(new),
-        "enc1": lambda: [pk.compare_and_encode(base[n], new[n], 1) for n in names],
-        "enc2": lambda: [pk.compare_and_encode(base[n], new[n], 2) for n in names],
-    }, reps)
-    row = {"density": density, "values": values, "changed": changed, "copy_s": median(times["copy"]),
-           "enc1": median(times["enc1"]), "enc2": median(times["enc2"]),
-           "x_memcpy": median([c / e for c, e in zip(times["copy"], times["enc2"], strict=True)])}
     patches = {n: pk.compare_and_encode(base[n], new[n], 2) for n in names}
     assert sum(p.count for p in patches.values()) == changed
-    row["bytes"] = sum(p.data.numel() for p in patches.values())
-    if values == "ulp":
-        row["torch_s"] = timed(lambda: torch_path(base, new), reps if density <= 0.05 else 1)
     target = {n: t.clone() for n, t in base.items()}
 
     def check(name: str) -> None:
@@ -194,14 +184,29 @@ def measure(base: dict[str, torch.Tensor], names: list[str], density: float, val
     def apply(name: str) -> None:  # flips target between base and new
         pk.apply_patch(patches[name].data, target[name], patches[name].count)
 
-    for threads in (1, 2):
-        row[f"check{threads}"] = timed(lambda th=threads: over_tensors(check, names, th, pool), reps)
-        row[f"apply{threads}"] = timed(lambda th=threads: over_tensors(apply, names, th, pool), reps)
+    calls = {
+        "copy": lambda: memcpy(new),
+        "enc1": lambda: [pk.compare_and_encode(base[n], new[n], 1) for n in names],
+        "enc2": lambda: [pk.compare_and_encode(base[n], new[n], 2) for n in names],
+        "check1": lambda: over_tensors(check, names, 1, pool),
+        "check2": lambda: over_tensors(check, names, 2, pool),
+        "apply1": lambda: over_tensors(apply, names, 1, pool),
+        "apply2": lambda: over_tensors(apply, names, 2, pool),
+    }
+    if values == "ulp":
+        calls["torch"] = lambda: torch_path(base, new)
+    times = timed_together(calls, reps)
+    row = {"density": density, "values": values, "changed": changed,
+           "bytes": sum(p.data.numel() for p in patches.values())}
+    row.update({name: median(t) for name, t in times.items()})
+    row["x_memcpy"] = median([c / e for c, e in zip(times["copy"], times["enc2"], strict=True)])
+    if "torch" in times:
+        row["x_torch"] = median([t / e for t, e in zip(times["torch"], times["enc2"], strict=True)])
     row["zstd"] = zstd_row(patches, max(1, reps // 2))
     return row
 
 
-def render(rows: list[dict], workload: str, dense_bytes: int, cold: float, warm: float) -> str:
+def render(rows: list[dict], workload: str, dense_bytes: int, cold: float, warm: float, memcpy_alone: float) -> str:
     read = 2 * dense_bytes
     lines = [
         "# PATCH_XOR kernels (`python -m bench.patch_kernels`)",
@@ -214,29 +219,33 @@ def render(rows: list[dict], workload: str, dense_bytes: int, cold: float, warm:
         f"JIT: import + warm_up() costs {cold:.1f} s with an empty numba cache (compiles every kernel for 4 element "
         f"widths) and {warm:.2f} s once cached (beyond importing torch and numba).",
         "",
-        "Trainer: `compare` = compare_and_encode over every tensor, GB/s of both inputs read; `x memcpy` = torch "
-        "copy_ of both inputs into touched memory (the same bytes read) timed in turn with the compares, its time over "
-        "the 2-thread compare's per repetition (median); `ns/chg` = the 2-thread compare's whole time per changed "
-        "element; `torch` = today's common.patches path (changes_between, smallest_encoding, encode_patch). "
-        "Receiver: ns per changed element, check_patch (validate + WS64, no write) and apply_patch (in place).",
+        "Trainer: `compare` = compare_and_encode over every tensor, GB/s of both inputs read. Every timing of a "
+        "row is taken in turn within each repetition (a neighbour's load slows them alike); ratios are per "
+        "repetition, then the median. `x memcpy`: torch copy_ of both inputs into touched memory (the same "
+        "bytes read), its time over the 2-thread compare's; `x memcpy b2b`: the 2-thread compare's GB/s over "
+        f"memcpy's timed back to back at the start ({read / memcpy_alone / 1e9:.1f} GB/s, its best case); "
+        "`ns/chg` = the 2-thread compare's whole time per changed element; `torch` = today's common.patches "
+        "path (changes_between, smallest_encoding, encode_patch). Receiver: ns per changed element, "
+        "check_patch (validate + WS64, no write) and apply_patch (in place), the tensors on 1 or 2 threads.",
         "",
-        "| changed | values | B/changed | % dense | compare 1t GB/s | 2t GB/s | x memcpy (2t) | ns/chg 2t "
+        "| changed | values | B/changed | % dense | compare 1t GB/s | 2t GB/s | x memcpy | x memcpy b2b | ns/chg "
         "| torch s | x torch | check ns 1t / 2t | apply ns 1t / 2t |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         count = max(r["changed"], 1)
         enc1, enc2 = read / r["enc1"] / 1e9, read / r["enc2"] / 1e9
-        best = min(r["enc1"], r["enc2"])
-        torch_s = r.get("torch_s")
+        torch_s, x_torch = r.get("torch"), r.get("x_torch", 0.0)
         lines.append(
             f"| {100 * r['density']:g}% | {r['values']} | {r['bytes'] / count:.2f} | {100 * r['bytes'] / dense_bytes:.2f}% "
-            f"| {enc1:.1f} | {enc2:.1f} | {r['x_memcpy']:.2f} | {r['enc2'] / count * 1e9:.1f} "
-            f"| {f'{torch_s:.2f}' if torch_s else '-'} | {f'{torch_s / best:.0f}x' if torch_s else '-'} "
+            f"| {enc1:.1f} | {enc2:.1f} | {r['x_memcpy']:.2f} | {enc2 / (read / memcpy_alone / 1e9):.2f} "
+            f"| {r['enc2'] / count * 1e9:.1f} | {f'{torch_s:.2f}' if torch_s else '-'} "
+            f"| {f'{x_torch:.1f}x' if torch_s else '-'} "
             f"| {r['check1'] / count * 1e9:.1f} / {r['check2'] / count * 1e9:.1f} "
             f"| {r['apply1'] / count * 1e9:.1f} / {r['apply2'] / count * 1e9:.1f} |")
-    memcpy_gbs = median([read / r["copy_s"] / 1e9 for r in rows])
-    lines += ["", f"memcpy (torch copy_, both inputs): {memcpy_gbs:.1f} GB/s read, median over the rows.", "",
+    memcpy_gbs = median([read / r["copy"] / 1e9 for r in rows])
+    lines += ["", f"memcpy (torch copy_, both inputs): {memcpy_gbs:.1f} GB/s read taken in turn with the rows' "
+              f"other timings (median over the rows), {read / memcpy_alone / 1e9:.1f} GB/s back to back.", "",
               "zstandard level 1 on the encoded patches, each tensor's patch alone, one thread. Link columns: the "
               "patches' time on the link raw / compressed one stage after the other (compress, send, decompress) / "
               "compressed with the three stages overlapped chunk by chunk (the slowest stage):", "",

@@ -1,6 +1,7 @@
 """`python -m bench [--quick]`: the side-by-side benchmark of issue 5.
 
-Starts a real weightsync server (2 CPU workers) and baseline receiver processes,
+Starts real weightsync servers (one per receiver, 1 CPU worker each: a server holds the model
+once per node) and baseline receiver processes,
 runs raw / weightsync / concat / per_tensor alternately on the dense, moe and
 tiny workloads, measures the one-tensor update latency and the scaling curves,
 and writes bench/results/latest.{json,md} plus PNG plots.
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from bench import delta as delta_bench
-from bench import engine_apply, machine, node_inline, report, workloads
+from bench import engine_apply, machine, node_inline, node_store, report, workloads
 from bench import transports as transport_bench
 from bench.baselines import packed_source, strided_subset
 from bench.harness import (
@@ -60,7 +61,7 @@ def compare_workload(h: Harness, wl: workloads.Workload, diagnostics: dict) -> l
     log(f"workload {wl.name}: raw/concat {len(sizes)} buckets of up to {max(sizes) / MB:.0f} MiB; "
         f"the SDK plans {len(ws_sizes)} buckets")
 
-    trainer = h.weightsync(workers=receivers, adding_bytes=size)
+    trainer = h.weightsync(receivers=receivers, adding_bytes=size)
     trainer.define(tensors)
     cluster = h.receivers(receivers)
     raw_bytes = max(sum(sizes), sum(ws_sizes)) if cfg.diagnostics else sum(sizes)
@@ -105,7 +106,7 @@ def compare_workload(h: Harness, wl: workloads.Workload, diagnostics: dict) -> l
 
 def one_tensor_latency(h: Harness) -> tuple[float, list[float]]:
     probe = {"probe.model.norm.weight": torch.ones(896, dtype=torch.bfloat16)}
-    trainer = h.weightsync(workers=2, adding_bytes=nbytes(probe))
+    trainer = h.weightsync(receivers=2, adding_bytes=nbytes(probe))
     trainer.define(probe)
     for _ in range(3):
         trainer.push(probe)
@@ -120,7 +121,7 @@ def flat_point(h: Harness, wl: workloads.Workload, receivers: int, label: str, r
     """weightsync and raw, alternately, on one flat workload."""
     tensors = wl.materialize(prefix=f"{wl.name}.")
     sizes, layout = plan_layout(tensors, h.cfg.bucket_bytes)
-    trainer = h.weightsync(workers=receivers, adding_bytes=nbytes(tensors))
+    trainer = h.weightsync(receivers=receivers, adding_bytes=nbytes(tensors))
     trainer.define(tensors)
     cluster = h.receivers(receivers)
     cluster.setup(None, raw_bytes=sum(sizes))
@@ -206,9 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction,
                         help="also time weightsync with checksums=True and raw with the SDK's bucket plan "
                              "(default: on in full runs)")
-    parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine", "node", "delta"],
+    parser.add_argument("--before", metavar="PYTHON",
+                        help="node_store: also measure the weightsync of this interpreter's tree (another worktree's "
+                             ".venv/bin/python, e.g. of 44fabba) as 'before'; default: this tree only")
+    parser.add_argument("--rounds", type=int,
+                        help="node_store: rounds per side, run in turn (default: 2 with --before, 1 otherwise or --quick)")
+    parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine", "node", "delta",
+                                           "node_store"],
                         action="append",
-                        help="run only these parts (repeatable); default: all")
+                        help="run only these parts (repeatable); default: all but node_store (issue 24: "
+                             "--only node_store --before PYTHON writes bench/results/node_store.{md,json})")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     if args.reps:
@@ -217,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, receiver_threads=args.receiver_threads)
     if args.diagnostics is not None:
         cfg = replace(cfg, diagnostics=args.diagnostics)
+    # node_store is asked for by name (--only node_store): it compares against another tree (--before), runs
+    # three servers per side, and writes node_store.{md,json} of its own.
     parts = set(args.only or ["main", "latency", "scaling", "load", "transports", "engine", "node", "delta"])
     if args.per_tensor_limit is not None:
         cfg = replace(cfg, per_tensor_limit=args.per_tensor_limit)
@@ -260,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         if "delta" in parts:
             h.stop_server()  # room for the two servers of the delta bench
         delta = delta_bench.run(Path(tmp), quick=args.quick) if "delta" in parts else None
+        if "node_store" in parts:
+            h.stop_server()  # room for the three servers of each side
+            started_node_store, load_node_store = time.monotonic(), machine.load_average()
+            stores = node_store.run(Path(tmp), quick=args.quick, before=args.before,
+                                    rounds=args.rounds or (2 if args.before and not args.quick else 1))
         server_starts = h.server_starts
         control_load = None
         if "load" in parts:
@@ -273,6 +288,16 @@ def main(argv: list[str] | None = None) -> int:
     log(f"cleanup: {len(h.processes)} processes started, still running: {leftovers['processes'] or 'none'}; "
         f"{len(h.shm)} shared-memory segments used, still present: {leftovers['shm_segments'] or 'none'}")
     seconds = time.monotonic() - started
+    if "node_store" in parts:
+        stores_meta = {"machine": machine.one_line(host), "command": "python -m bench " + " ".join(sys.argv[1:]),
+                       "elapsed_seconds": round(time.monotonic() - started_node_store, 1),
+                       "load_before": load_node_store, "load_after": machine.load_average()}
+        (out_dir / "node_store.json").write_text(json.dumps(stores | {"meta": stores_meta}, indent=2) + "\n")
+        (out_dir / "node_store.md").write_text(node_store.markdown(stores, stores_meta))
+        log(f"node_store: wrote {out_dir}/node_store.json and node_store.md")
+        if parts == {"node_store"}:  # latest.* stay what the last run of the other parts wrote
+            print(node_store.markdown(stores, stores_meta))
+            return 0
     results = {
         "runs": runs,
         "ratios": report.ratios(runs),

@@ -128,6 +128,24 @@ class BaselineCluster:
             self._answer(conn)
         return time.perf_counter() - started
 
+    def run_p2p(self, source: torch.Tensor, bucket_sizes: Sequence[int]) -> float:
+        """Like run_raw, with a point-to-point send per bucket (one in flight) to one receiver, which
+        posts its recv into its preallocated buffer: the Gloo limit of delivering the bytes once."""
+        assert self.receivers == 1, "p2p sends to one receiver"
+        offsets = []
+        cursor = 0
+        for size in bucket_sizes:
+            offsets.append([cursor, size])
+            cursor += size
+        assert cursor <= source.numel()
+        self._request_all({"op": "p2p", "buckets": offsets})
+        started = time.perf_counter()
+        for tag, (offset, size) in enumerate(offsets):
+            self.pg.send([source[offset : offset + size]], 1, tag).wait(self.timeout)
+        for conn in self.conns:
+            self._answer(conn)
+        return time.perf_counter() - started
+
     def run_concat(self, buckets: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> float:
         """Per bucket: torch.cat pack, one control round trip (metadata out, answer after
         the receivers unpacked), one broadcast into a fresh buffer on every receiver."""

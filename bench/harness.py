@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,12 +81,13 @@ def median(values: list[float]) -> float:
 
 
 class Harness:
-    """Owns every process the benchmark starts: at most one server and one receiver set at a time."""
+    """Owns every process the benchmark starts: at most one server set and one receiver set at a time."""
 
     def __init__(self, cfg: Config, workdir: Path) -> None:
         self.cfg = cfg
         self.workdir = workdir
-        self.server: Server | None = None
+        self.servers: list[Server] = []
+        """The servers of the current trainer (one per receiver, 1 worker each)."""
         self.trainer: WeightSyncTrainer | None = None
         self.cluster: BaselineCluster | None = None
         self.server_starts = 0
@@ -94,18 +96,31 @@ class Harness:
         self.shm: set[str] = set()
         """Every shared-memory segment a server of ours had mapped."""
 
-    def weightsync(self, workers: int, adding_bytes: int) -> WeightSyncTrainer:
-        """A trainer joined to a server with `workers` workers that can hold `adding_bytes` more."""
-        s = self.server
-        if s is not None and s.workers == workers and s.store_bytes + adding_bytes <= self.cfg.store_budget_bytes:
-            assert self.trainer is not None
+    def weightsync(self, receivers: int, adding_bytes: int) -> WeightSyncTrainer:
+        """A trainer joined to `receivers` servers of 1 CPU worker each that can hold `adding_bytes` more.
+
+        A server is a node and holds the model once whatever its worker count (server/node_store.py;
+        Gloo sends each bucket to one worker per node), so `receivers` full copies, as raw's broadcast
+        to `receivers` processes makes, are `receivers` nodes."""
+        servers = self.servers
+        if (len(servers) == receivers and self.trainer is not None
+                and max(s.store_bytes for s in servers) + adding_bytes <= self.cfg.store_budget_bytes):
             return self.trainer
         self.stop_server()
-        self.server = Server(workers, self.workdir)
-        self.server_starts += 1
-        self.processes.append(self.server.process)
-        self.shm |= self.server.shm
-        self.trainer = WeightSyncTrainer(self.server, self.cfg.bucket_bytes)
+        with ThreadPoolExecutor(receivers) as pool:  # the starts overlap (each waits for its ready file)
+            starting = [pool.submit(Server, 1, self.workdir) for _ in range(receivers)]
+        failed = [f.exception() for f in starting if f.exception() is not None]
+        if failed:
+            for f in starting:
+                if f.exception() is None:
+                    f.result().stop()
+            raise failed[0]
+        self.servers = [f.result() for f in starting]
+        self.server_starts += receivers
+        for server in self.servers:
+            self.processes.append(server.process)
+            self.shm |= server.shm
+        self.trainer = WeightSyncTrainer(self.servers, self.cfg.bucket_bytes)
         return self.trainer
 
     def receivers(self, count: int) -> BaselineCluster:
@@ -117,15 +132,16 @@ class Harness:
         return self.cluster
 
     def stop_server(self) -> None:
+        """Stop the trainer's servers (every one, whatever fails)."""
         trainer, self.trainer = self.trainer, None
-        server, self.server = self.server, None
+        servers, self.servers = self.servers, []
         try:
             if trainer is not None:
                 trainer.close()
         finally:
-            if server is not None:
-                code = server.stop()
-                log(f"server stopped (exit {code})")
+            codes = [server.stop() for server in servers]
+            if codes:
+                log(f"{len(codes)} server(s) stopped (exit {codes})")
 
     def stop_cluster(self) -> None:
         cluster, self.cluster = self.cluster, None

@@ -10,6 +10,8 @@ the trainer (bench/baselines.py), one at a time:
               touched) and/or one preallocated, touched raw buffer;
   raw         answer "armed", receive every bucket into its slice of the raw
               buffer (one broadcast after another), answer "done";
+  p2p         the same with point-to-point recv from rank 0 (tag = bucket index),
+              the raw limit of a Gloo node that receives each bucket once;
   bucket      (concat) fresh torch.empty buffer, receive, unpack by slicing and
               copy_ into the parameters, then answer;
   tensor      (per_tensor) fresh torch.empty of the tensor's shape, receive,
@@ -80,6 +82,12 @@ class Receiver:
             control.send(conn, {"armed": True})
             for offset, size in message["buckets"]:
                 broadcast(self.pg, self.raw[offset : offset + size], self.timeout)
+            control.send(conn, {"done": True})
+        elif op == "p2p":
+            assert self.raw is not None, "setup raw_bytes first"
+            control.send(conn, {"armed": True})
+            for tag, (offset, size) in enumerate(message["buckets"]):
+                self.pg.recv([self.raw[offset : offset + size]], 0, tag).wait(self.timeout)
             control.send(conn, {"done": True})
         elif op == "bucket":
             # The pattern under test: a fresh receive buffer per bucket, unpack by slicing.

@@ -156,8 +156,8 @@ def markdown(results: dict, meta: dict, plots: list[str]) -> str:
         lines.append("")
     if "receivers" in scaling:
         s = scaling["receivers"]
-        lines += [f"Time against receivers ({s['bytes'] >> 20} MiB, {s['tensors']} tensors; weightsync: one server "
-                  "with --workers N; raw: N receiver processes):", "",
+        lines += [f"Time against receivers ({s['bytes'] >> 20} MiB, {s['tensors']} tensors; weightsync: N servers "
+                  "with 1 worker each, N nodes; raw: N receiver processes):", "",
                   "| receivers | raw | weightsync |", "|---:|---:|---:|"]
         lines += _pair_rows(s["points"], lambda p: p["receivers"], str)
         lines.append("")
@@ -179,8 +179,10 @@ METHOD = """## Method
 - Every mode moves the same bf16 tensors (each its own storage, like an ordinary model's
   parameters) from this process (rank 0, the trainer) to 2 receiver processes, and is timed
   from the first byte of work to the moment every receiver holds the last byte.
-- `weightsync`: `WeightSyncClient.push()` against a real `weightsync-server --workers 2
-  --device cpu` subprocess (plan reused, IN_PLACE, default options: bucket checksums are off on CPU), timed from the
+- `weightsync`: `WeightSyncClient.push()` against 2 real `weightsync-server --workers 1
+  --device cpu` subprocesses (2 nodes: a server holds the model once whatever its workers, and
+  Gloo sends each bucket to one worker per server, so 2 servers hold 2 copies as raw's 2
+  receivers do; plan reused, IN_PLACE, default options: bucket checksums are off on CPU), timed from the
   push() call to Committed. The first push of a tensor set (which defines the server's
   store) is not timed.
 - `raw`: plain `ProcessGroupGloo.broadcast` of the same bytes, one bucket after another,
@@ -233,7 +235,7 @@ def plots(scaling: dict, out_dir: Path) -> list[str]:
         ("bytes", "scaling_bytes.png", lambda p: p["bytes"] / 1e9, "total bytes (GB)", "time against total bytes", False),
         ("tensor_count", "scaling_tensors.png", lambda p: p["tensors"], "tensors (fixed total bytes)",
          "time against tensor count", True),
-        ("receivers", "scaling_receivers.png", lambda p: p["receivers"], "receivers (workers)", "time against receivers", False),
+        ("receivers", "scaling_receivers.png", lambda p: p["receivers"], "receivers (nodes)", "time against receivers", False),
     ]
     for key, filename, x_of, xlabel, title, logx in specs:
         curve = scaling.get(key)

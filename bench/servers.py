@@ -58,7 +58,7 @@ class Server:
         ready.unlink()
         self.shm = shm_names_of(self.process.pid)
         self.store_bytes = 0
-        """Bytes this server's workers hold (each): the harness restarts it past a budget."""
+        """Bytes this server's store holds (defined by the bench): the harness restarts it past a budget."""
         log(f"server up: {workers} CPU workers on {self.address} in {time.monotonic() - started:.1f} s",
             pid=self.process.pid)
 
@@ -87,14 +87,14 @@ class Server:
 
 
 class WeightSyncTrainer:
-    """The trainer: WeightSyncClient, one transfer group, timed push() calls."""
+    """The trainer: WeightSyncClient over one or more servers, one transfer group, timed push() calls."""
 
-    def __init__(self, server: Server, bucket_size_bytes: int) -> None:
+    def __init__(self, servers: Server | list[Server], bucket_size_bytes: int) -> None:
         from weightsync.client.sdk import WeightSyncClient
 
-        self.server = server
+        self.servers = servers if isinstance(servers, list) else [servers]
         self.bucket_size_bytes = bucket_size_bytes
-        self.client = WeightSyncClient([server.address], timeout=300)
+        self.client = WeightSyncClient([s.address for s in self.servers], timeout=300)
         try:
             self.client.create_group(timeout=120)
         except BaseException:
@@ -106,7 +106,7 @@ class WeightSyncTrainer:
 
     def push(self, tensors: dict[str, torch.Tensor], *, allow_new: bool = False, checksums: bool | None = None,
              **options) -> float:
-        """Seconds from the push() call to Committed on every worker."""
+        """Seconds from the push() call to Committed on every server."""
         self._versions += 1
         started = time.perf_counter()
         self.last = self.client.push(tensors, version=f"bench-{self._versions}", bucket_size_bytes=self.bucket_size_bytes,
@@ -116,10 +116,11 @@ class WeightSyncTrainer:
     def define(self, tensors: dict[str, torch.Tensor]) -> None:
         """First push of a tensor set: defines the server's store (untimed warm-up)."""
         self.push(tensors, allow_new=True)
-        self.server.store_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        for server in self.servers:
+            server.store_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
 
     def verify(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Untimed: every worker's checksums equal the trainer's (WeightSyncClient.verify)."""
+        """Untimed: every server's checksums equal the trainer's (WeightSyncClient.verify)."""
         result = self.client.verify(tensors)
         if not result.ok:
             raise RuntimeError(f"weightsync: {len(result.mismatches)} tensors differ, e.g. {result.mismatches[0]}")

@@ -23,11 +23,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from netns import Host, Mesh
+
+from weightsync.common.ownership import bucket_owners
+from weightsync.engine.client import EngineClient
 
 HERE = Path(__file__).resolve().parent
 TRAINER_SCRIPT = HERE / "trainer.py"
@@ -35,13 +39,48 @@ SERVER_PORT = 50051
 NODES = ("node-a", "node-b")
 
 # The tests' settings, in seconds: every group's collective timeout, the SDK's per-RPC timeout,
-# and the slack allowed on 2 loaded cores for "within the timeout" assertions.
+# the servers' INLINE transfer timeout, and the slack allowed on 2 loaded cores for "within the
+# timeout" assertions. The transfer timeout (--transfer-timeout-seconds) is how long a server
+# waits for a client's next bytes, counted from its last complete bucket; it is what ends the
+# update of a node cut off mid-INLINE-push (nothing else tells it the trainer gave up), so it is
+# scaled down like the rest (the default, 60 s), and kept above the SDK's timeout, so that the
+# SDK gives up on the silent node before the healthy one, which it stops feeding meanwhile, gives
+# up on the SDK (see test_inline_cut_names_the_silent_node for the other order).
 GROUP_TIMEOUT = 5.0
 RPC_TIMEOUT = 6.0
+TRANSFER_TIMEOUT = 10.0
 MARGIN = 4.0
 
 MEASURED: dict[str, object] = {}
 """What the tests measured; conftest.py prints it at the end of the run."""
+
+
+# -- what a node should hold ---------------------------------------------------------------------
+def owned_bytes(bucket_sizes: list[int], workers: int) -> list[int]:
+    """Bytes each worker of a node receives when a plan has these buckets: each bucket goes to its
+    one owner (common/ownership.py), so the workers' shares add up to the bytes pushed, once."""
+    shares = [0] * workers
+    for size, owner in zip(bucket_sizes, bucket_owners(bucket_sizes, workers), strict=True):
+        shares[owner] += size
+    return shares
+
+
+def read_store(socket_path: str, name: str = "multihost-check") -> tuple[str, dict[str, torch.Tensor]]:
+    """The committed version and a copy of every tensor of a node's store, read through its local
+    socket as an engine reads them (the memfd arenas, mapped read-only; the lease released at once)."""
+    with EngineClient(socket_path=socket_path, name=name, timeout=30) as engine:
+        snapshot = engine.acquire(wait=30)
+        try:
+            return snapshot.version.version, {n: t.clone() for n, t in snapshot.tensors.items()}
+        finally:
+            snapshot.release(applied=False)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN payloads and -0.0 included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 # -- mTLS material: one server certificate per node, its mesh IP as the SAN ----------------------
@@ -135,14 +174,19 @@ class MeshServer:
             return -9
 
 
-def start_mesh_server(mesh: Mesh, role: str, pki: MeshPki, directory: Path, workers: int = 2) -> MeshServer:
+def start_mesh_server(mesh: Mesh, role: str, pki: MeshPki, directory: Path, workers: int = 2,
+                      transfer_timeout: float | None = TRANSFER_TIMEOUT) -> MeshServer:
     host = mesh.host(role)
     ready = directory / f"{role}.ready.json"
     log_path = directory / f"{role}.log"
     cert, key = pki.servers[role]
     argv = [sys.executable, "-m", "weightsync.server.cli", "--listen", f"{host.ip}:{SERVER_PORT}",
             "--workers", str(workers), "--device", "cpu", "--ready-file", str(ready),
-            "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki.ca_cert]
+            "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki.ca_cert,
+            # A path the tests (root namespace: unix sockets cross network namespaces) open to map the store.
+            "--local-socket", str(directory / f"{role}.sock")]
+    if transfer_timeout is not None:  # None: the server's default
+        argv += ["--transfer-timeout-seconds", f"{transfer_timeout:g}"]
     with open(log_path, "wb") as log:
         process = mesh.popen(host, argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return MeshServer(host, process, log_path)
@@ -227,7 +271,7 @@ class Trainer:
 
 
 _ANSWERS = {"info": "info", "groups": "groups", "create_group": "group", "delete_group": "deleted",
-            "delete_group_id": "deleted_id",
+            "delete_group_id": "deleted_id", "checksums": "checksums",
             "push": "pushed", "verify": "verified", "rtt": "rtt", "probe_without_client_cert": "probe",
             "quit": "bye"}
 
@@ -253,6 +297,8 @@ class Cluster:
 
     directory: Path
     rpc_timeout: float = 15.0
+    transfer_timeout: float | None = TRANSFER_TIMEOUT
+    """The servers' --transfer-timeout-seconds (None: their default)."""
     mesh: Mesh = field(default_factory=Mesh)
     pki: MeshPki | None = None
     servers: dict[str, MeshServer] = field(default_factory=dict)
@@ -266,7 +312,8 @@ class Cluster:
         try:
             self.pki = make_mesh_pki(self.directory / "pki", {r: self.mesh.host(r).ip for r in NODES})
             for role in NODES:  # both start at once: each takes seconds (workers import torch)
-                self.servers[role] = start_mesh_server(self.mesh, role, self.pki, self.directory)
+                self.servers[role] = start_mesh_server(self.mesh, role, self.pki, self.directory,
+                                                       transfer_timeout=self.transfer_timeout)
             for server in self.servers.values():
                 wait_ready(server, self.directory)
             self.trainer = start_trainer(self.mesh, list(self.servers.values()), self.pki, self.directory,

@@ -285,6 +285,14 @@ class Mesh:
         text = self.run(self.host(role), ["cat", "/proc/net/tcp", "/proc/net/tcp6"]).stdout
         return [s for s in parse_proc_net_tcp(text) if s[0] != "v6"]
 
+    def link_bytes(self, role: str) -> tuple[int, int]:
+        """(rx_bytes, tx_bytes) of a host's mesh interface, as its kernel counts them (frames
+        with their headers: a push's payload plus a few % of TCP/IP and TLS overhead)."""
+        host = self.host(role)
+        stats = f"/sys/class/net/{host.ifname}/statistics"
+        text = self.run(host, ["cat", f"{stats}/rx_bytes", f"{stats}/tx_bytes"]).stdout.split()
+        return int(text[0]), int(text[1])
+
     # -- links -------------------------------------------------------------------------------
     def cut(self, role: str) -> None:
         """Pull the cable at the switch: the host's port goes down, its eth0 loses carrier."""

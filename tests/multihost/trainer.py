@@ -6,11 +6,17 @@ stdout (plus "paused" events during a push with pause_at):
 
   {"op": "info"}                                      -> {"event": "info", "servers": [...]}
   {"op": "create_group", "timeout": 10}               -> {"event": "group", "store_host": ..., ...}
-  {"op": "push", "seed": 1, "version": "v1", "mode": "staged", "mb": 4,
+  {"op": "push", "seed": 1, "version": "v1", "mode": "staged", "mb": 4, "transport": "collective",
    "bucket_bytes": 1048576, "pause_at": 2}            -> {"event": "pushed", ...} | {"event": "push_failed", ...}
+      transport: "collective" (the group from create_group) or "inline" (inside the gRPC stream).
+      rpc_timeout: push from a client of its own with this timeout (INLINE), closed afterwards.
       pause_at=k: after bucket k is on its way, print {"event": "paused"} and wait for a
       {"op": "continue"} line (the test cuts a link meanwhile).
+      "pushed" carries bucket_sizes (each bucket's bytes, from the progress callback) and, for
+      COLLECTIVE, sent_to: per bucket, the group ranks the SDK sent it to (Gloo: one per server).
   {"op": "verify", "seed": 1, "mb": 4}                -> {"event": "verified", "ok": ..., ...}
+  {"op": "checksums"}                                 -> {"event": "checksums", "servers": [...]}
+      every server's GetTensorChecksums of its whole store, as it answered (outside the SDK)
   {"op": "delete_group"}                              -> {"event": "deleted"}
   {"op": "delete_group_id", "group_id": "g"}          -> {"event": "deleted_id", "codes": {server: "OK" | code}}
       (a plain DeleteTransferGroup on every server, outside the SDK: cleans up a leftover group)
@@ -37,10 +43,11 @@ import traceback
 import grpc
 import torch
 
-from weightsync.client import TlsConfig, WeightSyncClient
+from weightsync.client import TlsConfig, WeightSyncClient, sinks
 from weightsync.client.errors import UpdateFailed, WeightSyncRpcError
 from weightsync.common.address import parse_address
 from weightsync.common.logging import configure_logging
+from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
@@ -65,17 +72,42 @@ def model(seed: int, mb: float) -> dict[str, torch.Tensor]:
 
 
 def server_summary(address: str, info: pb.GetServerInfoResponse) -> dict:
+    store = info.store
     return {
         "address": address,
         "store_state": pb.StoreState.Name(info.store_state),
         "version": info.current_version.version,
         "generation": info.current_version.generation,
+        "store": {"present": info.HasField("store"), "state": pb.StoreState.Name(store.state),
+                  "tensor_count": store.tensor_count, "live_bytes": store.live_bytes, "held_bytes": store.held_bytes},
         "workers": [{"index": w.index, "state": pb.WorkerState.Name(w.state),
-                     "store_state": pb.StoreState.Name(w.store_state), "tensors": w.tensor_count}
+                     "store_state": pb.StoreState.Name(w.store_state), "tensors": w.tensor_count,
+                     "received_bytes": w.received_bytes, "staging_bytes": w.staging_bytes,
+                     "staging_on_device": w.staging_on_device, "restart_count": w.restart_count, "pid": w.pid}
                     for w in info.workers],
         "backends": [pb.Backend.Name(b) for b in info.backends],
         "transports": [pb.Transport.Name(t) for t in info.transports],
+        "local_socket": info.local_socket,
     }
+
+
+class SentTo:
+    """Spy on the SDK's choice of receivers (sinks.owner_ranks, what a Gloo push sends each bucket to):
+    records, per bucket of the current push, the ranks it was sent to. Behaviour is unchanged."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[int, list[int]] = {}
+        self._owner_ranks = sinks.owner_ranks
+        sinks.owner_ranks = self._record
+
+    def _record(self, streams, index: int) -> list[int]:
+        ranks = self._owner_ranks(streams, index)
+        self.ranks[index] = list(ranks)
+        return ranks
+
+    def take(self) -> list[list[int]]:
+        ranks, self.ranks = self.ranks, {}
+        return [ranks[k] for k in sorted(ranks)]
 
 
 def failure_fields(error: BaseException) -> dict:
@@ -128,6 +160,7 @@ def main() -> int:
     servers = args.servers.split(",")
     tls = TlsConfig(ca_cert=args.ca, client_cert=args.cert, client_key=args.key)
     client = WeightSyncClient(servers, tls=tls, timeout=args.rpc_timeout)
+    sent_to = SentTo()
     emit("started", servers=servers)
 
     def read_command() -> dict | None:
@@ -146,7 +179,8 @@ def main() -> int:
                 emit("info", servers=[server_summary(a, i) for a, i in zip(servers, infos, strict=True)])
             elif op == "groups":
                 emit("groups", groups={a: [{"group_id": g.group_id, "state": pb.GroupState.Name(g.state),
-                                            "broken_reason": g.broken_reason} for g in gs]
+                                            "broken_reason": g.broken_reason, "rank_offset": g.rank_offset,
+                                            "world_size": g.world_size} for g in gs]
                                        for a, gs in client.list_groups().items()})
             elif op == "create_group":
                 started = time.perf_counter()
@@ -160,31 +194,59 @@ def main() -> int:
             elif op == "push":
                 tensors = model(int(command["seed"]), float(command.get("mb", 4)))
                 pause_at = command.get("pause_at")
+                sent: list[int] = []  # bytes_sent after each bucket (cumulative)
+                sent_to.take()
 
-                def progress(p, pause_at=pause_at) -> None:
+                def progress(p, pause_at=pause_at, sent=sent) -> None:
+                    sent.append(p.bytes_sent)
                     if pause_at is not None and p.bucket == pause_at:
                         emit("paused", bucket=p.bucket, bucket_count=p.bucket_count, bytes_sent=p.bytes_sent)
                         answer = read_command()
                         if not answer or answer.get("op") != "continue":
                             raise RuntimeError(f"expected continue, got {answer}")
 
+                # rpc_timeout: this push from a client of its own with that timeout (no group: INLINE).
+                pusher = client
+                if command.get("rpc_timeout") is not None:
+                    pusher = WeightSyncClient(servers, tls=tls, timeout=float(command["rpc_timeout"]))
                 started = time.perf_counter()
                 try:
-                    result = client.push(tensors, version=command["version"], mode=command.get("mode", "staged"),
+                    result = pusher.push(tensors, version=command["version"], mode=command.get("mode", "staged"),
+                                         transport=command.get("transport", "collective"),
                                          bucket_size_bytes=int(command.get("bucket_bytes", MB)), progress=progress)
                 except UpdateFailed as error:
                     emit("push_failed", seconds=round(time.perf_counter() - started, 3),
-                         group_id=client.group_id, **failure_fields(error),
+                         group_id=pusher.group_id, **failure_fields(error),
                          cause=failure_fields(error.cause) if error.cause else None)
                     continue
+                finally:
+                    if pusher is not client:
+                        pusher.close()
                 emit("pushed", version=result.version, seconds=round(result.seconds, 3), bytes=result.size_bytes,
+                     group_id=client.group_id,
                      buckets=result.bucket_count, tensors=result.tensor_count,
-                     servers=[{"server": s.server, "version": s.version, "generation": s.generation}
-                              for s in result.servers])
+                     bucket_sizes=[b - a for a, b in zip([0, *sent], sent, strict=False)], sent_to=sent_to.take(),
+                     servers=[{"server": s.server, "version": s.version, "generation": s.generation,
+                               "size_bytes": s.size_bytes} for s in result.servers])
             elif op == "verify":
                 result = client.verify(model(int(command["seed"]), float(command.get("mb", 4))))
                 emit("verified", ok=result.ok, checked=result.checked,
-                     mismatches=[{"server": m.server, "worker": m.worker, "name": m.name} for m in result.mismatches][:20])
+                     mismatches=[{"server": m.server, "name": m.name, "local": m.local, "remote": m.remote}
+                                 for m in result.mismatches][:20])
+            elif op == "checksums":
+                answers = []
+                for address in servers:
+                    with grpc.secure_channel(address, credentials(args, client_cert=True)) as channel:
+                        answer = pb_grpc.WeightSyncServiceStub(channel).GetTensorChecksums(
+                            pb.GetTensorChecksumsRequest(), timeout=60)
+                    answers.append({
+                        "address": address, "version": answer.version.version,
+                        "generation": answer.version.generation,
+                        "store_state": pb.StoreState.Name(answer.store_state), "workers": len(answer.workers),
+                        "tensors": [{"name": t.name, "dtype": tensor_pb2.Dtype.Name(t.dtype), "shape": list(t.shape),
+                                     "algorithm": tensor_pb2.ChecksumAlgorithm.Name(t.checksum.algorithm),
+                                     "value": t.checksum.value} for t in answer.tensors]})
+                emit("checksums", servers=answers)
             elif op == "delete_group_id":
                 codes = {}
                 for address in servers:

@@ -1,0 +1,274 @@
+"""PATCH_XOR at memory speed on the host: numba kernels (common.patch_jit) driven from here.
+
+Why: with torch eager ops a changed element cost ~100 ns end to end (nonzero, index_select,
+scatter, each a pass and an allocation); here the trainer's compare is one streaming pass over
+both tensors that writes the patch's bytes, and the receiver's check and apply are one pass over
+the patch. The byte layout and the refusals are common.patch_format's (the reference these are
+tested against bit for bit).
+
+Host (CPU) tensors only, contiguous, any supported dtype (raw bits by element width 1, 2, 4, 8).
+Thread-safe: every call works on its own buffers; calls on distinct tensors may run side by side.
+The first call of each kernel loads it from numba's cache (or compiles it): warm_up() does that
+ahead of time, from a thread if the caller likes.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+
+from weightsync.common import patch_jit as jit
+from weightsync.common import patch_jit_check as check
+from weightsync.common.patch_format import (
+    COUNT_MISMATCH,
+    INDEX_BITMASK,
+    INDEX_GAPS,
+    MALFORMED,
+    MASK64,
+    OUT_OF_RANGE,
+    PLANE_DENSE,
+    PLANE_SPARSE,
+    PLANE_ZERO,
+    bits,
+    refuse,
+)
+
+MIN_BYTES_PER_THREAD = 1 << 20
+"""Below this per thread, one thread: a task hand-off costs more than it saves."""
+_REASONS = {jit.MALFORMED: MALFORMED, jit.OUT_OF_RANGE: OUT_OF_RANGE, jit.COUNT_MISMATCH: COUNT_MISMATCH}
+_DETAILS = {
+    0: "count outside [0, numel]", 1: "has no index kind byte", 2: "varint runs past the end",
+    3: "varint longer than 10 bytes", 4: "varint over int64", 5: "bitmask cut short",
+    6: "unknown index kind", 7: "plane kinds cut short", 8: "dense plane cut short",
+    9: "sparse plane bitmap cut short", 10: "sparse plane bitmap sets bits past count",
+    11: "sparse plane bytes cut short", 12: "unknown plane kind", 13: "bytes left over",
+    14: "bitmask sets bits past numel", 15: "bitmask bits differ from count",
+}
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPatch:
+    data: torch.Tensor
+    """uint8, the PATCH_XOR bytes (TensorSpec.size_bytes = data.numel())."""
+    count: int
+    """Changed elements (patch_count); 0 when the tensors are equal bit for bit."""
+    ws64_delta: int
+    """WS64(new) - WS64(base) modulo 2^64: the new tensor's WS64 is the base's plus this."""
+
+
+def _executor(threads: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < threads:
+            _pool = ThreadPoolExecutor(threads, thread_name_prefix="weightsync-patch")
+        return _pool
+
+
+def _run(calls: list) -> list:
+    """Run zero-argument calls, the first on this thread, the rest on the pool."""
+    if len(calls) == 1:
+        return [calls[0]()]
+    futures = [_executor(len(calls) - 1).submit(call) for call in calls[1:]]
+    first = calls[0]()
+    return [first] + [future.result() for future in futures]
+
+
+def _ranges(numel: int, itemsize: int, threads: int) -> list[tuple[int, int]]:
+    """Split [0, numel) into per-thread ranges starting at multiples of 8 elements (bitmask bytes
+    and 64-bit words never straddle two ranges)."""
+    parts = max(1, min(threads, numel * itemsize // MIN_BYTES_PER_THREAD))
+    edges = [min(numel, (numel * i // parts) & ~7) for i in range(parts)] + [numel]
+    return [(edges[i], edges[i + 1]) for i in range(parts)]
+
+
+def _host_bits(tensor: torch.Tensor, what: str) -> np.ndarray:
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"{what}: patch kernels need a contiguous CPU tensor (got {tensor.device}, "
+                         f"contiguous={tensor.is_contiguous()})")
+    return bits(tensor)
+
+
+_NO_WORDS = np.empty(0, np.uint64)
+
+
+def _words(flat: np.ndarray) -> np.ndarray:
+    """flat's whole 64-bit words when it is 8-byte aligned (the fast path), else empty."""
+    if flat.ctypes.data % 8:
+        return _NO_WORDS
+    whole = flat.size * flat.itemsize // 8
+    return flat[: whole * 8 // flat.itemsize].view(np.uint64)
+
+
+def _data(data: torch.Tensor | bytes | np.ndarray) -> np.ndarray:
+    if isinstance(data, torch.Tensor):
+        if data.dtype != torch.uint8 or data.device.type != "cpu":
+            raise ValueError("patch bytes must be a uint8 CPU tensor")
+        return data.contiguous().numpy()
+    return np.frombuffer(data, np.uint8) if isinstance(data, bytes | bytearray | memoryview) else data
+
+
+# -- the trainer's side ------------------------------------------------------------------------
+def compare_and_encode(base: torch.Tensor, new: torch.Tensor, threads: int = 1, *,
+                       limit_bytes: int | None = None) -> EncodedPatch | None:
+    """The PATCH_XOR patch from base to new, in one pass over both. None when the patch would be
+    longer than limit_bytes (checked before its bytes are written: send the tensor dense)."""
+    a, b = _host_bits(base, "base"), _host_bits(new, "new")
+    if a.dtype != b.dtype or a.size != b.size:
+        raise ValueError(f"base and new differ: {base.dtype}{tuple(base.shape)} vs {new.dtype}{tuple(new.shape)}")
+    numel, itemsize = a.size, a.itemsize
+    ranges = _ranges(numel, itemsize, threads)
+    guess = max(16, (ranges[0][1] - ranges[0][0]) // 64)
+    a64, b64 = _words(a), _words(b)
+    if not (a64.size and b64.size):
+        a64 = b64 = _NO_WORDS
+    scans = _run([partial(jit.scan, a, b, a64, b64, s, e, guess) for s, e in ranges])
+    # Plan: the whole patch's shape from each range's summary (O(ranges)).
+    count = sum(r[0] for r in scans)
+    first_gaps, previous, gap_bytes = [], -1, 0
+    for r_count, first, last, _, used, _, _, _ in scans:
+        first_gaps.append(first - previous - 1 if r_count else 0)
+        if r_count:
+            gap_bytes += int(jit.varint_size(first_gaps[-1])) + used
+            previous = last
+    bitmask_bytes = (numel + 7) // 8
+    index_kind = INDEX_BITMASK if bitmask_bytes < gap_bytes else INDEX_GAPS
+    at = 1 + (bitmask_bytes if index_kind == INDEX_BITMASK else gap_bytes)
+    nonzero = sum(r[6] for r in scans) if scans else np.zeros(8, np.int64)
+    kinds = np.zeros(8, np.int64)
+    plane_at = np.zeros(8, np.int64)
+    sparse_bytes_at = np.zeros(8, np.int64)
+    kinds_at, at = at, at + itemsize
+    for j in range(itemsize):
+        options = [(count, PLANE_DENSE), ((count + 7) // 8 + int(nonzero[j]), PLANE_SPARSE)]
+        if nonzero[j] == 0:
+            options.append((0, PLANE_ZERO))
+        size, kinds[j] = min(options)
+        plane_at[j] = at
+        sparse_bytes_at[j] = at + (count + 7) // 8
+        at += size
+    delta = int(sum(int(r[7]) for r in scans)) & MASK64
+    if limit_bytes is not None and at > limit_bytes:
+        return None
+    out = torch.empty(at, dtype=torch.uint8)
+    buffer = out.numpy()
+    buffer[0] = index_kind
+    buffer[kinds_at: kinds_at + itemsize] = kinds[:itemsize]
+    bitmask_at = 1 if index_kind == INDEX_BITMASK else -1
+    heads = [np.zeros(8, np.int64) for _ in scans]
+    calls, index_at, bit_start, sparse_at = [], 1, 0, sparse_bytes_at.copy()
+    for (s, e), r, first_gap, head in zip(ranges, scans, first_gaps, heads, strict=True):
+        r_count, first, _, varints, used, xors, r_nonzero, _ = r
+        calls.append(partial(jit.emit, buffer, s, e, r_count, first, varints, used, xors, first_gap, bitmask_at,
+                             index_at, kinds, plane_at, bit_start, sparse_at.copy(), head))
+        if r_count:
+            index_at += int(jit.varint_size(first_gap)) + used
+        bit_start += r_count
+        sparse_at += r_nonzero
+    _run(calls)
+    bit_start = 0
+    for r, head in zip(scans, heads, strict=True):  # sparse bitmap bytes two ranges share
+        if bit_start & 7:
+            for j in range(itemsize):
+                if kinds[j] == PLANE_SPARSE:
+                    buffer[plane_at[j] + (bit_start >> 3)] |= head[j]
+        bit_start += r[0]
+    return EncodedPatch(out, count, delta)
+
+
+def count_changed(base: torch.Tensor, new: torch.Tensor, stride: int = 1) -> int:
+    """Elements of base[::stride] and new[::stride] whose bits differ (stride > 1: a sample)."""
+    return int(jit.count_changed(_host_bits(base, "base"), _host_bits(new, "new"), stride))
+
+
+# -- the receiver's side (and the trainer's kept copy) -----------------------------------------
+def _structure(data: np.ndarray, numel: int, itemsize: int, count: int, tensor: str):
+    status, detail, index_end, kinds, plane_at, sparse_at = check.structure(data, numel, count, itemsize)
+    if status:
+        raise refuse(_REASONS[status], tensor, f"{_DETAILS[detail]} (numel {numel}, count {count}, "
+                                               f"{data.size} bytes)")
+    return index_end, kinds, plane_at, sparse_at
+
+
+def _walk(data: np.ndarray, live: np.ndarray, numel: int, count: int, mode: int, tensor: str,
+          outputs: bool = False) -> tuple[int, np.ndarray, np.ndarray]:
+    """Validate, then walk the patch (patch_jit.walk's modes); outputs: (positions, values)
+    arrays of count, allocated once count is known to be sane."""
+    shape = _structure(data, numel, live.itemsize, count, tensor)
+    positions = np.empty(count if outputs else 0, np.int64)
+    values = np.empty(count if outputs else 0, live.dtype)
+    status, bad, delta = check.walk(data, numel, count, *shape, live, mode, positions, values)
+    if status:
+        raise refuse(_REASONS[status], tensor, f"position {bad} >= numel {numel}")
+    return int(delta), positions, values
+
+
+def _check_layout(live: np.ndarray, numel: int, itemsize: int) -> None:
+    if live.size != numel or live.itemsize != itemsize:
+        raise ValueError(f"live tensor has {live.size} elements of {live.itemsize} bytes, "
+                         f"the patch is for {numel} of {itemsize}")
+
+
+def check_patch(data: torch.Tensor | bytes, live: torch.Tensor, numel: int, itemsize: int, count: int,
+                *, live_ws64: int, tensor: str = "") -> int:
+    """WS64 of `live` once patched, from live_ws64 (its WS64 now), in O(patch); validates every
+    byte of the patch and writes nothing. InvalidArgument for a malformed patch."""
+    flat = _host_bits(live, tensor or "live")
+    _check_layout(flat, numel, itemsize)
+    return (live_ws64 + _walk(_data(data), flat, numel, count, 0, tensor)[0]) & MASK64
+
+
+def apply_patch(data: torch.Tensor | bytes, target: torch.Tensor, count: int, *, tensor: str = "") -> int:
+    """target ^= the patch's XORs in place (IN_PLACE on the receiver; the trainer's kept copy);
+    returns the WS64 change. Run check_patch first: on a patch it refuses, apply never writes
+    outside target, but may have written the elements before the fault."""
+    flat = _host_bits(target, tensor or "target")
+    return _walk(_data(data), flat, flat.size, count, 1, tensor)[0]
+
+
+def decode_new_values(data: torch.Tensor | bytes, live: torch.Tensor, count: int, *, live_ws64: int,
+                      tensor: str = "") -> tuple[int, torch.Tensor, torch.Tensor]:
+    """check_patch and the patch's (positions int64, new values in live's dtype) in one pass: a
+    STAGED receiver keeps these until commit (then scatter_values)."""
+    flat = _host_bits(live, tensor or "live")
+    delta, positions, values = _walk(_data(data), flat, flat.size, count, 2, tensor, outputs=True)
+    values_t = torch.from_numpy(values.view(np.uint8)).view(live.dtype)
+    return (live_ws64 + delta) & MASK64, torch.from_numpy(positions), values_t
+
+
+def decode_xor(data: torch.Tensor | bytes, numel: int, itemsize: int, count: int,
+               *, tensor: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """(positions int64, XOR values as unsigned ints of the element's width): patch_format.decode."""
+    no_live = np.empty(0, np.dtype(f"u{itemsize}"))  # mode 3 never reads live
+    _, positions, values = _walk(_data(data), no_live, numel, count, 3, tensor, outputs=True)
+    return positions, values
+
+
+def scatter_values(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """target[positions] = values (a kept patch, from decode_new_values, at commit)."""
+    flat = _host_bits(target, "target")
+    check.scatter(flat, positions.numpy(), _host_bits(values, "values"))
+
+
+def warm_up(itemsizes: tuple[int, ...] = (1, 2, 4, 8)) -> None:
+    """Load (or compile: ~13 s for all four widths on the bench machine, once per numba cache) every
+    kernel for these element widths; thread-safe, idempotent. Call it from a thread at start-up."""
+    widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    for dtype in (widths[i] for i in itemsizes):
+        base = torch.zeros(9, dtype=dtype)
+        new = base.clone()
+        new[3] = 1
+        patch = compare_and_encode(base, new)
+        assert patch is not None
+        check_patch(patch.data, base, 9, base.element_size(), patch.count, live_ws64=0)
+        decode_new_values(patch.data, base, patch.count, live_ws64=0)
+        decode_xor(patch.data, 9, base.element_size(), patch.count)
+        apply_patch(patch.data, base, patch.count)
+        scatter_values(base, torch.zeros(1, dtype=torch.int64), new[:1])
+        count_changed(base, new)

@@ -151,6 +151,10 @@ class InlineSink:
                 if stream.failed:
                     return stream.reported_error
                 self._loop.run(stream.send_data(chunk))  # bounded: streams.UpdateStream.progress_timeout
+                if stream.unresponsive:
+                    # This server stopped taking data: while we waited on it the others got
+                    # nothing and may have timed out on us (CLIENT_IDLE); the cause is this one.
+                    return stream.reported_error
         return None
 
     def finish(self) -> BaseException | None:

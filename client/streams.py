@@ -171,7 +171,13 @@ def _root_cause(failure: BaseException, streams: list[UpdateStream]) -> BaseExce
     workers see the broadcast break and report COLLECTIVE_FAILED, possibly before
     the dead server's stream is seen to drop: name the dead one, not the survivor.
     """
-    if not isinstance(failure, CollectiveError) and getattr(failure, "reason", "") not in _SYMPTOM_REASONS:
+    reason = getattr(failure, "reason", "")
+    if reason == "CLIENT_IDLE":
+        # A server idles out on us while the SDK waits on another that stopped taking data
+        # (INLINE sends each chunk to every server in turn): the silent one is the cause.
+        silent = next((s.reported_error for s in streams if s.unresponsive and s.reported_error is not None), None)
+        return silent if silent is not None else failure
+    if not isinstance(failure, CollectiveError) and reason not in _SYMPTOM_REASONS:
         return failure
     reports = [s.reported_error for s in streams if s.reported_error is not None]
     return next((r for r in reports if r.reason not in _SYMPTOM_REASONS), failure)

@@ -54,7 +54,7 @@ class PushResult:
     tensor_count: int
     bucket_count: int
     size_bytes: int
-    """Bytes broadcast (every receiver gets all of them)."""
+    """Bytes the trainer sent to each server (one copy per node, whatever its worker count)."""
     seconds: float
     """From push() call to the last Committed."""
     plan_reused: bool
@@ -96,7 +96,7 @@ class TensorMismatch:
 @dataclass(frozen=True, slots=True)
 class VerifyResult:
     checked: int
-    """Tensors compared, per worker."""
+    """Tensors compared, per server (its one node store)."""
     mismatches: tuple[TensorMismatch, ...]
 
     @property

@@ -201,3 +201,36 @@ def test_inline_push_through_a_port_that_stops_answering_fails_typed_and_the_nex
     finally:
         proxy.close()
     assert server_checksums(node, sorted(after)) == [local_checksums(after)]
+
+
+@pytest.fixture(scope="module")
+def impatient(tmp_path_factory) -> Iterator[ServerProcess]:
+    """A healthy server that gives up on a silent client well before the client's own timeout."""
+    server = start_server(tmp_path_factory.mktemp("impatient"), "--ingress-slot-bytes", str(1 << 20),
+                          "--max-message-bytes", str(MAX_MESSAGE), "--transfer-timeout-seconds", "2")
+    yield server
+    assert server.stop() == 0, server.log()[-3000:]
+
+
+def test_a_healthy_server_idling_out_while_the_sdk_waits_on_a_stopped_one_is_not_blamed(impatient, node):
+    """INLINE sends each chunk to every server in turn: while the SDK waits on the stopped server,
+    the healthy one (listed first) gets nothing and aborts CLIENT_IDLE after 2 s, before the SDK's
+    5 s. That is a symptom; the push names the stopped server. Then both take the next push."""
+    pid = node.process.pid
+    servers = [impatient.address, node.address]
+    with WeightSyncClient(servers, timeout=TIMEOUT, max_message_bytes=MAX_MESSAGE) as client:
+        client.push(model(5), version="both", transport="inline", mode="staged", allow_new_tensors=True)
+        try:
+            outcome = bounded(lambda: client.push(model(6), version="stalled", transport="inline", mode="staged",
+                                                  progress=stop_at_bucket(1, lambda: os.kill(pid, signal.SIGSTOP))),
+                              BOUND)
+            assert_unresponsive(outcome, node.address)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert [s.current_version.version for s in client.server_info()] == ["both", "both"]  # STAGED: the old version stays
+        after = model(7)
+        result = client.push(after, version="after-both", transport="inline", mode="staged")
+        assert [s.version for s in result.servers] == ["after-both", "after-both"]
+        assert client.verify(after).ok
+    assert server_checksums(impatient, sorted(after)) == [local_checksums(after)]
+    assert server_checksums(node, sorted(after)) == [local_checksums(after)]

@@ -32,7 +32,7 @@ What every push here is held to (push() below), over COLLECTIVE (Gloo) and INLIN
      IN_PLACE leaves them INCONSISTENT at the old version, and after the link returns the next
      update succeeds, exactly;
   5. the same INLINE cut from a client whose timeout is longer than the servers' transfer
-     timeout: node-b must still be the node named (fails today, see the test).
+     timeout: node-b must still be the node named, not the healthy node that idled out first.
 """
 
 from __future__ import annotations
@@ -475,9 +475,7 @@ def test_inline_cut_names_the_silent_node(cluster, impaired):
     its transfer timeout, aborts the update DEADLINE_EXCEEDED CLIENT_IDLE, before the SDK gives up
     on node-b. That CLIENT_IDLE is a symptom of the cut, like a broken broadcast on the healthy
     node: the push must still fail naming node-b (DEADLINE_EXCEEDED SERVER_UNRESPONSIVE, as with
-    a shorter client timeout, or UNAVAILABLE SERVER_UNREACHABLE, as over COLLECTIVE), not node-a.
-    Fails today: the SDK names node-a, DEADLINE_EXCEEDED CLIENT_IDLE (a product defect, reported
-    with the fix it needs; the rest of the test, the recovery, passes)."""
+    a shorter client timeout, or UNAVAILABLE SERVER_UNREACHABLE, as over COLLECTIVE), not node-a."""
     client_timeout = TRANSFER_TIMEOUT + 5.0
     node_b = f"{cluster.mesh.host('node-b').ip}:{SERVER_PORT}"
     push(cluster, 60, "old-60", mode="staged", transport="inline")
@@ -503,7 +501,7 @@ def test_inline_cut_names_the_silent_node(cluster, impaired):
 
     # node-b named, as the SDK names a node it gave up on (its own wait), or one cut off mid-broadcast.
     assert named in {("DEADLINE_EXCEEDED", "SERVER_UNRESPONSIVE", node_b), ("UNAVAILABLE", "SERVER_UNREACHABLE", node_b)}, (
-        f"PRODUCT DEFECT (client/streams.py update_failed/_root_cause): node-b's link was cut, yet the push "
+        f"client/streams.py update_failed/_root_cause: node-b's link was cut, yet the push "
         f"failed naming {named[2]} with {named[0]} {named[1]}: {failed.get('message')}. The healthy node's "
         f"CLIENT_IDLE is a symptom of the SDK waiting on the silent node-b (stream.unresponsive) and must not be "
         f"taken for the cause.")

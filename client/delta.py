@@ -7,9 +7,12 @@ WS64 of each. The next push compares raw bits against that copy, per tensor:
   - a sample of its elements first: a tensor whose patch would plainly not pay goes dense without
     paying for a full comparison (so a push where most of the model changed costs about what
     dense costs);
-  - otherwise every element: the changed positions, the smallest encoding (positions, gaps,
-    bitmask), sent as a patch when that is small enough (Worth).
-Each patch carries the WS64 of the whole new tensor, computed from the copy's WS64 in O(changed).
+  - otherwise every element, and the patch is sent when it is small enough (Worth).
+Host tensors are compared by the compiled kernels (common.patch_kernels): one pass over both
+copies writes a PATCH_XOR patch (gap varints, XOR byte planes) and the WS64 change, on as many
+threads as torch may use. CUDA tensors are compared with torch ops on their device (the
+overwriting encodings: positions, gaps or a bitmask, whichever is smallest).
+Each patch carries the WS64 of the whole new tensor: the copy's WS64 plus the change, O(changed).
 The copy changes only after every server committed (caches change on success only).
 """
 
@@ -23,9 +26,11 @@ import torch
 
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.types import StoreGeneration
+from weightsync.common import patch_kernels
 from weightsync.common.checksum import ws64
 from weightsync.common.logging import get_logger
 from weightsync.common.patches import (
+    XOR,
     DecodedPatch,
     PatchChoice,
     apply_patch,
@@ -74,6 +79,13 @@ AUTO_CUDA = Worth(0.1, 0.1)
 bandwidth, far above any link's, so what counts is the bytes on the link."""
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _on_host(base: torch.Tensor, new: torch.Tensor) -> bool:
+    return base.device.type == "cpu" and new.device.type == "cpu" and base.is_contiguous()
+
+
 def auto_worth(tensor: torch.Tensor) -> Worth:
     return AUTO_CUDA if tensor.is_cuda else AUTO_CPU
 
@@ -93,7 +105,8 @@ class TensorPatch:
     count: int
     checksum: int
     """WS64 of the whole tensor after the patch."""
-    positions: torch.Tensor
+    positions: torch.Tensor | None
+    """The changed positions of an overwriting patch (None for PATCH_XOR: its bytes are enough)."""
 
 
 @dataclass(slots=True)
@@ -151,7 +164,9 @@ class DeltaBase:
         self._settle()
         choice = DeltaChoice()
         worths = {name: auto_worth(tensor) if auto else EVERY_SMALLER for name, tensor in named}
-        compare = {name: self._worth_comparing(name, tensor.detach(), worths[name]) for name, tensor in named}
+        # The kernels read flat host memory: a strided host tensor (a slice, a transpose) is copied once.
+        named = [(name, t.detach().contiguous() if t.device.type == "cpu" else t.detach()) for name, t in named]
+        compare = {name: self._worth_comparing(name, tensor, worths[name]) for name, tensor in named}
         if auto:
             dense = sum(t.numel() * t.element_size() for _, t in named)
             expected = sum(t.numel() * t.element_size() for n, t in named if not compare[n])
@@ -160,7 +175,7 @@ class DeltaBase:
         for name, tensor in named:
             if not compare[name]:
                 continue
-            patch = self._patch_of(name, tensor.detach(), worths[name])
+            patch = self._patch_of(name, tensor, worths[name])
             if patch == "unchanged":
                 choice.unchanged.add(name)
             elif patch is not None:
@@ -181,8 +196,14 @@ class DeltaBase:
         if numel < MIN_PATCH_ELEMENTS:
             return True
         stride = max(1, numel // SAMPLE_ELEMENTS)
-        sampled = int((bits_of(base)[::stride] != bits_of(new)[::stride]).sum().item()) / math.ceil(numel / stride)
-        smallest = min(sampled * (2 + itemsize), 1 / 8 + sampled * itemsize) * numel
+        if _on_host(base, new):
+            changed = patch_kernels.count_changed(base, new, stride)
+            per_change = 1 + itemsize  # a one-byte gap and, at most, every XOR byte plane dense
+        else:
+            changed = int((bits_of(base)[::stride] != bits_of(new)[::stride]).sum().item())
+            per_change = 2 + itemsize
+        sampled = changed / math.ceil(numel / stride)
+        smallest = min(sampled * per_change, 1 / 8 + sampled * itemsize) * numel
         return smallest <= 1.1 * worth.compare_below * numel * itemsize
 
     def _patch_of(self, name: str, new: torch.Tensor, worth: Worth) -> TensorPatch | Literal["unchanged"] | None:
@@ -190,6 +211,8 @@ class DeltaBase:
         base = self._base_for(name, new)
         if base is None:
             return None
+        if _on_host(base, new):
+            return self._host_patch(name, base, new, worth)
         numel, itemsize = new.numel(), new.element_size()
         dense = numel * itemsize
         changes = changes_between(base, new)
@@ -204,14 +227,36 @@ class DeltaBase:
             return None
         data = torch.empty(chosen.size_bytes, dtype=torch.uint8, device=new.device)
         encode_patch(new, positions, chosen.encoding, data, values=changes.values, gaps=gaps)
-        kept = self.checksums.get(name)
-        if kept is None:  # computed when first needed: a dense push does not pay for it
-            kept = self.checksums[name] = ws64(base)
+        kept = self._kept_checksum(name, base)
         if changes.ws64_delta is not None:
-            checksum = (kept + changes.ws64_delta) & ((1 << 64) - 1)
+            checksum = (kept + changes.ws64_delta) & _MASK64
         else:
             checksum = ws64_after_patch(kept, base, DecodedPatch(positions, changes.values))
         return TensorPatch(data, chosen.encoding, positions.numel(), checksum, positions)
+
+    def _host_patch(self, name: str, base: torch.Tensor, new: torch.Tensor,
+                    worth: Worth) -> TensorPatch | Literal["unchanged"] | None:
+        """PATCH_XOR from the compiled compare: one pass over both copies, no bytes written when the
+        patch would be over worth.patch_below (or the tensor too small to be worth one)."""
+        numel, itemsize = new.numel(), new.element_size()
+        small = numel < MIN_PATCH_ELEMENTS  # compared only to leave it out when unchanged
+        limit = None if small else int(worth.patch_below * numel * itemsize)
+        patch = patch_kernels.compare_and_encode(base, new, torch.get_num_threads(), limit_bytes=limit)
+        if patch is None:
+            return None
+        if not patch.count:
+            return "unchanged"
+        if small:
+            return None
+        checksum = (self._kept_checksum(name, base) + patch.ws64_delta) & _MASK64
+        return TensorPatch(patch.data, XOR, patch.count, checksum, None)
+
+    def _kept_checksum(self, name: str, base: torch.Tensor) -> int:
+        """The kept tensor's WS64, computed when first needed (a dense push does not pay for it)."""
+        kept = self.checksums.get(name)
+        if kept is None:
+            kept = self.checksums[name] = ws64(base)
+        return kept
 
     # -- what was pushed becomes the copy ------------------------------------------------------
     def take_in_background(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None) -> None:
@@ -270,9 +315,13 @@ class DeltaBase:
                 patch = patches.get(name)
                 kept = self.tensors.get(name)
                 if patch is not None and kept is not None:
-                    itemsize = tensor.element_size()
-                    values = patch.data[patch.data.numel() - patch.count * itemsize:]
-                    apply_patch(kept, DecodedPatch(patch.positions.to(kept.device), values.to(kept.device)))
+                    if patch.encoding == XOR:  # made from a host copy: XOR it in, O(changed)
+                        patch_kernels.apply_patch(patch.data, kept, patch.count, tensor=name)
+                    else:
+                        itemsize = tensor.element_size()
+                        values = patch.data[patch.data.numel() - patch.count * itemsize:]
+                        assert patch.positions is not None
+                        apply_patch(kept, DecodedPatch(patch.positions.to(kept.device), values.to(kept.device)))
                     self.checksums[name] = patch.checksum
                 else:
                     device = torch.device("cpu") if self.host_copy else tensor.device

@@ -50,6 +50,7 @@ from weightsync.client.types import (
     TlsConfig,
     VerifyResult,
 )
+from weightsync.common import patch_kernels
 from weightsync.common.address import parse_address
 from weightsync.common.checksum import ws64
 from weightsync.common.collective import CollectiveError
@@ -119,6 +120,7 @@ class WeightSyncClient:
         """GetServerInfo of each server, fetched once for INLINE/SHM limits."""
         self._plans = PlanCache()
         self._delta = DeltaBase(host_copy=delta_host_copy)
+        patch_kernels.warm_up_in_background()  # compiled once per numba cache; loaded before the first patch
 
     # -- queries ------------------------------------------------------------------
     def server_info(self) -> list[pb.GetServerInfoResponse]:

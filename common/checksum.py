@@ -35,7 +35,18 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def ws64(tensor: torch.Tensor) -> int:
-    """WS64 of a tensor's raw bytes, as an unsigned 64-bit int."""
+    """WS64 of a tensor's raw bytes, as an unsigned 64-bit int: a compiled pass on the host
+    (common.ws64_host), torch reductions on the tensor's device otherwise."""
+    if tensor.device.type == "cpu":
+        from weightsync.common.ws64_host import ws64_host  # numba loads on first use, not on import
+
+        data = as_bytes(tensor.detach())
+        return ws64_host(data.numpy()) if data.numel() else ws64_host(data.new_empty(0).numpy())
+    return ws64_torch(tensor)
+
+
+def ws64_torch(tensor: torch.Tensor) -> int:
+    """WS64 with torch reductions, on any device (the reference the host kernel is tested against)."""
     data = as_bytes(tensor)
     n = data.numel()
     full_words = n // 8

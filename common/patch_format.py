@@ -42,7 +42,7 @@ from weightsync.common.checksum import ws64
 from weightsync.common.errors import InvalidArgument
 
 PATCH_XOR = 5
-"""TensorEncoding number. Not 4: tensor.proto already has TENSOR_ENCODING_PATCH_BITMASK = 4."""
+"""tensor.proto's TENSOR_ENCODING_PATCH_XOR."""
 INDEX_GAPS, INDEX_BITMASK = 0, 1
 PLANE_ZERO, PLANE_DENSE, PLANE_SPARSE = 0, 1, 2
 MALFORMED = "PATCH_MALFORMED"

@@ -272,3 +272,28 @@ def warm_up(itemsizes: tuple[int, ...] = (1, 2, 4, 8)) -> None:
         apply_patch(patch.data, base, patch.count)
         scatter_values(base, torch.zeros(1, dtype=torch.int64), new[:1])
         count_changed(base, new)
+
+
+_warming: threading.Thread | None = None
+
+
+def warm_up_in_background(itemsizes: tuple[int, ...] = (1, 2, 4, 8)) -> threading.Thread:
+    """warm_up on a daemon thread, once per process (a worker or a client starting): the first patch
+    then finds its kernels loaded. A kernel called meanwhile loads itself (numba serializes it)."""
+    global _warming
+    with _pool_lock:
+        if _warming is None:
+            _warming = threading.Thread(target=_warm_quietly, args=(itemsizes,), name="weightsync-patch-warm-up",
+                                        daemon=True)
+            _warming.start()
+        return _warming
+
+
+def _warm_quietly(itemsizes: tuple[int, ...]) -> None:
+    try:
+        warm_up(itemsizes)
+    except Exception as error:  # noqa: BLE001 - a failed warm-up only means the first patch compiles
+        from weightsync.common.logging import get_logger
+
+        get_logger("weightsync.patch_kernels").warning("patch_kernels_warm_up_failed", error=repr(error))
+

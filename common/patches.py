@@ -32,7 +32,11 @@ from weightsync.v1 import tensor_pb2
 POSITIONS = tensor_pb2.TENSOR_ENCODING_PATCH_POSITIONS
 GAPS = tensor_pb2.TENSOR_ENCODING_PATCH_GAPS
 BITMASK = tensor_pb2.TENSOR_ENCODING_PATCH_BITMASK
-PATCH_ENCODINGS = (POSITIONS, GAPS, BITMASK)
+XOR = tensor_pb2.TENSOR_ENCODING_PATCH_XOR
+"""Gap varints and XOR byte planes, variable length: common.patch_format (layout),
+common.patch_kernels (the host kernels). The three above overwrite and are sized by their count."""
+OVERWRITE_ENCODINGS = (POSITIONS, GAPS, BITMASK)
+PATCH_ENCODINGS = (POSITIONS, GAPS, BITMASK, XOR)
 DENSE_ENCODINGS = (tensor_pb2.TENSOR_ENCODING_UNSPECIFIED, tensor_pb2.TENSOR_ENCODING_DENSE)
 MAX_GAP = (1 << 16) - 1
 _MASK64 = (1 << 64) - 1
@@ -65,8 +69,18 @@ def values_offset(encoding: int, numel: int, count: int, itemsize: int) -> int:
 
 
 def patch_size_bytes(encoding: int, numel: int, count: int, itemsize: int) -> int:
-    """Bytes of a patch of `count` elements in a bucket."""
+    """Bytes of a patch of `count` elements in a bucket (an overwriting encoding: fixed by the count)."""
     return values_offset(encoding, numel, count, itemsize) + count * itemsize
+
+
+def xor_size_bounds(numel: int, count: int, itemsize: int) -> tuple[int, int]:
+    """The fewest and most bytes a PATCH_XOR patch of `count` elements can take (its decoder checks the
+    exact length): the kind byte, the index (a byte per varint up to 10, or the bitmask), the plane
+    kinds, and per plane nothing up to a sparse bitmap plus a byte per element."""
+    bitmask = -(-numel // 8)
+    smallest = 1 + min(count, bitmask) + itemsize
+    largest = 1 + max(10 * count, bitmask) + itemsize + itemsize * (count + -(-count // 8))
+    return smallest, largest
 
 
 @dataclass(frozen=True, slots=True)

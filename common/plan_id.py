@@ -24,7 +24,7 @@ _TENSOR_TAIL = struct.Struct("<qqIQ")
 _PATCH = struct.Struct("<Iq")
 _PIECE = struct.Struct("<q")
 _PATCH_ENCODINGS = (tensor_pb2.TENSOR_ENCODING_PATCH_POSITIONS, tensor_pb2.TENSOR_ENCODING_PATCH_GAPS,
-                    tensor_pb2.TENSOR_ENCODING_PATCH_BITMASK)
+                    tensor_pb2.TENSOR_ENCODING_PATCH_BITMASK, tensor_pb2.TENSOR_ENCODING_PATCH_XOR)
 
 
 def plan_id_of(plan: tensor_pb2.WeightPlan) -> str:

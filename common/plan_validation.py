@@ -205,6 +205,14 @@ def _encoded_size(index: int, spec: tensor_pb2.TensorSpec, numel: int, itemsize:
         raise InvalidArgument("PATCH_COUNT_INVALID", f"tensor {spec.name!r}: patch_count {spec.patch_count} is not "
                               f"1 to its {numel} elements", bucket=index, tensor=spec.name,
                               patch_count=spec.patch_count, numel=numel)
+    if spec.encoding == patches.XOR:
+        smallest, largest = patches.xor_size_bounds(numel, spec.patch_count, itemsize)
+        if not smallest <= spec.size_bytes <= largest:
+            raise InvalidArgument("TENSOR_SIZE_MISMATCH", f"tensor {spec.name!r}: size_bytes is {spec.size_bytes}, but "
+                                  f"a PATCH_XOR patch of {spec.patch_count} elements takes {smallest} to {largest}",
+                                  bucket=index, tensor=spec.name, size_bytes=spec.size_bytes,
+                                  min_bytes=smallest, max_bytes=largest)
+        return spec.size_bytes  # its exact length is checked as it is parsed (PATCH_MALFORMED)
     return patches.patch_size_bytes(spec.encoding, numel, spec.patch_count, itemsize)
 
 

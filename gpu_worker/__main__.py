@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C reaches the whole process group; the server decides how we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
+    from weightsync.common import patch_kernels
     from weightsync.common.logging import configure_logging, get_logger
     from weightsync.common.shm_queue import AttachedQueue
     from weightsync.gpu_worker.worker import Worker
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(fault.exit_code)
     fd_channel = socket.socket(fileno=config.fd_channel) if config.fd_channel > 0 else None
     worker = Worker(config, commands.queue, events.queue, fd_channel)
+    patch_kernels.warm_up_in_background()  # the first patched bucket finds the kernels loaded
     code = worker.run(parent_alive=lambda: os.getppid() == config.parent_pid)
     commands.close()
     events.close()

@@ -34,9 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.common import dtypes
-from weightsync.common.checksum import ws64
-from weightsync.common.errors import DataLoss, FailedPrecondition, InvalidArgument, WeightSyncError
-from weightsync.common.patches import DecodedPatch, apply_patch, decode_patch, ws64_after_patch
+from weightsync.common.errors import FailedPrecondition, InvalidArgument, WeightSyncError
 from weightsync.gpu_worker.bucket_checks import (
     arm_tail,
     check_tail,
@@ -45,6 +43,7 @@ from weightsync.gpu_worker.bucket_checks import (
     verify_bucket,
 )
 from weightsync.gpu_worker.memory import MappedArena, release_cached_device_memory
+from weightsync.gpu_worker.patch_apply import CheckedPatch, check_patch
 from weightsync.v1 import tensor_pb2
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -72,7 +71,7 @@ class ReceiveUpdate:
     """The owned sequences, in plan order: they arrive in this order."""
     next_index: int = 0
     phase: Phase = Phase.RECEIVING
-    kept: list[tuple[torch.Tensor, DecodedPatch]] = field(default_factory=list)
+    kept: list[tuple[torch.Tensor, CheckedPatch]] = field(default_factory=list)
     """STAGED: checked patches, scattered at commit."""
 
     @property
@@ -245,7 +244,7 @@ class Receiver:
         if self.lane is not None:
             self.lane.drain()
         for live, patch in update.kept:
-            apply_patch(live, patch)
+            patch.apply(live)
         self.update = None
 
     def abort(self) -> None:
@@ -389,36 +388,25 @@ class Receiver:
         return Applied(owned.size_bytes, owned.HasField("receive_into"))
 
     def _check_patches(self, owned: wpb.OwnedBucket,
-                       received: torch.Tensor) -> list[tuple[torch.Tensor, DecodedPatch, bool]]:
-        """Decode every patch of a bucket and check it against the live tensor, writing nothing: its WS64 once
-        patched must be the one the plan names (the end-to-end proof, in O(changed))."""
+                       received: torch.Tensor) -> list[tuple[torch.Tensor, CheckedPatch, bool]]:
+        """Check every patch of a bucket against its live tensor, writing nothing (gpu_worker.patch_apply)."""
         checked = []
         for target in owned.patches:
             live = self.maps.tensor_at(target.live, target.dtype, target.shape, target.name)
-            patch = decode_patch(received[target.src_offset_bytes : target.src_offset_bytes + target.size_bytes],
-                                 encoding=target.encoding, numel=live.numel(), count=target.count,
-                                 itemsize=live.element_size(), tensor=target.name)
-            base = target.live_checksum if target.HasField("live_checksum") else ws64(live)
-            actual = ws64_after_patch(base, live, patch)
-            if actual != target.expected:
-                raise DataLoss(
-                    "TENSOR_CHECKSUM_MISMATCH",
-                    f"tensor {target.name!r} in bucket {owned.sequence}: once patched its WS64 would be {actual:#018x}, "
-                    f"the plan says {target.expected:#018x} (was the base what the trainer thinks?)",
-                    bucket=owned.sequence, tensor=target.name,
-                )
+            data = received[target.src_offset_bytes : target.src_offset_bytes + target.size_bytes]
+            patch = check_patch(target, data, live, bucket=owned.sequence)
             destination = self.maps.tensor_at(target.destination, target.dtype, target.shape, target.name)
             checked.append((destination, patch, target.scatter_at_commit))
         return checked
 
-    def _take_patches(self, update: ReceiveUpdate, checked: list[tuple[torch.Tensor, DecodedPatch, bool]]) -> None:
-        """Checked patches: scattered now (IN_PLACE, or a STAGED one into its shadow), or kept for commit (a
+    def _take_patches(self, update: ReceiveUpdate, checked: list[tuple[torch.Tensor, CheckedPatch, bool]]) -> None:
+        """Checked patches: applied now (IN_PLACE, or a STAGED one into its shadow), or kept for commit (a
         copy: the bucket's buffer is reused)."""
         for destination, patch, at_commit in checked:
             if at_commit:
-                update.kept.append((destination, DecodedPatch(patch.positions.clone(), patch.values.clone())))
+                update.kept.append((destination, patch.kept()))
             else:
-                apply_patch(destination, patch)
+                patch.apply(destination)
 
     def release(self) -> None:
         self.update = None

@@ -1,17 +1,26 @@
-"""WS64 against the straight transcription of the proto comment."""
+"""WS64 against the straight transcription of the proto comment: the host kernel (CPU tensors) and
+the torch reductions (any device) alike."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from weightsync.common.checksum import ROW_WORDS, ws64, ws64_reference
+from weightsync.common.checksum import ROW_WORDS, ws64, ws64_reference, ws64_torch
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 4095, 4096, 4097, ROW_WORDS * 8 * 3 + 13, 100_003])
 def test_ws64_matches_reference(n):
     data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
-    assert ws64(data) == ws64_reference(bytes(data.tolist()))
+    assert ws64(data) == ws64_torch(data) == ws64_reference(bytes(data.tolist()))
+    if n > 1:  # an odd start: the host kernel copies to an aligned buffer
+        assert ws64(data[1:]) == ws64_torch(data[1:]) == ws64_reference(bytes(data[1:].tolist()))
+
+
+def test_the_host_kernel_wraps_like_the_definition():
+    """All-ones words over many rows: every product and sum overflows 2^64 many times."""
+    data = torch.full((ROW_WORDS * 8 * 40 + 24,), 0xFF, dtype=torch.uint8)
+    assert ws64(data) == ws64_torch(data) == ws64_reference(bytes(data.tolist()))
 
 
 def test_known_values():

@@ -8,7 +8,9 @@ import torch
 
 from weightsync.client import delta as delta_module
 from weightsync.client.delta import DeltaBase
+from weightsync.common import patch_format
 from weightsync.common.checksum import ws64
+from weightsync.common.patches import XOR
 
 
 def weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -38,8 +40,9 @@ def test_auto_patches_host_tensors_only_where_it_pays_and_skips_the_comparison_e
     before = weights()
     base = kept_base(before)
     compared = []
-    real = delta_module.changes_between
-    monkeypatch.setattr(delta_module, "changes_between", lambda a, b: compared.append(a.numel()) or real(a, b))
+    real = delta_module.patch_kernels.compare_and_encode
+    monkeypatch.setattr(delta_module.patch_kernels, "compare_and_encode",
+                        lambda a, b, *args, **kw: compared.append(a.numel()) or real(a, b, *args, **kw))
 
     sparse = base.choose(list(changed(before, 0.002, seed=1).items()))
     assert set(sparse.patches) == {"a", "b"} and len(compared) == 2
@@ -122,11 +125,32 @@ def test_auto_sends_the_whole_update_dense_when_the_samples_say_so_comparing_not
               "small": torch.randn(128, 256, generator=g).to(torch.bfloat16)}
     base = kept_base(before)
     compared = []
-    real = delta_module.changes_between
-    monkeypatch.setattr(delta_module, "changes_between", lambda a, b: compared.append(a.numel()) or real(a, b))
+    real = delta_module.patch_kernels.compare_and_encode
+    monkeypatch.setattr(delta_module.patch_kernels, "compare_and_encode",
+                        lambda a, b, *args, **kw: compared.append(a.numel()) or real(a, b, *args, **kw))
     after = {"big": changed({"big": before["big"]}, 0.04, seed=12)["big"],  # 89% of the bytes: dense
              "small": changed({"small": before["small"]}, 0.002, seed=13)["small"]}
     choice = base.choose(list(after.items()))
     assert not choice.patches and not choice.unchanged and compared == []
     monkeypatch.undo()
     assert set(base.choose(list(after.items()), auto=False).patches) == {"big", "small"}
+
+
+def test_host_tensors_go_as_patch_xor_byte_for_byte_the_reference():
+    """Host tensors are compared by the kernels: the patch is PATCH_XOR, the exact bytes the reference
+    encoder writes, about 2.3 bytes per one-ulp change (gaps of one byte, one XOR plane), and its
+    checksum is the new tensor's; the kept copy then takes the patch and equals the new tensor."""
+    before = weights()
+    base = kept_base(before)
+    after = changed(before, 0.01, seed=7)
+    named = list(after.items())
+    choice = base.choose(named, auto=False)
+    assert set(choice.patches) == {"a", "b"}
+    for name, patch in choice.patches.items():
+        reference, count, _ = patch_format.encode(before[name], after[name])
+        assert patch.encoding == XOR and patch.count == count
+        assert bytes(patch.data.numpy()) == reference
+        assert patch.checksum == ws64(after[name])
+        assert patch.data.numel() < 2.4 * count
+    base.committed(named, choice, {"s": 2})
+    assert all(torch.equal(base.tensors[n].view(torch.int16), after[n].view(torch.int16)) for n in after)

@@ -1,6 +1,6 @@
 """PATCH_XOR: the numba kernels (common.patch_kernels) against the reference (common.patch_format)
 bit for bit, both against the truth (a raw-bits comparison and common.checksum.ws64), the byte
-layout pinned by hand-worked examples (docs/patch_xor_example.md), and every refusal."""
+layout pinned by hand-worked examples (docs/data-plane.md, PATCH_XOR), and every refusal."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ FLOATS = [d for d in DTYPES if d.is_floating_point]
 DENSITIES = [0.0, "one", 0.01, 0.05, 0.5, 1.0]
 KINDS = ["ulp", "random", "special"]
 MASK = (1 << 64) - 1
-EXAMPLE = Path(__file__).parent.parent / "docs" / "patch_xor_example.md"
+EXAMPLE = Path(__file__).parent.parent / "docs" / "data-plane.md"
 
 
 def itemsize_of(dtype: torch.dtype) -> int:

@@ -1,6 +1,7 @@
 """Patched updates through the raw protocol, as a trainer in any language sends them:
-INLINE, patches built with the documented byte layout, checked bit for bit on every worker.
-Every refusal is followed by the next normal update and a verify."""
+INLINE, patches built with the documented byte layouts (the overwriting encodings with
+common.patches, PATCH_XOR with its reference encoder common.patch_format), checked bit for bit
+on every worker. Every refusal is followed by the next normal update and a verify."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import grpc
 import pytest
 import torch
 
+from weightsync.common import patch_format
 from weightsync.common.checksum import tensor_checksum, ws64
 from weightsync.common.patches import (
     BITMASK,
     GAPS,
     POSITIONS,
+    XOR,
     changed_positions,
     encode_patch,
     patch_size_bytes,
@@ -66,13 +69,19 @@ def patch_buckets(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], e
         positions = changed_positions(base[name], tensor)
         if not positions.numel():
             continue
-        size = patch_size_bytes(encoding, tensor.numel(), positions.numel(), tensor.element_size())
-        data = torch.empty(size, dtype=torch.uint8)
-        encode_patch(tensor, positions, encoding, data)
+        if encoding == XOR:
+            raw, count, _ = patch_format.encode(base[name], tensor)
+            data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        else:
+            count = positions.numel()
+            data = torch.empty(patch_size_bytes(encoding, tensor.numel(), count, tensor.element_size()),
+                               dtype=torch.uint8)
+            encode_patch(tensor, positions, encoding, data)
+        size = data.numel()
         checksum = ws64(tensor) if checksum_of is None else checksum_of(name, tensor)
         out.append((tensor_pb2.TensorSpec(name=name, dtype=DTYPE[tensor.dtype], shape=list(tensor.shape),
                                           offset_bytes=0, size_bytes=size, encoding=encoding,
-                                          patch_count=positions.numel(),
+                                          patch_count=count,
                                           checksum=tensor_pb2.Checksum(algorithm=tensor_pb2.CHECKSUM_ALGORITHM_WS64,
                                                                        value=checksum)),
                     data.numpy().tobytes()))
@@ -142,7 +151,7 @@ def base(node) -> dict[str, torch.Tensor]:
     return committed
 
 
-@pytest.mark.parametrize("encoding", [POSITIONS, GAPS, BITMASK], ids=["positions", "gaps", "bitmask"])
+@pytest.mark.parametrize("encoding", [POSITIONS, GAPS, BITMASK, XOR], ids=["positions", "gaps", "bitmask", "xor"])
 @pytest.mark.parametrize("mode", [pb.UPDATE_MODE_STAGED, pb.UPDATE_MODE_IN_PLACE], ids=["staged", "in-place"])
 def test_patches_land_bit_for_bit(node, base, encoding, mode):
     current = base
@@ -248,4 +257,84 @@ def test_an_in_place_patch_refused_on_arrival_writes_nothing_and_the_store_stays
     # Still a base: the right patch, IN_PLACE, applies to it.
     right = send(node, patch_buckets(base, new, GAPS), "right", mode=pb.UPDATE_MODE_IN_PLACE, base_generation=before)
     assert isinstance(right, pb.UpdateCommitted), right
+    assert server_checksums(node) == [local_checksums(new)]
+
+
+def xor_spec(name: str, target: torch.Tensor, data: bytes, count: int, checksum: int = 1) -> tensor_pb2.TensorSpec:
+    return tensor_pb2.TensorSpec(name=name, dtype=DTYPE[target.dtype], shape=list(target.shape),
+                                 size_bytes=len(data), encoding=XOR, patch_count=count,
+                                 checksum=tensor_pb2.Checksum(algorithm=tensor_pb2.CHECKSUM_ALGORITHM_WS64,
+                                                              value=checksum))
+
+
+def w_bitmask(*positions: int) -> bytes:
+    """The bitmask index of "w" (3001 elements: 376 bytes) marking these positions."""
+    mask = bytearray(376)
+    for p in positions:
+        mask[p // 8] |= 1 << (p % 8)
+    return bytes(mask)
+
+
+@pytest.mark.parametrize(("data", "count", "reason"), [
+    # gaps: one varint that never ends (nine continuation bytes, then nothing)
+    (b"\x00" + b"\x80" * 9, 1, "PATCH_MALFORMED"),
+    # gaps 5 and 4, then plane kinds DENSE ZERO ZERO ZERO and two low bytes: one byte left over
+    (b"\x00\x05\x04" + bytes([1, 0, 0, 0]) + b"\x01\x01" + b"\x07", 2, "PATCH_MALFORMED"),
+    # the same with a count of 3: the dense plane is cut short
+    (b"\x00\x05\x04" + bytes([1, 0, 0, 0]) + b"\x01\x01", 3, "PATCH_MALFORMED"),
+    # a bitmask marking 2 elements for a count of 3 (the planes hold 3 bytes)
+    (b"\x01" + w_bitmask(5, 10) + bytes([1, 0, 0, 0]) + b"\x01\x01\x01", 3, "PATCH_COUNT_MISMATCH"),
+    # gaps 3000 and 5: the second position is past the tensor's 3001 elements
+    (b"\x00\xb8\x17\x05" + bytes([1, 0, 0, 0]) + b"\x01\x01", 2, "PATCH_INDEX_OUT_OF_RANGE"),
+    # an index kind no one defined
+    (b"\x02\x05" + bytes([1, 0, 0, 0]) + b"\x01", 1, "PATCH_MALFORMED"),
+    # a plane kind no one defined
+    (b"\x00\x05" + bytes([3, 0, 0, 0]) + b"\x01", 1, "PATCH_MALFORMED"),
+])
+@pytest.mark.parametrize("mode", [pb.UPDATE_MODE_STAGED, pb.UPDATE_MODE_IN_PLACE], ids=["staged", "in-place"])
+def test_malformed_xor_patches_are_refused_and_change_nothing(node, base, data, count, reason, mode):
+    before = generation(node)
+    result = send(node, [(xor_spec("w", base["w"], data, count), data)], "bad", mode=mode, base_generation=before)
+    assert isinstance(result, grpc.RpcError), result
+    assert (result.code(), error_info(result).reason) == (grpc.StatusCode.INVALID_ARGUMENT, reason)
+    assert error_info(result).metadata["tensor"] == "w"
+    info = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert (info.store_state, info.current_version.generation) == (pb.STORE_STATE_CONSISTENT, before)
+    assert server_checksums(node) == [local_checksums(base)]
+    new = changed(base, seed=80)
+    assert isinstance(send(node, patch_buckets(base, new, XOR), "next", mode=mode, base_generation=before),
+                      pb.UpdateCommitted)
+    assert server_checksums(node) == [local_checksums(new)]
+
+
+def test_an_xor_patch_size_outside_what_its_count_can_take_is_refused_before_any_byte_moves(node, base):
+    data = b"\x00\x05" + bytes([1, 0, 0, 0]) + b"\x01"
+    for size in (5, 390):  # count 1 of float32 in 3001 elements: 6 to 389 bytes
+        spec = xor_spec("w", base["w"], data, 1)
+        spec.size_bytes = size
+        result = send(node, [(spec, data.ljust(size, b"\0")[:size])], "bad-size", base_generation=generation(node))
+        assert (result.code(), error_info(result).reason) == (grpc.StatusCode.INVALID_ARGUMENT, "TENSOR_SIZE_MISMATCH")
+        assert error_info(result).metadata["min_bytes"] == "6" and error_info(result).metadata["max_bytes"] == "389"
+    assert server_checksums(node) == [local_checksums(base)]
+    new = changed(base, seed=81)
+    assert isinstance(send(node, patch_buckets(base, new, XOR), "next", base_generation=generation(node)),
+                      pb.UpdateCommitted)
+    assert server_checksums(node) == [local_checksums(new)]
+
+
+@pytest.mark.parametrize("mode", [pb.UPDATE_MODE_STAGED, pb.UPDATE_MODE_IN_PLACE], ids=["staged", "in-place"])
+def test_xor_values_made_against_another_base_are_data_loss_and_change_nothing(node, base, mode):
+    """The trainer names the right generation but XORs against tensors the store does not hold: the
+    XOR lands on other bits, the whole-tensor WS64 says so (DATA_LOSS) before any byte is written."""
+    before = generation(node)
+    elsewhere = changed(base, seed=90)  # what the trainer wrongly believes the store holds
+    new = changed(elsewhere, seed=91)
+    result = send(node, patch_buckets(elsewhere, new, XOR), "wrong-base", mode=mode, base_generation=before)
+    assert isinstance(result, grpc.RpcError), result
+    assert (result.code(), error_info(result).reason) == (grpc.StatusCode.DATA_LOSS, "TENSOR_CHECKSUM_MISMATCH")
+    info = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert (info.store_state, info.current_version.generation) == (pb.STORE_STATE_CONSISTENT, before)
+    assert server_checksums(node) == [local_checksums(base)]
+    assert isinstance(send(node, patch_buckets(base, new, XOR), "right", mode=mode, base_generation=before),
+                      pb.UpdateCommitted)
     assert server_checksums(node) == [local_checksums(new)]

@@ -35,6 +35,7 @@ class TensorEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TENSOR_ENCODING_PATCH_POSITIONS: _ClassVar[TensorEncoding]
     TENSOR_ENCODING_PATCH_GAPS: _ClassVar[TensorEncoding]
     TENSOR_ENCODING_PATCH_BITMASK: _ClassVar[TensorEncoding]
+    TENSOR_ENCODING_PATCH_XOR: _ClassVar[TensorEncoding]
 DTYPE_UNSPECIFIED: Dtype
 DTYPE_FLOAT32: Dtype
 DTYPE_FLOAT16: Dtype
@@ -55,6 +56,7 @@ TENSOR_ENCODING_DENSE: TensorEncoding
 TENSOR_ENCODING_PATCH_POSITIONS: TensorEncoding
 TENSOR_ENCODING_PATCH_GAPS: TensorEncoding
 TENSOR_ENCODING_PATCH_BITMASK: TensorEncoding
+TENSOR_ENCODING_PATCH_XOR: TensorEncoding
 
 class Checksum(_message.Message):
     __slots__ = ("algorithm", "value")

@@ -9,9 +9,11 @@
         follower.apply_pending()          # between generate calls: applies a newer version, if any
         outputs = llm.generate(prompts, params)
 
-`follow` connects once (init_weight_transfer_engine in vLLM's worker, which
-attaches to the node's store as engine `name`: GetServerInfo.engines shows
-it, kind "local", with the version it serves). `apply_pending()` asks the
+`follow` connects once (init_weight_transfer_engine in each of vLLM's
+workers: every tensor-parallel rank maps the node's one store read-only and
+loads its own shard with vLLM's load_weights; the first rank attaches as
+engine `name`, the others as `name`:tpR, and GetServerInfo.engines shows
+each, kind "local", with the version it serves). `apply_pending()` asks the
 server for its committed version (a cheap local-socket call) and, when it is
 newer than what vLLM serves, runs vLLM's own weight-update calls:
 start_weight_update, update_weights({"update_info": {"generation": g,
@@ -67,7 +69,8 @@ class VllmFollower:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         # This connection only reads the version and store state (this process may have no GPU at all).
-        # vLLM's workers attach on their own, as `name`: every rank maps the node's one store.
+        # vLLM's workers attach on their own (the first rank as `name`, the others as `name`:tpR):
+        # every rank maps the node's one store.
         self._status = EngineClient(server=server, socket_path=socket_path, name="",
                                     token=token, timeout=timeout)
         try:

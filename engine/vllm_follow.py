@@ -49,6 +49,8 @@ log = logging.getLogger("weightsync.engine.vllm_follow")
 
 _REASON = re.compile(r"\b([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+): ")
 _READABLE = (pb.STORE_STATE_CONSISTENT, pb.STORE_STATE_UPDATING)  # UPDATING: a STAGED update; live bytes are whole
+VERSION_GONE_RETRIES = 5
+"""How many times apply_pending goes on to a newer version when a commit replaced the one being read."""
 
 
 class VllmFollower:
@@ -96,35 +98,46 @@ class VllmFollower:
 
         Call between generate calls (never concurrently with one). A failed version leaves vLLM
         serving what it served; it is recorded in `last_error` (and raised as
-        WeightSyncUpdateError with raise_errors) and not tried again.
+        WeightSyncUpdateError with raise_errors) and not tried again. A version a newer commit
+        replaced while vLLM read it (VERSION_GONE: with tensor parallelism, some ranks may have
+        applied it) is followed at once by the newer one, so every rank serves one version again
+        before this returns.
         """
         with self.lock:
-            version = self.pending()
-            if version is None:
-                return False
-            try:
-                self.llm.start_weight_update()
-                # On an error vLLM's worker closes the session itself (and our backend rolled back).
-                self.llm.update_weights({"update_info": {
-                    "generation": version.generation, "since_generation": self.applied_generation,
-                    "strict": self.strict}})
-                self.llm.finish_weight_update(weight_version=version.version)
-            except Exception as error:  # noqa: BLE001 - reported, and the engine still serves
-                text = str(error)
-                reason = error.reason if isinstance(error, WeightSyncUpdateError) else (
-                    m.group(1) if (m := _REASON.search(text)) else "LOAD_FAILED")
-                if reason == "VERSION_GONE":  # a newer commit came in meanwhile: take that one next time
+            for _ in range(VERSION_GONE_RETRIES + 1):
+                version = self.pending()
+                if version is None:
                     return False
-                self._failed_generation = version.generation
-                self.last_error = text
-                log.warning("vLLM did not apply %s (generation %d): %s", version.version, version.generation, text)
-                if raise_errors:
-                    raise WeightSyncUpdateError(reason, text) from error
-                return False
-            self.applied_generation = version.generation
-            self.applied_version = version.version
-            self.last_error = ""
-            return True
+                try:
+                    self.llm.start_weight_update()
+                    # On an error vLLM's worker closes the session itself (and our backend rolled back).
+                    self.llm.update_weights({"update_info": {
+                        "generation": version.generation, "since_generation": self.applied_generation,
+                        "strict": self.strict}})
+                    self.llm.finish_weight_update(weight_version=version.version)
+                except Exception as error:  # noqa: BLE001 - reported, and the engine still serves
+                    text = str(error)
+                    reason = error.reason if isinstance(error, WeightSyncUpdateError) else (
+                        m.group(1) if (m := _REASON.search(text)) else "LOAD_FAILED")
+                    if reason == "VERSION_GONE":
+                        # A newer commit replaced it while the ranks read it: with tensor parallelism one
+                        # rank may have applied it and another not. Apply the newer one now (all that was
+                        # written since the version every rank serves), before vLLM generates again.
+                        continue
+                    self._failed_generation = version.generation
+                    self.last_error = text
+                    log.warning("vLLM did not apply %s (generation %d): %s", version.version, version.generation,
+                                text)
+                    if raise_errors:
+                        raise WeightSyncUpdateError(reason, text) from error
+                    return False
+                self.applied_generation = version.generation
+                self.applied_version = version.version
+                self.last_error = ""
+                return True
+            log.warning("vLLM did not apply a version: %d newer commits replaced it while it read; its ranks may "
+                        "serve different versions until the next apply", VERSION_GONE_RETRIES + 1)
+            return False
 
     # -- background -------------------------------------------------------------------------
     def start(self, poll: float = 0.2) -> VllmFollower:

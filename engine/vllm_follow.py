@@ -101,7 +101,8 @@ class VllmFollower:
         WeightSyncUpdateError with raise_errors) and not tried again. A version a newer commit
         replaced while vLLM read it (VERSION_GONE: with tensor parallelism, some ranks may have
         applied it) is followed at once by the newer one, so every rank serves one version again
-        before this returns.
+        before this returns. A store an update kept busy past the lease wait (STORE_UPDATING)
+        is tried again at the next call.
         """
         with self.lock:
             for _ in range(VERSION_GONE_RETRIES + 1):
@@ -124,6 +125,11 @@ class VllmFollower:
                         # rank may have applied it and another not. Apply the newer one now (all that was
                         # written since the version every rank serves), before vLLM generates again.
                         continue
+                    if reason == "STORE_UPDATING":
+                        # An update kept the store busy past the lease wait: the version is fine, try later.
+                        self.last_error = text
+                        log.warning("vLLM did not apply %s yet: %s", version.version, text)
+                        return False
                     self._failed_generation = version.generation
                     self.last_error = text
                     log.warning("vLLM did not apply %s (generation %d): %s", version.version, version.generation,

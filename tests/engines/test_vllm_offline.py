@@ -226,3 +226,28 @@ def test_a_version_replaced_while_the_ranks_read_it_is_followed_by_the_newer_one
     generation = first.servers[0].generation
     assert llm.calls == [("init", "replaced"), ("start",), ("update", generation, -1), ("start",),
                          ("update", generation + 1, -1), ("finish", "r2")]
+
+
+class BusyOnce(ReplacedWhileRanksRead):
+    """The first update_weights finds the store busy past the lease wait (an IN_PLACE update writing)."""
+
+    def update_weights(self, request: dict) -> None:
+        info = request["update_info"]
+        self.calls.append(("update", info["generation"], info["since_generation"]))
+        if len([c for c in self.calls if c[0] == "update"]) == 1:
+            raise RuntimeError("Worker failed with error 'STORE_UPDATING: an update kept writing or publishing the "
+                               "store for 30 s'")
+
+
+def test_a_store_kept_busy_past_the_lease_wait_is_tried_again_not_given_up(tmp_path, versions):
+    with running_server(tmp_path, workers=1) as server, sdk_client(server) as pusher:
+        generation = pusher.push(versions["v1"], version="r1", transport="inline",
+                                 allow_new_tensors=True).servers[0].generation
+        llm = BusyOnce(lambda: None)
+        with VllmFollower(llm, server=server.address, name="busy") as follower:
+            assert follower.apply_pending() is False
+            assert "STORE_UPDATING" in follower.last_error
+            assert follower.apply_pending() is True  # the same version: it was never refused
+            assert (follower.applied_version, follower.last_error) == ("r1", "")
+    assert [c for c in llm.calls if c[0] in ("update", "finish")] == [
+        ("update", generation, -1), ("update", generation, -1), ("finish", "r1")]

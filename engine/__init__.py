@@ -1,9 +1,11 @@
 """weightsync.engine: an inference engine's side of weightsync.
 
-An engine on the server's host attaches to the worker store on its device,
-reads the committed version through a lease (the bytes are mapped read-only,
-no copy until its own), and applies what changed to its model between
-forward passes:
+The node has one store: host memory the weightsync server keeps. Every engine
+process on the server's host (every tensor-parallel rank of vLLM included)
+attaches to the server's local socket, reads the committed version through a
+lease (the store is mapped read-only, no copy until its own; a CUDA engine
+pins the mapping and copies host to device) and applies what changed to its
+model between forward passes, with its own loader:
 
     from weightsync.engine import EngineClient, ModuleFollower
 

@@ -135,7 +135,7 @@ class EngineClient:
         """server: the node's gRPC address (its local socket is looked up with GetServerInfo), or
         socket_path: the local socket itself. device: where this engine copies the weights ("cpu",
         "cuda:N" in this process's numbering): a CUDA engine pins the mapped store and waits for its
-        copies before a release. worker: ignored (servers before 0.3 kept one replica per worker)."""
+        copies before a release. worker: ignored (older servers kept one replica per worker)."""
         del worker
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():

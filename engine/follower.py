@@ -7,8 +7,14 @@ from collections.abc import Mapping
 import torch
 
 from weightsync.engine.apply import apply_to_module
-from weightsync.engine.client import EngineClient
+from weightsync.engine.client import EngineClient, EngineError
 from weightsync.v1 import weight_sync_service_pb2 as pb
+
+READABLE = (pb.STORE_STATE_CONSISTENT, pb.STORE_STATE_UPDATING)
+"""Store states with a committed version to read (UPDATING: a STAGED update; the live bytes are whole)."""
+NOT_NOW = frozenset({"STORE_EMPTY", "STORE_INCONSISTENT", "STORE_UPDATING"})
+"""Refusals of an acquire that mean "nothing to apply now" (the store changed state since status()):
+the model keeps its version and a later update() tries again."""
 
 
 class ModuleFollower:
@@ -16,6 +22,9 @@ class ModuleFollower:
 
     The first update applies every tensor (a warm start from the node's store); later ones only
     the tensors written since the version applied last. A version is applied whole or not at all.
+    Nothing committed yet, a store an aborted IN_PLACE update left inconsistent, or an update
+    that kept the store busy past the lease wait: update() returns False, the model unchanged.
+    A model that does not fit the store raises EngineError (TENSOR_MISMATCH, TENSOR_NOT_IN_MODEL).
     """
 
     def __init__(self, client: EngineClient, module: torch.nn.Module, *,
@@ -30,11 +39,16 @@ class ModuleFollower:
     def update(self) -> bool:
         """Apply the committed version if it is newer than the applied one; True if it did."""
         status = self.client.status()
-        if status.version.generation <= self.applied_generation or status.store_state in (
-            pb.STORE_STATE_EMPTY, pb.STORE_STATE_UNSPECIFIED
-        ):
-            return False
-        with self.client.acquire() as snapshot:
+        generation = status.version.generation
+        if generation == 0 or generation <= self.applied_generation or status.store_state not in READABLE:
+            return False  # generation 0: the first update is still being written (the store is UPDATING)
+        try:
+            snapshot = self.client.acquire()
+        except EngineError as error:
+            if error.reason in NOT_NOW:
+                return False
+            raise
+        with snapshot:
             apply_to_module(self.module, snapshot, since_generation=self.applied_generation,
                             name_map=self.name_map, strict=self.strict)
             self.applied_generation = snapshot.generation

@@ -9,8 +9,12 @@ plugin in vllm_plugin.py registers it). vLLM's weight-transfer calls map to:
       attach an EngineClient to the node's store (the node's weightsync
       server; its local socket): every vLLM worker (tensor-parallel rank)
       maps the same one store, read-only, and loads its shard of it with
-      vLLM's own load_weights. ("worker" is accepted and ignored: servers
-      before 0.3 kept a replica per weightsync worker.)
+      vLLM's own load_weights. With an engine_name, the first rank attaches
+      as that name and every other model-parallel rank as NAME:tpR (NAME:ppPtpR
+      with pipeline parallelism), so GetServerInfo.engines shows what each
+      rank serves; driven (no name), the ranks attach unnamed and the driver
+      reports for the engine. ("worker" is accepted and ignored: older servers
+      kept a replica per weightsync worker.)
   start_weight_update
       opens a session; touches nothing.
   update_weights {"update_info": {"generation": 0, "since_generation": -1}}
@@ -108,7 +112,8 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     older servers, which name a worker, still attach)."""
     engine_name: str = ""
     """Empty when the server drives this vLLM (--engine) and reports for it; else the name the
-    server shows in GetServerInfo.engines (kind "local")."""
+    server shows in GetServerInfo.engines (kind "local") for the first rank; every other
+    model-parallel rank shows as NAME:tpR (see rank_engine_name)."""
     token: str = ""
     """The server's bearer token, if it has one."""
     timeout_s: float = 60.0
@@ -282,6 +287,30 @@ def _release_after_failure(snapshot: StoreSnapshot, error: str) -> None:
         logger.error("weightsync: releasing the version failed: %r (after: %s)", release_error, error)
 
 
+def model_parallel_rank() -> tuple[int, int, int, int]:
+    """(tensor-parallel rank, size, pipeline-parallel rank, size) of this vLLM worker; (0, 1, 0, 1)
+    where vLLM's parallel groups are not set up (a model used outside a vLLM worker)."""
+    try:
+        from vllm.distributed import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return 0, 1, 0, 1
+        tp, pp = parallel_state.get_tp_group(), parallel_state.get_pp_group()
+        return tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size
+    except Exception:  # noqa: BLE001 - no groups: one rank
+        return 0, 1, 0, 1
+
+
+def rank_engine_name(name: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """The name a rank attaches as: `name` for the first rank (and "" stays "": a driven vLLM's
+    ranks attach unnamed), NAME:tpR for the others (NAME:ppPtpR with pipeline parallelism). Each
+    rank releases its own leases, so each reports what it applied under a name of its own: one
+    shared record would show whichever rank released last."""
+    if not name or (tp_rank == 0 and pp_rank == 0):
+        return name
+    return f"{name}:pp{pp_rank}tp{tp_rank}" if pp_size > 1 else f"{name}:tp{tp_rank}"
+
+
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
@@ -302,14 +331,22 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         self._names: ModelNames | None = None
         self._session = False
         self.last_apply: ApplyStats | None = None
+        self.rank_label = "tp0/1"
+        """This worker's place in vLLM's model-parallel groups (tp R/N, pp R/N), for logs."""
 
     # -- lifecycle ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
         self.shutdown()  # a second init (the server restarted, a new driver) replaces the connection
+        tp_rank, tp_size, pp_rank, pp_size = model_parallel_rank()
+        self.rank_label = f"tp{tp_rank}/{tp_size}" + (f" pp{pp_rank}/{pp_size}" if pp_size > 1 else "")
+        name = rank_engine_name(init_info.engine_name, tp_rank, pp_rank, pp_size)
+        if len(name) > 128:
+            raise WeightSyncUpdateError("ENGINE_NAME_INVALID", f"engine_name {init_info.engine_name!r} is too long for "
+                                        f"rank {self.rank_label}'s name {name!r} (128 characters at most)")
         try:
             self._client = EngineClient(
                 server=init_info.server or None, socket_path=init_info.local_socket or None,
-                name=init_info.engine_name, device=_device_name(self.device), worker=init_info.worker,
+                name=name, device=_device_name(self.device), worker=init_info.worker,
                 token=init_info.token or None, timeout=init_info.timeout_s,
             )
         except EngineError as error:
@@ -317,8 +354,8 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         except OSError as error:
             where = init_info.local_socket or init_info.server
             raise WeightSyncUpdateError("SERVER_UNREACHABLE", f"cannot reach weightsync at {where}: {error}") from None
-        logger.info("weightsync: attached to the node's store at %s as %r (this rank's device: %s)",
-                    self._client.socket_path, init_info.engine_name or "(driven)", self._client.device)
+        logger.info("weightsync: rank %s attached to the node's store at %s as %r (device %s, pid %d)", self.rank_label,
+                    self._client.socket_path, name or "(driven)", self._client.device, os.getpid())
 
     def start_weight_update(self) -> None:
         self._require_client()
@@ -373,8 +410,8 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         snapshot.release(applied=True)
         stats.total_s = time.perf_counter() - started
         self.last_apply = stats
-        logger.info("weightsync: applied %s: %d tensors (%d to complete fused layers), %.1f MB in %.3f s "
-                    "(acquire %.3f, check %.3f, load %.3f, finalize %.3f)%s", label, stats.tensors,
+        logger.info("weightsync: rank %s applied %s: %d tensors (%d to complete fused layers), %.1f MB in %.3f s "
+                    "(acquire %.3f, check %.3f, load %.3f, finalize %.3f)%s", self.rank_label, label, stats.tensors,
                     stats.completed_from_store, stats.bytes / 1e6, stats.total_s, stats.acquire_s, stats.check_s,
                     stats.load_s, stats.finalize_s,
                     f"; skipped {len(stats.skipped)} stale unknown tensor(s)" if stats.skipped else "")

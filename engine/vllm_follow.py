@@ -9,9 +9,11 @@
         follower.apply_pending()          # between generate calls: applies a newer version, if any
         outputs = llm.generate(prompts, params)
 
-`follow` connects once (init_weight_transfer_engine in vLLM's worker, which
-attaches to the node's store as engine `name`: GetServerInfo.engines shows
-it, kind "local", with the version it serves). `apply_pending()` asks the
+`follow` connects once (init_weight_transfer_engine in each of vLLM's
+workers: every tensor-parallel rank maps the node's one store read-only and
+loads its own shard with vLLM's load_weights; the first rank attaches as
+engine `name`, the others as `name`:tpR, and GetServerInfo.engines shows
+each, kind "local", with the version it serves). `apply_pending()` asks the
 server for its committed version (a cheap local-socket call) and, when it is
 newer than what vLLM serves, runs vLLM's own weight-update calls:
 start_weight_update, update_weights({"update_info": {"generation": g,
@@ -47,6 +49,8 @@ log = logging.getLogger("weightsync.engine.vllm_follow")
 
 _REASON = re.compile(r"\b([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+): ")
 _READABLE = (pb.STORE_STATE_CONSISTENT, pb.STORE_STATE_UPDATING)  # UPDATING: a STAGED update; live bytes are whole
+VERSION_GONE_RETRIES = 5
+"""How many times apply_pending goes on to a newer version when a commit replaced the one being read."""
 
 
 class VllmFollower:
@@ -67,7 +71,8 @@ class VllmFollower:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         # This connection only reads the version and store state (this process may have no GPU at all).
-        # vLLM's workers attach on their own, as `name`: every rank maps the node's one store.
+        # vLLM's workers attach on their own (the first rank as `name`, the others as `name`:tpR):
+        # every rank maps the node's one store.
         self._status = EngineClient(server=server, socket_path=socket_path, name="",
                                     token=token, timeout=timeout)
         try:
@@ -93,35 +98,52 @@ class VllmFollower:
 
         Call between generate calls (never concurrently with one). A failed version leaves vLLM
         serving what it served; it is recorded in `last_error` (and raised as
-        WeightSyncUpdateError with raise_errors) and not tried again.
+        WeightSyncUpdateError with raise_errors) and not tried again. A version a newer commit
+        replaced while vLLM read it (VERSION_GONE: with tensor parallelism, some ranks may have
+        applied it) is followed at once by the newer one, so every rank serves one version again
+        before this returns. A store an update kept busy past the lease wait (STORE_UPDATING)
+        is tried again at the next call.
         """
         with self.lock:
-            version = self.pending()
-            if version is None:
-                return False
-            try:
-                self.llm.start_weight_update()
-                # On an error vLLM's worker closes the session itself (and our backend rolled back).
-                self.llm.update_weights({"update_info": {
-                    "generation": version.generation, "since_generation": self.applied_generation,
-                    "strict": self.strict}})
-                self.llm.finish_weight_update(weight_version=version.version)
-            except Exception as error:  # noqa: BLE001 - reported, and the engine still serves
-                text = str(error)
-                reason = error.reason if isinstance(error, WeightSyncUpdateError) else (
-                    m.group(1) if (m := _REASON.search(text)) else "LOAD_FAILED")
-                if reason == "VERSION_GONE":  # a newer commit came in meanwhile: take that one next time
+            for _ in range(VERSION_GONE_RETRIES + 1):
+                version = self.pending()
+                if version is None:
                     return False
-                self._failed_generation = version.generation
-                self.last_error = text
-                log.warning("vLLM did not apply %s (generation %d): %s", version.version, version.generation, text)
-                if raise_errors:
-                    raise WeightSyncUpdateError(reason, text) from error
-                return False
-            self.applied_generation = version.generation
-            self.applied_version = version.version
-            self.last_error = ""
-            return True
+                try:
+                    self.llm.start_weight_update()
+                    # On an error vLLM's worker closes the session itself (and our backend rolled back).
+                    self.llm.update_weights({"update_info": {
+                        "generation": version.generation, "since_generation": self.applied_generation,
+                        "strict": self.strict}})
+                    self.llm.finish_weight_update(weight_version=version.version)
+                except Exception as error:  # noqa: BLE001 - reported, and the engine still serves
+                    text = str(error)
+                    reason = error.reason if isinstance(error, WeightSyncUpdateError) else (
+                        m.group(1) if (m := _REASON.search(text)) else "LOAD_FAILED")
+                    if reason == "VERSION_GONE":
+                        # A newer commit replaced it while the ranks read it: with tensor parallelism one
+                        # rank may have applied it and another not. Apply the newer one now (all that was
+                        # written since the version every rank serves), before vLLM generates again.
+                        continue
+                    if reason == "STORE_UPDATING":
+                        # An update kept the store busy past the lease wait: the version is fine, try later.
+                        self.last_error = text
+                        log.warning("vLLM did not apply %s yet: %s", version.version, text)
+                        return False
+                    self._failed_generation = version.generation
+                    self.last_error = text
+                    log.warning("vLLM did not apply %s (generation %d): %s", version.version, version.generation,
+                                text)
+                    if raise_errors:
+                        raise WeightSyncUpdateError(reason, text) from error
+                    return False
+                self.applied_generation = version.generation
+                self.applied_version = version.version
+                self.last_error = ""
+                return True
+            log.warning("vLLM did not apply a version: %d newer commits replaced it while it read; its ranks may "
+                        "serve different versions until the next apply", VERSION_GONE_RETRIES + 1)
+            return False
 
     # -- background -------------------------------------------------------------------------
     def start(self, poll: float = 0.2) -> VllmFollower:

@@ -4,8 +4,9 @@
     .venv-engine/bin/python -m pytest -q tests/engines
 
 Every test module skips (with the reason) where vLLM cannot be imported. Offline
-vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: ~4 s a start); the
-API server runs as a process of its own, once per module.
+vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: ~4 s a start; with
+tensor_parallel_size=2 its ranks are worker processes, ~10 s); the API server runs as a
+process of its own, once per module.
 """
 
 from __future__ import annotations

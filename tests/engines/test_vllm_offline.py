@@ -20,7 +20,7 @@ from weightsync.engine.vllm_backend import (  # noqa: E402
     WeightSyncUpdateError,
     WeightSyncUpdateInfo,
 )
-from weightsync.engine.vllm_follow import follow  # noqa: E402
+from weightsync.engine.vllm_follow import VllmFollower, follow  # noqa: E402
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 
 from helpers import running_server, sdk_client, wait_for  # noqa: E402
@@ -182,3 +182,72 @@ def test_background_mode_applies_between_generate_calls(llm, follower, trainer, 
         assert llm.get_weight_version() == "again-v2"
     finally:
         follower.stop()
+
+
+class ReplacedWhileRanksRead:
+    """Stands in for vllm.LLM: the first update_weights fails the way a tensor-parallel vLLM's does
+    when a commit lands between two ranks' acquires (one rank applied the version, the other got
+    VERSION_GONE; vLLM's collective_rpc raises the failed rank's error as text)."""
+
+    def __init__(self, commit_meanwhile) -> None:
+        self.commit_meanwhile = commit_meanwhile
+        self.calls: list[tuple] = []
+
+    def init_weight_transfer_engine(self, request: dict) -> None:
+        self.calls.append(("init", request["init_info"]["engine_name"]))
+
+    def start_weight_update(self) -> None:
+        self.calls.append(("start",))
+
+    def update_weights(self, request: dict) -> None:
+        info = request["update_info"]
+        self.calls.append(("update", info["generation"], info["since_generation"]))
+        if len([c for c in self.calls if c[0] == "update"]) == 1:
+            self.commit_meanwhile()
+            raise RuntimeError(f"Worker failed with error 'VERSION_GONE: generation {info['generation']} is not "
+                               "held', please check the stack trace above for the root cause")
+
+    def finish_weight_update(self, weight_version: str) -> None:
+        self.calls.append(("finish", weight_version))
+
+
+def test_a_version_replaced_while_the_ranks_read_it_is_followed_by_the_newer_one_at_once(tmp_path, versions):
+    with running_server(tmp_path, workers=1) as server, sdk_client(server) as pusher:
+        first = pusher.push(versions["v1"], version="r1", transport="inline", allow_new_tensors=True)
+        llm = ReplacedWhileRanksRead(lambda: pusher.push(versions["v2"], version="r2", transport="inline"))
+        follower = VllmFollower(llm, server=server.address, name="replaced")
+        try:
+            # Before returning, every rank serves r2: vLLM never generates with ranks on r1 and r0.
+            assert follower.apply_pending(raise_errors=True) is True
+            assert (follower.applied_version, follower.last_error) == ("r2", "")
+            assert follower.apply_pending() is False
+        finally:
+            follower.close()
+    generation = first.servers[0].generation
+    assert llm.calls == [("init", "replaced"), ("start",), ("update", generation, -1), ("start",),
+                         ("update", generation + 1, -1), ("finish", "r2")]
+
+
+class BusyOnce(ReplacedWhileRanksRead):
+    """The first update_weights finds the store busy past the lease wait (an IN_PLACE update writing)."""
+
+    def update_weights(self, request: dict) -> None:
+        info = request["update_info"]
+        self.calls.append(("update", info["generation"], info["since_generation"]))
+        if len([c for c in self.calls if c[0] == "update"]) == 1:
+            raise RuntimeError("Worker failed with error 'STORE_UPDATING: an update kept writing or publishing the "
+                               "store for 30 s'")
+
+
+def test_a_store_kept_busy_past_the_lease_wait_is_tried_again_not_given_up(tmp_path, versions):
+    with running_server(tmp_path, workers=1) as server, sdk_client(server) as pusher:
+        generation = pusher.push(versions["v1"], version="r1", transport="inline",
+                                 allow_new_tensors=True).servers[0].generation
+        llm = BusyOnce(lambda: None)
+        with VllmFollower(llm, server=server.address, name="busy") as follower:
+            assert follower.apply_pending() is False
+            assert "STORE_UPDATING" in follower.last_error
+            assert follower.apply_pending() is True  # the same version: it was never refused
+            assert (follower.applied_version, follower.last_error) == ("r1", "")
+    assert [c for c in llm.calls if c[0] in ("update", "finish")] == [
+        ("update", generation, -1), ("update", generation, -1), ("finish", "r1")]

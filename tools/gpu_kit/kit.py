@@ -32,8 +32,9 @@ DEVICE_LIMIT_BYTES = 64 << 20
 """What one device call carries: the working tree plus carried folders."""
 COMFORT_BYTES = 48 << 20
 """Above this the kit still travels, but a few more wheels would not."""
-PROTECTED = ("torch", "grpcio", "protobuf")
-"""The machine's own builds: never installed over (a CUDA torch; grpcio and protobuf the image's)."""
+PROTECTED = ("torch", "grpcio", "protobuf", "numba", "llvmlite", "numpy")
+"""The machine's own builds: never installed over (a CUDA torch; grpcio and protobuf the image's;
+numba with the llvmlite it was built against, and the numpy both use)."""
 SOURCE_SUFFIXES = (".py", ".pyi", ".proto")
 
 

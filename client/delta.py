@@ -48,10 +48,14 @@ _TAKE_TIMEOUT = 3600.0
 """A copy of the model in memory: it ends; the bound only keeps a broken device from hanging a push."""
 
 Delta = Literal["auto"] | bool
-AUTO_DENSE_ABOVE = 0.8
-"""delta="auto" sends the whole update dense when what the patches and the changed tensors would
-move is more than this fraction of the dense bytes: then the comparison did not pay. Checked on
-the samples before any full comparison, and again on what the comparisons found."""
+AUTO_DENSE_ABOVE = 0.25
+"""delta="auto" sends the whole update dense when the tensors that would go dense (their samples
+say too much changed) hold more than this fraction of the dense bytes, and again when what the
+patches and the changed tensors would move is more: a push that mixes patches with many dense
+tensors measured slower than dense on the benchmark machine (0.8-0.9x at 1-1.5% changed with a
+third to a half of the bytes dense: the comparisons, a patched plan, and the copy of the dense
+tensors on top of their transfer), and near the crossover (~1.7% changed) the samples split the
+tensors that way. Checked on the samples before any full comparison."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +72,14 @@ class Worth:
 
 EVERY_SMALLER = Worth(1.0, 1.0)
 """delta=True: a patch wherever it is smaller than the tensor."""
-AUTO_CPU = Worth(0.015, 0.05)
-"""delta="auto" for host tensors, measured on the 2-core benchmark machine (bench --only delta):
-the comparison costs about 40% of a dense COLLECTIVE push, and each changed element about 100 ns
-end to end against 2 ns per dense element, so comparing pays below about 0.75% of bf16 elements
-changed (1.5% of the bytes as gaps: patches measured 1.3x dense at 0.5%, 0.8x at 1%) and, once
-compared, the patch up to about 2.5% (5%)."""
+AUTO_CPU = Worth(0.02, 0.035)
+"""delta="auto" for host tensors, measured on the 2-core benchmark machine (0.73 GB bf16, 2 CPU
+workers, COLLECTIVE; bench --only delta): a dense push takes ~0.24 s, a full comparison ~0.08 s,
+and patches everywhere 0.10 s at 0.1% changed, 0.20 s at 1%, 0.34 s at 3%: they pay below ~1.7%
+of the elements changed. The sample predicts a one-byte gap and every XOR byte per change (3 bytes
+for bf16; one-ulp changes measure 2.0-2.3), so 2% here compares bf16 tensors sampled below ~1.5%
+changed. Once compared, a patch costs no more than the comparison wasted plus dense up to ~3%
+changed (3.05% of the bytes)."""
 AUTO_CUDA = Worth(0.1, 0.1)
 """delta="auto" for CUDA tensors, on paper (no GPU measurement yet): the comparison runs at device
 bandwidth, far above any link's, so what counts is the bytes on the link."""
@@ -89,8 +95,19 @@ def _on_host(base: torch.Tensor, new: torch.Tensor) -> bool:
 def auto_worth(tensor: torch.Tensor) -> Worth:
     return AUTO_CUDA if tensor.is_cuda else AUTO_CPU
 
+DENSE_RUN_DROPS_COPY = 2
+"""delta="auto": a tensor that went dense this many pushes in a row is no longer kept whole: its
+copy costs a memcpy per push (~15% of a dense push on the benchmark machine, twice that into fresh
+pages) and its memory. Only its sample is kept (SAMPLE_ELEMENTS raw values): when a later push's
+sample says the update would go as patches again, the tensor is copied whole once more, and patched
+from the push after."""
+
 SAMPLE_ELEMENTS = 4096
 """Elements compared before the full comparison; a tensor whose sample says 'dense' skips it."""
+
+
+def _sample_stride(numel: int) -> int:
+    return max(1, numel // SAMPLE_ELEMENTS)
 MIN_PATCH_ELEMENTS = 1024
 """Smaller tensors always go dense: their patch saves less than its bookkeeping costs."""
 
@@ -146,6 +163,12 @@ class DeltaBase:
         self.generations: dict[str, StoreGeneration] = {}
         """Server address -> the generation (of its store epoch) it committed these tensors at."""
         self.layout: tuple = ()
+        self.dense_runs: dict[str, int] = {}
+        """delta="auto": per tensor, the pushes in a row it went dense."""
+        self.samples: dict[str, torch.Tensor] = {}
+        """The sampled raw bits of a tensor no longer kept whole (DENSE_RUN_DROPS_COPY)."""
+        self._sampled: dict[str, torch.Tensor] = {}
+        """This push's samples of the tensors in `samples`: they replace those once committed."""
         self._taking: ThreadCall[None] | None = None
 
     @property
@@ -155,7 +178,7 @@ class DeltaBase:
     def same_layout(self, named: list[tuple[str, torch.Tensor]]) -> bool:
         """Whether these tensors have the names, dtypes and shapes of the kept copy."""
         self._settle()
-        return bool(self.tensors) and _layout(named) == self.layout
+        return bool(self.tensors or self.samples) and _layout(named) == self.layout
 
     def choose(self, named: list[tuple[str, torch.Tensor]], *, auto: bool = True) -> DeltaChoice:
         """Per tensor, unchanged, patch or dense: where the patch pays (auto) or wherever it is
@@ -163,6 +186,7 @@ class DeltaBase:
         the update goes dense (AUTO_DENSE_ABOVE), no tensor is compared in full."""
         self._settle()
         choice = DeltaChoice()
+        self._sampled = {}
         worths = {name: auto_worth(tensor) if auto else EVERY_SMALLER for name, tensor in named}
         # The kernels read flat host memory: a strided host tensor (a slice, a transpose) is copied once.
         named = [(name, t.detach().contiguous() if t.device.type == "cpu" else t.detach()) for name, t in named]
@@ -171,15 +195,30 @@ class DeltaBase:
             dense = sum(t.numel() * t.element_size() for _, t in named)
             expected = sum(t.numel() * t.element_size() for n, t in named if not compare[n])
             if expected > AUTO_DENSE_ABOVE * dense:
+                for name, _ in named:  # all of them go dense
+                    self.dense_runs[name] = self.dense_runs.get(name, 0) + 1
                 return choice
         for name, tensor in named:
             if not compare[name]:
+                continue
+            if name not in self.tensors:
+                # Only its sample was kept, and it says sparse again: dense this time, kept whole after.
+                self.dense_runs[name] = 0
                 continue
             patch = self._patch_of(name, tensor, worths[name])
             if patch == "unchanged":
                 choice.unchanged.add(name)
             elif patch is not None:
                 choice.patches[name] = patch
+        if auto:
+            for name, _ in named:
+                if name in self.tensors:
+                    sparse = name in choice.patches or name in choice.unchanged
+                    self.dense_runs[name] = 0 if sparse else self.dense_runs.get(name, 0) + 1
+                elif not compare[name]:
+                    self.dense_runs[name] = self.dense_runs.get(name, 0) + 1
+        else:
+            self.dense_runs = {}
         return choice
 
     def _base_for(self, name: str, new: torch.Tensor) -> torch.Tensor | None:
@@ -190,13 +229,18 @@ class DeltaBase:
         """Whether a sample of the tensor's elements predicts a patch under worth.compare_below
         (with a margin for the sample's noise); small tensors are always compared."""
         base = self._base_for(name, new)
-        if base is None:
-            return False
         numel, itemsize = new.numel(), new.element_size()
+        stride = _sample_stride(numel)
+        sample = self.samples.get(name)
+        if base is None and sample is None:
+            return False
         if numel < MIN_PATCH_ELEMENTS:
-            return True
-        stride = max(1, numel // SAMPLE_ELEMENTS)
-        if _on_host(base, new):
+            return base is not None  # compared whole to find it unchanged; one not kept stays dense
+        if base is None:
+            fresh = self._sampled[name] = bits_of(new)[::stride].clone()
+            changed = int((fresh != sample.to(new.device)).sum().item())
+            per_change = 1 + itemsize if new.device.type == "cpu" else 2 + itemsize
+        elif _on_host(base, new):
             changed = patch_kernels.count_changed(base, new, stride)
             per_change = 1 + itemsize  # a one-byte gap and, at most, every XOR byte plane dense
         else:
@@ -305,13 +349,22 @@ class DeltaBase:
         with one_intra_op_thread():
             layout = _layout(named)
             if layout != self.layout:
-                self.tensors, self.checksums, self.layout = {}, {}, ()
+                self.tensors, self.checksums, self.layout, self.dense_runs, self.samples = {}, {}, (), {}, {}
+                self._sampled = {}
             patches = choice.patches if choice is not None else {}
             unchanged = choice.unchanged if choice is not None else set()
             cuda_devices: set[torch.device] = set()
             for name, tensor in named:
                 if name in unchanged and name in self.tensors:
                     continue
+                if name not in patches and self.dense_runs.get(name, 0) >= DENSE_RUN_DROPS_COPY:
+                    # Dense push after dense push: keep a sample, not a copy (DENSE_RUN_DROPS_COPY).
+                    self.tensors.pop(name, None)
+                    self.checksums.pop(name, None)
+                    fresh = self._sampled.get(name)
+                    self.samples[name] = fresh if fresh is not None else bits_of(tensor)[::_sample_stride(tensor.numel())].clone()
+                    continue
+                self.samples.pop(name, None)
                 patch = patches.get(name)
                 kept = self.tensors.get(name)
                 if patch is not None and kept is not None:
@@ -335,10 +388,18 @@ class DeltaBase:
             for device in cuda_devices:  # the copies are asynchronous: done before the copy is claimed
                 torch.cuda.current_stream(device).synchronize()
             self.layout = layout
+            self._sampled = {}
+
+    def drop(self) -> None:
+        """No copy at all (delta=False, or an iterator that is never held whole): its memory is freed."""
+        self._settle()
+        self.tensors, self.checksums, self.layout, self.generations = {}, {}, (), {}
+        self.dense_runs, self.samples, self._sampled = {}, {}, {}
 
     def forget(self, address: str | None = None) -> None:
         """A server's generation is unknown (it refused our base): next time it gets dense."""
         self._settle()
+        self._sampled = {}
         if address is None:
             self.generations = {}
         else:

@@ -192,7 +192,7 @@ class WeightSyncClient:
         zero_copy_min_bytes: int = DEFAULT_ZERO_COPY_MIN_BYTES,
         progress: Callable[[PushProgress], None] | None = None,
         show_progress: bool | None = None,
-        delta: Delta = False,
+        delta: Delta = "auto",
     ) -> PushResult:
         """Send one version to every server and commit it.
 
@@ -228,14 +228,15 @@ class WeightSyncClient:
         process's torch.get_num_threads() is never changed.
         delta: send only what changed since this client's last commit (tensors
         unchanged bit for bit are left out, sparse changes go as patches; see
-        client/delta.py). "auto": where it pays, dense otherwise (the first push, a new
-        layout, most of the model changed). True: patches wherever they are smaller
-        than the tensor. False (default, until auto is faster than dense on the
-        machines we measure: see the README's benchmark): always dense, no copy kept. A server
-        that does not hold this client's last commit (restarted, or pushed to by
-        someone else) gets the update dense: INLINE and SHM that server alone, COLLECTIVE
-        the whole group. Keeping the copy costs as much memory as the model (see
-        delta_host_copy). PushResult.bytes_sent and dense_bytes say what it saved.
+        client/delta.py). "auto" (default): where it pays on the measured costs,
+        dense otherwise (the first push, a new layout, most of the model changed,
+        an iterator). True: patches wherever they are smaller than the tensor.
+        False: always dense, and no copy kept. A server that does not hold this
+        client's last commit (restarted, or pushed to by someone else) gets the
+        update dense: INLINE and SHM that server alone, COLLECTIVE the whole
+        group. Keeping the copy costs as much memory as the pushed tensors, on
+        their device (host memory with delta_host_copy=True); delta=False frees it.
+        PushResult.bytes_sent and dense_bytes say what it saved.
         """
         if mode not in _MODES:
             raise ValueError(f"mode must be 'in_place' or 'staged', got {mode!r}")
@@ -251,7 +252,7 @@ class WeightSyncClient:
                       progress=progress, started=started, show_progress=show_progress)
         sizes = dict(bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes)
         if delta is False or not isinstance(named_tensors, Mapping | list | tuple):
-            self._delta.forget()  # an iterator streams (never held whole): nothing to compare
+            self._delta.drop()  # an iterator streams (never held whole): nothing to compare
             items = None
         else:
             items = _materialized(named_tensors)

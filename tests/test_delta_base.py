@@ -57,6 +57,51 @@ def test_auto_patches_host_tensors_only_where_it_pays_and_skips_the_comparison_e
     assert set(forced.patches) == {"a", "b"} and len(compared) == 2
 
 
+def test_auto_keeps_only_a_sample_of_a_tensor_that_goes_dense_push_after_push_until_it_turns_sparse():
+    """A tensor auto sent dense DENSE_RUN_DROPS_COPY pushes in a row is no longer copied (a memcpy
+    per push and its memory, for nothing): only a sample of it is kept. When a push's samples say
+    the update would go as patches again, it goes dense once more and is kept whole, and the push
+    after sends it as a patch. delta=True keeps every tensor whole."""
+    assert delta_module.DENSE_RUN_DROPS_COPY == 2
+    current = weights()
+    base = kept_base(current)
+    kept_after = []
+    for push in range(1, 6):
+        current = changed(current, 0.3, seed=push)
+        named = list(current.items())
+        choice = base.choose(named)
+        assert not choice.patches
+        base.committed(named, choice, {"s": push + 1})
+        kept_after.append(sorted(base.tensors))
+    assert kept_after == [["a", "b"], [], [], [], []]  # dense on pushes 1 and 2: dropped at push 2's copy
+    assert base.memory_bytes == 0 and sorted(base.samples) == ["a", "b"]
+    assert all(s.numel() == delta_module.SAMPLE_ELEMENTS for s in base.samples.values())
+    assert base.same_layout(list(current.items()))
+
+    sparse = changed(current, 0.002, seed=98)  # the samples say sparse: dense this time, kept after
+    choice = base.choose(list(sparse.items()))
+    assert not choice.patches and not choice.unchanged
+    base.committed(list(sparse.items()), choice, {"s": 10})
+    assert sorted(base.tensors) == ["a", "b"] and base.samples == {}
+    assert all(torch.equal(base.tensors[n].view(torch.int16), sparse[n].view(torch.int16)) for n in sparse)
+
+    again = changed(sparse, 0.002, seed=99)
+    choice = base.choose(list(again.items()))
+    assert set(choice.patches) == {"a", "b"}
+    assert all(p.checksum == ws64(again[n]) for n, p in choice.patches.items())
+    base.committed(list(again.items()), choice, {"s": 11})
+    assert all(torch.equal(base.tensors[n].view(torch.int16), again[n].view(torch.int16)) for n in again)
+    assert base.dense_runs == {"a": 0, "b": 0}
+
+    forced = kept_base(weights())
+    current = weights()
+    for push in range(1, 4):
+        current = changed(current, 0.3, seed=push)
+        named = list(current.items())
+        forced.committed(named, forced.choose(named, auto=False), {"s": push + 1})
+        assert sorted(forced.tensors) == ["a", "b"]
+
+
 def test_a_patch_carries_the_whole_new_tensors_ws64():
     before = weights()
     base = kept_base(before)

@@ -261,3 +261,85 @@ def test_a_base_without_its_store_epoch_is_refused(two_servers):
     assert error_reason(refused.value) == "BASE_EPOCH_MISSING"
     with WeightSyncClient(a.address, timeout=60) as client:
         assert client.verify(model(0)).ok
+
+
+def random_step(named: dict[str, torch.Tensor], seed: int) -> tuple[dict[str, torch.Tensor], float]:
+    """1-5% of every weight's elements get new random values (all their bytes move)."""
+    g = torch.Generator().manual_seed(seed)
+    fraction = 0.01 + 0.04 * float(torch.rand(1, generator=g))
+    new = {n: t.clone() for n, t in named.items()}
+    for name in ("embed", "layers.0.w", "layers.0.b"):
+        flat = new[name].view(-1)
+        picks = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * fraction))]
+        flat[picks] = torch.randn(picks.numel(), generator=g).to(flat.dtype)
+    return new, fraction
+
+
+@pytest.mark.parametrize("transport", ["inline", "collective"])
+def test_twenty_random_steps_at_one_to_five_percent_on_two_servers_bit_exact_after_each(two_servers, transport):
+    """Patches wherever smaller (delta=True) alternating with the default (auto), STAGED and
+    IN_PLACE: after every step both servers hold the trainer's bits."""
+    with WeightSyncClient([s.address for s in two_servers], timeout=60) as client:
+        if transport == "collective":
+            client.create_group(timeout=30)
+        current = model()
+        client.push(current, version="v0", transport=transport, allow_new_tensors=True)
+        patched = 0
+        for step in range(1, 21):
+            current, fraction = random_step(current, seed=100 + step)
+            options = {"delta": True} if step % 2 else {}
+            result = client.push(current, version=f"v{step}", transport=transport,
+                                 mode="staged" if step % 3 else "in_place", **options)
+            if step % 2:
+                assert result.bytes_sent < 0.5 * result.dense_bytes, (step, fraction)
+                patched += 1
+            assert client.verify(current).ok
+            assert_held(two_servers, current)
+        assert patched == 10
+
+
+def test_two_trainers_alternating_on_one_server_never_patch_against_the_others_base(two_servers):
+    """Each trainer's kept copy is its own last commit; the other's commit in between makes the
+    server refuse that base (BASE_MISMATCH, before any byte moves) and the push goes dense. With
+    the same model on both sides the bytes would line up by chance: the models differ."""
+    a, _ = two_servers
+    with WeightSyncClient(a.address, timeout=60) as first, WeightSyncClient(a.address, timeout=60) as second:
+        lines = {"first": model(1), "second": model(2)}
+        first.push(lines["first"], version="first-0", transport="inline", allow_new_tensors=True)
+        second.push(lines["second"], version="second-0", transport="inline")
+        for step in range(1, 7):
+            for name, client in (("first", first), ("second", second)):
+                lines[name] = sparse_step(lines[name], seed=10 * step + len(name))
+                result = client.push(lines[name], version=f"{name}-{step}", transport="inline")
+                assert result.bytes_sent >= result.dense_bytes, (name, step)  # never a patch: dense
+                assert server_checksums(a) == [local_checksums(lines[name])]
+                info = client.server_info()[0]
+                assert info.current_version.version == f"{name}-{step}"
+        # Once the other stops, the next push of the same trainer goes as patches again.
+        lines["second"] = sparse_step(lines["second"], seed=99)
+        second.push(lines["second"], version="second-again", transport="inline")
+        lines["second"] = sparse_step(lines["second"], seed=100)
+        result = second.push(lines["second"], version="second-patched", transport="inline")
+        assert result.bytes_sent < 0.1 * result.dense_bytes
+        assert server_checksums(a) == [local_checksums(lines["second"])]
+
+
+def test_the_default_push_keeps_a_copy_and_sends_a_sparse_step_as_patches(two_servers):
+    """delta="auto" is push()'s default; delta=False sends everything and drops the copy."""
+    a, _ = two_servers
+    with WeightSyncClient(a.address, timeout=60) as client:
+        current = model()
+        first = client.push(current, version="v0", transport="inline", allow_new_tensors=True)
+        assert first.bytes_sent >= first.dense_bytes
+        assert client._delta.memory_bytes == first.dense_bytes  # the kept copy: the model's size
+        current = sparse_step(current, seed=21)
+        result = client.push(current, version="v1", transport="inline")
+        assert result.bytes_sent < 0.1 * result.dense_bytes
+        current = sparse_step(current, seed=22)
+        off = client.push(current, version="v2", transport="inline", delta=False)
+        assert off.bytes_sent >= off.dense_bytes
+        assert client._delta.generations == {} and client._delta.memory_bytes == 0  # the copy is freed
+        current = sparse_step(current, seed=23)
+        again = client.push(current, version="v3", transport="inline")
+        assert again.bytes_sent >= again.dense_bytes
+        assert server_checksums(a) == [local_checksums(current)]

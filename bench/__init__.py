@@ -1,4 +1,4 @@
-"""weightsync benchmarks (issue 5): `python -m bench` (full) or `python -m bench --quick`.
+"""weightsync benchmarks: `python -m bench` (full) or `python -m bench --quick`.
 
 Modes, run alternately on the same workloads:
   raw        the transport alone: plain ProcessGroupGloo broadcasts of the same

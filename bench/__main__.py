@@ -1,4 +1,4 @@
-"""`python -m bench [--quick]`: the side-by-side benchmark of issue 5.
+"""`python -m bench [--quick]`: the side-by-side benchmark.
 
 Starts real weightsync servers (one per receiver, 1 CPU worker each: a server holds the model
 once per node) and baseline receiver processes,
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine", "node", "delta",
                                            "node_store"],
                         action="append",
-                        help="run only these parts (repeatable); default: all but node_store (issue 24: "
+                        help="run only these parts (repeatable); default: all but node_store ("
                              "--only node_store --before PYTHON writes bench/results/node_store.{md,json})")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def push(checksums: bool, zero_copy: bool):
             def run() -> float:
-                return trainer.push(tensors, checksums=checksums,
+                return trainer.push(tensors, delta=False, checksums=checksums,
                                     **({} if zero_copy else {"zero_copy_min_bytes": NO_ZERO_COPY}))
             return run
 

@@ -1,4 +1,4 @@
-"""Commit -> engine serving (issue 10): applying a committed version to a model, against a plain copy.
+"""Commit -> engine serving: applying a committed version to a model, against a plain copy.
 
 One server (1 CPU worker, its local socket) holds the dense workload. This process is the
 engine: a torch module whose parameters carry the workload's names. Alternately:
@@ -113,7 +113,7 @@ def run(h: Harness, wl: workloads.Workload) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = ["", "## Commit -> engine serving (issue 10)", "",
+    lines = ["", "## Commit -> engine serving", "",
              f"{result['workload']}: {result['bytes'] / 1e9:.2f} GB, {result['tensors']} tensors, a torch module in the "
              "bench process, alternated. `engine_apply` maps the committed store read-only and copies every tensor "
              "into the module; `copy_baseline` is `load_state_dict` from tensors already in the process.", "",

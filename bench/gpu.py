@@ -190,10 +190,10 @@ def measure_push(server, model: dict, copies: Copies, args: argparse.Namespace, 
 
     bucket = args.bucket_mib * MIB
     with WeightSyncClient(server.address, timeout=300) as client:
-        client.push(model, version="define", transport="inline", allow_new_tensors=True, bucket_size_bytes=bucket)
+        client.push(model, delta=False, version="define", transport="inline", allow_new_tensors=True, bucket_size_bytes=bucket)
 
         def push(transport: str):
-            return lambda: client.push(model, version=f"{transport}-{time.monotonic_ns()}", transport=transport,
+            return lambda: client.push(model, delta=False, version=f"{transport}-{time.monotonic_ns()}", transport=transport,
                                        bucket_size_bytes=bucket)
 
         times = alternate({

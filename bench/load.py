@@ -1,4 +1,4 @@
-"""Control-plane load during an update (issue 6, "Load").
+"""Control-plane load during an update.
 
 While a ~0.5 GB update runs, fire 200 concurrent GetServerInfo and health
 calls at the server; record that every call succeeded and how much longer the

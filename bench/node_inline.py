@@ -33,7 +33,7 @@ from bench.servers import Server
 NODE_DIR = Path(__file__).resolve().parents[1] / "examples" / "node"
 NODE_TRAINER = NODE_DIR / "trainer.js"
 MODES = ("python_inline", "node_inline", "python_inline_checksums", "node_inline_checksums")
-TITLE = "## Node.js trainer, INLINE (issue 11)"
+TITLE = "## Node.js trainer, INLINE"
 
 
 def node_problem() -> str | None:
@@ -76,7 +76,7 @@ class NodePushes:
 def python_timer(client, tensors: dict[str, torch.Tensor], bucket_bytes: int, checksums: bool) -> Callable[[], float]:
     def push() -> float:
         started = time.perf_counter()
-        client.push(tensors, version=f"py-{time.monotonic_ns()}", transport="inline",
+        client.push(tensors, delta=False, version=f"py-{time.monotonic_ns()}", transport="inline",
                     bucket_size_bytes=bucket_bytes, checksums=checksums)
         return time.perf_counter() - started
     return push
@@ -108,7 +108,7 @@ def run(h: Harness, wl: workloads.Workload) -> dict:
     node = NodePushes(server.address, path, cfg.bucket_bytes)
     try:
         with WeightSyncClient(server.address, timeout=300) as client:
-            client.push(tensors, version="define", transport="inline", allow_new_tensors=True,
+            client.push(tensors, delta=False, version="define", transport="inline", allow_new_tensors=True,
                         bucket_size_bytes=cfg.bucket_bytes)
             timers = {"python_inline": python_timer(client, tensors, cfg.bucket_bytes, False),
                       "node_inline": node.timer(False),

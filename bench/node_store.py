@@ -1,4 +1,4 @@
-"""One copy per node (issue 24): `python -m bench --only node_store`.
+"""One copy per node: `python -m bench --only node_store`.
 
 Each side (a weightsync tree: "after" is this one, "before" another tree's virtualenv, e.g.
 `git worktree add /work/wt-before 44fabba && make -C /work/wt-before install`) runs in a process
@@ -140,7 +140,7 @@ def as_multiple(memory: dict, size: int) -> dict:
 def _timer(client, tensors: dict, transport: str, bucket: int):
     def push() -> float:
         started = time.perf_counter()
-        client.push(tensors, version=f"{transport}-{time.monotonic_ns()}", transport=transport,
+        client.push(tensors, delta=False, version=f"{transport}-{time.monotonic_ns()}", transport=transport,
                     bucket_size_bytes=bucket)
         return time.perf_counter() - started
     return push
@@ -172,9 +172,9 @@ def measure_side(label: str, quick: bool, workdir: Path) -> dict:
             servers[n] = Server(n, workdir, extra=("--ingress-slot-bytes", str(bucket)))
             clients[n] = client = WeightSyncClient(servers[n].address, timeout=600)
             client.create_group(timeout=120)
-            client.push(tensors, version="define", allow_new_tensors=True, bucket_size_bytes=bucket)
+            client.push(tensors, delta=False, version="define", allow_new_tensors=True, bucket_size_bytes=bucket)
             for k in range(2):
-                client.push(tensors, version=f"staged-{k}", mode="staged", bucket_size_bytes=bucket)
+                client.push(tensors, delta=False, version=f"staged-{k}", mode="staged", bucket_size_bytes=bucket)
             held = shared_memory(servers[n].process.pid)
             memory[n] = {"after_two_staged": held | as_multiple(held, size)}
             log(f"node_store {label} memory, {n} workers: " + json.dumps(as_multiple(held, size)))
@@ -276,7 +276,7 @@ def markdown(result: dict, meta: dict | None = None) -> str:
     sides = result["sides"]
     after = sides["after"]
     labels = [s for s in ("before", "after") if s in sides]
-    lines = ["# One copy per node (issue 24)", ""]
+    lines = ["# One copy per node", ""]
     if meta:
         lines += [f"Machine: {meta['machine']}. Command: `{meta['command']}`. Ran {meta['elapsed_seconds']:.0f} s; "
                   f"1-minute load average before/after: {meta['load_before']} / {meta['load_after']}.", ""]

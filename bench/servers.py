@@ -110,7 +110,8 @@ class WeightSyncTrainer:
         self._versions += 1
         started = time.perf_counter()
         self.last = self.client.push(tensors, version=f"bench-{self._versions}", bucket_size_bytes=self.bucket_size_bytes,
-                                     allow_new_tensors=allow_new, checksums=checksums, **options)
+                                     allow_new_tensors=allow_new, checksums=checksums,
+                                     **{"delta": False, **options})
         return time.perf_counter() - started
 
     def define(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -1,4 +1,4 @@
-"""INLINE and SHM against COLLECTIVE (issue 11), on the same tensors, alternately.
+"""INLINE and SHM against COLLECTIVE, on the same tensors, alternately.
 
 One plain server and one TLS server, each with 2 CPU workers and ingress slots
 as large as the buckets; one SDK client per server. Every mode pushes the same
@@ -46,7 +46,7 @@ def _timed_push(target, transport: str, tensors: dict, bucket_bytes: int):
     """One IN_PLACE push through `transport`, as a zero-argument timer for `alternate`."""
     def push() -> float:
         started = time.perf_counter()
-        target.push(tensors, version=f"{transport}-{time.monotonic_ns()}", transport=transport,
+        target.push(tensors, delta=False, version=f"{transport}-{time.monotonic_ns()}", transport=transport,
                     bucket_size_bytes=bucket_bytes)
         return time.perf_counter() - started
     return push
@@ -72,9 +72,9 @@ def run(h: Harness, suite: list[workloads.Workload]) -> dict:
                     WeightSyncClient(secure.address, timeout=300,
                                      tls=TlsConfig(ca_cert=cert, server_name="localhost")) as tls_client:
                 client.create_group(timeout=120)
-                client.push(tensors, version="define", transport="inline", allow_new_tensors=True,
+                client.push(tensors, delta=False, version="define", transport="inline", allow_new_tensors=True,
                             bucket_size_bytes=cfg.bucket_bytes)
-                tls_client.push(tensors, version="define", transport="inline", allow_new_tensors=True,
+                tls_client.push(tensors, delta=False, version="define", transport="inline", allow_new_tensors=True,
                                 bucket_size_bytes=cfg.bucket_bytes)
 
                 pushes = {"collective": (client, "collective"), "inline": (client, "inline"),
@@ -101,7 +101,7 @@ def run(h: Harness, suite: list[workloads.Workload]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = ["", "## Transports (issue 11)", "",
+    lines = ["", "## Transports", "",
              "Same tensors, same store, IN_PLACE, alternated; `vs collective` = median(COLLECTIVE) / median(mode).",
              "", "| workload | transport | median s | GB/s | vs collective |", "|---|---|---:|---:|---:|"]
     for r in result["runs"]:

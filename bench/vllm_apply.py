@@ -90,7 +90,7 @@ def run_tp(tp: int, size: str, reps: int, work: Path) -> dict:
             for rep in range(reps + 1):  # the first of each is a warm-up
                 state = states[(rep + 1) % 2]
                 started = time.perf_counter()
-                trainer.push(state, version=f"r{rep}", transport="shm", allow_new_tensors=rep == 0)
+                trainer.push(state, delta=False, version=f"r{rep}", transport="shm", allow_new_tensors=rep == 0)
                 pushed = time.perf_counter() - started
                 if not follower.apply_pending(raise_errors=True):
                     raise RuntimeError("vLLM saw no new version after a commit")

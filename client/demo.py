@@ -2,7 +2,7 @@
 
 Starts a server with 2 CPU workers, writes a synthetic Qwen-style checkpoint
 (~0.46 GB bf16, 290 tensors with norms and biases), pushes four versions with
-delta="auto" (the first whole; then two RL-like steps at a small learning rate,
+the SDK's defaults, that is delta="auto" (the first whole; then two RL-like steps at a small learning rate,
 where most bf16 weights round back to the same bits, as patches; then a step at
 ten times that rate, which auto sends dense on host tensors), verifies
 checksums after each, prints a table with the bytes each push sent against a
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                     path = workdir / f"model-v{step}.safetensors"
                     save_checkpoint(model, path)
                     tensors = load_checkpoints([path])
-                    result = client.push(tensors, version=f"v{step}", bucket_size_bytes=128 << 20, delta="auto")
+                    result = client.push(tensors, version=f"v{step}", bucket_size_bytes=128 << 20)
                     verified = client.verify(tensors)
                     rows.append((result.version, result.tensor_count, result.bytes_sent, result.dense_bytes,
                                  result.seconds, "yes" if verified.ok else f"NO ({len(verified.mismatches)})"))

@@ -18,7 +18,7 @@ On this machine, in real processes:
     other hosts, "inline" for paths through proxies).
 It never talks to vLLM to update it: it asks vLLM only for completions.
 
-Every push uses delta="auto". The --steps steps at the high lr change about
+Every push uses the SDK's defaults: delta="auto". The --steps steps at the high lr change about
 3/4 of the bf16 weights, so auto sends them dense; the --fine-steps after them
 (lr x FINE_LR_FACTOR) change about 0.4% and go as patches, except lm_head
 (about 0.8% changed, above what auto compares on host tensors: about a quarter
@@ -233,11 +233,10 @@ def run(args: argparse.Namespace, work: Path, processes: Processes) -> int:
             label = f"step-{step}"
             weights = {name: tensor.detach().to(torch.bfloat16) for name, tensor in model.state_dict().items()}
             pushed = time.monotonic()
-            # delta="auto": after the first push, tensors whose bits did not move stay out and sparse
+            # delta="auto" (the default): after the first push, tensors whose bits did not move stay out and sparse
             # ones go as patches. At the high lr nearly every weight moves and the whole update goes
             # dense (even the embedding, where only the rows of the 16 tokens seen change: 1.6%).
-            result = trainer.push(weights, version=label, transport=args.transport, allow_new_tensors=step == 0,
-                                  delta="auto")
+            result = trainer.push(weights, version=label, transport=args.transport, allow_new_tensors=step == 0)
             generation = result.servers[0].generation
 
             def served(generation=generation, label=label):

@@ -57,6 +57,9 @@ class SyncRecord:
     """The server's generation of the version (GetServerInfo.engines[].applied_version.generation)."""
     tensors: int
     size_bytes: int
+    """What the push moved: with delta, the patches and the changed tensors."""
+    dense_bytes: int
+    """The synced weights' size: what a dense push moves."""
     push_seconds: float
     """From the first byte to the server's commit."""
     serve_seconds: float
@@ -225,7 +228,8 @@ class WeightSyncVLLMClient(VLLMClient):
         # collected so that it is checked whole. A later one that announces the last push's layout
         # streams: the SDK sends it with the last plan, one tensor cast at a time, and aborts the
         # update if the tensors diverge from it. Any other push (a partial one) is collected.
-        stream = not full and layout is not None and layout == self._last_layout
+        # With delta the SDK compares against its copy of the last sync: it needs the tensors held.
+        stream = not full and config.delta is False and layout is not None and layout == self._last_layout
         tensors = cast if stream else dict(cast)
         if not stream:
             layout = tuple((name, tuple(tensor.shape)) for name, tensor in tensors.items())
@@ -234,7 +238,8 @@ class WeightSyncVLLMClient(VLLMClient):
             before = next((e for e in self._server_engines(sdk) if e.name == self._engine), None)
             started = time.perf_counter()
             result = sdk.push(tensors, version=label, mode="staged", transport=config.transport,
-                              allow_new_tensors=full, bucket_size_bytes=config.bucket_size_bytes)
+                              allow_new_tensors=full, bucket_size_bytes=config.bucket_size_bytes,
+                              delta=config.delta)
             pushed = time.perf_counter()
             self._full, self._last_layout = False, layout
             generation = result.servers[0].generation
@@ -245,13 +250,14 @@ class WeightSyncVLLMClient(VLLMClient):
             self._drop_connection()
             raise _sync_error(config.server, label, phase, error) from None
         record = SyncRecord(version=label, generation=generation, tensors=result.tensor_count,
-                            size_bytes=result.size_bytes, push_seconds=pushed - started,
+                            size_bytes=result.size_bytes, dense_bytes=result.dense_bytes or result.size_bytes,
+                            push_seconds=pushed - started,
                             serve_seconds=time.perf_counter() - pushed,
                             commit_to_serving=status.commit_to_serving.ToTimedelta().total_seconds(), full=full,
                             streamed=stream)
         self.syncs.append(record)
         log.info("trl_weights_served", version=label, generation=generation, bytes=result.size_bytes,
-                 push_s=round(record.push_seconds, 4), serve_s=round(record.serve_seconds, 4), full=full)
+                 dense_bytes=record.dense_bytes, push_s=round(record.push_seconds, 4), serve_s=round(record.serve_seconds, 4), full=full)
         return record
 
     def engine_status(self) -> pb.EngineStatus | None:

@@ -18,6 +18,8 @@ from weightsync.common.layout import DEFAULT_BUCKET_BYTES
 
 Transport = Literal["collective", "inline", "shm"]
 TRANSPORTS = ("collective", "inline", "shm")
+DELTAS = {"auto": "auto", "on": True, "off": False}
+"""WEIGHTSYNC_DELTA's words for WeightSyncConfig.delta."""
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ENV_PREFIX = "WEIGHTSYNC_"
 
@@ -47,6 +49,11 @@ class WeightSyncConfig:
     version_prefix: str = "step-"
     """Each sync is the version f"{version_prefix}{trainer.state.global_step}"."""
     bucket_size_bytes: int = DEFAULT_BUCKET_BYTES
+    delta: Literal["auto"] | bool = "auto"
+    """What each sync sends (the SDK's push(delta=...)): "auto" only what changed since the last
+    sync where that pays (the SDK keeps a copy of the last synced weights: the model's size again,
+    on the weights' device); False every weight, streamed tensor by tensor once the layout is
+    known (an FSDP trainer never holds the whole cast model at once); True patches wherever smaller."""
 
     def __post_init__(self) -> None:
         parse_address(self.server, what="weightsync server address")
@@ -58,11 +65,14 @@ class WeightSyncConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.bucket_size_bytes <= 0:
             raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes!r}")
+        if self.delta not in ("auto", True, False):
+            raise ValueError(f"delta must be 'auto', True or False, got {self.delta!r}")
 
     @staticmethod
     def from_env(environ: Mapping[str, str] | None = None) -> WeightSyncConfig:
         """WEIGHTSYNC_SERVER (required), WEIGHTSYNC_TRANSPORT, WEIGHTSYNC_TIMEOUT_S, WEIGHTSYNC_TOKEN,
-        WEIGHTSYNC_ENGINE, WEIGHTSYNC_DTYPE; ValueError naming the variable that is wrong."""
+        WEIGHTSYNC_ENGINE, WEIGHTSYNC_DTYPE, WEIGHTSYNC_DELTA (auto, on, off); ValueError naming the
+        variable that is wrong."""
         env = os.environ if environ is None else environ
         server = env.get(ENV_PREFIX + "SERVER", "").strip()
         if not server:
@@ -74,6 +84,11 @@ class WeightSyncConfig:
             value = env.get(ENV_PREFIX + key, "").strip()
             if value:
                 fields[name] = value
+        delta = env.get(ENV_PREFIX + "DELTA", "").strip()
+        if delta:
+            if delta not in DELTAS:
+                raise ValueError(f"{ENV_PREFIX}DELTA must be one of {', '.join(DELTAS)}, got {delta!r}")
+            fields["delta"] = DELTAS[delta]
         timeout = env.get(ENV_PREFIX + "TIMEOUT_S", "").strip()
         if timeout:
             try:

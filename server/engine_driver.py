@@ -21,9 +21,10 @@ again with backoff, and the next commit is driven at once. An unexpected
 error is logged and the loop goes on; stop() never raises, so the server's
 shutdown always reaches the local socket and the workers.
 
-vLLM's workers resolve the weightsync worker on their own GPU (worker -1:
-by GPU UUID, so each tensor-parallel rank reads the store on its device).
-The bearer token is read from the server's Credentials at each
+Every one of vLLM's workers (each tensor-parallel rank) attaches to the
+node's local socket and reads the node's one host store, whatever GPU it and
+the weightsync workers are on; driven ranks attach unnamed, and the driver
+reports for the engine. The bearer token is read from the server's Credentials at each
 initialization; after a SIGHUP reload vLLM is initialized again, so it
 attaches with the current token.
 """
@@ -229,9 +230,8 @@ class VllmHttpDriver:
             self._initialized = False  # the token may have changed: vLLM must attach with the current one
         if not self._initialized:
             reloads = self.credentials.reloads
-            # worker -1: each of vLLM's workers attaches to the weightsync worker on its own GPU.
             await self._call("POST", "/init_weight_transfer_engine", {"init_info": {
-                "local_socket": self.local_socket, "worker": -1, "token": self.credentials.token}})
+                "local_socket": self.local_socket, "token": self.credentials.token}})
             self._initialized, self._initialized_at_reload = True, reloads
         await self._call("POST", "/pause?mode=keep")
         try:

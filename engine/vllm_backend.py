@@ -5,7 +5,7 @@ when started with `weight_transfer_config={"backend": "weightsync"}`; the
 plugin in vllm_plugin.py registers it). vLLM's weight-transfer calls map to:
 
   init_weight_transfer_engine {"init_info": {"local_socket": PATH | "server": HOST:PORT,
-                                             "worker": -1, "engine_name": "", "token": ""}}
+                                             "engine_name": "", "token": ""}}
       attach an EngineClient to the node's store (the node's weightsync
       server; its local socket): every vLLM worker (tensor-parallel rank)
       maps the same one store, read-only, and loads its shard of it with

@@ -21,9 +21,10 @@ again with backoff, and the next commit is driven at once. An unexpected
 error is logged and the loop goes on; stop() never raises, so the server's
 shutdown always reaches the local socket and the workers.
 
-vLLM's workers resolve the weightsync worker on their own GPU (worker -1:
-by GPU UUID, so each tensor-parallel rank reads the store on its device).
-The bearer token is read from the server's Credentials at each
+Every one of vLLM's workers (each tensor-parallel rank) attaches to the
+node's local socket and reads the node's one host store, whatever GPU it and
+the weightsync workers are on; driven ranks attach unnamed, and the driver
+reports for the engine. The bearer token is read from the server's Credentials at each
 initialization; after a SIGHUP reload vLLM is initialized again, so it
 attaches with the current token.
 """
@@ -154,8 +155,8 @@ class VllmHttpDriver:
         try:
             while True:
                 try:
-                    await self._converge()
-                    await self._wait_for_commit_or_poll(events)
+                    target = await self._converge()
+                    await self._wait_for_commit_or_poll(events, target)
                     errors = 0
                 except Exception as error:  # noqa: BLE001 - supervised: logged, reported, and we go on
                     delay = LOOP_RETRY_SECONDS[min(errors, len(LOOP_RETRY_SECONDS) - 1)]
@@ -166,24 +167,25 @@ class VllmHttpDriver:
         finally:
             self.publisher.watchers.unsubscribe(events)
 
-    async def _wait_for_commit_or_poll(self, events: asyncio.Queue) -> None:
-        """Sleep until a new commit or the poll. Every other event (most of them engine-state
-        changes, our own included) is not a reason to call vLLM again: waking on those would spin
-        while vLLM is down or keeps refusing a version."""
+    async def _wait_for_commit_or_poll(self, events: asyncio.Queue, target: int) -> None:
+        """Sleep until the node's generation is another than `target` (the one _converge worked
+        towards: a commit while vLLM applied returns at once) or the poll. Every other event (most
+        of them engine-state changes, our own included) is not a reason to call vLLM again: waking
+        on those would spin while vLLM is down or keeps refusing a version."""
         loop = asyncio.get_running_loop()
-        seen = self.publisher.version.generation
         deadline = loop.time() + POLL_SECONDS
-        while self.publisher.version.generation == seen and (left := deadline - loop.time()) > 0:
+        while self.publisher.version.generation == target and (left := deadline - loop.time()) > 0:
             try:
                 await asyncio.wait_for(events.get(), left)
             except TimeoutError:
                 return
 
-    async def _converge(self) -> None:
-        """Make vLLM serve the node's version, if it does not already."""
+    async def _converge(self) -> int:
+        """Make vLLM serve the node's version, if it does not already; the generation it worked
+        towards (read before any call to vLLM)."""
         version = self.publisher.version
         if version.generation == 0:
-            return
+            return 0
         served = None
         try:
             served = (await self._call("GET", "/weight_info")).get("weight_version")
@@ -194,18 +196,20 @@ class VllmHttpDriver:
                 # Not what we set last: a new instance (or a restart) holds its own weights: all of them.
                 self._initialized, self._applied_generation, self._applied_label = False, -1, None
             if served == version.version and self._applied_generation == version.generation:
-                return
+                return version.generation
             if self._failed == (version.generation, served) and asyncio.get_running_loop().time() < self._retry_at:
-                return  # refused a moment ago, nothing changed since: wait before asking again
+                return version.generation  # refused a moment ago, nothing changed since: wait before asking again
             self.engines.applying(self.name)
             await self._apply(version.version, version.generation)
         except EngineUnreachable as error:
             self._initialized = False
             self.engines.unreachable(self.name, str(error))
-            return
+            return version.generation
         except EngineCallFailed as error:
             if "VERSION_GONE" in str(error):
-                return  # a newer commit replaced it while vLLM read: its event brings us back at once
+                # A newer commit replaced it while vLLM read: the node's generation is past the one
+                # returned, so the wait returns at once and the next pass converges to the newer one.
+                return version.generation
             self._failed = (version.generation, served if isinstance(served, str) else None)
             delay = RETRY_SECONDS[min(self._failures, len(RETRY_SECONDS) - 1)]
             self._retry_at = asyncio.get_running_loop().time() + delay
@@ -214,20 +218,20 @@ class VllmHttpDriver:
             self.engines.failed(self.name, text)
             log.warning("engine_apply_failed", engine=self.name, version=version.version,
                         generation=version.generation, reason=error.reason, error=text, retry_seconds=delay)
-            return
+            return version.generation
         self._applied_generation, self._applied_label = version.generation, version.version
         self._failed, self._failures = None, 0
         self.engines.applied(self.name, version)
         log.info("engine_applied", engine=self.name, version=version.version, generation=version.generation)
+        return version.generation
 
     async def _apply(self, label: str, generation: int) -> None:
         if self._initialized and self._initialized_at_reload != self.credentials.reloads:
             self._initialized = False  # the token may have changed: vLLM must attach with the current one
         if not self._initialized:
             reloads = self.credentials.reloads
-            # worker -1: each of vLLM's workers attaches to the weightsync worker on its own GPU.
             await self._call("POST", "/init_weight_transfer_engine", {"init_info": {
-                "local_socket": self.local_socket, "worker": -1, "token": self.credentials.token}})
+                "local_socket": self.local_socket, "token": self.credentials.token}})
             self._initialized, self._initialized_at_reload = True, reloads
         await self._call("POST", "/pause?mode=keep")
         try:

@@ -29,6 +29,8 @@ class EngineRecord:
     last_error: str = ""
     before_applying: int = pb.ENGINE_STATE_UNSPECIFIED
     """The state it had when it started applying: what it returns to when it applies nothing."""
+    before_gone: tuple[int, str] | None = None
+    """(state, last_error) when its last local connection closed: what it returns to on reconnecting."""
 
     def to_proto(self) -> pb.EngineStatus:
         status = pb.EngineStatus(name=self.name, kind=self.kind, endpoint=self.endpoint, state=self.state,
@@ -49,6 +51,8 @@ class EngineRecord:
 class EngineRegistry:
     def __init__(self, on_change: Callable[[], None] = lambda: None) -> None:
         self.records: dict[str, EngineRecord] = {}
+        self.connections: dict[str, int] = {}
+        """Local engine name -> its open local-socket connections (one record per name, many connections)."""
         self.on_change = on_change
 
     def protos(self) -> list[pb.EngineStatus]:
@@ -60,6 +64,33 @@ class EngineRegistry:
             record = self.records[name] = EngineRecord(name, kind, endpoint)
             self.on_change()
         return record
+
+    def attached(self, name: str, kind: str, endpoint: str) -> None:
+        """A local connection attached as `name`; a name that was gone is back to what it was."""
+        record = self.register(name, kind, endpoint)
+        self.connections[name] = self.connections.get(name, 0) + 1
+        if self.connections[name] == 1 and record.before_gone is not None:
+            state, error = record.before_gone
+            record.before_gone = None
+            self._set(name, state=state, last_error=error)
+
+    def detached(self, name: str, *, holding: bool) -> None:
+        """A local connection of `name` closed (`holding`: with a version it was reading). The last
+        one makes the engine UNREACHABLE; another one that was reading leaves it FAILED."""
+        left = self.connections.get(name, 0) - 1
+        if left > 0:
+            self.connections[name] = left
+            if holding:
+                self.failed(name, "DISCONNECTED: a connection of this engine closed while it read a version")
+            return
+        self.connections.pop(name, None)
+        record = self.records.get(name)
+        if record is None:
+            return
+        applying = record.state == pb.ENGINE_STATE_APPLYING
+        record.before_gone = (record.before_applying if applying else record.state, record.last_error)
+        self.unreachable(name, "DISCONNECTED: no connection of this engine is open"
+                         + (" (the last one closed while it read a version)" if holding else ""))
 
     def applying(self, name: str) -> None:
         record = self.records.get(name)

@@ -181,8 +181,8 @@ class LocalHandoff:
             conn.close()
             held = self._leases.held_by(peer.conn_id)
             await self._leases.release_owner(peer.conn_id)
-            if peer.engine_name and held:
-                self._engines.unreachable(peer.engine_name, "disconnected while holding a version")
+            if peer.engine_name:
+                self._engines.detached(peer.engine_name, holding=bool(held))
 
     async def _dispatch(self, peer: _Peer, request: local_pb2.LocalRequest) -> tuple[local_pb2.LocalResponse, list[int]]:
         kind = request.WhichOneof("request")
@@ -214,11 +214,14 @@ class LocalHandoff:
         self._check_token(attach.token)
         if attach.engine_name and not ENGINE_NAME.match(attach.engine_name):
             raise InvalidArgument("ENGINE_NAME_INVALID", "engine_name must be 1 to 128 characters of [A-Za-z0-9._:-]")
+        if attach.engine_name != peer.engine_name:  # attached again under another name: one connection, one name
+            if peer.engine_name:
+                self._engines.detached(peer.engine_name, holding=bool(self._leases.held_by(peer.conn_id)))
+            if attach.engine_name:
+                self._engines.attached(attach.engine_name, "local", "node-store")
         peer.attached = True
         peer.engine_name = attach.engine_name
         peer.presented = attach.token
-        if attach.engine_name:
-            self._engines.register(attach.engine_name, "local", "node-store")
         return local_pb2.LocalResponse(attach_store=local_pb2.AttachStoreResponse(
             version=self._publisher.version.to_proto(), store_state=self._store.state))
 
@@ -253,10 +256,11 @@ class LocalHandoff:
         if store.readable():
             return  # an UPDATING store here runs a STAGED update: the live bytes are the committed version
         state = store.state
-        why = {pb.STORE_STATE_EMPTY: ("STORE_EMPTY", "the store holds no weights yet")}.get(
-            state, ("STORE_INCONSISTENT", "an aborted IN_PLACE update left tensors half-written; a full update "
-                                          "repairs the store"))
-        raise FailedPrecondition(why[0], why[1], store_state=pb.StoreState.Name(state))
+        if not store.tensors:  # nothing committed yet, even while the first update (UPDATING) writes
+            raise FailedPrecondition("STORE_EMPTY", "the store holds no weights yet",
+                                     store_state=pb.StoreState.Name(state))
+        raise FailedPrecondition("STORE_INCONSISTENT", "an aborted IN_PLACE update left tensors half-written; a "
+                                 "full update repairs the store", store_state=pb.StoreState.Name(state))
 
     async def _release(self, peer: _Peer, release: local_pb2.ReleaseVersionRequest) -> local_pb2.LocalResponse:
         lease = await self._leases.release(release.lease_id, peer.conn_id)

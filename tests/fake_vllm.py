@@ -2,7 +2,7 @@
 
 It answers the routes the driver calls (server/engine_driver.py) the way vLLM with the weightsync
 backend does, and really reads the node's store: /init_weight_transfer_engine attaches an
-EngineClient to the local socket with the token and worker it was given, /update_weights acquires
+EngineClient to the local socket with the token it was given, /update_weights acquires
 that generation and copies every tensor written since into `weights`, releasing the lease as
 applied. A test scripts bad answers per route (`script`), consumed before the normal ones.
 """
@@ -91,8 +91,8 @@ class FakeVllm:
                 self.client.close()
                 self.client = None
             try:
-                self.client = EngineClient(socket_path=info["local_socket"], name="", worker=info["worker"],
-                                           token=info["token"] or None, timeout=30)
+                self.client = EngineClient(socket_path=info["local_socket"], name="", token=info["token"] or None,
+                                           timeout=30)
             except EngineError as error:
                 self.attach_errors.append(error.reason)
                 return 500, json.dumps({"error": str(error)}).encode()

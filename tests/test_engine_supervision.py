@@ -238,10 +238,11 @@ def test_the_driver_loop_survives_an_unexpected_error_and_stops_cleanly(monkeypa
     monkeypatch.setattr(engine_driver, "POLL_SECONDS", 0.01)
     calls: list[int] = []
 
-    async def converge(self) -> None:
+    async def converge(self) -> int:
         calls.append(len(calls))
         if len(calls) == 1:
             raise KeyError("a bug in the driver")
+        return self.publisher.version.generation
 
     monkeypatch.setattr(engine_driver.VllmHttpDriver, "_converge", converge)
 
@@ -259,3 +260,68 @@ def test_the_driver_loop_survives_an_unexpected_error_and_stops_cleanly(monkeypa
         assert publisher.watchers.queues == set()
 
     asyncio.run(scenario())
+
+
+# -- a commit while vLLM applies is driven at once, not at the next poll ---------------------------------------
+class ScriptedVllm:
+    """The driver's _call, in process: /update_weights of `hold` waits for `release`, then answers
+    `answer` (None: applied); every call is recorded."""
+
+    def __init__(self, hold: int, answer: Exception | None = None) -> None:
+        self.hold, self.answer = hold, answer
+        self.held = asyncio.Event()
+        self.release = asyncio.Event()
+        self.updates: list[int] = []
+        self.served: str | None = None
+
+    async def call(self, method: str, path: str, body: dict | None = None) -> dict:
+        if path == "/weight_info":
+            return {"weight_version": self.served}
+        if path == "/update_weights":
+            generation = body["update_info"]["generation"]
+            self.updates.append(generation)
+            if generation == self.hold:
+                self.held.set()
+                await self.release.wait()
+                if self.answer is not None:
+                    raise self.answer
+        if path == "/finish_weight_update":
+            self.served = body["weight_version"]
+        return {}
+
+
+def commit(publisher: SimpleNamespace, label: str) -> None:
+    publisher.version = PublishedVersion(7, label, publisher.version.generation + 1)
+    publisher.watchers.publish(pb.WatchWeightsResponse(version=publisher.version.to_proto()))
+
+
+@pytest.mark.parametrize("answer", [None, engine_driver.EngineRefused(
+    "POST /update_weights: HTTP 500: VERSION_GONE: generation 1 is not held")], ids=["applied", "version-gone"])
+def test_a_commit_while_vllm_applies_is_driven_at_once(monkeypatch, answer):
+    """Generation 2 is committed while vLLM applies generation 1 (and then applies it, or finds it gone):
+    the driver goes on to generation 2 without waiting for the poll (an hour here)."""
+    monkeypatch.setattr(engine_driver, "POLL_SECONDS", 3600.0)
+    vllm = ScriptedVllm(hold=1, answer=answer)
+
+    async def call(self, method: str, path: str, body: dict | None = None) -> dict:
+        return await vllm.call(method, path, body)
+
+    monkeypatch.setattr(engine_driver.VllmHttpDriver, "_call", call)
+
+    async def scenario() -> None:
+        registry = EngineRegistry()
+        publisher = SimpleNamespace(watchers=Watchers(), version=PublishedVersion(7))
+        driver = engine_driver.VllmHttpDriver("vllm-http", "http://127.0.0.1:9", publisher, registry, "/x.sock",
+                                              SimpleNamespace(token="", reloads=0))
+        driver.start()
+        commit(publisher, "v1")
+        await asyncio.wait_for(vllm.held.wait(), 60)
+        commit(publisher, "v2")
+        vllm.release.set()
+        while registry.records["vllm-http"].applied is None or registry.records["vllm-http"].applied.generation < 2:
+            await asyncio.sleep(0.01)
+        assert (vllm.updates, vllm.served) == ([1, 2], "v2")
+        assert registry.records["vllm-http"].state == pb.ENGINE_STATE_SERVING
+        await driver.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -2,7 +2,8 @@
 heartbeat monitor never terminate a process after a failed broadcast of ours, engine ranks on
 different GPUs reading the one store, a communicator that never forms.
 
-The trainer is on cuda:0, the server's worker(s) on cuda:1 (and cuda:0 for TP=2 engines).
+The trainer is on cuda:0, the server's worker on cuda:1; engine ranks on both GPUs read the host store,
+whatever GPU the workers are on.
 """
 
 from __future__ import annotations
@@ -102,26 +103,26 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_worker_and_its_store(server_o
         assert client.verify(gpu_model(6)).ok
 
 
-def test_engine_ranks_on_two_gpus_read_the_one_store(tmp_path):
-    """Each rank sees its GPU as cuda:0 (as Ray arranges it) and maps the node's one host store."""
-    server = start_server(tmp_path, "--local-socket", "auto", devices="cuda:0,cuda:1")
-    try:
-        with WeightSyncClient(server.address, timeout=120) as client:
-            client.push(gpu_model(7), version="v1", transport="inline", allow_new_tensors=True)
-        reader = textwrap.dedent("""
-            import sys, torch
-            from weightsync.engine import EngineClient
-            with EngineClient(server=sys.argv[1], name="rank", device="cuda:0") as engine:
-                with engine.acquire() as snapshot:
-                    print(int(snapshot.tensors["steps"].to("cuda:0").sum().item()), flush=True)
-        """)
-        for gpu in (0, 1):
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
-            out = subprocess.run([sys.executable, "-c", reader, server.address], env=env, capture_output=True,
-                                 text=True, timeout=120, check=True).stdout.split()
-            assert int(out[0]) == int(gpu_model(7)["steps"].sum().item()), f"the rank on GPU {gpu}"
-    finally:
-        assert server.stop() == 0
+def test_engine_ranks_on_two_gpus_read_the_one_store(server_on_gpu1):
+    """Each rank sees its GPU as cuda:0 (as Ray arranges it), maps the node's one host store and reports
+    under its own name, as vLLM's ranks do (NAME, NAME:tp1); the rank on GPU 0 has no worker on its GPU."""
+    with WeightSyncClient(server_on_gpu1.address, timeout=120) as client:
+        client.push(gpu_model(7), version="v1", transport="inline", allow_new_tensors=True)
+    reader = textwrap.dedent("""
+        import sys, torch
+        from weightsync.engine import EngineClient
+        with EngineClient(server=sys.argv[1], name=sys.argv[2], device="cuda:0") as engine:
+            with engine.acquire() as snapshot:
+                print(int(snapshot.tensors["steps"].to("cuda:0").sum().item()), flush=True)
+                snapshot.applied = True
+    """)
+    for gpu, name in ((0, "rank"), (1, "rank:tp1")):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+        out = subprocess.run([sys.executable, "-c", reader, server_on_gpu1.address, name], env=env,
+                             capture_output=True, text=True, timeout=120, check=True).stdout.split()
+        assert int(out[0]) == int(gpu_model(7)["steps"].sum().item()), f"the rank on GPU {gpu}"
+    engines = {e.name: e for e in info(server_on_gpu1).engines}
+    assert {n: e.applied_version.version for n, e in engines.items()} == {"rank": "v1", "rank:tp1": "v1"}
 
 
 MONITOR_TRAINER = textwrap.dedent("""

@@ -13,6 +13,9 @@ is importable (and harmless) without vLLM.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 BACKEND = "weightsync"
 ENGINE_MODULE = "weightsync.engine.vllm_backend"
 ENGINE_CLASS = "WeightSyncEngine"
@@ -22,7 +25,31 @@ def register() -> None:
     """Register the backend with vLLM's WeightTransferEngineFactory; idempotent."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    _guard_kernel_override_scan()
+
     # register_engine raises ValueError on a name it already holds; a process may load the
     # plugin and also call register() itself (tests, VLLM_ENABLE_V1_MULTIPROCESSING=0).
     if BACKEND not in WeightTransferEngineFactory._registry:  # noqa: SLF001 - the factory has no public lookup
         WeightTransferEngineFactory.register_engine(BACKEND, ENGINE_MODULE, ENGINE_CLASS)
+
+
+def _namespace(value: Any) -> Mapping:
+    """vars(value) where it is a mapping; {} where an object's __getattr__ answers for __dict__."""
+    namespace = vars(value)
+    return namespace if isinstance(namespace, Mapping) else {}
+
+
+def _guard_kernel_override_scan() -> None:
+    """vLLM's CPU build (no Triton) rebinds its kernels by scanning every module's namespace and
+    calling vars(value).get("kernel") on each value with a __dict__ (vllm/triton_utils/dispatcher.py).
+    llvmlite's `ffi.lib` answers any attribute, __dict__ included, with a function wrapper, so once
+    numba has compiled or loaded a kernel in the process (weightsync's SDK does, for patches: a
+    trainer that runs vLLM in its own process, TRL's colocate mode) every later LLM fails to start
+    with AttributeError. vLLM loads the plugins just before that scan: its module-level `vars` is
+    pointed at one that skips such objects (they can hold no kernel)."""
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:  # a vLLM without the scan
+        return
+    if getattr(dispatcher, "vars", None) is not _namespace:
+        dispatcher.vars = _namespace  # a module global shadows the builtin for that module alone

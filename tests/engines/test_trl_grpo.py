@@ -207,7 +207,9 @@ def test_grpo_steps_are_each_served_by_vllm_and_the_reward_rises(vllm, node, tmp
     labels = [f"step-{i}" for i in range(STEPS)]  # synced before each step's generation
     assert served_at_generation == labels  # a sync returns once vLLM serves it: TRL never samples stale weights
     assert_every_step_served(recorder.steps, labels, list(range(1, STEPS + 1)))
-    assert [(s.full, s.streamed) for s in client.syncs] == [(True, False)] + [(False, True)] * (STEPS - 1)
+    # delta="auto" (the default) compares against the last sync: every sync collects the cast tensors.
+    assert [(s.full, s.streamed) for s in client.syncs] == [(True, False)] + [(False, False)] * (STEPS - 1)
+    assert all(0 < s.size_bytes <= s.dense_bytes for s in client.syncs)
     assert len(client.reset_seconds) == STEPS  # TRL's reset_prefix_cache after each sync
     rewards = [s.reward for s in recorder.steps]
     assert None not in rewards and rewards[-1] > rewards[0], rewards
@@ -253,7 +255,9 @@ def test_a_trl_that_builds_its_client_elsewhere_is_refused(monkeypatch):
 def test_trls_other_weight_entry_points_push_one_version_each(vllm, node, monkeypatch):
     """VLLMClient's API besides what GRPOTrainer calls: update_model_params, and update_named_param
     inside weight_update() (one version for the block), on the client alone."""
-    config = WeightSyncConfig(server=node.address, transport="inline", timeout_s=60, version_prefix="api-")
+    # delta=False: a sync with the last sync's layout streams tensor by tensor.
+    config = WeightSyncConfig(server=node.address, transport="inline", timeout_s=60, version_prefix="api-",
+                              delta=False)
     client = WeightSyncVLLMClient(base_url=vllm.url, weightsync=config)
     client.init_communicator(device="cpu")
     try:
@@ -331,8 +335,8 @@ def test_a_killed_server_is_a_clear_error_and_training_resumes_once_it_is_back(v
     assert node.info().current_version.generation == 0
     trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert_every_step_served(recorder.steps[2:], ["step-2", "step-3", "step-4"], [1, 2, 3])
-    assert [(s.full, s.streamed) for s in client.syncs] == [(True, False), (False, True), (True, False),
-                                                            (False, True), (False, True)]
+    assert [(s.full, s.streamed) for s in client.syncs] == [(True, False), (False, False), (True, False),
+                                                            (False, False), (False, False)]
     trainer.sync_vllm_weights()
     assert wait_for(lambda: vllm.weight_version() == "step-5", timeout=5)
     hot = vllm.logprobs()

@@ -298,6 +298,19 @@ def main(argv: list[str] | None = None) -> int:
         if parts == {"node_store"}:  # latest.* stay what the last run of the other parts wrote
             print(node_store.markdown(stores, stores_meta))
             return 0
+    if delta is not None:
+        delta_meta = {"machine": machine.one_line(host), "command": "python -m bench " + " ".join(sys.argv[1:]),
+                      "elapsed_seconds": round(seconds, 1), "load_before": load_before,
+                      "load_after": machine.load_average()}
+        header = (f"# Sending only what changed\n\nMachine: {delta_meta['machine']}. Command: `{delta_meta['command']}`. "
+                  f"Ran {delta_meta['elapsed_seconds']:.0f} s; 1-minute load average before/after: "
+                  f"{delta_meta['load_before']} / {delta_meta['load_after']}.\n")
+        (out_dir / "delta.json").write_text(json.dumps(delta | {"meta": delta_meta}, indent=2) + "\n")
+        (out_dir / "delta.md").write_text(header + delta_bench.markdown(delta))
+        log(f"delta: wrote {out_dir}/delta.json and delta.md")
+        if parts == {"delta"}:  # latest.* stay what the last run of the other parts wrote
+            print(header + delta_bench.markdown(delta))
+            return 0
     results = {
         "runs": runs,
         "ratios": report.ratios(runs),

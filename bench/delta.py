@@ -223,7 +223,7 @@ def run(workdir: Path, *, quick: bool) -> dict:
     extra = ("--local-socket", "auto", "--ingress-slot-bytes", str(bucket))
     servers = (Server(2, workdir, extra=extra), Server(2, workdir, extra=extra), Server(2, workdir, extra=extra))
     try:
-        swept = sweep(servers, scale, reps=2 if quick else 4, bucket_bytes=bucket)
+        swept = sweep(servers, scale, reps=2 if quick else 5, bucket_bytes=bucket)
         tune = fine_tune(servers[:2], scale, steps=3 if quick else 10, bucket_bytes=bucket)
     finally:
         for server in servers:

@@ -72,14 +72,49 @@ class Worth:
 
 EVERY_SMALLER = Worth(1.0, 1.0)
 """delta=True: a patch wherever it is smaller than the tensor."""
-AUTO_CPU = Worth(0.02, 0.035)
-"""delta="auto" for host tensors, measured on the 2-core benchmark machine (0.73 GB bf16, 2 CPU
-workers, COLLECTIVE; bench --only delta): a dense push takes ~0.24 s, a full comparison ~0.08 s,
-and patches everywhere 0.10 s at 0.1% changed, 0.20 s at 1%, 0.34 s at 3%: they pay below ~1.7%
-of the elements changed. The sample predicts a one-byte gap and every XOR byte per change (3 bytes
-for bf16; one-ulp changes measure 2.0-2.3), so 2% here compares bf16 tensors sampled below ~1.5%
-changed. Once compared, a patch costs no more than the comparison wasted plus dense up to ~3%
-changed (3.05% of the bytes)."""
+HOST_COMPARE_NS_PER_BYTE = 0.175
+"""delta="auto" on host tensors, measured on the 2-core benchmark machine (0.73 GB bf16, 2 CPU
+workers, COLLECTIVE over loopback at ~3 GB/s; bench --only delta): patches everywhere took
+0.10 s at 0.1% changed, 0.20 s at 1%, 0.34 s at 3%, against 0.24 s dense. Fitted per dense byte
+of the tensors: a fixed part (the comparison reading both copies, the plan, the kept copy) of
+this many ns ..."""
+HOST_CHANGE_NS_PER_BYTE = 9.1
+"""... plus this many ns per dense byte times the fraction of elements changed (the compare
+writing the patch, every worker's check and apply, the kept copy's XOR), plus the patch's bytes on
+the link. With dense bytes at B bytes/s, patches pay below a fraction changed of
+f* = (1/B - fixed) / (change + 1.15/B) (1.15: the patch's bytes per dense byte per changed
+fraction, one-ulp bf16): 1.7% on loopback here, ~6% at 10 Gbit/s, ~40% at 1 Gbit/s."""
+LOOPBACK_BYTES_PER_SECOND = 3.0e9
+"""The dense throughput assumed before this client has timed a dense push of its own."""
+
+
+def host_worth(dense_bytes_per_second: float | None) -> Worth:
+    """delta="auto" for host tensors at this dense throughput (the client's best recent dense push).
+    compare_below is in the sample's estimate (it counts every XOR byte: 1.5x a one-ulp bf16 change),
+    patch_below in the patch's real bytes; their factors put both at the measured 2% and 3.5% on
+    the benchmark machine's loopback: a margin under the crossover for the sample's noise, and
+    room above it once the comparison is paid for."""
+    crossover = host_crossover(dense_bytes_per_second)
+    return Worth(min(1.0, 1.23 * crossover), min(1.0, 2.13 * crossover))
+
+
+def host_crossover(dense_bytes_per_second: float | None) -> float:
+    """The fraction of elements changed below which patches beat dense on host tensors (f* above)."""
+    ns_per_byte = 1e9 / (dense_bytes_per_second or LOOPBACK_BYTES_PER_SECOND)
+    return max(0.0, (ns_per_byte - HOST_COMPARE_NS_PER_BYTE) / (HOST_CHANGE_NS_PER_BYTE + 1.15 * ns_per_byte))
+
+
+def auto_dense_above(dense_bytes_per_second: float | None) -> float:
+    """AUTO_DENSE_ABOVE on the benchmark machine's loopback, relaxed to 0.8 on a link slow enough
+    that the bytes, not the host's passes over memory, decide (patches then pay with many dense
+    tensors beside them)."""
+    loopback = host_crossover(None)
+    scale = host_crossover(dense_bytes_per_second) / loopback if loopback else 1.0
+    return min(0.8, max(AUTO_DENSE_ABOVE, AUTO_DENSE_ABOVE * scale))
+
+
+AUTO_CPU = host_worth(None)
+"""Worth(0.02, 0.035) on the benchmark machine's loopback."""
 AUTO_CUDA = Worth(0.1, 0.1)
 """delta="auto" for CUDA tensors, on paper (no GPU measurement yet): the comparison runs at device
 bandwidth, far above any link's, so what counts is the bytes on the link."""
@@ -92,8 +127,8 @@ def _on_host(base: torch.Tensor, new: torch.Tensor) -> bool:
     return base.device.type == "cpu" and new.device.type == "cpu" and base.is_contiguous()
 
 
-def auto_worth(tensor: torch.Tensor) -> Worth:
-    return AUTO_CUDA if tensor.is_cuda else AUTO_CPU
+def auto_worth(tensor: torch.Tensor, dense_bytes_per_second: float | None = None) -> Worth:
+    return AUTO_CUDA if tensor.is_cuda else host_worth(dense_bytes_per_second)
 
 DENSE_RUN_DROPS_COPY = 2
 """delta="auto": a tensor that went dense this many pushes in a row is no longer kept whole: its
@@ -101,6 +136,10 @@ copy costs a memcpy per push (~15% of a dense push on the benchmark machine, twi
 pages) and its memory. Only its sample is kept (SAMPLE_ELEMENTS raw values): when a later push's
 sample says the update would go as patches again, the tensor is copied whole once more, and patched
 from the push after."""
+
+DENSE_TIMING_MIN_BYTES = 64 << 20
+"""Smaller dense pushes are timed by their fixed costs, not the link."""
+DENSE_TIMINGS_KEPT = 8
 
 SAMPLE_ELEMENTS = 4096
 """Elements compared before the full comparison; a tensor whose sample says 'dense' skips it."""
@@ -167,9 +206,23 @@ class DeltaBase:
         """delta="auto": per tensor, the pushes in a row it went dense."""
         self.samples: dict[str, torch.Tensor] = {}
         """The sampled raw bits of a tensor no longer kept whole (DENSE_RUN_DROPS_COPY)."""
+        self.dense_throughputs: list[float] = []
+        """Bytes per second of this client's recent dense pushes (of at least DENSE_TIMING_MIN_BYTES)."""
         self._sampled: dict[str, torch.Tensor] = {}
         """This push's samples of the tensors in `samples`: they replace those once committed."""
         self._taking: ThreadCall[None] | None = None
+
+    def dense_push_timed(self, size_bytes: int, seconds: float) -> None:
+        """A dense push's bytes and seconds: what the link and the servers take, for auto's thresholds."""
+        if size_bytes >= DENSE_TIMING_MIN_BYTES and seconds > 0:
+            self.dense_throughputs = [*self.dense_throughputs[-(DENSE_TIMINGS_KEPT - 1):], size_bytes / seconds]
+
+    @property
+    def dense_bytes_per_second(self) -> float | None:
+        """The best of the recent dense pushes: the link's capacity, not a push slowed by a busy host
+        (a first push also allocates the servers' stores). Optimistic on purpose: a faster link makes
+        auto compare less, so a wrong guess costs patches, never a push slower than dense."""
+        return max(self.dense_throughputs) if self.dense_throughputs else None
 
     @property
     def memory_bytes(self) -> int:
@@ -187,14 +240,15 @@ class DeltaBase:
         self._settle()
         choice = DeltaChoice()
         self._sampled = {}
-        worths = {name: auto_worth(tensor) if auto else EVERY_SMALLER for name, tensor in named}
+        worths = {name: auto_worth(tensor, self.dense_bytes_per_second) if auto else EVERY_SMALLER
+                  for name, tensor in named}
         # The kernels read flat host memory: a strided host tensor (a slice, a transpose) is copied once.
         named = [(name, t.detach().contiguous() if t.device.type == "cpu" else t.detach()) for name, t in named]
         compare = {name: self._worth_comparing(name, tensor, worths[name]) for name, tensor in named}
         if auto:
             dense = sum(t.numel() * t.element_size() for _, t in named)
             expected = sum(t.numel() * t.element_size() for n, t in named if not compare[n])
-            if expected > AUTO_DENSE_ABOVE * dense:
+            if expected > auto_dense_above(self.dense_bytes_per_second) * dense:
                 for name, _ in named:  # all of them go dense
                     self.dense_runs[name] = self.dense_runs.get(name, 0) + 1
                 return choice

@@ -29,7 +29,7 @@ import torch
 
 from weightsync.client import transfer_group
 from weightsync.client._loop import LoopThread
-from weightsync.client.delta import AUTO_DENSE_ABOVE, Delta, DeltaBase, DeltaChoice
+from weightsync.client.delta import Delta, DeltaBase, DeltaChoice, auto_dense_above
 from weightsync.client.errors import UpdateFailed, WeightSyncClientError, WeightSyncRpcError
 from weightsync.client.ingress import IngressLease, open_ingress
 from weightsync.client.intra_op import one_intra_op_thread
@@ -285,7 +285,12 @@ class WeightSyncClient:
         outcomes = [o for _, _, done in runs for o in done]
         if items is not None:
             self._delta.committed(items, delta_choice, {o.server: o.committed for o in outcomes})
-        return _committed(runs, outcomes, version, started, dense_bytes=_dense_bytes(items) if items else 0)
+        result = _committed(runs, outcomes, version, started, dense_bytes=_dense_bytes(items) if items else 0)
+        if result.bytes_sent >= result.dense_bytes and result.plan_reused:
+            # All dense into stores that exist (a first push also allocates them): what the link and
+            # the servers take, for auto's thresholds.
+            self._delta.dense_push_timed(result.bytes_sent, result.seconds)
+        return result
 
     def _patched_plan(self, items: list[tuple[str, torch.Tensor]], delta: Delta, *, collective: bool,
                       bucket_size_bytes: int, zero_copy_min_bytes: int,
@@ -303,7 +308,8 @@ class WeightSyncClient:
             # Every tensor changed too much, or nothing changed at all: the plain dense push, whose
             # plan may be reused (a version re-pushed as it is).
             return None
-        if delta == "auto" and choice.sent_bytes(items) > AUTO_DENSE_ABOVE * _dense_bytes(items):
+        dense_above = auto_dense_above(self._delta.dense_bytes_per_second)
+        if delta == "auto" and choice.sent_bytes(items) > dense_above * _dense_bytes(items):
             return None  # patches would not pay
         plan = patched_plan(items, choice, bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes)
         return plan, choice, targets

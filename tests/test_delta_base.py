@@ -199,3 +199,24 @@ def test_host_tensors_go_as_patch_xor_byte_for_byte_the_reference():
         assert patch.data.numel() < 2.4 * count
     base.committed(named, choice, {"s": 2})
     assert all(torch.equal(base.tensors[n].view(torch.int16), after[n].view(torch.int16)) for n in after)
+
+
+def test_auto_compares_more_on_a_slower_link_and_never_below_the_loopback_thresholds():
+    """The thresholds follow the client's best recent dense push: on this machine's loopback (~3 GB/s)
+    patches pay below ~1.7% changed, at 1 Gbit/s below ~40%: a 4% step is dense on the first and
+    patched on the second. A dense push smaller than DENSE_TIMING_MIN_BYTES times nothing."""
+    assert delta_module.host_worth(None) == delta_module.host_worth(3e9)
+    assert 0.015 < delta_module.host_crossover(None) < 0.018
+    assert delta_module.host_crossover(1.25e8) > 0.35 and delta_module.auto_dense_above(1.25e8) == 0.8
+    before = weights()
+    step = changed(before, 0.04, seed=21)
+    base = kept_base(before)
+    assert base.dense_bytes_per_second is None
+    base.dense_push_timed(1 << 20, 1.0)  # too small to time the link
+    assert base.dense_bytes_per_second is None
+    assert not base.choose(list(step.items())).patches  # loopback thresholds: dense
+    base = kept_base(before)
+    base.dense_push_timed(1 << 30, 8.6)  # 1 GiB in 8.6 s: a 1 Gbit/s link
+    assert set(base.choose(list(step.items())).patches) == {"a", "b"}
+    base.dense_push_timed(1 << 30, 0.3)  # then a fast one: the best of the recent pushes counts
+    assert not base.choose(list(step.items())).patches

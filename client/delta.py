@@ -130,12 +130,13 @@ def _on_host(base: torch.Tensor, new: torch.Tensor) -> bool:
 def auto_worth(tensor: torch.Tensor, dense_bytes_per_second: float | None = None) -> Worth:
     return AUTO_CUDA if tensor.is_cuda else host_worth(dense_bytes_per_second)
 
-DENSE_RUN_DROPS_COPY = 2
+DENSE_RUN_DROPS_COPY = 1
 """delta="auto": a tensor that went dense this many pushes in a row is no longer kept whole: its
 copy costs a memcpy per push (~15% of a dense push on the benchmark machine, twice that into fresh
 pages) and its memory. Only its sample is kept (SAMPLE_ELEMENTS raw values): when a later push's
-sample says the update would go as patches again, the tensor is copied whole once more, and patched
-from the push after."""
+sample says the update would go as patches again, the tensor is copied whole once more (that push
+goes dense), and patched from the push after. One: a dense phase costs no copy at all; a single
+dense step between sparse ones costs one more dense push."""
 
 DENSE_TIMING_MIN_BYTES = 64 << 20
 """Smaller dense pushes are timed by their fixed costs, not the link."""

@@ -58,11 +58,11 @@ def test_auto_patches_host_tensors_only_where_it_pays_and_skips_the_comparison_e
 
 
 def test_auto_keeps_only_a_sample_of_a_tensor_that_goes_dense_push_after_push_until_it_turns_sparse():
-    """A tensor auto sent dense DENSE_RUN_DROPS_COPY pushes in a row is no longer copied (a memcpy
+    """A tensor auto sent dense (DENSE_RUN_DROPS_COPY pushes in a row) is no longer copied (a memcpy
     per push and its memory, for nothing): only a sample of it is kept. When a push's samples say
     the update would go as patches again, it goes dense once more and is kept whole, and the push
     after sends it as a patch. delta=True keeps every tensor whole."""
-    assert delta_module.DENSE_RUN_DROPS_COPY == 2
+    assert delta_module.DENSE_RUN_DROPS_COPY == 1
     current = weights()
     base = kept_base(current)
     kept_after = []
@@ -73,7 +73,7 @@ def test_auto_keeps_only_a_sample_of_a_tensor_that_goes_dense_push_after_push_un
         assert not choice.patches
         base.committed(named, choice, {"s": push + 1})
         kept_after.append(sorted(base.tensors))
-    assert kept_after == [["a", "b"], [], [], [], []]  # dense on pushes 1 and 2: dropped at push 2's copy
+    assert kept_after == [[], [], [], [], []]  # dense on push 1: not copied, from then on
     assert base.memory_bytes == 0 and sorted(base.samples) == ["a", "b"]
     assert all(s.numel() == delta_module.SAMPLE_ELEMENTS for s in base.samples.values())
     assert base.same_layout(list(current.items()))

@@ -147,7 +147,7 @@ def test_the_engine_follows_five_patched_versions_bit_for_bit(node, trainer, eng
     the tensors whose generation moved and its logits equal the trainer's, bit for bit, each time."""
     state = {n: t.clone() for n, t in tiny_model.weights(50).items()}
     # The module's trainer pushed whole other models before: auto keeps only samples of tensors that
-    # went dense twice in a row. delta=False forgets that history; the next push keeps a copy.
+    # went dense. delta=False forgets that history; the next push keeps a copy.
     trainer.push(state, version="p0-dense", transport="inline", delta=False)
     trainer.push(state, version="p0", transport="inline")
     g = torch.Generator().manual_seed(50)

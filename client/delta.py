@@ -85,7 +85,11 @@ the link. With dense bytes at B bytes/s, patches pay below a fraction changed of
 f* = (1/B - fixed) / (change + 1.15/B) (1.15: the patch's bytes per dense byte per changed
 fraction, one-ulp bf16): 1.7% on loopback here, ~6% at 10 Gbit/s, ~40% at 1 Gbit/s."""
 LOOPBACK_BYTES_PER_SECOND = 3.0e9
-"""The dense throughput assumed before this client has timed a dense push of its own."""
+"""COLLECTIVE's dense throughput on the benchmark machine's loopback, where the constants were fitted."""
+ASSUMED_BYTES_PER_SECOND = {"collective": LOOPBACK_BYTES_PER_SECOND, "inline": 1.9e9, "shm": 6.0e9}
+"""Per transport, the dense throughput assumed until this client timed a dense push of its own
+over it (the benchmark machine's: INLINE 0.65x COLLECTIVE, SHM 2.1x). On SHM the host's passes
+over memory cost more than the bytes: auto leaves unchanged tensors out and sends the rest dense."""
 
 
 def host_worth(dense_bytes_per_second: float | None) -> Worth:
@@ -138,6 +142,10 @@ sample says the update would go as patches again, the tensor is copied whole onc
 goes dense), and patched from the push after. One: a dense phase costs no copy at all; a single
 dense step between sparse ones costs one more dense push."""
 
+REKEEP_BELOW = 0.5
+"""A tensor kept only as a sample is copied whole again when its sample predicts a patch below
+this fraction of compare_below: near the crossover it would be copied, compared, found not worth
+it and dropped again, push after push (0.65-0.8x dense in the fine-tune bench)."""
 DENSE_TIMING_MIN_BYTES = 64 << 20
 """Smaller dense pushes are timed by their fixed costs, not the link."""
 DENSE_TIMINGS_KEPT = 8
@@ -207,23 +215,36 @@ class DeltaBase:
         """delta="auto": per tensor, the pushes in a row it went dense."""
         self.samples: dict[str, torch.Tensor] = {}
         """The sampled raw bits of a tensor no longer kept whole (DENSE_RUN_DROPS_COPY)."""
-        self.dense_throughputs: list[float] = []
-        """Bytes per second of this client's recent dense pushes (of at least DENSE_TIMING_MIN_BYTES)."""
+        self.transport = "collective"
+        """The transport of the push being chosen: its dense throughput sets auto's thresholds."""
+        self.dense_throughputs: dict[str, list[float]] = {}
+        """Per transport, bytes per second of this client's recent dense pushes (of at least
+        DENSE_TIMING_MIN_BYTES, into stores that existed)."""
+        self._rekeep: dict[str, bool] = {}
+        """This push's verdicts on the tensors in `samples`: clearly sparse again (REKEEP_BELOW)."""
         self._sampled: dict[str, torch.Tensor] = {}
         """This push's samples of the tensors in `samples`: they replace those once committed."""
         self._taking: ThreadCall[None] | None = None
 
-    def dense_push_timed(self, size_bytes: int, seconds: float) -> None:
+    def dense_push_timed(self, transport: str, size_bytes: int, seconds: float) -> None:
         """A dense push's bytes and seconds: what the link and the servers take, for auto's thresholds."""
         if size_bytes >= DENSE_TIMING_MIN_BYTES and seconds > 0:
-            self.dense_throughputs = [*self.dense_throughputs[-(DENSE_TIMINGS_KEPT - 1):], size_bytes / seconds]
+            recent = self.dense_throughputs.get(transport, [])
+            self.dense_throughputs[transport] = [*recent[-(DENSE_TIMINGS_KEPT - 1):], size_bytes / seconds]
 
     @property
-    def dense_bytes_per_second(self) -> float | None:
-        """The best of the recent dense pushes: the link's capacity, not a push slowed by a busy host
-        (a first push also allocates the servers' stores). Optimistic on purpose: a faster link makes
-        auto compare less, so a wrong guess costs patches, never a push slower than dense."""
-        return max(self.dense_throughputs) if self.dense_throughputs else None
+    def dense_bytes_per_second(self) -> float:
+        """The best of the recent dense pushes over this transport: the link's capacity, not a push
+        slowed by a busy host. Optimistic on purpose: a faster link makes auto compare less, so a
+        wrong guess costs patches, not a push slower than dense. Assumed until timed."""
+        timed = self.dense_throughputs.get(self.transport)
+        return max(timed) if timed else ASSUMED_BYTES_PER_SECOND.get(self.transport, LOOPBACK_BYTES_PER_SECOND)
+
+    def went_dense(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """The push chose patches and then went whole-dense (they would move too much): every tensor
+        went dense, whatever its comparison said."""
+        for name, _ in named:
+            self.dense_runs[name] = self.dense_runs.get(name, 0) + 1
 
     @property
     def memory_bytes(self) -> int:
@@ -240,8 +261,9 @@ class DeltaBase:
         the update goes dense (AUTO_DENSE_ABOVE), no tensor is compared in full."""
         self._settle()
         choice = DeltaChoice()
-        self._sampled = {}
-        worths = {name: auto_worth(tensor, self.dense_bytes_per_second) if auto else EVERY_SMALLER
+        self._sampled, self._rekeep = {}, {}
+        link = self.dense_bytes_per_second
+        worths = {name: auto_worth(tensor, link) if auto else EVERY_SMALLER
                   for name, tensor in named}
         # The kernels read flat host memory: a strided host tensor (a slice, a transpose) is copied once.
         named = [(name, t.detach().contiguous() if t.device.type == "cpu" else t.detach()) for name, t in named]
@@ -249,7 +271,7 @@ class DeltaBase:
         if auto:
             dense = sum(t.numel() * t.element_size() for _, t in named)
             expected = sum(t.numel() * t.element_size() for n, t in named if not compare[n])
-            if expected > auto_dense_above(self.dense_bytes_per_second) * dense:
+            if expected > auto_dense_above(link) * dense:
                 for name, _ in named:  # all of them go dense
                     self.dense_runs[name] = self.dense_runs.get(name, 0) + 1
                 return choice
@@ -257,8 +279,12 @@ class DeltaBase:
             if not compare[name]:
                 continue
             if name not in self.tensors:
-                # Only its sample was kept, and it says sparse again: dense this time, kept whole after.
-                self.dense_runs[name] = 0
+                # Only its sample was kept, and it says clearly sparse again (REKEEP_BELOW): dense this
+                # time, kept whole after.
+                if self._rekeep.get(name, False):
+                    self.dense_runs[name] = 0
+                else:
+                    self.dense_runs[name] = self.dense_runs.get(name, 0) + 1
                 continue
             patch = self._patch_of(name, tensor, worths[name])
             if patch == "unchanged":
@@ -295,6 +321,9 @@ class DeltaBase:
             fresh = self._sampled[name] = bits_of(new)[::stride].clone()
             changed = int((fresh != sample.to(new.device)).sum().item())
             per_change = 1 + itemsize if new.device.type == "cpu" else 2 + itemsize
+            sampled = changed / math.ceil(numel / stride)
+            smallest = min(sampled * per_change, 1 / 8 + sampled * itemsize) * numel
+            self._rekeep[name] = smallest <= REKEEP_BELOW * worth.compare_below * numel * itemsize
         elif _on_host(base, new):
             changed = patch_kernels.count_changed(base, new, stride)
             per_change = 1 + itemsize  # a one-byte gap and, at most, every XOR byte plane dense
@@ -449,7 +478,7 @@ class DeltaBase:
         """No copy at all (delta=False, or an iterator that is never held whole): its memory is freed."""
         self._settle()
         self.tensors, self.checksums, self.layout, self.generations = {}, {}, (), {}
-        self.dense_runs, self.samples, self._sampled = {}, {}, {}
+        self.dense_runs, self.samples, self._sampled, self._rekeep = {}, {}, {}, {}
 
     def forget(self, address: str | None = None) -> None:
         """A server's generation is unknown (it refused our base): next time it gets dense."""

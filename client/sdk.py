@@ -256,6 +256,7 @@ class WeightSyncClient:
             items = None
         else:
             items = _materialized(named_tensors)
+            self._delta.transport = transport
         runs: list[tuple[PlanChoice, PushRun, list[ServerOutcome]]] = []
         delta_choice, targets = None, []
         while items is not None:
@@ -289,7 +290,7 @@ class WeightSyncClient:
         if result.bytes_sent >= result.dense_bytes and result.plan_reused:
             # All dense into stores that exist (a first push also allocates them): what the link and
             # the servers take, for auto's thresholds.
-            self._delta.dense_push_timed(result.bytes_sent, result.seconds)
+            self._delta.dense_push_timed(transport, result.bytes_sent, result.seconds)
         return result
 
     def _patched_plan(self, items: list[tuple[str, torch.Tensor]], delta: Delta, *, collective: bool,
@@ -310,6 +311,7 @@ class WeightSyncClient:
             return None
         dense_above = auto_dense_above(self._delta.dense_bytes_per_second)
         if delta == "auto" and choice.sent_bytes(items) > dense_above * _dense_bytes(items):
+            self._delta.went_dense(items)
             return None  # patches would not pay
         plan = patched_plan(items, choice, bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes)
         return plan, choice, targets

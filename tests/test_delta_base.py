@@ -202,21 +202,44 @@ def test_host_tensors_go_as_patch_xor_byte_for_byte_the_reference():
 
 
 def test_auto_compares_more_on_a_slower_link_and_never_below_the_loopback_thresholds():
-    """The thresholds follow the client's best recent dense push: on this machine's loopback (~3 GB/s)
-    patches pay below ~1.7% changed, at 1 Gbit/s below ~40%: a 4% step is dense on the first and
-    patched on the second. A dense push smaller than DENSE_TIMING_MIN_BYTES times nothing."""
+    """The thresholds follow the client's best recent dense push over the push's transport: on
+    this machine's loopback (~3 GB/s) patches pay below ~1.7% changed, at 1 Gbit/s below ~40%: a
+    4% step is dense on the first and patched on the second. Until a transport is timed its
+    benchmark-machine figure is assumed: over SHM (~6 GB/s) host patches never pay. A dense push
+    smaller than DENSE_TIMING_MIN_BYTES times nothing."""
     assert delta_module.host_worth(None) == delta_module.host_worth(3e9)
     assert 0.015 < delta_module.host_crossover(None) < 0.018
     assert delta_module.host_crossover(1.25e8) > 0.35 and delta_module.auto_dense_above(1.25e8) == 0.8
+    assert delta_module.host_crossover(6e9) == 0.0
     before = weights()
     step = changed(before, 0.04, seed=21)
     base = kept_base(before)
-    assert base.dense_bytes_per_second is None
-    base.dense_push_timed(1 << 20, 1.0)  # too small to time the link
-    assert base.dense_bytes_per_second is None
+    assert base.dense_bytes_per_second == 3e9
+    base.dense_push_timed("collective", 1 << 20, 1.0)  # too small to time the link
+    assert base.dense_bytes_per_second == 3e9
     assert not base.choose(list(step.items())).patches  # loopback thresholds: dense
     base = kept_base(before)
-    base.dense_push_timed(1 << 30, 8.6)  # 1 GiB in 8.6 s: a 1 Gbit/s link
+    base.dense_push_timed("collective", 1 << 30, 8.6)  # 1 GiB in 8.6 s: a 1 Gbit/s link
     assert set(base.choose(list(step.items())).patches) == {"a", "b"}
-    base.dense_push_timed(1 << 30, 0.3)  # then a fast one: the best of the recent pushes counts
+    base.transport = "shm"  # another transport: its own figure
     assert not base.choose(list(step.items())).patches
+    base.transport = "collective"
+    base.dense_push_timed("collective", 1 << 30, 0.3)  # then a fast one: the best of the recent pushes counts
+    assert not base.choose(list(step.items())).patches
+
+
+def test_a_tensor_kept_as_a_sample_is_copied_again_only_once_clearly_sparse():
+    """Near the crossover a tensor would be copied, compared, found not worth a patch and dropped,
+    push after push: it is copied again only when its sample predicts under half the threshold."""
+    current = weights()
+    base = kept_base(current)
+    current = changed(current, 0.3, seed=1)
+    base.committed(list(current.items()), base.choose(list(current.items())), {"s": 2})
+    assert base.tensors == {} and sorted(base.samples) == ["a", "b"]
+    near = changed(current, 0.012, seed=2)  # sampled ~1.8% of the bytes: under compare_below, not under half
+    choice = base.choose(list(near.items()))
+    base.committed(list(near.items()), choice, {"s": 3})
+    assert base.tensors == {} and base.dense_runs == {"a": 2, "b": 2}
+    sparse = changed(near, 0.002, seed=3)
+    base.committed(list(sparse.items()), base.choose(list(sparse.items())), {"s": 4})
+    assert sorted(base.tensors) == ["a", "b"] and base.dense_runs == {"a": 0, "b": 0}

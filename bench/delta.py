@@ -228,7 +228,7 @@ def run(workdir: Path, *, quick: bool) -> dict:
     finally:
         for server in servers:
             server.stop()
-    links = [delta_link.run_limited(rate, burst, scale=0.25 if not quick else 0.0625, reps=3 if not quick else 2,
+    links = [delta_link.run_limited(rate, burst, scale=0.25 if not quick else 0.0625, reps=5 if not quick else 2,
                                     bucket_bytes=64 << 20) for rate, burst in LINKS]
     return {"scale": scale, "fine_tune": tune, "sweep": swept, "links": links,
             "goals": {"sent_at_1pct": 0.015, "speedup_at_1pct": 3.0, "sent_at_3pct": 0.04, "speedup_at_3pct": 2.0,

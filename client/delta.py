@@ -238,7 +238,11 @@ class DeltaBase:
         slowed by a busy host. Optimistic on purpose: a faster link makes auto compare less, so a
         wrong guess costs patches, not a push slower than dense. Assumed until timed."""
         timed = self.dense_throughputs.get(self.transport)
-        return max(timed) if timed else ASSUMED_BYTES_PER_SECOND.get(self.transport, LOOPBACK_BYTES_PER_SECOND)
+        assumed = ASSUMED_BYTES_PER_SECOND.get(self.transport, LOOPBACK_BYTES_PER_SECOND)
+        if self.transport == "shm":
+            # Memory, not a network: a slow first push (the ingress slots' first touch) says nothing.
+            return max([assumed, *(timed or [])])
+        return max(timed) if timed else assumed
 
     def went_dense(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """The push chose patches and then went whole-dense (they would move too much): every tensor

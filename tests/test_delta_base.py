@@ -221,7 +221,9 @@ def test_auto_compares_more_on_a_slower_link_and_never_below_the_loopback_thresh
     base = kept_base(before)
     base.dense_push_timed("collective", 1 << 30, 8.6)  # 1 GiB in 8.6 s: a 1 Gbit/s link
     assert set(base.choose(list(step.items())).patches) == {"a", "b"}
-    base.transport = "shm"  # another transport: its own figure
+    base.transport = "shm"  # another transport: its own figure, never below the assumed one
+    base.dense_push_timed("shm", 1 << 30, 2.0)
+    assert base.dense_bytes_per_second == 6e9
     assert not base.choose(list(step.items())).patches
     base.transport = "collective"
     base.dense_push_timed("collective", 1 << 30, 0.3)  # then a fast one: the best of the recent pushes counts

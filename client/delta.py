@@ -244,6 +244,11 @@ class DeltaBase:
             return max([assumed, *(timed or [])])
         return max(timed) if timed else assumed
 
+    def cannot_pay(self, named: list[tuple[str, torch.Tensor]]) -> bool:
+        """delta="auto" with host tensors only, at a dense throughput where no patch pays (SHM on the
+        benchmark machine): not even sampled, and no copy kept."""
+        return host_crossover(self.dense_bytes_per_second) == 0.0 and all(not t.is_cuda for _, t in named)
+
     def went_dense(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """The push chose patches and then went whole-dense (they would move too much): every tensor
         went dense, whatever its comparison said."""

@@ -257,6 +257,9 @@ class WeightSyncClient:
         else:
             items = _materialized(named_tensors)
             self._delta.transport = transport
+            if delta == "auto" and self._delta.cannot_pay(items):
+                self._delta.drop()  # the sample and the copy would cost a few percent, for nothing
+                items = None
         runs: list[tuple[PlanChoice, PushRun, list[ServerOutcome]]] = []
         delta_choice, targets = None, []
         while items is not None:

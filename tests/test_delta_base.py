@@ -225,6 +225,7 @@ def test_auto_compares_more_on_a_slower_link_and_never_below_the_loopback_thresh
     base.dense_push_timed("shm", 1 << 30, 2.0)
     assert base.dense_bytes_per_second == 6e9
     assert not base.choose(list(step.items())).patches
+    assert base.cannot_pay(list(step.items()))  # push() then neither samples nor keeps a copy
     base.transport = "collective"
     base.dense_push_timed("collective", 1 << 30, 0.3)  # then a fast one: the best of the recent pushes counts
     assert not base.choose(list(step.items())).patches

@@ -318,3 +318,23 @@ def test_local_socket_needs_attach_first_and_refuses_garbage(node, committed):
     parsed = local_pb2.LocalResponse()
     parsed.ParseFromString(answer[4:])
     assert parsed.error.reason == "MESSAGE_MALFORMED"
+
+
+def test_shm_pushes_with_the_default_keep_no_copy_and_send_dense_while_delta_true_patches(node, committed):
+    """Over SHM on this machine's figures (6 GB/s) no host patch pays: auto neither samples nor keeps
+    a copy, and the push is dense; delta=True still sends patches, which verify."""
+    with WeightSyncClient(node.address, max_message_bytes=MAX_MESSAGE) as own:
+        own.push(committed, version="shm-auto-0", transport="shm")
+        assert own._delta.memory_bytes == 0 and own._delta.samples == {}
+        step = {n: t.clone() for n, t in committed.items()}
+        flat = step["lm_head.weight"].view(-1)
+        flat[::997] = flat[::997] + 1
+        auto = own.push(step, version="shm-auto-1", transport="shm")
+        assert auto.bytes_sent >= auto.dense_bytes and own._delta.memory_bytes == 0
+        own.push(step, version="shm-kept", transport="shm", delta=True)
+        assert own._delta.memory_bytes > 0
+        flat[::991] = flat[::991] - 1
+        forced = own.push(step, version="shm-patched", transport="shm", delta=True)
+        assert forced.bytes_sent < 0.2 * forced.dense_bytes
+        assert own.verify(step).ok
+    Committed.model = step

@@ -90,10 +90,13 @@ def test_metrics_show_engines_groups_and_restarts(observed):
         for name, tensor in model.items():
             net.register_buffer(name.replace(".", "_"), torch.zeros_like(tensor))
         ModuleFollower(engine, net, name_map={n: n.replace(".", "_") for n in model}).update()
-    samples = scrape(observed)
-    generation = samples["weightsync_committed_generation"]
-    assert samples['weightsync_engine_applied_generation{engine="metered",kind="local",state="serving"}'] == generation
-    assert samples['weightsync_engine_commit_to_serving_seconds{engine="metered"}'] > 0
+        samples = scrape(observed)  # while the engine is connected: serving
+        generation = samples["weightsync_committed_generation"]
+        assert samples['weightsync_engine_applied_generation{engine="metered",kind="local",state="serving"}'] == generation
+        assert samples['weightsync_engine_commit_to_serving_seconds{engine="metered"}'] > 0
+    # Its last connection closed: unreachable, still at the generation it applied.
+    unreachable = 'weightsync_engine_applied_generation{engine="metered",kind="local",state="unreachable"}'
+    wait_for(lambda: scrape(observed).get(unreachable) == generation, timeout=10)
     victim = observed.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).workers[1].pid
     import os
 

@@ -71,8 +71,8 @@ FINE_LR = 3e-7
 """An RL step: about 0.4% of the bf16 weights change, the smallest first, so auto sends patches
 (about 1% of the dense bytes; the norms and some small biases do not change and stay out)."""
 COARSE_LR = 3e-6
-"""The last step: about 3.5% change, above what auto compares on host tensors (about 0.75%,
-client/delta.py AUTO_CPU): it goes dense."""
+"""The last step: about 3.5% change, above where patches pay on host tensors over loopback (about 1.7%,
+client/delta_policy.py): it goes dense."""
 
 
 def next_version(master: dict[str, torch.Tensor], model: dict[str, torch.Tensor], step: int, *, lr: float) -> None:

@@ -29,7 +29,8 @@ import torch
 
 from weightsync.client import transfer_group
 from weightsync.client._loop import LoopThread
-from weightsync.client.delta import Delta, DeltaBase, DeltaChoice, auto_dense_above
+from weightsync.client.delta import Delta, DeltaBase, DeltaChoice
+from weightsync.client.delta_policy import auto_dense_above
 from weightsync.client.errors import UpdateFailed, WeightSyncClientError, WeightSyncRpcError
 from weightsync.client.ingress import IngressLease, open_ingress
 from weightsync.client.intra_op import one_intra_op_thread

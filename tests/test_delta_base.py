@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from weightsync.client import delta as delta_module
+from weightsync.client import delta_policy
 from weightsync.client.delta import DeltaBase
 from weightsync.common import patch_format
 from weightsync.common.checksum import ws64
@@ -207,10 +208,10 @@ def test_auto_compares_more_on_a_slower_link_and_never_below_the_loopback_thresh
     4% step is dense on the first and patched on the second. Until a transport is timed its
     benchmark-machine figure is assumed: over SHM (~6 GB/s) host patches never pay. A dense push
     smaller than DENSE_TIMING_MIN_BYTES times nothing."""
-    assert delta_module.host_worth(None) == delta_module.host_worth(3e9)
-    assert 0.015 < delta_module.host_crossover(None) < 0.018
-    assert delta_module.host_crossover(1.25e8) > 0.35 and delta_module.auto_dense_above(1.25e8) == 0.8
-    assert delta_module.host_crossover(6e9) == 0.0
+    assert delta_policy.host_worth(None) == delta_policy.host_worth(3e9)
+    assert 0.015 < delta_policy.host_crossover(None) < 0.018
+    assert delta_policy.host_crossover(1.25e8) > 0.35 and delta_policy.auto_dense_above(1.25e8) == 0.8
+    assert delta_policy.host_crossover(6e9) == 0.0
     before = weights()
     step = changed(before, 0.04, seed=21)
     base = kept_base(before)

@@ -28,7 +28,7 @@ def model(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def sparse_step(named: dict[str, torch.Tensor], seed: int, fraction: float = 0.002) -> dict[str, torch.Tensor]:
     """A new model: `fraction` of the elements of the weight matrices changed, the rest bit-identical
-    (well below where delta="auto" stops comparing host tensors: client/delta.py, AUTO_CPU)."""
+    (well below where delta="auto" stops comparing host tensors: client/delta_policy.py)."""
     g = torch.Generator().manual_seed(seed)
     new = {n: t.clone() for n, t in named.items()}
     for name in ("embed", "layers.0.w"):

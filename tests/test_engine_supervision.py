@@ -233,6 +233,16 @@ def test_every_answer_but_a_json_object_is_malformed(raw, message):
     assert parse_answer("POST", "/resume", b"") == {}
 
 
+def started_driver() -> tuple[EngineRegistry, SimpleNamespace, engine_driver.VllmHttpDriver]:
+    """A vLLM driver on a stand-in publisher at generation 7, started (call inside the event loop)."""
+    registry = EngineRegistry()
+    publisher = SimpleNamespace(watchers=Watchers(), version=PublishedVersion(7))
+    driver = engine_driver.VllmHttpDriver("vllm-http", "http://127.0.0.1:9", publisher, registry, "/x.sock",
+                                          SimpleNamespace(token="", reloads=0))
+    driver.start()
+    return registry, publisher, driver
+
+
 def test_the_driver_loop_survives_an_unexpected_error_and_stops_cleanly(monkeypatch):
     monkeypatch.setattr(engine_driver, "LOOP_RETRY_SECONDS", (0.0,))
     monkeypatch.setattr(engine_driver, "POLL_SECONDS", 0.01)
@@ -247,11 +257,7 @@ def test_the_driver_loop_survives_an_unexpected_error_and_stops_cleanly(monkeypa
     monkeypatch.setattr(engine_driver.VllmHttpDriver, "_converge", converge)
 
     async def scenario() -> None:
-        registry = EngineRegistry()
-        publisher = SimpleNamespace(watchers=Watchers(), version=PublishedVersion(7))
-        driver = engine_driver.VllmHttpDriver("vllm-http", "http://127.0.0.1:9", publisher, registry, "/x.sock",
-                                              SimpleNamespace(token="", reloads=0))
-        driver.start()
+        registry, publisher, driver = started_driver()
         while len(calls) < 3:
             await asyncio.sleep(0.01)
         record = registry.records["vllm-http"]
@@ -309,11 +315,7 @@ def test_a_commit_while_vllm_applies_is_driven_at_once(monkeypatch, answer):
     monkeypatch.setattr(engine_driver.VllmHttpDriver, "_call", call)
 
     async def scenario() -> None:
-        registry = EngineRegistry()
-        publisher = SimpleNamespace(watchers=Watchers(), version=PublishedVersion(7))
-        driver = engine_driver.VllmHttpDriver("vllm-http", "http://127.0.0.1:9", publisher, registry, "/x.sock",
-                                              SimpleNamespace(token="", reloads=0))
-        driver.start()
+        registry, publisher, driver = started_driver()
         commit(publisher, "v1")
         await asyncio.wait_for(vllm.held.wait(), 60)
         commit(publisher, "v2")

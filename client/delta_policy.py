@@ -1,0 +1,87 @@
+"""When delta="auto" sends a patch: the cost model fitted on the benchmark machine, per device and
+per link (client/delta.py applies it to each tensor's sample and comparison)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AUTO_DENSE_ABOVE = 0.25
+"""delta="auto" sends the whole update dense when the tensors that would go dense (their samples
+say too much changed) hold more than this fraction of the dense bytes, and again when what the
+patches and the changed tensors would move is more: a push that mixes patches with many dense
+tensors measured slower than dense on the benchmark machine (0.8-0.9x at 1-1.5% changed with a
+third to a half of the bytes dense: the comparisons, a patched plan, and the copy of the dense
+tensors on top of their transfer), and near the crossover (~1.7% changed) the samples split the
+tensors that way. Checked on the samples before any full comparison."""
+
+
+@dataclass(frozen=True, slots=True)
+class Worth:
+    """When a tensor goes as a patch, in fractions of its dense bytes."""
+
+    compare_below: float
+    """Compare every element only when the sample predicts a patch below this: the comparison reads
+    both copies whole, which a dense push of that tensor does not."""
+    patch_below: float
+    """Once compared, send the patch when it is at most this (its encoding, the receivers' check
+    and scatter cost per changed element)."""
+
+
+EVERY_SMALLER = Worth(1.0, 1.0)
+"""delta=True: a patch wherever it is smaller than the tensor."""
+HOST_COMPARE_NS_PER_BYTE = 0.175
+"""delta="auto" on host tensors, measured on the 2-core benchmark machine (0.73 GB bf16, 2 CPU
+workers, COLLECTIVE over loopback at ~3 GB/s; bench --only delta): patches everywhere took
+0.10 s at 0.1% changed, 0.20 s at 1%, 0.34 s at 3%, against 0.24 s dense. Fitted per dense byte
+of the tensors: a fixed part (the comparison reading both copies, the plan, the kept copy) of
+this many ns ..."""
+HOST_CHANGE_NS_PER_BYTE = 9.1
+"""... plus this many ns per dense byte times the fraction of elements changed (the compare
+writing the patch, every worker's check and apply, the kept copy's XOR), plus the patch's bytes on
+the link. With dense bytes at B bytes/s, patches pay below a fraction changed of
+f* = (1/B - fixed) / (change + 1.15/B) (1.15: the patch's bytes per dense byte per changed
+fraction, one-ulp bf16): 1.7% on loopback here, ~6% at 10 Gbit/s, ~40% at 1 Gbit/s."""
+LOOPBACK_BYTES_PER_SECOND = 3.0e9
+"""COLLECTIVE's dense throughput on the benchmark machine's loopback, where the constants were fitted."""
+ASSUMED_BYTES_PER_SECOND = {"collective": LOOPBACK_BYTES_PER_SECOND, "inline": 1.9e9, "shm": 6.0e9}
+"""Per transport, the dense throughput assumed until this client timed a dense push of its own
+over it (the benchmark machine's: INLINE 0.65x COLLECTIVE, SHM 2.1x). On SHM the host's passes
+over memory cost more than the bytes: auto leaves unchanged tensors out and sends the rest dense."""
+
+
+def host_worth(dense_bytes_per_second: float | None) -> Worth:
+    """delta="auto" for host tensors at this dense throughput (the client's best recent dense push).
+    compare_below is in the sample's estimate (it counts every XOR byte: 1.5x a one-ulp bf16 change),
+    patch_below in the patch's real bytes; their factors put both at the measured 2% and 3.5% on
+    the benchmark machine's loopback: a margin under the crossover for the sample's noise, and
+    room above it once the comparison is paid for."""
+    crossover = host_crossover(dense_bytes_per_second)
+    return Worth(min(1.0, 1.23 * crossover), min(1.0, 2.13 * crossover))
+
+
+def host_crossover(dense_bytes_per_second: float | None) -> float:
+    """The fraction of elements changed below which patches beat dense on host tensors (f* above)."""
+    ns_per_byte = 1e9 / (dense_bytes_per_second or LOOPBACK_BYTES_PER_SECOND)
+    return max(0.0, (ns_per_byte - HOST_COMPARE_NS_PER_BYTE) / (HOST_CHANGE_NS_PER_BYTE + 1.15 * ns_per_byte))
+
+
+def auto_dense_above(dense_bytes_per_second: float | None) -> float:
+    """AUTO_DENSE_ABOVE on the benchmark machine's loopback, relaxed to 0.8 on a link slow enough
+    that the bytes, not the host's passes over memory, decide (patches then pay with many dense
+    tensors beside them)."""
+    loopback = host_crossover(None)
+    scale = host_crossover(dense_bytes_per_second) / loopback if loopback else 1.0
+    return min(0.8, max(AUTO_DENSE_ABOVE, AUTO_DENSE_ABOVE * scale))
+
+
+AUTO_CPU = host_worth(None)
+"""Worth(0.02, 0.035) on the benchmark machine's loopback."""
+AUTO_CUDA = Worth(0.1, 0.1)
+"""delta="auto" for CUDA tensors, on paper (no GPU measurement yet): the comparison runs at device
+bandwidth, far above any link's, so what counts is the bytes on the link."""
+
+
+def auto_worth(tensor: torch.Tensor, dense_bytes_per_second: float | None = None) -> Worth:
+    return AUTO_CUDA if tensor.is_cuda else host_worth(dense_bytes_per_second)

@@ -14,7 +14,9 @@ ahead of time, from a thread if the caller likes.
 
 from __future__ import annotations
 
+import atexit
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -256,44 +258,71 @@ def scatter_values(target: torch.Tensor, positions: torch.Tensor, values: torch.
     check.scatter(flat, positions.numpy(), _host_bits(values, "values"))
 
 
-def warm_up(itemsizes: tuple[int, ...] = (1, 2, 4, 8)) -> None:
+def warm_up(itemsizes: tuple[int, ...] = (1, 2, 4, 8), *, should_stop: Callable[[], bool] = lambda: False) -> None:
     """Load (or compile: ~13 s for all four widths on the bench machine, once per numba cache) every
-    kernel for these element widths; thread-safe, idempotent. Call it from a thread at start-up."""
+    kernel for these element widths; thread-safe, idempotent. Call it from a thread at start-up.
+    Between kernels it returns early once should_stop() is true."""
     widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    for dtype in (widths[i] for i in itemsizes):
-        base = torch.zeros(9, dtype=dtype)
-        new = base.clone()
-        new[3] = 1
-        patch = compare_and_encode(base, new)
-        assert patch is not None
-        check_patch(patch.data, base, 9, base.element_size(), patch.count, live_ws64=0)
-        decode_new_values(patch.data, base, patch.count, live_ws64=0)
-        decode_xor(patch.data, 9, base.element_size(), patch.count)
-        apply_patch(patch.data, base, patch.count)
-        scatter_values(base, torch.zeros(1, dtype=torch.int64), new[:1])
-        count_changed(base, new)
+    for itemsize in itemsizes:
+        for step in _warm_up_steps(widths[itemsize]):
+            if should_stop():
+                return
+            step()
 
 
+def _warm_up_steps(dtype: torch.dtype) -> list[Callable[[], object]]:
+    """One call of every kernel for this element width, each a step warm_up may stop after."""
+    base = torch.zeros(9, dtype=dtype)
+    new = base.clone()
+    new[3] = 1
+    patch = compare_and_encode(base, new)
+    assert patch is not None
+    return [
+        partial(check_patch, patch.data, base, 9, base.element_size(), patch.count, live_ws64=0),
+        partial(decode_new_values, patch.data, base, patch.count, live_ws64=0),
+        partial(decode_xor, patch.data, 9, base.element_size(), patch.count),
+        partial(apply_patch, patch.data, base, patch.count),
+        partial(scatter_values, base, torch.zeros(1, dtype=torch.int64), new[:1]),
+        partial(count_changed, base, new),
+    ]
+
+WARM_UP_EXIT_WAIT_S = 120.0
+"""How long interpreter exit waits for the warm-up to reach its next stop check (one kernel's
+compile, a few seconds cold)."""
 _warming: threading.Thread | None = None
+_stop_warming = threading.Event()
 
 
 def warm_up_in_background(itemsizes: tuple[int, ...] = (1, 2, 4, 8)) -> threading.Thread:
     """warm_up on a daemon thread, once per process (a worker or a client starting): the first patch
-    then finds its kernels loaded. A kernel called meanwhile loads itself (numba serializes it)."""
+    then finds its kernels loaded. A kernel called meanwhile loads itself (numba serializes it).
+
+    The process's exit stops and joins it (atexit): a daemon thread still inside a torch op when
+    the interpreter finalizes is ended by pthread_exit, whose unwinding through torch's noexcept
+    GIL guard calls std::terminate ("terminate called without an active exception", SIGABRT),
+    so a short trainer script that pushed and returned would die at exit."""
     global _warming
     with _pool_lock:
         if _warming is None:
             _warming = threading.Thread(target=_warm_quietly, args=(itemsizes,), name="weightsync-patch-warm-up",
                                         daemon=True)
+            atexit.register(_stop_warm_up)
             _warming.start()
         return _warming
 
 
+def _stop_warm_up() -> None:
+    _stop_warming.set()
+    if _warming is not None and _warming is not threading.current_thread():
+        _warming.join(WARM_UP_EXIT_WAIT_S)
+
+
 def _warm_quietly(itemsizes: tuple[int, ...]) -> None:
     try:
-        warm_up(itemsizes)
+        warm_up(itemsizes, should_stop=_stop_warming.is_set)
     except Exception as error:  # noqa: BLE001 - a failed warm-up only means the first patch compiles
         from weightsync.common.logging import get_logger
 
         get_logger("weightsync.patch_kernels").warning("patch_kernels_warm_up_failed", error=repr(error))
+
 

@@ -35,6 +35,7 @@ polls every `poll` seconds and applies under the same lock.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import re
@@ -153,6 +154,9 @@ class VllmFollower:
             self._thread = threading.Thread(target=self._loop, args=(poll,), name=f"vllm-follow-{self.name}",
                                             daemon=True)
             self._thread.start()
+            # A daemon thread still applying (torch ops) when the interpreter finalizes aborts the
+            # process (see common.patch_kernels.warm_up_in_background): exit stops it first.
+            atexit.register(self.stop)
         return self
 
     def _loop(self, poll: float) -> None:
@@ -179,6 +183,7 @@ class VllmFollower:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            atexit.unregister(self.stop)
 
     def close(self) -> None:
         """Stop the background thread and the status connection (vLLM's worker keeps its own)."""

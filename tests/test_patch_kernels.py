@@ -4,8 +4,11 @@ layout pinned by hand-worked examples (docs/data-plane.md, PATCH_XOR), and every
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -354,3 +357,35 @@ def test_the_kernels_use_the_checksum_constants():
     from weightsync.common.checksum import COLUMN_FACTOR, ROW_WORDS
 
     assert int(patch_jit.C) == COLUMN_FACTOR and ROW_WORDS == 512 == int(patch_jit.U511) + 1
+
+
+SPINNING_WARM_UP = """
+import sys, time, torch
+from weightsync.common import patch_kernels as pk
+def spin(itemsizes, *, should_stop):  # a warm-up that is always inside a torch op
+    x = torch.zeros(4096)
+    while not should_stop():
+        y = x.clone()
+        y[3] = 1
+pk.warm_up = spin
+pk.warm_up_in_background()
+time.sleep(0.3)
+print("done")
+"""
+
+REAL_WARM_UP = """
+import sys
+from weightsync.common import patch_kernels as pk
+pk.warm_up_in_background()
+print("done")
+"""
+
+
+def test_a_process_that_exits_during_the_warm_up_exits_cleanly(tmp_path):
+    """A daemon thread still inside a torch op when the interpreter finalizes aborts the process
+    (pthread_exit unwinding through torch's noexcept GIL guard: SIGABRT after the script's last
+    line); the warm-up is stopped and joined at exit instead."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}  # empty: the real one compiles
+    for script in (SPINNING_WARM_UP, REAL_WARM_UP):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=env)
+        assert (done.returncode, done.stdout, done.stderr) == (0, "done\n", "")

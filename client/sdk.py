@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import sys
 import threading
 import time
@@ -411,8 +412,9 @@ class WeightSyncClient:
         mismatches = []
         for server, answer in zip(self._servers.servers, answers, strict=True):
             remote = {t.name: t.checksum.value for t in answer.tensors}
+            not_stored = set(answer.not_stored)  # outside its --tensors subset: not its to hold
             for name, value in local.items():
-                if remote.get(name) != value:
+                if name not in not_stored and remote.get(name) != value:
                     mismatches.append(TensorMismatch(server.address, name, value, remote.get(name)))
         return VerifyResult(len(local), tuple(mismatches))
 
@@ -436,24 +438,39 @@ class WeightSyncClient:
         for server, answer in zip(self._servers.servers, self._loop.run(fetch()), strict=True):
             if isinstance(answer, BaseException) or answer.store_state != pb.STORE_STATE_CONSISTENT:
                 continue
-            if {t.name: t.checksum.value for t in answer.tensors} == local:
+            subset = {name: value for name, value in local.items() if name not in set(answer.not_stored)}
+            if {t.name: t.checksum.value for t in answer.tensors} == subset:
                 generations[server.address] = StoreGeneration(answer.version.store_epoch, answer.version.generation)
         self._delta.committed(items, None, generations)
         return sorted(generations)
 
     async def _fetch_checksums(self, server: Server, request: pb.GetTensorChecksumsRequest):
-        """Every worker's checksums of the named tensors; a name a server lacks is left out."""
+        """The server's checksums of the named tensors; a name it lacks is left out, a name outside its
+        --tensors subset is in not_stored."""
         try:
             return await self._settled_checksums(server, request)
         except WeightSyncRpcError as error:
             if error.reason != "TENSOR_NOT_FOUND":
                 raise
         answer = await self._settled_checksums(server, pb.GetTensorChecksumsRequest())
+        held = {t.name for t in answer.tensors}
+        asked = [n for n in request.names if n not in held]
+        # The refusal named only some absent names: those outside its subset are not missing.
+        by_design = await self._not_stored(server, asked)
         wanted = set(request.names)
         kept = [t for t in answer.tensors if t.name in wanted]
         del answer.tensors[:]
         answer.tensors.extend(kept)
+        answer.not_stored[:] = by_design
         return answer
+
+    async def _not_stored(self, server: Server, absent: list[str]) -> list[str]:
+        """Which of these names (none in the server's store) are outside its --tensors subset."""
+        info = await self._servers.unary(server, "GetServerInfo", pb.GetServerInfoRequest(), self._servers.timeout)
+        if not info.store.tensor_filter:
+            return []
+        subset = re.compile(info.store.tensor_filter)
+        return sorted(n for n in absent if subset.search(n) is None)
 
     async def _settled_checksums(self, server: Server, request: pb.GetTensorChecksumsRequest):
         """GetTensorChecksums; a server a push of ours gave up on (Server.unsettled) may still be

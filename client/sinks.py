@@ -116,14 +116,16 @@ class CollectiveSink:
 
 
 def owner_ranks(streams: list[UpdateStream], index: int) -> list[int]:
-    """The group ranks that receive bucket `index`: each server's owner, from its Ready."""
+    """The group ranks that receive bucket `index`: each server's owner, from its Ready (none on a
+    server that stores none of its tensors: -1)."""
     ranks = []
     for stream in streams:
         owners = stream.ready.result().bucket_owner_ranks
         if index >= len(owners):
             raise CollectiveError(f"{stream.server} named no receiver for bucket {index} (UpdateReady."
                                   "bucket_owner_ranks): a server older than this SDK", timed_out=False)
-        ranks.append(owners[index])
+        if owners[index] >= 0:
+            ranks.append(owners[index])
     return ranks
 
 
@@ -145,9 +147,10 @@ class InlineSink:
         size = payload.size
         data = memoryview(payload.read().detach().cpu().numpy())
         announce(self._loop, streams, index, size, checksum)
+        receivers = [s for s in streams if s.stores(index)]  # the others take no chunks of it
         for offset in range(0, size, self._chunk):
             chunk = encode_bucket_chunk(index, offset, data[offset : offset + self._chunk])
-            for stream in streams:
+            for stream in receivers:
                 if stream.failed:
                     return stream.reported_error
                 self._loop.run(stream.send_data(chunk))  # bounded: streams.UpdateStream.progress_timeout

@@ -43,7 +43,15 @@ class UpdateStream:
         """finish() gave up on this stream: the server did not end it in time (unreachable?)."""
         self.failure: WeightSyncRpcError | None = None
         self.aborting: pb.UpdateAborting | None = None
+        self._not_stored: frozenset[int] | None = None
         self._reader = asyncio.create_task(self._read())
+
+    def stores(self, index: int) -> bool:
+        """Whether this server stores any tensor of bucket `index` (UpdateReady.not_stored_buckets:
+        a server with a --tensors subset); ask after Ready came."""
+        if self._not_stored is None:
+            self._not_stored = frozenset(self.ready.result().not_stored_buckets)
+        return index not in self._not_stored
 
     async def _requests(self):
         while True:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -72,6 +73,9 @@ class ServerConfig:
     """PEM private key file."""
     tls_client_ca: str = ""
     """PEM CA bundle: when set, clients must present a certificate it signed (mTLS)."""
+    tensors: str = ""
+    """A regex (Python re.search): this node stores, and receives, only the tensors whose name it
+    matches (engines that span nodes by pipeline or expert parallelism); empty: every tensor."""
 
     def __post_init__(self) -> None:
         parse_address(self.listen, allow_port_zero=True, what="listen")
@@ -109,6 +113,10 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        try:
+            re.compile(self.tensors)
+        except re.error as error:
+            raise ValueError(f"--tensors is not a regular expression ({error}): {self.tensors!r}") from None
 
     @property
     def limits(self) -> PlanLimits:
@@ -153,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-cert")
     parser.add_argument("--tls-key")
     parser.add_argument("--tls-client-ca")
+    parser.add_argument("--tensors", metavar="REGEX",
+                        help="store and receive only the tensors whose name matches (re.search); default: all")
     return parser
 
 
@@ -223,7 +233,7 @@ def config_from_args(argv: Sequence[str] | None, env: Mapping[str, str] | None =
     for name in ("health_listen", "metrics_listen"):
         if (raw := pick(name)) is not None:
             values[name] = raw
-    for name in ("tls_cert", "tls_key", "tls_client_ca"):
+    for name in ("tls_cert", "tls_key", "tls_client_ca", "tensors"):
         if (raw := pick(name)) is not None:
             values[name] = raw
     return ServerConfig(**values)  # type: ignore[arg-type]

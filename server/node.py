@@ -70,7 +70,7 @@ class Node:
             on_worker_unresponsive=self._on_worker_unresponsive,
             ingress=self.ingress,
         )
-        self.store = NodeStore()
+        self.store = NodeStore(tensor_filter=config.tensors)
         self.engines = EngineRegistry(on_change=lambda: self.publisher.publish_state())
         self.publisher = Publisher(self.store, self.engines)
         self.leases = LeaseTable()
@@ -229,7 +229,7 @@ class Node:
             engines=self.engines.protos(),
             local_socket=self.local.path if self.local else "",
             store=pb.StoreInfo(state=store.state, tensor_count=len(store.tensors), live_bytes=store.live_bytes,
-                               held_bytes=store.held_bytes),
+                               held_bytes=store.held_bytes, tensor_filter=store.tensor_filter),
         )
 
     def transports(self) -> list[int]:

@@ -20,6 +20,7 @@ the arenas they map. A worker's death therefore loses nothing, whatever its devi
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -87,7 +88,10 @@ class StoreUpdate:
 class NodeStore:
     """The node's store (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tensor_filter: str = "") -> None:
+        self.tensor_filter = tensor_filter
+        """A regex (Python re.search) a tensor's name must match to be stored here; empty: every tensor."""
+        self._filter = re.compile(tensor_filter) if tensor_filter else None
         self.arenas = ArenaTable()
         self.segments: list[Segment] = []
         self.tensors: dict[str, StoredTensor] = {}
@@ -165,13 +169,16 @@ class NodeStore:
         start = live.offset_bytes + t.offset_bytes
         return data[start : start + t.size_bytes].view(t.dtype).view(t.shape)
 
-    def checksum_targets(self, names: list[str]) -> list[str]:
-        """The names to checksum (all when none asked), sorted; unknown ones are NOT_FOUND."""
-        missing = sorted(n for n in set(names) if n not in self.tensors)
+    def checksum_targets(self, names: list[str]) -> tuple[list[str], list[str]]:
+        """(The names to checksum (all when none asked), the names asked for that this node does not
+        store by design (outside its --tensors subset)), both sorted; other unknown ones are NOT_FOUND."""
+        asked = set(names)
+        not_stored = sorted(n for n in asked if not self.stores(n))
+        missing = sorted(n for n in asked if n not in self.tensors and self.stores(n))
         if missing:
             raise NotFound("TENSOR_NOT_FOUND", f"{len(missing)} tensor(s) not in the store, e.g. {missing[0]!r}",
                            count=len(missing), tensors=",".join(missing[:20]))
-        return sorted(set(names) if names else self.tensors)
+        return sorted(asked - set(not_stored) if names else self.tensors), not_stored
 
     def compute_checksums(self, names: list[str]) -> list[pb.TensorChecksum]:
         """WS64 of each committed tensor's live bytes. Runs in a thread; the caller pins the bytes (a lease)."""
@@ -186,6 +193,10 @@ class NodeStore:
             raise FailedPrecondition("UPDATE_IN_PROGRESS", f"update {self.update.update_id} is still running",
                                      update_id=self.update.update_id)
 
+    def stores(self, name: str) -> bool:
+        """Whether this node holds tensor `name` (its --tensors subset)."""
+        return self._filter is None or self._filter.search(name) is not None
+
     def prepare(self, *, update_id: str, plan: tensor_pb2.WeightPlan, plan_id: str, mode: int,
                 allow_new_tensors: bool, workers: int) -> StoreUpdate:
         """Derive the update (or take it from the cache), choose its owners, count its memory: SIZED."""
@@ -195,10 +206,11 @@ class NodeStore:
             plan=plan, plan_id=plan_id, mode=mode, allow_new_tensors=allow_new_tensors, tensors=self.tensors,
             segment_signatures=[s.signature for s in self.segments],
             segment_sizes=[s.size_bytes for s in self.segments], layout_version=self.layout_version,
+            stores=self.stores,
         )
         missing_shadows = sum(align_segment(self.segments[i].size_bytes) for i in derived.shadowed_segments
                               if self.segments[i].shadow is None)
-        owners = bucket_owners([r.size_bytes for r in derived.routes], workers)
+        owners = bucket_owners([r.size_bytes for r in derived.routes], workers, frozenset(derived.not_stored))
         self.update = StoreUpdate(update_id, derived, owners, workers, derived.new_segment_bytes + missing_shadows)
         return self.update
 

@@ -118,12 +118,12 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         owner = next(_reader_ids)
         lease = await node.leases.grant(lambda: node.publisher.version, owner, CHECKSUM_LEASE_SECONDS)
         try:
-            targets = node.store.checksum_targets(names)
+            targets, not_stored = node.store.checksum_targets(names)
             tensors = await asyncio.to_thread(node.store.compute_checksums, targets)
         finally:
             await node.leases.release(lease.lease_id, owner)
         return pb.GetTensorChecksumsResponse(version=lease.version.to_proto(), store_state=node.store.state,
-                                             tensors=tensors)
+                                             tensors=tensors, not_stored=not_stored)
 
     async def WatchWeights(self, request: pb.WatchWeightsRequest, context) -> AsyncIterator[pb.WatchWeightsResponse]:
         queue = self.node.publisher.watchers.subscribe()

@@ -15,6 +15,10 @@ receives it into the store. Each BucketStart is checked and then, by transport:
     owner at once. It must carry a WS64 checksum (the owner checks its own copy
     of the slot against it). An announcement that reuses a slot before
     BucketApplied freed it is refused.
+A bucket with none of the node's tensors (a `--tensors` subset) has no owner: it is
+announced as usual and counts as applied at once; no bytes follow it on INLINE, the
+trainer sends none over Gloo nor writes its SHM slot, and over NCCL every worker
+joins the broadcast and drops it.
 The driver (update_session.py) awaits the forwarded receives in order. The intake
 owns the announcements, the ingress piece counter and the forwarding; it sees
 its session only through IntakeSession, and never writes the session's state.
@@ -52,6 +56,8 @@ class Bucket:
     discard: bool
     last: bool = True
     """False for a piece that does not complete its bucket (INLINE buckets larger than a slot)."""
+    in_slot: bool = False
+    """Its bytes are in an ingress slot, free again once this settles (a not-stored INLINE bucket has none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +130,9 @@ class IntakeSession(Protocol):
 
     def route_is_direct(self, sequence: int) -> bool:
         """Bucket `sequence` is received straight into the store (no staging)."""
+
+    def stored_here(self, sequence: int) -> bool:
+        """Bucket `sequence` holds some of this node's tensors (see the module docstring)."""
 
     def fail(self, error: WeightSyncError) -> None: ...
 
@@ -246,6 +255,9 @@ class BucketIntake:
         if self.session.failure is None:
             self.announced += 1
             size = self.session.plan.buckets[start.sequence].size_bytes
+            if self.transport == pb.TRANSPORT_INLINE and not self.session.stored_here(start.sequence):
+                await self.session.inbox.put(self.forward(start.sequence, start.checksum, discard=False, size=size))
+                return  # no chunks follow: there is nothing here to receive them into
             if self.transport == pb.TRANSPORT_INLINE:
                 self.filling = _Filling(start.sequence, size, start.checksum)
                 await self._claim_slot()
@@ -392,7 +404,7 @@ class BucketIntake:
                 dropped.CopyFrom(command)
                 dropped.discard = True
                 receives.append((worker, self.fleet.submit_or_refusal(worker, receive_bucket=dropped)))
-        bucket = Bucket(sequence, receives, discard, last)
+        bucket = Bucket(sequence, receives, discard, last, in_slot=ingress_offset is not None)
         self.pending.append(bucket)
         return bucket
 

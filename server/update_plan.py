@@ -8,7 +8,10 @@ decides, for each bucket, where its bytes go:
     first update, or allow_new_tensors);
   - straight into its place in the tensor, for a piece of a split tensor (a
     new split tensor gets a segment of its own at its first piece);
-  - into the staging buffer, then one copy per tensor (the general path).
+  - into the staging buffer, then one copy per tensor (the general path);
+  - nowhere, when the node stores none of its tensors (a server started with
+    `--tensors REGEX` holds a subset): the bucket has no owner on this node. A
+    bucket with some of the node's tensors takes the general path for those.
 STAGED: a shadowed segment this update does not rewrite whole starts as a copy
 of its live bytes.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,10 +105,20 @@ class BucketRoute:
     """Tensors already in the store that this bucket rewrites (IN_PLACE abort marks them dirty)."""
     patches: tuple[PatchTarget, ...] = ()
     """Tensors of this bucket sent as patches: never copied whole, never shadowed."""
+    stored: bool = True
+    """False: none of the bucket's tensors belongs to this node's subset; nobody receives it here."""
 
     @property
     def direct(self) -> bool:
         return self.receive_into is not None
+
+
+def _not_stored(bucket: tensor_pb2.BucketSpec) -> BucketRoute:
+    return BucketRoute(bucket.size_bytes, None, (), (), (), stored=False)
+
+
+def stores_everything(name: str) -> bool:
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +149,11 @@ class UpdatePlan:
     @property
     def fast_path_count(self) -> int:
         return sum(1 for r in self.routes if r.direct)
+
+    @property
+    def not_stored(self) -> tuple[int, ...]:
+        """Buckets with nothing for this node (see BucketRoute.stored)."""
+        return tuple(k for k, r in enumerate(self.routes) if not r.stored)
 
     @property
     def new_segment_bytes(self) -> int:
@@ -168,11 +187,11 @@ def _check_against_store(index: int, spec: tensor_pb2.TensorSpec, stored: Stored
         )
 
 
-def _checks(bucket: tensor_pb2.BucketSpec) -> tuple[TensorCheck, ...]:
+def _checks(specs: list[tensor_pb2.TensorSpec]) -> tuple[TensorCheck, ...]:
     """Dense tensors (and pieces) with a WS64 (a patch's checksum is of the patched tensor: see PatchTarget)."""
     return tuple(
         TensorCheck(s.name, s.offset_bytes, s.size_bytes, s.checksum.value)
-        for s in bucket.tensors
+        for s in specs
         if s.checksum.algorithm == tensor_pb2.CHECKSUM_ALGORITHM_WS64 and not patches.is_patch(s.encoding)
     )
 
@@ -187,8 +206,9 @@ class _Derivation:
     """One derive_update_plan call: the store's layout, and what the plan's buckets add to it so far."""
 
     def __init__(self, tensors: dict[str, StoredTensor], segment_signatures: list[bytes],
-                 segment_sizes: list[int], *, staged: bool, allow_new: bool) -> None:
+                 segment_sizes: list[int], *, staged: bool, allow_new: bool, stores: Callable[[str], bool]) -> None:
         self.tensors = tensors
+        self.stores = stores
         self.segment_sizes = segment_sizes
         self.staged = staged
         self.allow_new = allow_new
@@ -212,15 +232,19 @@ class _Derivation:
         return self.first_new + len(self.new_segments) - 1
 
     def bucket(self, index: int, bucket: tensor_pb2.BucketSpec) -> None:
-        for spec in bucket.tensors:
-            self.names.add(spec.name)
-        checks = _checks(bucket)
-        if bucket.tensors and bucket.tensors[0].HasField("piece"):
-            self.routes.append(self._piece(index, bucket.tensors[0], checks))
+        specs = [s for s in bucket.tensors if self.stores(s.name)]
+        if bucket.tensors and not specs:
+            self.routes.append(_not_stored(bucket))
             return
-        existing, patched = self._existing_and_patched(index, bucket)
-        if patched:
-            self.routes.append(self._general(bucket, checks, existing, tuple(patched)))
+        for spec in specs:
+            self.names.add(spec.name)
+        checks = _checks(specs)
+        if specs and specs[0].HasField("piece"):
+            self.routes.append(self._piece(index, specs[0], checks))
+            return
+        existing, patched = self._existing_and_patched(index, specs)
+        if patched or len(specs) < len(bucket.tensors):  # a patch, or only some of the bucket is this node's
+            self.routes.append(self._general(bucket.size_bytes, specs, checks, existing, tuple(patched)))
         elif not existing:  # every tensor is new: the bucket defines a segment of its own
             segment = self._new_segment(bucket.size_bytes, bucket_signature(bucket))
             self.new_tensors.update((s.name, _new_tensor(s, segment, s.offset_bytes)) for s in bucket.tensors)
@@ -230,13 +254,13 @@ class _Derivation:
             self._write(segment, self.segment_sizes[segment])
             self.routes.append(BucketRoute(bucket.size_bytes, DirectTarget(segment), (), checks, tuple(existing)))
         else:
-            self.routes.append(self._general(bucket, checks, existing, ()))
+            self.routes.append(self._general(bucket.size_bytes, specs, checks, existing, ()))
 
-    def _existing_and_patched(self, index: int, bucket: tensor_pb2.BucketSpec) -> tuple[list[str], list[PatchTarget]]:
+    def _existing_and_patched(self, index: int, specs: list[tensor_pb2.TensorSpec]) -> tuple[list[str], list[PatchTarget]]:
         """The bucket's tensors already in the store (checked against it), and its patches."""
         existing: list[str] = []
         patched: list[PatchTarget] = []
-        for spec in bucket.tensors:
+        for spec in specs:
             stored = self.tensors.get(spec.name)
             if patches.is_patch(spec.encoding):
                 if stored is None:
@@ -274,13 +298,13 @@ class _Derivation:
             self.new_tensors[spec.name] = new
         return BucketRoute(spec.size_bytes, DirectTarget(new.segment, spec.piece.offset_bytes), (), checks, ())
 
-    def _general(self, bucket: tensor_pb2.BucketSpec, checks: tuple[TensorCheck, ...], existing: list[str],
-                 patched: tuple[PatchTarget, ...]) -> BucketRoute:
-        """Staging, then one copy per dense tensor (new tensors of the bucket get one packed segment of their
+    def _general(self, size_bytes: int, specs: list[tensor_pb2.TensorSpec], checks: tuple[TensorCheck, ...],
+                 existing: list[str], patched: tuple[PatchTarget, ...]) -> BucketRoute:
+        """Staging, then one copy per dense tensor of this node (new ones get one packed segment of their
         own); patches are scattered from staging."""
-        self.staging = max(self.staging, bucket.size_bytes)
+        self.staging = max(self.staging, size_bytes)
         copies: list[TensorCopy] = []
-        fresh = [s for s in bucket.tensors if s.name not in self.tensors]
+        fresh = [s for s in specs if s.name not in self.tensors]
         if fresh:
             fresh_segment = self.first_new + len(self.new_segments)
             cursor = 0
@@ -290,13 +314,13 @@ class _Derivation:
                 copies.append(TensorCopy(spec.offset_bytes, spec.size_bytes, fresh_segment, start))
                 cursor = start + spec.size_bytes
             self._new_segment(align_up(cursor), b"")
-        for spec in bucket.tensors:
+        for spec in specs:
             stored = self.tensors.get(spec.name)
             if stored is not None and not patches.is_patch(spec.encoding):
                 copies.append(TensorCopy(spec.offset_bytes, spec.size_bytes, stored.segment, stored.offset_bytes))
                 self._write(stored.segment, spec.size_bytes)
         overwrites = (*existing, *(p.name for p in patched))
-        return BucketRoute(bucket.size_bytes, None, tuple(copies), checks, overwrites, patched)
+        return BucketRoute(size_bytes, None, tuple(copies), checks, overwrites, patched)
 
     def result(self, plan_id: str, layout_version: int) -> UpdatePlan:
         shadowed = tuple(sorted(self.touched)) if self.staged else ()
@@ -325,10 +349,12 @@ def derive_update_plan(
     segment_signatures: list[bytes],
     segment_sizes: list[int],
     layout_version: int,
+    stores: Callable[[str], bool] = stores_everything,
 ) -> UpdatePlan:
-    """Validate the plan against the store's layout and route every bucket (see the module docstring)."""
+    """Validate the plan against the store's layout and route every bucket (see the module docstring).
+    `stores(name)`: whether this node holds that tensor (a server's --tensors subset)."""
     derivation = _Derivation(tensors, segment_signatures, segment_sizes, staged=mode == pb.UPDATE_MODE_STAGED,
-                             allow_new=allow_new_tensors or not tensors)
+                             allow_new=allow_new_tensors or not tensors, stores=stores)
     for index, bucket in enumerate(plan.buckets):
         derivation.bucket(index, bucket)
     return derivation.result(plan_id, layout_version)

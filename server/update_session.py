@@ -38,6 +38,7 @@ from weightsync.common.errors import (
     code_number,
 )
 from weightsync.common.logging import get_logger
+from weightsync.common.ownership import NO_OWNER
 from weightsync.common.patches import is_patch
 from weightsync.server.admission import MemoryAdmission, StagingNeed
 from weightsync.server.fleet import WorkerFleet
@@ -160,6 +161,10 @@ class UpdateSession:
         update = self.store_update
         return update is not None and 0 <= sequence < len(update.plan.routes) and update.plan.routes[sequence].direct
 
+    def stored_here(self, sequence: int) -> bool:
+        update = self.store_update
+        return update is None or not 0 <= sequence < len(update.plan.routes) or update.plan.routes[sequence].stored
+
     def touched(self, sequence: int) -> None:
         """Bytes of bucket `sequence` may have reached the store (an IN_PLACE abort marks them dirty)."""
         if self.store_update is not None:
@@ -227,7 +232,10 @@ class UpdateSession:
         ready = pb.UpdateReady(update_id=self.update_id, plan_id=self.plan_id, bucket_count=len(self.plan.buckets),
                                fast_path_bucket_count=fast)
         if self.group is not None:
-            ready.bucket_owner_ranks.extend(self.group.rank_offset + owner for owner in self.owners)
+            ready.bucket_owner_ranks.extend(NO_OWNER if owner == NO_OWNER else self.group.rank_offset + owner
+                                            for owner in self.owners)
+        if plan is not None:
+            ready.not_stored_buckets.extend(plan.not_stored)
         return pb.UpdateWeightsResponse(ready=ready)
 
     async def _finish(self, reader: asyncio.Task[None] | None) -> None:
@@ -297,7 +305,7 @@ class UpdateSession:
         for error in errors:
             self._note_broken(error)
         if not errors:
-            self.pieces_done += 1
+            self.pieces_done += bucket.in_slot
             self.progress.set()
         if bucket.discard or self.failure is not None:
             return None
@@ -312,7 +320,8 @@ class UpdateSession:
             return None
         self.applied += 1
         size = self.plan.buckets[bucket.sequence].size_bytes
-        self.applied_bytes += size
+        if self.stored_here(bucket.sequence):
+            self.applied_bytes += size  # what the node received (UpdateCommitted.size_bytes)
         return pb.UpdateWeightsResponse(bucket_applied=pb.BucketApplied(sequence=bucket.sequence, size_bytes=size))
 
     def _note_touched(self, sequence: int, answers, *, discard: bool) -> None:

@@ -246,3 +246,16 @@ def test_a_hand_written_file_with_misaligned_and_tiny_tensors(tmp_path):
         pushed = summary(run_trainer(server, path, "odd", "--tensor-checksums"))
         assert (pushed["generation"], pushed["buckets"], pushed["bytes"], pushed["tensorsVerified"]) == (1, 3, 8 + 10 + 8, 4)
         assert_holds(server, tensors, "odd", 1)
+
+
+def test_a_server_that_stores_a_subset_gets_only_the_buckets_holding_its_tensors(tmp_path, files):
+    """--tensors on the server: the trainer announces the other buckets without their bytes
+    (UpdateReady.not_stored_buckets), and checks only what the server stores."""
+    path, tensors = files["v1"]
+    subset = {n: t for n, t in tensors.items() if n.startswith("layers.")}
+    with running_server(tmp_path, "--ingress-slot-bytes", str(SLOT_BYTES), "--tensors", r"^layers\.") as server:
+        pushed = summary(run_trainer(server, path, "v1", "--allow-new-tensors"))
+        assert (pushed["version"], pushed["tensors"], pushed["tensorsVerified"]) == ("v1", 8, len(subset))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert sum(t.numel() * t.element_size() for t in subset.values()) <= pushed["bytes"] < total
+        assert_holds(server, subset, "v1", 1)

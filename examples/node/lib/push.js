@@ -60,12 +60,19 @@ async function run(stream, file, buckets, options) {
     allowNewTensors: options.allowNewTensors,
   } });
   const ready = await stream.next('ready');
+  // A server started with --tensors stores a subset: a bucket with none of its tensors is announced
+  // and gets no chunks (UpdateReady.not_stored_buckets).
+  const notStored = new Set((ready.notStoredBuckets || []).map(String));
   const buffers = new ChunkBuffers(options.chunkBytes);
   let bytes = 0;
   let chunks = 0;
   for (let k = 0; k <= buckets.length; k++) {
     if (k === options.abortAfterBuckets) return abandon(stream, ready, k, options.abortBy);
     if (k === buckets.length) break;
+    if (notStored.has(String(k))) {
+      await stream.write({ bucketStart: { sequence: String(k), sizeBytes: String(buckets[k].sizeBytes) } });
+      continue;
+    }
     const { chunks: bucketChunks, sum } = await readBucket(file, buckets[k], k, buffers, options.checksums);
     if (stream.aborting) throw await stream.failure(); // announce nothing more
     // --corrupt-checksum-bucket: a wrong WS64, which every worker must refuse (DATA_LOSS).

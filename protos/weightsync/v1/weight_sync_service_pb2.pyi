@@ -138,16 +138,18 @@ class WorkerInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., tensor_count: _Optional[int] = ..., store_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ..., device_uuid: _Optional[str] = ..., staging_bytes: _Optional[int] = ..., staging_on_device: _Optional[bool] = ..., received_bytes: _Optional[int] = ...) -> None: ...
 
 class StoreInfo(_message.Message):
-    __slots__ = ("state", "tensor_count", "live_bytes", "held_bytes")
+    __slots__ = ("state", "tensor_count", "live_bytes", "held_bytes", "tensor_filter")
     STATE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     LIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FILTER_FIELD_NUMBER: _ClassVar[int]
     state: StoreState
     tensor_count: int
     live_bytes: int
     held_bytes: int
-    def __init__(self, state: _Optional[_Union[StoreState, str]] = ..., tensor_count: _Optional[int] = ..., live_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
+    tensor_filter: str
+    def __init__(self, state: _Optional[_Union[StoreState, str]] = ..., tensor_count: _Optional[int] = ..., live_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., tensor_filter: _Optional[str] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
     __slots__ = ("max_tensors", "max_plan_bytes", "max_bucket_bytes", "max_message_bytes", "max_chunk_bytes", "ingress_slot_bytes", "ingress_slot_count")
@@ -348,18 +350,20 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, begin: _Optional[_Union[BeginUpdate, _Mapping]] = ..., bucket_start: _Optional[_Union[BucketStart, _Mapping]] = ..., commit: _Optional[_Union[CommitUpdate, _Mapping]] = ..., abort: _Optional[_Union[AbortUpdate, _Mapping]] = ..., bucket_chunk: _Optional[_Union[BucketChunk, _Mapping]] = ...) -> None: ...
 
 class UpdateReady(_message.Message):
-    __slots__ = ("update_id", "plan_id", "bucket_count", "fast_path_bucket_count", "bucket_owner_ranks")
+    __slots__ = ("update_id", "plan_id", "bucket_count", "fast_path_bucket_count", "bucket_owner_ranks", "not_stored_buckets")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
     BUCKET_OWNER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    NOT_STORED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     plan_id: str
     bucket_count: int
     fast_path_bucket_count: int
     bucket_owner_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, update_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., bucket_count: _Optional[int] = ..., fast_path_bucket_count: _Optional[int] = ..., bucket_owner_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    not_stored_buckets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, update_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., bucket_count: _Optional[int] = ..., fast_path_bucket_count: _Optional[int] = ..., bucket_owner_ranks: _Optional[_Iterable[int]] = ..., not_stored_buckets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BucketApplied(_message.Message):
     __slots__ = ("sequence", "size_bytes")
@@ -428,16 +432,18 @@ class WorkerChecksums(_message.Message):
     def __init__(self, worker_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorChecksum, _Mapping]]] = ...) -> None: ...
 
 class GetTensorChecksumsResponse(_message.Message):
-    __slots__ = ("version", "store_state", "workers", "tensors")
+    __slots__ = ("version", "store_state", "workers", "tensors", "not_stored")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STORE_STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NOT_STORED_FIELD_NUMBER: _ClassVar[int]
     version: WeightVersion
     store_state: StoreState
     workers: _containers.RepeatedCompositeFieldContainer[WorkerChecksums]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorChecksum]
-    def __init__(self, version: _Optional[_Union[WeightVersion, _Mapping]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., workers: _Optional[_Iterable[_Union[WorkerChecksums, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorChecksum, _Mapping]]] = ...) -> None: ...
+    not_stored: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[_Union[WeightVersion, _Mapping]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., workers: _Optional[_Iterable[_Union[WorkerChecksums, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorChecksum, _Mapping]]] = ..., not_stored: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WatchWeightsRequest(_message.Message):
     __slots__ = ()

@@ -162,3 +162,16 @@ def test_a_filter_that_is_not_a_regex_is_refused_at_start_up():
     assert config_from_args(["--tensors", r"^layers\.[0-3]\."]).tensors == r"^layers\.[0-3]\."
     with pytest.raises(ValueError, match="not a regular expression"):
         config_from_args(["--tensors", "layers.(["])
+
+
+def test_shm_to_a_node_with_a_subset(stages):
+    """SHM: the buckets the node does not store are announced and nobody reads their slots; the
+    next buckets reuse those slots in order."""
+    a, _ = stages
+    v1, v2 = model(1), model(2)
+    with WeightSyncClient(a.address, timeout=60) as client:
+        client.push(v1, version="v1", transport="shm", bucket_size_bytes=BUCKET, allow_new_tensors=True)
+        client.push(v2, version="v2", transport="shm", bucket_size_bytes=BUCKET, delta=False)
+        assert server_checksums(a) == [local_checksums(part(v2, FIRST))]
+        assert received(a) == [2 * n for n in expected_received(v2, FIRST, 2)]
+        assert client.verify(v2).ok

@@ -159,6 +159,9 @@ class FakeStream:
         self.chunks: list[bytes] = []
         self.on_chunk = None
 
+    def stores(self, index: int) -> bool:
+        return True  # a server that stores every tensor
+
     def send(self, message: pb.UpdateWeightsRequest) -> None:
         assert message.WhichOneof("message") == "bucket_start"
         self.announced.append(message.bucket_start)

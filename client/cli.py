@@ -121,6 +121,8 @@ def _info(args: argparse.Namespace) -> int:
     store = info.store
     print(f"store        {pb.StoreState.Name(store.state)}: {store.tensor_count} tensors, {store.live_bytes} bytes "
           f"live, {store.held_bytes} held in host memory (shadows included)")
+    if store.tensor_filter:
+        print(f"subset       only tensors matching {store.tensor_filter!r} (--tensors)")
     print(f"version      {version.version or '-'} (generation {version.generation}, store epoch {version.store_epoch})")
     print(f"transports   {', '.join(pb.Transport.Name(t) for t in info.transports)}")
     print(f"{'worker':>6}  {'device':<8} {'state':<22} {'received':>14} {'staging':>14} {'pid':>8} {'restarts':>8}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import re
 import sys
 import threading
 import time
@@ -32,23 +31,23 @@ from weightsync.client import transfer_group
 from weightsync.client._loop import LoopThread
 from weightsync.client.delta import Delta, DeltaBase, DeltaChoice
 from weightsync.client.delta_policy import auto_dense_above
-from weightsync.client.errors import UpdateFailed, WeightSyncClientError, WeightSyncRpcError
+from weightsync.client.errors import UpdateFailed, WeightSyncClientError
 from weightsync.client.ingress import IngressLease, open_ingress
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.packing import PackBuffers, is_zero_copy
 from weightsync.client.plan_cache import PlanCache
 from weightsync.client.plan_choice import PlanChoice, choose_plan, patched_plan
 from weightsync.client.planning import DEFAULT_ZERO_COPY_MIN_BYTES, check_tensors
-from weightsync.client.push import UNSETTLED_RETRY_SECONDS, PushRun
+from weightsync.client.push import PushRun
 from weightsync.client.servers import Server, ServerSet
 from weightsync.client.sinks import CollectiveSink, InlineSink, ShmSink, Sink
+from weightsync.client.store_checksums import fetch_checksums, holds, mismatches
 from weightsync.client.transfer_group import TransferGroup
 from weightsync.client.types import (
     PushProgress,
     PushResult,
     ServerOutcome,
     StoreGeneration,
-    TensorMismatch,
     TlsConfig,
     VerifyResult,
 )
@@ -402,21 +401,15 @@ class WeightSyncClient:
         with one_intra_op_thread():
             local = {name: ws64(t.detach()) for name, t in items}
 
+        request = pb.GetTensorChecksumsRequest(names=sorted(local))
+
         async def fetch():
-            request = pb.GetTensorChecksumsRequest(names=sorted(local))
-            return await asyncio.gather(
-                *(self._fetch_checksums(s, request) for s in self._servers.servers)
-            )
+            return await asyncio.gather(*(fetch_checksums(self._servers, s, request) for s in self._servers.servers))
 
         answers = self._loop.run(fetch())
-        mismatches = []
-        for server, answer in zip(self._servers.servers, answers, strict=True):
-            remote = {t.name: t.checksum.value for t in answer.tensors}
-            not_stored = set(answer.not_stored)  # outside its --tensors subset: not its to hold
-            for name, value in local.items():
-                if name not in not_stored and remote.get(name) != value:
-                    mismatches.append(TensorMismatch(server.address, name, value, remote.get(name)))
-        return VerifyResult(len(local), tuple(mismatches))
+        found = [m for server, answer in zip(self._servers.servers, answers, strict=True)
+                 for m in mismatches(server, answer, local)]
+        return VerifyResult(len(local), tuple(found))
 
     @_serialized
     def adopt_base(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -431,63 +424,15 @@ class WeightSyncClient:
         request = pb.GetTensorChecksumsRequest(names=sorted(local))
 
         async def fetch():
-            return await asyncio.gather(*(self._fetch_checksums(s, request) for s in self._servers.servers),
+            return await asyncio.gather(*(fetch_checksums(self._servers, s, request) for s in self._servers.servers),
                                         return_exceptions=True)
 
         generations = {}
         for server, answer in zip(self._servers.servers, self._loop.run(fetch()), strict=True):
-            if isinstance(answer, BaseException) or answer.store_state != pb.STORE_STATE_CONSISTENT:
-                continue
-            subset = {name: value for name, value in local.items() if name not in set(answer.not_stored)}
-            if {t.name: t.checksum.value for t in answer.tensors} == subset:
+            if not isinstance(answer, BaseException) and holds(answer, local):
                 generations[server.address] = StoreGeneration(answer.version.store_epoch, answer.version.generation)
         self._delta.committed(items, None, generations)
         return sorted(generations)
-
-    async def _fetch_checksums(self, server: Server, request: pb.GetTensorChecksumsRequest):
-        """The server's checksums of the named tensors; a name it lacks is left out, a name outside its
-        --tensors subset is in not_stored."""
-        try:
-            return await self._settled_checksums(server, request)
-        except WeightSyncRpcError as error:
-            if error.reason != "TENSOR_NOT_FOUND":
-                raise
-        answer = await self._settled_checksums(server, pb.GetTensorChecksumsRequest())
-        held = {t.name for t in answer.tensors}
-        asked = [n for n in request.names if n not in held]
-        # The refusal named only some absent names: those outside its subset are not missing.
-        by_design = await self._not_stored(server, asked)
-        wanted = set(request.names)
-        kept = [t for t in answer.tensors if t.name in wanted]
-        del answer.tensors[:]
-        answer.tensors.extend(kept)
-        answer.not_stored[:] = by_design
-        return answer
-
-    async def _not_stored(self, server: Server, absent: list[str]) -> list[str]:
-        """Which of these names (none in the server's store) are outside its --tensors subset."""
-        info = await self._servers.unary(server, "GetServerInfo", pb.GetServerInfoRequest(), self._servers.timeout)
-        if not info.store.tensor_filter:
-            return []
-        subset = re.compile(info.store.tensor_filter)
-        return sorted(n for n in absent if subset.search(n) is None)
-
-    async def _settled_checksums(self, server: Server, request: pb.GetTensorChecksumsRequest):
-        """GetTensorChecksums; a server a push of ours gave up on (Server.unsettled) may still be
-        aborting that update when it answers again (STORE_UPDATING): that is waited out, within the
-        client's timeout, rather than refusing the caller's next call for our own failure."""
-        timeout = max(self._servers.timeout, 300)
-        deadline = time.monotonic() + self._servers.timeout
-        while True:
-            try:
-                answer = await self._servers.unary(server, "GetTensorChecksums", request, timeout)
-            except WeightSyncRpcError as error:
-                if error.reason != "STORE_UPDATING" or not server.unsettled or time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(UNSETTLED_RETRY_SECONDS)
-                continue
-            server.unsettled = False  # it answered a read with no update running: nothing of ours is left there
-            return answer
 
     # -- lifecycle ------------------------------------------------------------------
     @_serialized

@@ -8,7 +8,8 @@ sink reads a bucket's bytes through `Payload.read()` only, so no read can
 overtake the copies into them (read_order.py).
 
   COLLECTIVE  pack into pack buffer k % 2 while bucket k-1 is on the wire;
-              at most one bucket in flight. NCCL: a broadcast to the group.
+              bucket k is announced and started before k-1 is waited for (two in
+              flight at most). NCCL: a broadcast to the group.
               Gloo: a send to each server's owner of the bucket alone (the
               rank its Ready named), so a node receives each byte once.
   INLINE      pack, then cut into BucketChunks queued on every stream (gRPC
@@ -79,29 +80,31 @@ class CollectiveSink:
         """A broadcast of ours failed or timed out: the group is unusable on every rank."""
 
     def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
-        # Buffer k % 2: bucket k-2 used it, and its broadcast completed before k-1's began.
+        # Buffer k % 2: bucket k-2 used it, and send(k-1) returned only once its transfers completed.
         return fill_bucket(self.buffers, bucket, index, source)
 
     def send(self, index: int, payload: Payload, checksum: tensor_pb2.Checksum,
              streams: list[UpdateStream]) -> BaseException | None:
-        # Wait for bucket k-1 before starting bucket k: at most one broadcast in flight.
-        failure = self.finish()
-        if failure is not None:
-            return failure
         data = payload.read()
         # Announce first: workers join only announced broadcasts, at the announced length. The
         # tail lets them tell a short broadcast from a full one; read() waited for the pack copies.
         announce(self._loop, streams, index, payload.size, checksum, bucket_tail(data))
         try:
             if self._collective.backend == pb.BACKEND_NCCL:
-                self._in_flight = [self._collective.broadcast_async(data)]
+                started = [self._collective.broadcast_async(data)]
             else:
-                self._in_flight = [self._collective.send_async(data, rank, bucket_tag(index))
-                                   for rank in owner_ranks(streams, index)]
+                started = [self._collective.send_async(data, rank, bucket_tag(index))
+                           for rank in owner_ranks(streams, index)]
         except CollectiveError:
             self.broken = True
+            self.finish()  # bucket k-1's transfers too: none is left in flight
             raise
-        return None
+        # Bucket k is on its way (its owner posted its receive while k-1's finished: over Gloo
+        # usually another worker), then k-1 is waited for: two in flight at most, and the pack
+        # buffer of k+1 (k-1's) is free once this returns.
+        failure = self.finish()
+        self._in_flight = started
+        return failure
 
     def finish(self) -> BaseException | None:
         works, self._in_flight = self._in_flight, []

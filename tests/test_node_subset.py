@@ -4,6 +4,8 @@ with none of them reaches none of its workers, and verify, patches and engines s
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -108,6 +110,9 @@ def test_checksums_name_what_a_node_does_not_store_and_refuse_what_it_lacks(stag
     with pytest.raises(grpc.RpcError) as missing:
         a.stub().GetTensorChecksums(pb.GetTensorChecksumsRequest(names=["embed", "layers.0.gone"]))
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    described = subprocess.run([sys.executable, "-m", "weightsync.client.cli", "info", "--server", a.address],
+                               capture_output=True, text=True, timeout=60)
+    assert f"subset       only tensors matching {FIRST!r} (--tensors)" in described.stdout.splitlines()
 
 
 def test_patches_reach_only_the_node_of_each_tensor_and_a_refusal_on_one_stage_changes_nothing(stages):

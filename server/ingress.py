@@ -1,13 +1,14 @@
 """The ingress: host shared memory where bucket bytes arrive without a collective.
 
 One memfd, split into slots; bucket k of an INLINE or SHM update uses slot
-k % slot_count. INLINE: the server writes each BucketChunk into the slot. SHM:
+k % slot_count. INLINE: the server writes each BucketChunk into the slot (a
+bucket received straight into the store skips the ingress: update_intake.py). SHM:
 a trainer on the host maps the ingress (local socket) and writes the bucket
-itself. Either way every worker then copies the bucket from the slot into its
-store (they map the ingress read-only, inherited at spawn), so the bytes cross
-memory once per worker and never a socket. Slots are reused only after every
-worker applied the bucket that used them: the session waits (INLINE) or
-refuses an early announcement (SHM).
+itself. Either way the bucket's owner then copies it from the slot into the
+node store (workers map the ingress read-only, inherited at spawn), so the bytes
+never cross a socket between server and workers. A slot is reused only after the
+owner applied the bucket that used it: the session waits (INLINE) or refuses an
+early announcement (SHM).
 
 Pages are touched on first use, not at start-up: an idle server holds no
 ingress memory.

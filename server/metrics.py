@@ -37,7 +37,7 @@ class Metrics:
             "weightsync_update_duration_seconds", "From BeginUpdate received to commit or abort.",
             ["transport", "mode", "outcome"], buckets=SECONDS, registry=r)
         self.update_bytes = Histogram(
-            "weightsync_update_bytes", "Bytes received per worker by committed updates.",
+            "weightsync_update_bytes", "Bytes the node received per committed update.",
             ["transport", "mode"], buckets=BYTES, registry=r)
         self.buckets = Counter("weightsync_buckets_applied_total", "Buckets every worker applied.",
                                ["transport"], registry=r)
@@ -48,6 +48,18 @@ class Metrics:
         self.worker_restarts = Counter("weightsync_worker_restarts_total", "Worker processes restarted.",
                                        ["worker"], registry=r)
         self._server = None
+
+    def record_update(self, *, transport: int, mode: int, seconds: float, buckets: int, size_bytes: int,
+                      failure: tuple[str, str] | None) -> None:
+        """One update's end: committed (failure None) or failed with (reason, code name)."""
+        labels = {"transport": pb.Transport.Name(transport).removeprefix("TRANSPORT_").lower(),
+                  "mode": pb.UpdateMode.Name(mode).removeprefix("UPDATE_MODE_").lower()}
+        self.update_seconds.labels(outcome="failed" if failure else "committed", **labels).observe(seconds)
+        self.buckets.labels(transport=labels["transport"]).inc(buckets)
+        if failure is None:
+            self.update_bytes.labels(**labels).observe(size_bytes)
+        else:
+            self.failures.labels(reason=failure[0], code=failure[1]).inc()
 
     def watch(self, collector: Collector) -> None:
         self.registry.register(collector)

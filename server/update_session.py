@@ -39,7 +39,6 @@ from weightsync.common.errors import (
 )
 from weightsync.common.logging import get_logger
 from weightsync.common.ownership import NO_OWNER
-from weightsync.common.patches import is_patch
 from weightsync.server.admission import MemoryAdmission, StagingNeed
 from weightsync.server.fleet import WorkerFleet
 from weightsync.server.group_registry import GroupRegistry
@@ -376,18 +375,12 @@ class UpdateSession:
 
     def _record(self) -> None:
         """Metrics of this update, once, whatever its end."""
-        labels = {"transport": pb.Transport.Name(self.begin.transport).removeprefix("TRANSPORT_").lower(),
-                  "mode": pb.UpdateMode.Name(self.begin.mode).removeprefix("UPDATE_MODE_").lower()}
-        metrics = self.services.metrics
         committed = self.finished and self.failure is None
-        metrics.update_seconds.labels(outcome="committed" if committed else "failed", **labels).observe(
-            time.monotonic() - self.started)
-        metrics.buckets.labels(transport=labels["transport"]).inc(self.applied)
-        if committed:
-            metrics.update_bytes.labels(**labels).observe(self.applied_bytes)
-        else:
-            error = self.failure or Aborted("ABORTED", "the update did not commit")
-            metrics.failures.labels(reason=error.reason, code=error.code.name).inc()
+        error = None if committed else self.failure or Aborted("ABORTED", "the update did not commit")
+        self.services.metrics.record_update(
+            transport=self.begin.transport, mode=self.begin.mode, seconds=time.monotonic() - self.started,
+            buckets=self.applied, size_bytes=self.applied_bytes,
+            failure=None if error is None else (error.reason, error.code.name))
 
     def fail(self, error: WeightSyncError) -> None:
         if self.failure is not None:
@@ -456,6 +449,3 @@ class UpdateSession:
                     self.fail(result)
                     self._note_broken(result)
 
-
-def is_patched(plan: tensor_pb2.WeightPlan) -> bool:
-    return any(is_patch(t.encoding) for b in plan.buckets for t in b.tensors)

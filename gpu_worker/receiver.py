@@ -314,24 +314,6 @@ class Receiver:
         assert self.staging is not None
         return -1, self.staging[: owned.size_bytes]
 
-    def receive_in_store(self, receive: wpb.ReceiveBucketCommand) -> Applied | None:
-        """INLINE, a fast-path bucket: the server wrote it into its place in the store; check it there."""
-        update = self.current(receive.update_id)
-        self.touched = False
-        if receive.discard or update.phase is Phase.FAILED:
-            return None
-        try:
-            owned = self._expected(update, receive.sequence, receive.size_bytes)
-            if not owned.HasField("receive_into"):
-                raise InvalidArgument("BUCKET_NOT_IN_STORE", f"bucket {receive.sequence} is not received straight "
-                                      "into the store in this update", bucket=receive.sequence)
-            self.touched = True  # the server's writes may already have changed it
-            return self._apply(update, owned, self.maps.bytes_at(owned.receive_into, owned.size_bytes),
-                               receive.checksum)
-        except WeightSyncError:
-            update.phase = Phase.FAILED
-            raise
-
     def receive_from_ingress(self, receive: wpb.ReceiveBucketCommand, ingress: torch.Tensor | None) -> Applied | None:
         """INLINE/SHM: the bucket (or one piece of it) is in the ingress already; copy it into the store.
         None while the bucket is not complete (a piece), or when it is dropped on purpose."""

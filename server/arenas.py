@@ -5,9 +5,8 @@ left behind, and /dev/shm's size limit does not apply), counted against the
 container's memory like any memory. The server holds each arena's descriptor,
 which keeps its memory alive whatever happens to the workers: they map the arenas
 (the descriptors travel to them over the fd channel) and write buckets into them;
-engines map them read-only (local socket). The server maps them read-only to
-compute checksums, and writable only to put an INLINE fast-path bucket's chunks
-straight into their place (update_intake.py).
+engines map them read-only (local socket). The server maps them read-only too, to
+compute checksums.
 
 A new arena's pages are allocated when it is created (fallocate), so admission's
 "it fits" is true when the bytes arrive, and nothing is zeroed on the hot path.
@@ -38,7 +37,6 @@ class HostArena:
     size_bytes: int
     _read: mmap.mmap | None = None
     _data: torch.Tensor | None = None
-    _write: mmap.mmap | None = None
 
     def readable(self) -> torch.Tensor:
         """The arena's bytes, mapped read-only in the server (uint8)."""
@@ -49,21 +47,14 @@ class HostArena:
                 self._data = torch.frombuffer(self._read, dtype=torch.uint8)
         return self._data
 
-    def writable(self) -> memoryview:
-        """The arena's bytes, mapped for writing in the server (INLINE chunks of a fast-path bucket)."""
-        if self._write is None:
-            self._write = mmap.mmap(self.fd, self.size_bytes, flags=mmap.MAP_SHARED)
-        return memoryview(self._write)
-
     def close(self) -> None:
         self._data = None
-        for mapping in (self._read, self._write):
-            if mapping is not None:
-                try:
-                    mapping.close()
-                except BufferError:  # a view is still alive (a checksum in flight): the GC unmaps it
-                    pass
-        self._read = self._write = None
+        if self._read is not None:
+            try:
+                self._read.close()
+            except BufferError:  # a view is still alive (a checksum in flight): the GC unmaps it
+                pass
+            self._read = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -1,8 +1,7 @@
 """The ingress: host shared memory where bucket bytes arrive without a collective.
 
 One memfd, split into slots; bucket k of an INLINE or SHM update uses slot
-k % slot_count. INLINE: the server writes each BucketChunk into the slot (a
-bucket received straight into the store skips the ingress: update_intake.py). SHM:
+k % slot_count. INLINE: the server writes each BucketChunk into the slot. SHM:
 a trainer on the host maps the ingress (local socket) and writes the bucket
 itself. Either way the bucket's owner then copies it from the slot into the
 node store (workers map the ingress read-only, inherited at spawn), so the bytes

@@ -238,17 +238,6 @@ class NodeStore:
         update.phase = Phase.ALLOCATED
         return created
 
-    def direct_bytes(self, update: StoreUpdate, sequence: int) -> memoryview | None:
-        """Where bucket `sequence` lands whole when it goes straight into the store (the fast path, a
-        split tensor's piece), writable by the server; None for a bucket that goes through staging."""
-        routes = update.plan.routes
-        if not 0 <= sequence < len(routes) or routes[sequence].receive_into is None:
-            return None
-        route = routes[sequence]
-        assert route.receive_into is not None
-        region = self._place(update, route.receive_into.segment, route.receive_into.offset_bytes)
-        return self.arena(region.arena_id).writable()[region.offset_bytes : region.offset_bytes + route.size_bytes]
-
     def _place(self, update: StoreUpdate, segment: int, offset: int, *, writes: bool = True) -> wpb.Region:
         """Where bytes written at `offset` of `segment` land: its shadow for a STAGED update's shadowed
         segments, its live bytes otherwise (new segments are not live until commit anyway)."""

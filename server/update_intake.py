@@ -7,13 +7,10 @@ receives it into the store. Each BucketStart is checked and then, by transport:
     to every worker, each joining the broadcast, the others dropping the bytes. A
     wrong announcement (a missing or wrong-length tail included) is still
     joined, at the announced length, and dropped, so the sender never hangs.
-  - INLINE: a bucket received straight into the store (the fast path, a split
-    tensor's piece) has its BucketChunks written by the server into their place
-    in the store, and the complete bucket goes to its owner to be checked there
-    (one copy of its bytes, not two). Any other bucket's chunks are written into
-    its ingress slot (after its owner released it: until then the stream is not
-    read, which is gRPC's back-pressure); a complete bucket, or a full slot of a
-    larger one, is forwarded to the owner, which copies it.
+  - INLINE: the BucketChunks that follow are written into the bucket's ingress
+    slot (after its owner released it: until then the stream is not read,
+    which is gRPC's back-pressure); a complete bucket, or a full slot of a
+    larger one, is forwarded to the owner.
   - SHM: the client wrote the slot before announcing; it is forwarded to the
     owner at once. It must carry a WS64 checksum (the owner checks its own copy
     of the slot against it). An announcement that reuses a slot before
@@ -101,8 +98,6 @@ class _Filling:
     received: int = 0
     piece_start: int = 0
     """Where the piece now filling its slot starts in the bucket."""
-    in_store: memoryview | None = None
-    """The bucket's place in the store, when the chunks go straight there (no slot)."""
 
 
 class IntakeSession(Protocol):
@@ -138,9 +133,6 @@ class IntakeSession(Protocol):
 
     def stored_here(self, sequence: int) -> bool:
         """Bucket `sequence` holds some of this node's tensors (see the module docstring)."""
-
-    def direct_bytes(self, sequence: int) -> memoryview | None:
-        """Bucket `sequence`'s place in the store, writable, if it is received straight there."""
 
     def fail(self, error: WeightSyncError) -> None: ...
 
@@ -266,13 +258,6 @@ class BucketIntake:
             if self.transport == pb.TRANSPORT_INLINE and not self.session.stored_here(start.sequence):
                 await self.session.inbox.put(self.forward(start.sequence, start.checksum, discard=False, size=size))
                 return  # no chunks follow: there is nothing here to receive them into
-            place = self.session.direct_bytes(start.sequence) if self.transport == pb.TRANSPORT_INLINE else None
-            if place is not None:
-                self.session.touched(start.sequence)  # its bytes reach the store from the first chunk on
-                self.filling = _Filling(start.sequence, size, start.checksum, in_store=place)
-                if size == 0:
-                    self._forward_in_store()
-                return
             if self.transport == pb.TRANSPORT_INLINE:
                 self.filling = _Filling(start.sequence, size, start.checksum)
                 await self._claim_slot()
@@ -356,12 +341,6 @@ class BucketIntake:
             self._refuse(error)
             return
         assert filling is not None and self.ingress is not None
-        if filling.in_store is not None:
-            filling.in_store[filling.received : filling.received + len(data)] = data
-            filling.received += len(data)
-            if filling.received == filling.size_bytes:
-                self._forward_in_store()
-            return
         ingress = self.ingress
         view = memoryview(data)
         while view:
@@ -390,13 +369,6 @@ class BucketIntake:
         if last:
             self.filling = None
 
-    def _forward_in_store(self) -> None:
-        filling = self.filling
-        assert filling is not None
-        self.filling = None  # drops the store view
-        self.session.inbox.put_nowait(self.forward(filling.sequence, filling.checksum, discard=False,
-                                                   size=filling.size_bytes, in_store=True))
-
     def _refuse_if_filling(self) -> None:
         filling = self.filling
         if filling is not None and self.session.failure is None:
@@ -410,7 +382,7 @@ class BucketIntake:
     # -- forwarding ----------------------------------------------------------------------
     def forward(self, sequence: int, checksum: tensor_pb2.Checksum, *, discard: bool, size: int,
                 ingress_offset: int | None = None, piece_offset: int = 0, piece_size: int = 0,
-                last: bool = True, tail: bytes = b"", in_store: bool = False) -> Bucket:
+                last: bool = True, tail: bytes = b"") -> Bucket:
         """Bucket `sequence` is received now: its owner joins the transfer that follows (NCCL: every other
         worker joins it too and drops the bytes), or copies the bucket (or one piece of it) from the ingress
         at `ingress_offset`. A worker that cannot take the command (it died) answers with its error; the
@@ -418,8 +390,7 @@ class BucketIntake:
         command = wpb.ReceiveBucketCommand(update_id=self.session.update_id, sequence=sequence, checksum=checksum,
                                            discard=discard, size_bytes=size, from_ingress=ingress_offset is not None,
                                            ingress_offset_bytes=ingress_offset or 0, piece_offset_bytes=piece_offset,
-                                           piece_size_bytes=piece_size, last_piece=last, tail=tail,
-                                           in_store=in_store)
+                                           piece_size_bytes=piece_size, last_piece=last, tail=tail)
         owners = self.session.owners
         owner = owners[sequence] if 0 <= sequence < len(owners) else None
         if not discard and self.session.route_is_direct(sequence):

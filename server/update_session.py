@@ -160,9 +160,6 @@ class UpdateSession:
         update = self.store_update
         return update is not None and 0 <= sequence < len(update.plan.routes) and update.plan.routes[sequence].direct
 
-    def direct_bytes(self, sequence: int) -> memoryview | None:
-        return None if self.store_update is None else self.services.store.direct_bytes(self.store_update, sequence)
-
     def stored_here(self, sequence: int) -> bool:
         update = self.store_update
         return update is None or not 0 <= sequence < len(update.plan.routes) or update.plan.routes[sequence].stored

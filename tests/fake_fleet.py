@@ -98,8 +98,7 @@ class FakeFleet:
             event.update_prepared.update_id = command.prepare_update.update_id
         elif kind == "receive_bucket":
             receive = command.receive_bucket
-            applied = (receiver.receive_in_store(receive) if receive.in_store
-                       else receiver.receive_from_ingress(receive, self._ingress))
+            applied = receiver.receive_from_ingress(receive, self._ingress)
             event.bucket_received.sequence = receive.sequence
             if applied is not None:
                 event.bucket_received.size_bytes = applied.size_bytes

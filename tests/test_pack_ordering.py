@@ -282,3 +282,53 @@ def test_cpu_tensors_over_gloo_record_nothing_and_skip_checksums(monkeypatch):
     assert run._send_buckets([stream]) is None
     assert events.log == []
     assert all(s.checksum.algorithm == 0 for s in stream.announced)
+
+
+class InFlightCollective(FakeCollective):
+    """Broadcasts complete only when waited for: which pack buffers are still being read."""
+
+    def __init__(self, readers: Readers) -> None:
+        super().__init__(readers)
+        self.in_flight: dict[int, int] = {}  # work id -> pack buffer it reads
+        self.most_in_flight = 0
+
+    def broadcast_async(self, tensor: torch.Tensor) -> object:
+        super().broadcast_async(tensor)
+        work = object()
+        self.in_flight[id(work)] = self._readers.slot_of(tensor)
+        self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
+        return work
+
+    def wait(self, work: object) -> None:
+        del self.in_flight[id(work)]
+
+
+def test_bucket_k_starts_before_k_minus_1_is_waited_and_no_pack_buffer_is_refilled_while_read(monkeypatch):
+    """The SDK starts bucket k's broadcast, then waits for k-1's: two in flight at most, and the pack
+    of bucket k+1 (into k-1's buffer) only once nothing reads that buffer any more."""
+    monkeypatch.setattr(packing, "devices_of", lambda tensors: frozenset({GPU0}))  # copies from a CUDA stream
+    events = FakeEvents()
+    buffers = PackBuffers(CPU, events=events)
+    readers = Readers(buffers)
+    collective = InFlightCollective(readers)
+    sink = CollectiveSink(FakeLoop(), collective, buffers)
+    real_fill = sink.fill
+
+    def fill(index, bucket, source, streams):
+        slot = index % len(buffers.slots)
+        assert slot not in collective.in_flight.values(), f"bucket {index} packed into buffer {slot} while it is sent"
+        return real_fill(index, bucket, source, streams)
+
+    monkeypatch.setattr(sink, "fill", fill)
+    model = small_model()
+    planned = build_plan(list(model.items()), 512, zero_copy_min_bytes=0)  # every bucket packed
+    assert len(planned) >= 4
+    buffers.ensure(max(b.spec.size_bytes for b in planned))
+    stream = FakeStream(lambda start: None)
+    run = PushRun(loop=FakeLoop(), servers=[], metadata=(), rpc_timeout=5, commit_timeout=5, group_id="",
+                  sink=sink, plans=PlanCache(), planned=planned, plan=plan_proto(planned), plan_id="p",
+                  source=TensorSource(model, None), version="v", mode=pb.UPDATE_MODE_STAGED,
+                  allow_new_tensors=False, checksums=False, progress=None, bar=None, started=0.0)
+    assert run._send_buckets([stream]) is None
+    assert collective.most_in_flight == 2 and not collective.in_flight
+    assert [s.sequence for s in stream.announced] == list(range(len(planned)))

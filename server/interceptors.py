@@ -122,25 +122,35 @@ def _trace_context(context: grpc.aio.ServicerContext) -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def _mapped_errors(context: grpc.aio.ServicerContext, method: str, metrics: Metrics | None) -> AsyncIterator[None]:
-    """The one place where exceptions become statuses."""
-    code = "OK"
+    """The one place where exceptions become statuses.
+
+    An RPC is counted before its status is sent: a caller that reads the metrics right after it
+    saw the status must find its RPC there (sending the status yields to the event loop, and the
+    scrape is served from another thread)."""
+    counted = False
+
+    def count(code: str) -> None:
+        nonlocal counted
+        if metrics is not None and not counted:
+            metrics.rpcs.labels(method=method.rsplit("/", 1)[-1], code=code).inc()
+        counted = True
+
     with structlog.contextvars.bound_contextvars(rpc=method, **_trace_context(context)):
         try:
             yield
         except WeightSyncError as error:
-            code = error.code.name
+            count(error.code.name)
             await _abort(context, error)
         except grpc.aio.AbortError:
             raise
         except asyncio.CancelledError:
-            code = "CANCELLED"
+            count("CANCELLED")
             raise
         except Exception as error:  # noqa: BLE001
-            code = "INTERNAL"
+            count("INTERNAL")
             await _abort(context, _internal(method, error))
         finally:
-            if metrics is not None:
-                metrics.rpcs.labels(method=method.rsplit("/", 1)[-1], code=code).inc()
+            count("OK")
 
 
 # Methods whose requests are parsed by our own code first (see wire.py).

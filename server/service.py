@@ -32,8 +32,10 @@ from weightsync.worker.v1 import worker_pb2 as wpb
 
 log = get_logger("weightsync.service")
 
-JOIN_MARGIN_SECONDS = 2.0
-"""Workers answer a join by its deadline (+1 s); this much more before the server gives up on them."""
+JOIN_MARGIN_SECONDS = 5.0
+"""Workers answer a join by its deadline (+1 s, from when they started it); this much more before
+the server gives up on them (and restarts them): room for the command's queueing and the answer's
+way back on a loaded node, where a late answer would cost a worker restart."""
 CHECKSUM_LEASE_SECONDS = 5.0
 """A checksum read waits this long at most for a commit being published to end."""
 _reader_ids = itertools.count(-1, -1)

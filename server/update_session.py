@@ -117,6 +117,8 @@ class UpdateSession:
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once the update failed: the driver stops waiting for buckets and tells the client."""
     finished: bool = False
+    recorded: bool = False
+    """The metrics of this update were recorded (once, whatever its end)."""
     torn: set[str] = field(default_factory=set)
     """Tensors a commit that failed half-way may have half-written (STAGED patches)."""
     started: float = field(default_factory=time.monotonic)
@@ -366,12 +368,16 @@ class UpdateSession:
         duration.FromNanoseconds(int(seconds * 1e9))
         log.info("update_committed", version=self.begin.version, generation=version.generation,
                  bytes=self.applied_bytes, seconds=round(seconds, 3))
+        self._record()  # before the client can see the commit: a scrape right after it finds it counted
         return pb.UpdateWeightsResponse(
             committed=pb.UpdateCommitted(version=version.to_proto(), size_bytes=self.applied_bytes, duration=duration)
         )
 
     def _record(self) -> None:
         """Metrics of this update, once, whatever its end."""
+        if self.recorded:
+            return
+        self.recorded = True
         committed = self.finished and self.failure is None
         error = None if committed else self.failure or Aborted("ABORTED", "the update did not commit")
         self.services.metrics.record_update(

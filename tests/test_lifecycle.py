@@ -217,7 +217,7 @@ def test_worker_sigkill_is_detected_restarted_and_refilled(server):
 
 # -- SIGTERM during an update -----------------------------------------------------------------
 def test_sigterm_during_update(tmp_path):
-    grace = 2.0
+    grace = 8.0  # the checks of the draining server (five RPCs) must fit in it on a loaded machine
     srv = start_server(tmp_path, "--shutdown-grace-seconds", str(grace))
     try:
         segments = srv.segments()
@@ -237,7 +237,7 @@ def test_sigterm_during_update(tmp_path):
         signalled = time.monotonic()
         srv.process.send_signal(signal.SIGTERM)
         # Draining: health NOT_SERVING, new work refused, the running update still alive.
-        wait_for(lambda: info(srv).draining, timeout=grace)
+        wait_for(lambda: info(srv).draining, timeout=10)
         assert health(srv) == NOT_SERVING and health(srv, SERVICE_NAME) == NOT_SERVING
         with pytest.raises(grpc.RpcError) as caught:
             srv.stub().CreateTransferGroup(pb.CreateTransferGroupRequest(
@@ -264,8 +264,9 @@ def test_sigterm_during_update(tmp_path):
             srv.process.wait()
     assert code == 0, srv.log()
     # The grace period, then the abort and the workers' own exit (interpreter teardown: about a
-    # second, more on a loaded machine; the supervisor would SIGKILL them after 5 s, which must not happen).
-    assert elapsed < grace + WORKER_EXIT_SECONDS, (elapsed, srv.log())
+    # second, more on a loaded machine; the supervisor would SIGKILL them after 5 s, which must not
+    # happen: checked in the log below). The bound only says that nothing hung.
+    assert elapsed < grace + 3 * WORKER_EXIT_SECONDS, (elapsed, srv.log())
     assert pids_alive(pids) == []
     assert {p.name for p in Path("/dev/shm").iterdir()} & segments == set()
     assert "update_still_running_at_shutdown" not in srv.log()
@@ -278,8 +279,8 @@ def test_sigterm_when_idle(tmp_path):
     pids = srv.worker_pids()
     started = time.monotonic()
     assert srv.stop(timeout=30) == 0, srv.log()
-    assert time.monotonic() - started < WORKER_EXIT_SECONDS
-    assert "worker_killed_on_stop" not in srv.log()
+    assert time.monotonic() - started < 3 * WORKER_EXIT_SECONDS  # nothing hung
+    assert "worker_killed_on_stop" not in srv.log()  # and no worker needed the supervisor's SIGKILL
     assert pids_alive(pids) == []
     assert {p.name for p in Path("/dev/shm").iterdir()} & segments == set()
 

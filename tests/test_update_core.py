@@ -72,7 +72,8 @@ async def _gone(record) -> None:
 
 
 async def push(services: SessionServices, named: dict[str, torch.Tensor], version: str, *, mode=pb.UPDATE_MODE_STAGED,
-               bucket=8192, stop_after: int | None = None) -> list[pb.UpdateWeightsResponse]:
+               bucket=8192, stop_after: int | None = None,
+               on_response=lambda response: None) -> list[pb.UpdateWeightsResponse]:
     """One INLINE update through the session, as its stream handler runs it; the responses, or the error."""
     plan = plan_buckets(list(named.items()), bucket)
     begin = pb.BeginUpdate(version=version, mode=mode, transport=pb.TRANSPORT_INLINE, allow_new_tensors=True)
@@ -90,7 +91,11 @@ async def push(services: SessionServices, named: dict[str, torch.Tensor], versio
                                                                        data=data.numpy().tobytes()))
         yield pb.UpdateWeightsRequest(commit=pb.CommitUpdate())
 
-    return [response async for response in session.run(requests())]
+    responses = []
+    async for response in session.run(requests()):
+        on_response(response)  # while the session waits at this message, as gRPC holds it
+        responses.append(response)
+    return responses
 
 
 def held(store: NodeStore) -> dict[str, int]:
@@ -134,6 +139,23 @@ def test_a_staged_update_that_one_owner_refuses_publishes_nothing_and_the_next_c
     assert [w.receiver.update for w in fleet.workers] == [None, None]  # every owner aborted
     asyncio.run(push(services, v3, "v3"))
     assert held(store) == expected(v3) and services.publisher.version.generation == 2
+
+
+def test_an_update_is_counted_in_the_metrics_before_the_client_sees_it_committed(node):
+    services, _ = node(2)
+    registry = services.metrics.registry
+    labels = {"transport": "inline", "mode": "staged", "outcome": "committed"}
+    counted_at_commit = []
+
+    def note(response: pb.UpdateWeightsResponse) -> None:
+        if response.HasField("committed"):
+            counted_at_commit.append(registry.get_sample_value("weightsync_update_duration_seconds_count", labels))
+
+    responses = asyncio.run(push(services, model(1), "v1", on_response=note))
+    assert counted_at_commit == [1.0]  # a raw-gRPC trainer that scrapes right after `committed` finds it
+    assert registry.get_sample_value("weightsync_update_duration_seconds_count", labels) == 1.0  # once, not twice
+    assert registry.get_sample_value("weightsync_buckets_applied_total", {"transport": "inline"}) == \
+        responses[0].ready.bucket_count
 
 
 def test_an_in_place_update_marks_dirty_only_what_an_owner_may_have_written(node):

@@ -75,7 +75,8 @@ def test_a_push_that_meets_a_stopped_worker_fails_at_the_group_timeout(node):
         # Defect 11: a status code and a reason, whatever broke first.
         assert error.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
         assert error.reason in ("COLLECTIVE_TIMEOUT", "WORKER_UNRESPONSIVE", "WORKER_TIMEOUT", "WORKER_DIED"), error
-        assert elapsed < GROUP_TIMEOUT + 3.5, f"push returned {elapsed:.1f} s after the stall ({GROUP_TIMEOUT} s timeout)"
+        # The server kills a stalled worker at the group timeout + 2 s; the rest is the abort and the status.
+        assert elapsed < GROUP_TIMEOUT + 8, f"push returned {elapsed:.1f} s after the stall ({GROUP_TIMEOUT} s timeout)"
         client.delete_group()
     # The stalled worker was killed and restarted; its store survived: STAGED leaves the last commit.
     restarted = wait_for(lambda: (w := info(node).workers[1]).state == pb.WORKER_STATE_RUNNING and w.pid != victim and w,

@@ -4,8 +4,10 @@ Planning a push costs a pass over every tensor; sending its plan costs a message
 of up to tens of MB. Both are skipped while the tensors' layout repeats:
 
   - the plan is looked up by the tensors' fingerprint (names, dtypes, shapes,
-    strides, storage and device) and rebound to the new tensors, which holds no
-    tensor between pushes;
+    strides, devices, and which tensors share a storage at which offsets) and
+    rebound to the new tensors, which holds no tensor between pushes. Where the
+    storages lie is not in it: a trainer that casts its weights afresh every
+    step (new tensors, the same layout) plans once;
   - the plan is sent by its content id (weightsync.common.plan_id) to servers
     that committed it before.
 
@@ -26,12 +28,17 @@ from weightsync.v1 import tensor_pb2
 
 
 def fingerprint(named: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: int, zero_copy_min_bytes: int) -> tuple:
-    """Everything a plan depends on: names, dtypes, shapes, and memory layout."""
+    """Everything a plan depends on: names, dtypes, shapes, strides, devices, and the storage
+    layout as planning sees it (which tensors share a storage, by the same test as its flat runs,
+    and where in it they start), never an address: the plan binds bytes by tensor name and
+    storage offset (CachedPlan.rebind)."""
+    storages: dict[tuple[int, torch.device], int] = {}
     return (
         bucket_size_bytes,
         zero_copy_min_bytes,
         tuple(
-            (name, t.dtype, tuple(t.shape), tuple(t.stride()), t.data_ptr(), t.untyped_storage().data_ptr(), t.device)
+            (name, t.dtype, tuple(t.shape), tuple(t.stride()), t.device, t.storage_offset(),
+             storages.setdefault((t.untyped_storage().data_ptr(), t.device), len(storages)))
             for name, t in named
         ),
     )

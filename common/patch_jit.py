@@ -277,3 +277,14 @@ def count_changed(a, b, stride):
     for i in range(0, a.size, stride):
         changed += a[i] != b[i]
     return changed
+
+
+@njit(nogil=True, cache=True)
+def resample(a, stride, old, fresh):
+    """fresh[k] = a[k * stride] for every k of fresh; how many of them differ from old[k] by bits."""
+    changed = 0
+    for k in range(fresh.size):
+        value = a[k * stride]
+        changed += value != old[k]
+        fresh[k] = value
+    return changed

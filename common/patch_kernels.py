@@ -189,6 +189,18 @@ def count_changed(base: torch.Tensor, new: torch.Tensor, stride: int = 1) -> int
     return int(jit.count_changed(_host_bits(base, "base"), _host_bits(new, "new"), stride))
 
 
+def resample(new: torch.Tensor, stride: int, sample: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """A fresh sample of new's raw bits (new[::stride], as patches.bits_of(new)[::stride]) and how
+    many of its elements differ from an earlier sample of the same tensor, in one pass: the dense
+    phase of delta="auto" keeps only samples, and this is all it reads of a tensor."""
+    a, old = _host_bits(new, "new"), _host_bits(sample, "sample")
+    fresh = torch.empty_like(sample)
+    if old.size != -(-a.size // stride) or old.itemsize != a.itemsize:
+        raise ValueError(f"a sample of {old.size} x {old.itemsize} bytes is not one of {a.size} elements "
+                         f"of {a.itemsize} bytes at stride {stride}")
+    return int(jit.resample(a, stride, old, bits(fresh))), fresh
+
+
 # -- the receiver's side (and the trainer's kept copy) -----------------------------------------
 def _structure(data: np.ndarray, numel: int, itemsize: int, count: int, tensor: str):
     status, detail, index_end, kinds, plane_at, sparse_at = check.structure(data, numel, count, itemsize)
@@ -284,6 +296,7 @@ def _warm_up_steps(dtype: torch.dtype) -> list[Callable[[], object]]:
         partial(apply_patch, patch.data, base, patch.count),
         partial(scatter_values, base, torch.zeros(1, dtype=torch.int64), new[:1]),
         partial(count_changed, base, new),
+        partial(resample, new, 1, base),
     ]
 
 WARM_UP_EXIT_WAIT_S = 120.0

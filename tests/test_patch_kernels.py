@@ -18,6 +18,7 @@ import torch
 
 from weightsync.common import patch_format as pf
 from weightsync.common import patch_kernels as pk
+from weightsync.common import patches as pp
 from weightsync.common.checksum import ws64
 from weightsync.common.dtypes import SUPPORTED_PROTO_DTYPES, to_torch
 from weightsync.common.errors import InvalidArgument
@@ -202,6 +203,30 @@ def test_count_changed_and_samples():
     truth = int((pf.bits(base) != pf.bits(new)).sum())
     assert pk.count_changed(base, new) == truth
     assert pk.count_changed(base, new, 7) == int((pf.bits(base)[::7] != pf.bits(new)[::7]).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.bool])
+@pytest.mark.parametrize(("numel", "stride"), [(1, 1), (9, 1), (100_003, 7), (100_003, 24), (4096 * 3 + 1, 3)])
+def test_resample_is_the_torch_sample_bit_for_bit(dtype, numel, stride):
+    old = make_base(dtype, numel, 0, numel + stride, "random")  # raw random bits: NaN payloads included
+    new = make_new(old, 0.3, "random", numel)
+    if dtype.is_floating_point and numel > 1:  # bits, not values: -0.0 against 0.0
+        old[0], new[0] = 0.0, -0.0
+    sample = pp.bits_of(old)[::stride].clone()
+    changed, fresh = pk.resample(new, stride, sample)
+    reference = pp.bits_of(new)[::stride]
+    assert fresh.dtype == reference.dtype and torch.equal(fresh, reference)
+    assert changed == int((reference != sample).sum())
+    if dtype.is_floating_point and numel > 1:
+        assert changed >= 1
+
+
+def test_resample_refuses_a_sample_of_another_tensor():
+    new = torch.zeros(1000, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not one of 1000 elements"):
+        pk.resample(new, 10, pp.bits_of(new)[::9].clone())
+    with pytest.raises(ValueError, match="not one of 1000 elements"):
+        pk.resample(new, 10, pp.bits_of(new.float())[::10].clone())
 
 
 def test_calls_from_many_threads_at_once(monkeypatch):

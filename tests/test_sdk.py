@@ -181,7 +181,25 @@ def test_plan_is_reused_while_the_layout_holds(server, monkeypatch):
         client.push(model, version="r2")
         assert len(calls) == 1
         assert client.verify(model).ok
-        model["big"] = torch.randn(1 << 20)  # a new tensor: planned again
-        client.push(model, version="r3")
+        model["big"] = torch.randn(1 << 20)  # a new tensor, the same layout: the plan rebound to it
+        result = client.push(model, version="r3")
+        assert len(calls) == 1 and result.plan_reused and result.zero_copy_buckets == 1
+        assert client.verify(model).ok  # its bytes, not the old tensor's
+        flat = torch.randn((1 << 20) + 5)  # both in one storage: a flat run, a layout of its own
+        model = {"big": flat[: 1 << 20], "small": flat[1 << 20:]}
+        client.push(model, version="r4")
         assert len(calls) == 2
         assert client.verify(model).ok
+        flat = torch.randn((1 << 20) + 5)  # the same layout in new memory: rebound again
+        model = {"big": flat[: 1 << 20], "small": flat[1 << 20:]}
+        client.push(model, version="r5")
+        assert len(calls) == 2
+        assert client.verify(model).ok
+        apart = {"big": torch.randn(1 << 20), "small": flat[1 << 20:]}  # one storage no longer shared
+        client.push(apart, version="r6")
+        assert len(calls) == 3
+        assert client.verify(apart).ok
+        offset = {"big": torch.randn((1 << 20) + 8)[8:], "small": torch.randn(5)}  # the same shapes elsewhere in a storage
+        client.push(offset, version="r7")
+        assert len(calls) == 4
+        assert client.verify(offset).ok

@@ -80,6 +80,8 @@ class PushRun:
     started: float
     bases: dict[str, StoreGeneration] = field(default_factory=dict)
     """Server address -> the committed generation this push's patches apply to (none: dense plan)."""
+    begun: Callable[[], None] | None = None
+    """Called once every server is ready (none refused the update at Begin), before any byte moves."""
     plan_reused: bool = False
     zero_copy_buckets: int = 0
 
@@ -91,6 +93,8 @@ class PushRun:
     def run(self) -> list[ServerOutcome]:
         streams = self.loop.run(self._begin())
         try:
+            if self.begun is not None:
+                self.begun()
             failure = self._send_buckets(streams)
         except BaseException:
             # Our own code (or the caller's progress callback) raised: the servers must not

@@ -268,23 +268,34 @@ class WeightSyncClient:
             if patched is None:
                 break
             choice, delta_choice, targets = patched
+            # Once no server refused the base, the copy takes the patches while they move and the
+            # servers check and apply them (it claims no generation until committed(); a failure
+            # from here on makes the next push dense).
+            taking: list[bool] = []
+
+            def begun(items=items, delta_choice=delta_choice, taking=taking) -> None:
+                taking.append(True)
+                self._delta.take_in_background(items, delta_choice)
+
             try:
                 runs.append((choice, *self._push_once(group, sink, choice, servers=targets, bases={
-                    s.address: self._delta.generations[s.address] for s in targets}, **common)))
+                    s.address: self._delta.generations[s.address] for s in targets}, begun=begun, **common)))
                 break
             except UpdateFailed as error:
                 if error.reason != "BASE_MISMATCH":
                     raise
                 # Refused at Begin, before any byte moved, everywhere: that server gets it dense.
                 log.info("base_mismatch_sending_dense", server=error.server)
-                self._delta.forget(error.server)
+                # (Only Begin refuses a base, so the copy has taken nothing; if it had, it would be
+                # no server's base any more.)
+                self._delta.forget(None if taking else error.server)
                 delta_choice, targets = None, []
         rest = [s for s in self._servers.servers if s not in targets]
         if rest:
             dense = choose_plan(dict(items) if items is not None else named_tensors, self._plans,
                                 may_stream=mode == "staged" and not allow_new_tensors, **sizes)
-            if items is not None:
-                self._delta.take_in_background(items, delta_choice)  # the copy refreshes while the bytes move
+            if items is not None and not targets:
+                self._delta.take_in_background(items, None)  # the copy refreshes while the bytes move
             runs.append((dense, *self._push_once(group, sink, dense, servers=rest, **common)))
             self._plans.committed(dense.cached, [s.address for s in rest])
         outcomes = [o for _, _, done in runs for o in done]
@@ -322,12 +333,13 @@ class WeightSyncClient:
 
     def _push_once(self, group: TransferGroup | None, sink: Sink, choice: PlanChoice, *, servers: list[Server],
                    show_progress: bool | None, bases: dict[str, StoreGeneration] | None = None,
-                   **common) -> tuple[PushRun, list[ServerOutcome]]:
+                   begun: Callable[[], None] | None = None, **common) -> tuple[PushRun, list[ServerOutcome]]:
         """One run of one plan to `servers`."""
         _prepare_buffers(sink, choice)
         bar = _progress_bar(choice.total_bytes, common["version"], show_progress)
         run = self._run_for(group, sink, choice, servers=servers, bar=bar, **common)
         run.bases = bases or {}
+        run.begun = begun
         try:
             outcomes = run.run()
         except BaseException as error:

@@ -340,3 +340,43 @@ def test_the_default_push_keeps_a_copy_and_sends_a_sparse_step_as_patches(two_se
         again = client.push(current, version="v3", transport="inline")
         assert again.bytes_sent >= again.dense_bytes
         assert server_checksums(a) == [local_checksums(current)]
+
+
+def test_the_copy_takes_the_patches_while_they_move_and_claims_the_base_only_once_committed(two_servers, monkeypatch):
+    """A patched push starts the kept copy's update once every server is ready (not after the
+    commit: it overlaps the transfer and the servers' apply); the copy is the servers' base again
+    only after the commit, and the push after it patches against it, exactly."""
+    from weightsync.client import push as push_module
+    from weightsync.client.delta import DeltaBase
+
+    a, b = two_servers
+    events: list[str] = []
+    real_take, real_commit = DeltaBase.take_in_background, push_module.PushRun._commit
+
+    def take(self, named, choice):
+        events.append("take patches" if choice is not None and choice.patches else "take whole")
+        events.append(f"claims {sorted(self.generations)}")
+        real_take(self, named, choice)
+        events.append(f"then claims {sorted(self.generations)}")
+
+    async def commit(self, streams):
+        events.append("commit")
+        return await real_commit(self, streams)
+
+    monkeypatch.setattr(DeltaBase, "take_in_background", take)
+    monkeypatch.setattr(push_module.PushRun, "_commit", commit)
+    with WeightSyncClient([a.address, b.address], timeout=60) as client:
+        current = model()
+        client.push(current, version="v0", transport="inline", allow_new_tensors=True)
+        assert events == ["take whole", "claims []", "then claims []", "commit"]
+        events.clear()
+        for step in range(3):
+            current = sparse_step(current, seed=40 + step)
+            result = client.push(current, version=f"v{step + 1}", transport="inline")
+            assert result.bytes_sent < 0.1 * result.dense_bytes
+            servers = sorted([a.address, b.address])
+            assert events == ["take patches", f"claims {servers}", "then claims []", "commit"]
+            assert sorted(client._delta.generations) == servers  # claimed again once committed
+            events.clear()
+            assert_held(two_servers, current)
+        assert client.verify(current).ok

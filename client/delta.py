@@ -13,7 +13,9 @@ copies writes a PATCH_XOR patch (gap varints, XOR byte planes) and the WS64 chan
 threads as torch may use. CUDA tensors are compared with torch ops on their device (the
 overwriting encodings: positions, gaps or a bitmask, whichever is smallest).
 Each patch carries the WS64 of the whole new tensor: the copy's WS64 plus the change, O(changed).
-The copy changes only after every server committed (caches change on success only).
+The copy is refreshed while a push's bytes move, but it is any server's base only once every
+server committed (it claims their generations then): a push that fails after it started leaves a
+copy that claims nothing, and the next push goes dense.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ as a small AdamW step moves bf16 weights, or random new bits):
   - the current torch path (common.patches: changes_between + smallest_encoding + encode_patch)
     on the same tensors;
   - the receiver's check_patch and apply_patch, ns per changed element (tensors spread over 1
-    or 2 threads);
+    or 2 threads), and apply_checked (both in one pass, what a worker runs);
   - zstandard level 1 on the encoded patches: ratio, MB/s each way, and when it pays on a
     1 and a 10 Gbit/s link.
 Also the kernels' cold JIT cost (an empty numba cache) and its warm-cache load, in subprocesses.
@@ -184,6 +184,9 @@ def measure(base: dict[str, torch.Tensor], names: list[str], density: float, val
     def apply(name: str) -> None:  # flips target between base and new
         pk.apply_patch(patches[name].data, target[name], patches[name].count)
 
+    def fused(name: str) -> None:  # checked while it applies (what a worker runs): flips it too
+        pk.apply_checked(patches[name].data, target[name], patches[name].count, live_ws64=0)
+
     calls = {
         "copy": lambda: memcpy(new),
         "enc1": lambda: [pk.compare_and_encode(base[n], new[n], 1) for n in names],
@@ -192,6 +195,7 @@ def measure(base: dict[str, torch.Tensor], names: list[str], density: float, val
         "check2": lambda: over_tensors(check, names, 2, pool),
         "apply1": lambda: over_tensors(apply, names, 1, pool),
         "apply2": lambda: over_tensors(apply, names, 2, pool),
+        "fused1": lambda: over_tensors(fused, names, 1, pool),
     }
     if values == "ulp":
         calls["torch"] = lambda: torch_path(base, new)
@@ -226,11 +230,13 @@ def render(rows: list[dict], workload: str, dense_bytes: int, cold: float, warm:
         f"memcpy's timed back to back at the start ({read / memcpy_alone / 1e9:.1f} GB/s, its best case); "
         "`ns/chg` = the 2-thread compare's whole time per changed element; `torch` = today's common.patches "
         "path (changes_between, smallest_encoding, encode_patch). Receiver: ns per changed element, "
-        "check_patch (validate + WS64, no write) and apply_patch (in place), the tensors on 1 or 2 threads.",
+        "check_patch (validate + WS64, no write) and apply_patch (in place), the tensors on 1 or 2 threads; "
+        "`checked apply` = apply_checked, the one pass a worker runs for a patch it applies now (validate, WS64 "
+        "and write), against check then apply (two passes), one thread.",
         "",
         "| changed | values | B/changed | % dense | compare 1t GB/s | 2t GB/s | x memcpy | x memcpy b2b | ns/chg "
-        "| torch s | x torch | check ns 1t / 2t | apply ns 1t / 2t |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| torch s | x torch | check ns 1t / 2t | apply ns 1t / 2t | checked apply ns 1t |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         count = max(r["changed"], 1)
@@ -242,7 +248,8 @@ def render(rows: list[dict], workload: str, dense_bytes: int, cold: float, warm:
             f"| {r['enc2'] / count * 1e9:.1f} | {f'{torch_s:.2f}' if torch_s else '-'} "
             f"| {f'{x_torch:.1f}x' if torch_s else '-'} "
             f"| {r['check1'] / count * 1e9:.1f} / {r['check2'] / count * 1e9:.1f} "
-            f"| {r['apply1'] / count * 1e9:.1f} / {r['apply2'] / count * 1e9:.1f} |")
+            f"| {r['apply1'] / count * 1e9:.1f} / {r['apply2'] / count * 1e9:.1f} "
+            f"| {r['fused1'] / count * 1e9:.1f} |")
     memcpy_gbs = median([read / r["copy"] / 1e9 for r in rows])
     lines += ["", f"memcpy (torch copy_, both inputs): {memcpy_gbs:.1f} GB/s read taken in turn with the rows' "
               f"other timings (median over the rows), {read / memcpy_alone / 1e9:.1f} GB/s back to back.", "",

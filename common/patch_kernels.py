@@ -246,6 +246,26 @@ def apply_patch(data: torch.Tensor | bytes, target: torch.Tensor, count: int, *,
     return _walk(_data(data), flat, flat.size, count, 1, tensor)[0]
 
 
+def apply_checked(data: torch.Tensor | bytes, target: torch.Tensor, count: int, *, live_ws64: int,
+                  tensor: str = "") -> int:
+    """check_patch and apply_patch in one pass: target ^= the patch's XORs, validating as it goes;
+    returns target's WS64 afterwards (live_ws64, its WS64 before, plus the change). A malformed
+    patch is refused (InvalidArgument) with target bit for bit as it was: the pass is deterministic
+    and XOR undoes itself, so walking it again up to where it stopped takes back what it wrote.
+    A caller that refuses the returned WS64 undoes the whole patch with apply_patch (same data)."""
+    flat = _host_bits(target, tensor or "target")
+    patch = _data(data)
+    shape = _structure(patch, flat.size, flat.itemsize, count, tensor)  # refuses before any write
+    status, bad, delta = check.walk(patch, flat.size, count, *shape, flat, 1, _NO_POSITIONS, flat[:0])
+    if status:
+        check.walk(patch, flat.size, count, *shape, flat, 1, _NO_POSITIONS, flat[:0])  # the same prefix: undone
+        raise refuse(_REASONS[status], tensor, f"position {bad} >= numel {flat.size}")
+    return (live_ws64 + int(delta)) & MASK64
+
+
+_NO_POSITIONS = np.empty(0, np.int64)
+
+
 def decode_new_values(data: torch.Tensor | bytes, live: torch.Tensor, count: int, *, live_ws64: int,
                       tensor: str = "") -> tuple[int, torch.Tensor, torch.Tensor]:
     """check_patch and the patch's (positions int64, new values in live's dtype) in one pass: a

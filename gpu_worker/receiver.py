@@ -35,6 +35,7 @@ import torch
 
 from weightsync.common import dtypes
 from weightsync.common.errors import FailedPrecondition, InvalidArgument, WeightSyncError
+from weightsync.common.patches import XOR
 from weightsync.gpu_worker.bucket_checks import (
     arm_tail,
     check_tail,
@@ -43,7 +44,7 @@ from weightsync.gpu_worker.bucket_checks import (
     verify_bucket,
 )
 from weightsync.gpu_worker.memory import MappedArena, release_cached_device_memory
-from weightsync.gpu_worker.patch_apply import CheckedPatch, check_patch
+from weightsync.gpu_worker.patch_apply import CheckedPatch, FusedPatch, check_patch
 from weightsync.v1 import tensor_pb2
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -357,12 +358,12 @@ class Receiver:
         """Check a bucket in host memory and put its tensors in place."""
         verify_bucket(owned.sequence, owned.checks, received, bucket_checksum)
         checked = self._check_patches(owned, received)
-        # Every check passed: only now may a byte of a staged bucket reach the store.
-        self.touched = True
+        # Every check passed (the fused patches' as they apply, taken back if refused): only now
+        # may a byte of a staged bucket reach the store.
+        self._take_patches(update, checked)
         for copy in owned.copies:
             self.maps.bytes_at(copy.dst, copy.size_bytes).copy_(
                 received[copy.src_offset_bytes : copy.src_offset_bytes + copy.size_bytes])
-        self._take_patches(update, checked)
         return self._done(update, owned)
 
     def _apply_from_device(self, update: ReceiveUpdate, owned: wpb.OwnedBucket, slot: int, received: torch.Tensor,
@@ -372,14 +373,13 @@ class Receiver:
         verify_bucket(owned.sequence, owned.checks, received, bucket_checksum)
         patch_bytes = received.cpu() if owned.patches else received  # patches are decoded and checked on the host
         checked = self._check_patches(owned, patch_bytes)
-        self.touched = True
+        self._take_patches(update, checked)
         if owned.HasField("receive_into"):
             pairs = [(received, self.maps.bytes_at(owned.receive_into, owned.size_bytes))]
         else:
             pairs = [(received[c.src_offset_bytes : c.src_offset_bytes + c.size_bytes],
                       self.maps.bytes_at(c.dst, c.size_bytes)) for c in owned.copies]
         self.lane.copy_out(slot, pairs)
-        self._take_patches(update, checked)
         return self._done(update, owned)
 
     def _done(self, update: ReceiveUpdate, owned: wpb.OwnedBucket) -> Applied:
@@ -388,25 +388,45 @@ class Receiver:
         return Applied(owned.size_bytes, owned.HasField("receive_into"))
 
     def _check_patches(self, owned: wpb.OwnedBucket,
-                       received: torch.Tensor) -> list[tuple[torch.Tensor, CheckedPatch, bool]]:
-        """Check every patch of a bucket against its live tensor, writing nothing (gpu_worker.patch_apply)."""
-        checked = []
+                       received: torch.Tensor) -> list[tuple[torch.Tensor, CheckedPatch | FusedPatch, bool]]:
+        """Check every patch of a bucket against its live tensor, writing nothing (gpu_worker.patch_apply),
+        but for PATCH_XOR applied now: that one is checked as it applies (FusedPatch)."""
+        checked: list[tuple[torch.Tensor, CheckedPatch | FusedPatch, bool]] = []
         for target in owned.patches:
             live = self.maps.tensor_at(target.live, target.dtype, target.shape, target.name)
             data = received[target.src_offset_bytes : target.src_offset_bytes + target.size_bytes]
-            patch = check_patch(target, data, live, bucket=owned.sequence)
             destination = self.maps.tensor_at(target.destination, target.dtype, target.shape, target.name)
-            checked.append((destination, patch, target.scatter_at_commit))
+            if target.encoding == XOR and not target.scatter_at_commit:
+                checked.append((destination, FusedPatch(target, data, live, owned.sequence), False))
+            else:
+                checked.append((destination, check_patch(target, data, live, bucket=owned.sequence),
+                                target.scatter_at_commit))
         return checked
 
-    def _take_patches(self, update: ReceiveUpdate, checked: list[tuple[torch.Tensor, CheckedPatch, bool]]) -> None:
-        """Checked patches: applied now (IN_PLACE, or a STAGED one into its shadow), or kept for commit (a
-        copy: the bucket's buffer is reused)."""
+    def _take_patches(self, update: ReceiveUpdate,
+                      checked: list[tuple[torch.Tensor, CheckedPatch | FusedPatch, bool]]) -> None:
+        """Patches applied now (IN_PLACE, or a STAGED one into its shadow), or kept for commit (a copy:
+        the bucket's buffer is reused). A fused patch refused here takes back every patch of the
+        bucket applied before it, so the store is as it was and the refusal says nothing was touched.
+        Sets self.touched: from here on, bytes of this bucket may reach the store."""
+        was_touched, self.touched = self.touched, True
+        applied: list[tuple[torch.Tensor, FusedPatch]] = []
+        try:
+            for destination, patch, _ in checked:  # first: the only ones that can still be refused
+                if isinstance(patch, FusedPatch):
+                    patch.apply(destination)  # refused: taken back before it raises
+                    applied.append((destination, patch))
+        except Exception:
+            for destination, patch in reversed(applied):
+                patch.undo(destination)
+            self.touched = was_touched
+            raise
         for destination, patch, at_commit in checked:
-            if at_commit:
-                update.kept.append((destination, patch.kept()))
-            else:
-                patch.apply(destination)
+            if isinstance(patch, CheckedPatch):
+                if at_commit:
+                    update.kept.append((destination, patch.kept()))
+                else:
+                    patch.apply(destination)
 
     def release(self) -> None:
         self.update = None

@@ -112,6 +112,9 @@ def assert_everything_agrees(base: torch.Tensor, new: torch.Tensor, threads: int
         np.testing.assert_array_equal(pf.bits(target), b)
     target = base.clone()
     assert pk.apply_patch(data, target, count) == delta
+    target = base.clone()  # checked while it applies: the same bytes, the same WS64
+    assert pk.apply_checked(patch.data, target, count, live_ws64=ws64(base)) == ws64(new)
+    np.testing.assert_array_equal(pf.bits(target), b)
     return data
 
 
@@ -319,6 +322,31 @@ def test_malformed_patches_are_refused_without_a_write(name, hexdata, numel, ite
     assert outcome(lambda: pk.apply_patch(data, target, count, tensor="w")) == ("refused", reason)
     np.testing.assert_array_equal(pf.bits(guarded)[:8], guard[:8])  # never a byte outside target
     np.testing.assert_array_equal(pf.bits(guarded)[8 + numel:], guard[8 + numel:])
+    guarded = make_base(dtype, numel + 16, 0, 1, "random")
+    target = guarded[8: 8 + numel]
+    assert outcome(lambda: pk.apply_checked(data, target, count, live_ws64=0, tensor="w")) == ("refused", reason)
+    np.testing.assert_array_equal(pf.bits(guarded), guard)  # checked as it applied: refused, nothing changed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8], ids=str)
+def test_a_patch_refused_half_way_through_applying_is_taken_back(dtype):
+    """A patch made for a longer tensor applied to a shorter one: well formed (a gaps index: a
+    bitmask's length would give it away before any write), its positions valid for thousands of
+    changes (many of the kernel's batches written), then one past the end. The fused
+    check-and-apply stops there and takes back what it wrote: the target bit for bit as it was."""
+    numel = 40_000
+    longer = make_base(dtype, numel + 5_000, 0, 3, "random")
+    data, count, _ = pf.encode(longer, make_new(longer, 0.05, "random", 4))
+    assert data[0] == pf.INDEX_GAPS and count > 2_000
+    target = longer[:numel].clone()
+    before = pf.bits(target).copy()
+    assert outcome(lambda: pk.apply_checked(data, target, count, live_ws64=0, tensor="w")) == ("refused", pf.OUT_OF_RANGE)
+    np.testing.assert_array_equal(pf.bits(target), before)
+    # and a patch whose WS64 the caller refuses is taken back whole by apply_patch
+    good, good_count, _ = pf.encode(target, make_new(target, 0.01, "ulp", 5))
+    pk.apply_checked(good, target, good_count, live_ws64=ws64(target))
+    pk.apply_patch(good, target, good_count)
+    np.testing.assert_array_equal(pf.bits(target), before)
 
 
 def test_accepted_oddities():

@@ -99,7 +99,8 @@ def send(server, buckets, version: str, *, mode=pb.UPDATE_MODE_STAGED, base_gene
     plan = tensor_pb2.WeightPlan()
     for spec, data in buckets:
         bucket = plan.buckets.add(size_bytes=len(padded(data)))
-        bucket.tensors.add().CopyFrom(spec)
+        for each in spec if isinstance(spec, list) else [spec]:
+            bucket.tensors.add().CopyFrom(each)
     stream = UpdateStream(server.stub())
     stream.send(begin=pb.BeginUpdate(version=version, plan=plan, mode=mode, transport=pb.TRANSPORT_INLINE,
                                      base_generation=base_generation, allow_new_tensors=allow_new,
@@ -130,6 +131,19 @@ def send(server, buckets, version: str, *, mode=pb.UPDATE_MODE_STAGED, base_gene
     except grpc.RpcError as error:
         stream.close()
         return error
+
+
+def one_bucket(buckets: list[tuple[tensor_pb2.TensorSpec, bytes]]) -> tuple[list[tensor_pb2.TensorSpec], bytes]:
+    """These tensors in one bucket, one after the other at 64-byte offsets."""
+    specs, data = [], b""
+    for spec, part in buckets:
+        data = data.ljust(-(-len(data) // 64) * 64, b"\0")
+        placed = tensor_pb2.TensorSpec()
+        placed.CopyFrom(spec)
+        placed.offset_bytes = len(data)
+        specs.append(placed)
+        data += part
+    return specs, data
 
 
 def generation(server) -> int:
@@ -338,3 +352,26 @@ def test_xor_values_made_against_another_base_are_data_loss_and_change_nothing(n
     assert isinstance(send(node, patch_buckets(base, new, XOR), "right", mode=mode, base_generation=before),
                       pb.UpdateCommitted)
     assert server_checksums(node) == [local_checksums(new)]
+
+
+@pytest.mark.parametrize("mode", [pb.UPDATE_MODE_STAGED, pb.UPDATE_MODE_IN_PLACE], ids=["staged", "in-place"])
+def test_a_bucket_whose_second_patch_is_refused_takes_back_its_first(node, base, mode):
+    """Two PATCH_XOR patches in one bucket, the first right, the second's whole-tensor WS64 wrong: a
+    worker applies each while it checks it, so the first is in the store when the second is refused;
+    it is taken back (XORed in again), and the store is the base bit for bit, CONSISTENT."""
+    before = generation(node)
+    new = changed(base, seed=95)
+    right = {spec.name: (spec, data) for spec, data in patch_buckets(base, new, XOR)}
+    wrong = {spec.name: (spec, data) for spec, data in
+             patch_buckets(base, new, XOR, checksum_of=lambda name, t: ws64(t) ^ (name == "w"))}
+    bucket = one_bucket([right["embed"], wrong["w"]])
+    result = send(node, [bucket], "second-refused", mode=mode, base_generation=before)
+    assert isinstance(result, grpc.RpcError), result
+    assert (result.code(), error_info(result).reason) == (grpc.StatusCode.DATA_LOSS, "TENSOR_CHECKSUM_MISMATCH")
+    assert error_info(result).metadata["tensor"] == "w"
+    info = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert (info.store_state, info.current_version.generation) == (pb.STORE_STATE_CONSISTENT, before)
+    assert server_checksums(node) == [local_checksums(base)]
+    both = one_bucket([right["embed"], right["w"]])
+    assert isinstance(send(node, [both], "both-right", mode=mode, base_generation=before), pb.UpdateCommitted)
+    assert server_checksums(node) == [local_checksums({**base, "embed": new["embed"], "w": new["w"]})]

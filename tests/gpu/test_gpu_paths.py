@@ -204,3 +204,25 @@ def test_the_kept_delta_copy_waits_for_the_callers_stream():
         t.view(-1)[:1] += 1
     choice = base.choose(list(nxt.items()), auto=False)
     assert {n: p.checksum for n, p in choice.patches.items()} == {n: ws64(t) for n, t in nxt.items() if n in choice.patches}
+
+
+@pytest.mark.parametrize("transport", ["inline", "collective"])
+def test_cuda_tensors_pushed_as_patches_land_exactly(cuda_server, transport):
+    """Sparse steps of CUDA tensors, written on the caller's stream behind a long kernel, pushed as
+    patches: the compare reads them on that stream, and the kept copy, updated in its own thread
+    while the patches move, waits for the writes before it takes them (a stale copy makes the next
+    step's patch wrong, which the WS64 in the plan turns into DATA_LOSS)."""
+    with WeightSyncClient(cuda_server.address, timeout=120) as client:
+        if transport == "collective":
+            client.create_group(backend="auto", timeout=60)  # a worker on this GPU: auto picks Gloo
+        model = gpu_model(50)
+        client.push(model, version="v0", transport=transport, allow_new_tensors=True, delta=True)
+        for step in range(1, 4):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            for tensor in model.values():
+                tensor.view(-1)[step::97] += 1  # ~1% of the elements, behind the sleep
+            mode = "staged" if step % 2 else "in_place"
+            result = client.push(model, version=f"v{step}", mode=mode, transport=transport, delta=True)
+            assert result.bytes_sent < 0.1 * result.dense_bytes, f"step {step} did not go as patches"
+            assert client.verify(model).ok, f"step {step}: the store holds other bytes than the trainer's"
+            assert_same_bytes(mapped_copy(cuda_server, "cuda:0"), model)

@@ -45,6 +45,22 @@ def test_nccl_push_staged_in_place_and_verify(server_on_gpu1):
     assert worker.staging_on_device and worker.staging_bytes == 2 << 20  # two buffers of the largest bucket
 
 
+def test_patches_over_nccl_land_exactly_from_the_workers_staging(server_on_gpu1):
+    """Patched buckets received by NCCL into a CUDA worker's staging buffer: copied to the host,
+    checked as they are applied to the store, next to the dense copies the copy stream makes."""
+    with WeightSyncClient(server_on_gpu1.address, timeout=120) as client:
+        client.create_group(backend="nccl", timeout=GROUP_TIMEOUT)
+        model = gpu_model(60)
+        client.push(model, version="v0", allow_new_tensors=True, delta=True)
+        for step in range(1, 4):
+            for tensor in model.values():
+                tensor.view(-1)[step::97] += 1
+            mode = "staged" if step % 2 else "in_place"
+            result = client.push(model, version=f"v{step}", mode=mode, delta=True)
+            assert result.bytes_sent < 0.1 * result.dense_bytes, f"step {step} did not go as patches"
+            assert client.verify(model).ok, f"step {step}"
+
+
 def test_a_worker_killed_mid_broadcast_fails_the_push_and_the_trainer_lives_on(server_on_gpu1):
     """torch's watchdog would terminate the trainer about a minute after the failed broadcast:
     weightsync's groups must not let it. The trainer waits past that and pushes again."""

@@ -29,6 +29,7 @@ import torch
 
 from weightsync.client import transfer_group
 from weightsync.client._loop import LoopThread
+from weightsync.client.compression import worth_compressing
 from weightsync.client.delta import Delta, DeltaBase, DeltaChoice
 from weightsync.client.delta_policy import auto_dense_above
 from weightsync.client.errors import UpdateFailed, WeightSyncClientError
@@ -194,6 +195,7 @@ class WeightSyncClient:
         progress: Callable[[PushProgress], None] | None = None,
         show_progress: bool | None = None,
         delta: Delta = "auto",
+        compress: bool | None = None,
     ) -> PushResult:
         """Send one version to every server and commit it.
 
@@ -238,6 +240,9 @@ class WeightSyncClient:
         group. Keeping the copy costs as much memory as the pushed tensors, on
         their device (host memory with delta_host_copy=True); delta=False frees it.
         PushResult.bytes_sent and dense_bytes say what it saved.
+        compress: COLLECTIVE over a Gloo group: send each bucket of patches as a zstd frame (the
+        owners decompress it). None (default): when this client's dense pushes measured the link
+        slower than ~3 Gbit/s (client/compression.py); False: never; True: whenever it shrinks.
         """
         if mode not in _MODES:
             raise ValueError(f"mode must be 'in_place' or 'staged', got {mode!r}")
@@ -261,6 +266,8 @@ class WeightSyncClient:
             if delta == "auto" and self._delta.cannot_pay(items):
                 self._delta.drop()  # the sample and the copy would cost a few percent, for nothing
                 items = None
+        if isinstance(sink, CollectiveSink) and items is not None and compress is not False:
+            sink.compress_patches = self._compressing(compress)
         runs: list[tuple[PlanChoice, PushRun, list[ServerOutcome]]] = []
         delta_choice, targets = None, []
         while items is not None:
@@ -301,12 +308,19 @@ class WeightSyncClient:
         outcomes = [o for _, _, done in runs for o in done]
         if items is not None:
             self._delta.committed(items, delta_choice, {o.server: o.committed for o in outcomes})
-        result = _committed(runs, outcomes, version, started, dense_bytes=_dense_bytes(items) if items else 0)
+        result = _committed(runs, outcomes, version, started, dense_bytes=_dense_bytes(items) if items else 0,
+                            compressed=(getattr(sink, "compressed_bytes", 0), getattr(sink, "frame_bytes_saved", 0)))
         if result.bytes_sent >= result.dense_bytes and result.plan_reused:
             # All dense into stores that exist (a first push also allocates them): what the link and
             # the servers take, for auto's thresholds.
             self._delta.dense_push_timed(transport, result.bytes_sent, result.seconds)
         return result
+
+    def _compressing(self, compress: bool | None) -> bool:
+        """Whether this COLLECTIVE push sends its buckets of patches compressed (every server takes zstd)."""
+        if compress is None and not worth_compressing(self._delta.dense_bytes_per_second):
+            return False
+        return all(pb.BUCKET_COMPRESSION_ZSTD in info.bucket_compressions for info in self._server_limits())
 
     def _patched_plan(self, items: list[tuple[str, torch.Tensor]], delta: Delta, *, collective: bool,
                       bucket_size_bytes: int, zero_copy_min_bytes: int,
@@ -502,7 +516,7 @@ def _dense_bytes(items: list[tuple[str, torch.Tensor]]) -> int:
 
 
 def _committed(runs: list[tuple[PlanChoice, PushRun, list[ServerOutcome]]], outcomes: list[ServerOutcome],
-               version: str, started: float, *, dense_bytes: int) -> PushResult:
+               version: str, started: float, *, dense_bytes: int, compressed: tuple[int, int] = (0, 0)) -> PushResult:
     seconds = time.perf_counter() - started
     sent = sum(choice.total_bytes for choice, _, _ in runs)
     result = PushResult(
@@ -514,8 +528,9 @@ def _committed(runs: list[tuple[PlanChoice, PushRun, list[ServerOutcome]]], outc
         plan_reused=all(run.plan_reused for _, run, _ in runs),
         zero_copy_buckets=sum(run.zero_copy_buckets for _, run, _ in runs),
         servers=tuple(outcomes),
-        bytes_sent=sent,
+        bytes_sent=sent - compressed[1],
         dense_bytes=dense_bytes or sent,
+        compressed_bytes=compressed[0],
     )
     log.info("push_committed", version=version, bytes=sent, dense_bytes=result.dense_bytes,
              seconds=round(seconds, 3), gbps=round(result.gigabytes_per_second, 3), buckets=result.bucket_count)

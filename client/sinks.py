@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.client._loop import LoopThread
+from weightsync.client.compression import compressed_frame, holds_patches
 from weightsync.client.errors import WeightSyncRpcError
 from weightsync.client.packing import PackBuffers, Payload, TensorSource, fill_bucket
 from weightsync.client.planning import PlannedBucket
@@ -58,9 +59,10 @@ class Sink(Protocol):
 
 
 def announce(loop: LoopThread, streams: list[UpdateStream], index: int, size: int,
-             checksum: tensor_pb2.Checksum, tail: bytes = b"") -> None:
+             checksum: tensor_pb2.Checksum, tail: bytes = b"",
+             compression: int = pb.BUCKET_COMPRESSION_UNSPECIFIED) -> None:
     message = pb.UpdateWeightsRequest(bucket_start=pb.BucketStart(sequence=index, checksum=checksum, size_bytes=size,
-                                                                  tail=tail))
+                                                                  tail=tail, compression=compression))
     for stream in streams:
         loop.call_soon(stream.send, message)
 
@@ -76,19 +78,38 @@ class CollectiveSink:
         self.buffers = buffers
         self._in_flight: list[dist.Work] = []
         """The previous bucket's transfers, still on the wire."""
+        self._frames: list[torch.Tensor] = []
+        """Compressed frames of the transfers in flight (kept alive until they completed)."""
         self.broken = False
         """A broadcast of ours failed or timed out: the group is unusable on every rank."""
+        self.compress_patches = False
+        """This push sends its buckets of patches as zstd frames (Gloo only; client/compression.py)."""
+        self._patched: set[int] = set()
+        self.compressed_bytes = 0
+        """Bucket bytes this push sent compressed, and what compressing them saved."""
+        self.frame_bytes_saved = 0
 
     def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
+        if holds_patches(bucket.spec):
+            self._patched.add(index)
         # Buffer k % 2: bucket k-2 used it, and send(k-1) returned only once its transfers completed.
         return fill_bucket(self.buffers, bucket, index, source)
 
     def send(self, index: int, payload: Payload, checksum: tensor_pb2.Checksum,
              streams: list[UpdateStream]) -> BaseException | None:
         data = payload.read()
+        compression, frame = pb.BUCKET_COMPRESSION_UNSPECIFIED, None
+        if (self.compress_patches and index in self._patched and self._collective.backend != pb.BACKEND_NCCL
+                and data.device.type == "cpu"):
+            # While bucket k-1 is on the wire; the owners decompress it (BucketStart.compression).
+            frame = compressed_frame(data)
+            if frame is not None:
+                compression, data = pb.BUCKET_COMPRESSION_ZSTD, frame
+                self.compressed_bytes += payload.size
+                self.frame_bytes_saved += payload.size - frame.numel()
         # Announce first: workers join only announced broadcasts, at the announced length. The
         # tail lets them tell a short broadcast from a full one; read() waited for the pack copies.
-        announce(self._loop, streams, index, payload.size, checksum, bucket_tail(data))
+        announce(self._loop, streams, index, data.numel(), checksum, bucket_tail(data), compression)
         try:
             if self._collective.backend == pb.BACKEND_NCCL:
                 started = [self._collective.broadcast_async(data)]
@@ -104,10 +125,12 @@ class CollectiveSink:
         # buffer of k+1 (k-1's) is free once this returns.
         failure = self.finish()
         self._in_flight = started
+        self._frames = [frame] if frame is not None else []
         return failure
 
     def finish(self) -> BaseException | None:
         works, self._in_flight = self._in_flight, []
+        self._frames = []
         failure: BaseException | None = None
         for work in works:  # every one, even after a failure: none is left in flight
             try:

@@ -62,9 +62,12 @@ class PushResult:
     """Buckets broadcast straight from the caller's storage (flat parameters)."""
     servers: tuple[ServerOutcome, ...]
     bytes_sent: int = 0
-    """Bytes this push moved (size_bytes): with delta, the patches and the changed tensors."""
+    """Bytes this push put on the link to each server: with delta, the patches and the changed
+    tensors, less what compressing buckets of patches saved (compressed_bytes)."""
     dense_bytes: int = 0
     """What the whole model, dense, would have moved (0 when not known: a streamed push)."""
+    compressed_bytes: int = 0
+    """Plan bytes that went as zstd frames (buckets of patches on a slow Gloo link), before compression."""
 
     @property
     def gigabytes_per_second(self) -> float:

@@ -13,7 +13,8 @@ split tensor's place, or into staging and then one copy per tensor), the checks 
 This module only moves and checks bytes. Two lanes:
 
   host     a Gloo receive, or the ingress (INLINE, SHM): bytes land in host memory, the store
-           itself where they can, else a reused, pre-touched staging buffer;
+           itself where they can, else a reused, pre-touched staging buffer; a compressed Gloo
+           bucket lands in a wire buffer of its own and is decompressed into either;
   device   an NCCL broadcast (CUDA workers): bytes land in one of two device staging buffers,
            then go to the store on a copy stream. A staging buffer is received into again only
            once the copy out of it completed (the current stream waits on its event), and the
@@ -43,9 +44,11 @@ from weightsync.gpu_worker.bucket_checks import (
     restore_tail,
     verify_bucket,
 )
+from weightsync.gpu_worker.frames import decompress_bucket
 from weightsync.gpu_worker.memory import MappedArena, release_cached_device_memory
 from weightsync.gpu_worker.patch_apply import CheckedPatch, FusedPatch, check_patch
 from weightsync.v1 import tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
 
@@ -186,6 +189,8 @@ class Receiver:
         self.maps = StoreMaps()
         self.staging: torch.Tensor | None = None
         """Host lane: reused, pre-touched receive buffer of general-path buckets (never part of the store)."""
+        self.wire: torch.Tensor | None = None
+        """Host lane: reused receive buffer of compressed frames (gpu_worker/frames.py)."""
         self.lane = DeviceLane(device) if device.type == "cuda" else None
         self.update: ReceiveUpdate | None = None
         self.received_bytes = 0
@@ -195,7 +200,7 @@ class Receiver:
     # -- status ------------------------------------------------------------------------
     @property
     def staging_bytes(self) -> int:
-        host = 0 if self.staging is None else self.staging.numel()
+        host = sum(b.numel() for b in (self.staging, self.wire) if b is not None)
         return host + (self.lane.held_bytes if self.lane is not None else 0)
 
     def status(self) -> wpb.WorkerStatus:
@@ -254,10 +259,11 @@ class Receiver:
         self.update = None
 
     # -- receiving ------------------------------------------------------------------------------
-    def _expected(self, update: ReceiveUpdate, sequence: int, size: int) -> wpb.OwnedBucket:
+    def _expected(self, update: ReceiveUpdate, sequence: int, size: int, *, compressed: bool = False) -> wpb.OwnedBucket:
         owned = update.owned.get(sequence)
         expected = update.order[update.next_index] if update.next_index < len(update.order) else None
-        if owned is None or sequence != expected or size != owned.size_bytes:
+        if owned is None or sequence != expected or not (
+                0 < size < owned.size_bytes if compressed else size == owned.size_bytes):
             raise InvalidArgument("BUCKET_NOT_EXPECTED", f"bucket {sequence} of {size} bytes is not the next one "
                                   f"this worker owns ({expected})", bucket=sequence)
         return owned
@@ -280,14 +286,21 @@ class Receiver:
         if receive.discard or update.phase is Phase.FAILED:
             transfer(self.scratch(receive.size_bytes))
             return None
+        compressed = receive.compression != pb.BUCKET_COMPRESSION_UNSPECIFIED
         try:
-            owned = self._expected(update, receive.sequence, receive.size_bytes)
-            check_tail_announced(receive.sequence, owned.size_bytes, receive.tail)
+            owned = self._expected(update, receive.sequence, receive.size_bytes, compressed=compressed)
+            if compressed and device_lane:
+                raise InvalidArgument("BUCKET_COMPRESSION_UNSUPPORTED", f"bucket {receive.sequence}: compressed "
+                                      "buckets travel only over a Gloo group", bucket=receive.sequence)
+            check_tail_announced(receive.sequence, receive.size_bytes if compressed else owned.size_bytes,
+                                 receive.tail)
         except WeightSyncError:
             update.phase = Phase.FAILED
             if 0 <= receive.size_bytes <= update.command.largest_bucket_bytes:
                 transfer(self.scratch(receive.size_bytes))
             raise
+        if compressed:
+            return self._receive_frame(update, owned, receive, transfer)
         slot, buffer = self._receive_buffer(owned, device_lane)
         covered = arm_tail(buffer, receive.tail)
         self.touched = buffer_is_store = owned.HasField("receive_into") and not device_lane
@@ -305,6 +318,31 @@ class Receiver:
         except WeightSyncError:
             update.phase = Phase.FAILED
             raise
+
+    def _receive_frame(self, update: ReceiveUpdate, owned: wpb.OwnedBucket, receive: wpb.ReceiveBucketCommand,
+                       transfer: Callable[[torch.Tensor], None]) -> Applied:
+        """A compressed bucket (Gloo): the frame into the wire buffer, checked through its tail, then
+        decompressed into the bucket's place (the store or staging) and put in place as any other."""
+        frame = self._wire(receive.size_bytes)
+        arm_tail(frame, receive.tail)
+        transfer(frame)  # the wire buffer is never part of the store: nothing to put back if this fails
+        try:
+            check_tail(receive.sequence, frame, receive.tail)
+            bucket = decompress_bucket(owned.sequence, frame, owned.size_bytes)
+            buffer = self._receive_buffer(owned, device_lane=False)[1]
+            self.touched = owned.HasField("receive_into")  # from here on its bytes may reach the store
+            buffer.numpy()[:] = bucket
+            return self._apply(update, owned, buffer, receive.checksum)
+        except WeightSyncError:
+            update.phase = Phase.FAILED
+            raise
+
+    def _wire(self, size: int) -> torch.Tensor:
+        """Host bytes to receive a compressed frame into (grown as needed, pre-touched, kept)."""
+        if self.wire is None or self.wire.numel() < size:
+            self._within_limit(size + (0 if self.staging is None else self.staging.numel()))
+            self.wire = torch.zeros(size, dtype=torch.uint8)
+        return self.wire[:size]
 
     def _receive_buffer(self, owned: wpb.OwnedBucket, device_lane: bool) -> tuple[int, torch.Tensor]:
         if device_lane:

@@ -213,6 +213,8 @@ class BucketIntake:
             return InvalidArgument("BUCKET_OUT_OF_ORDER", f"bucket {sequence} announced, expected {announced}",
                                    bucket=sequence, expected=announced)
         planned = self.session.plan.buckets[sequence].size_bytes
+        if start.compression != pb.BUCKET_COMPRESSION_UNSPECIFIED:
+            return self._check_compressed(start, planned)
         if start.size_bytes and start.size_bytes != planned:
             return InvalidArgument(
                 "BUCKET_SIZE_MISMATCH",
@@ -231,6 +233,30 @@ class BucketIntake:
                 return InvalidArgument("BUCKET_CHECKSUM_REQUIRED", f"bucket {sequence}: an SHM bucket needs its WS64 "
                                        "checksum", bucket=sequence)
             return self._check_slot(sequence)
+        return None
+
+    def _check_compressed(self, start: pb.BucketStart, planned: int) -> WeightSyncError | None:
+        """A compressed bucket: one zstd frame over a Gloo group, shorter than the bucket (the workers check
+        the frame itself as they decompress it)."""
+        sequence = start.sequence
+        if start.compression not in pb.BucketCompression.values():
+            return InvalidArgument("BUCKET_COMPRESSION_UNKNOWN", f"bucket {sequence}: unknown compression "
+                                   f"{start.compression}", bucket=sequence, compression=start.compression)
+        if self.transport != pb.TRANSPORT_COLLECTIVE or self.session.broadcast_to_all:
+            return InvalidArgument("BUCKET_COMPRESSION_UNSUPPORTED", f"bucket {sequence}: compressed buckets travel "
+                                   "only over a Gloo group (COLLECTIVE)", bucket=sequence)
+        if not 0 < start.size_bytes < planned:
+            return InvalidArgument(
+                "BUCKET_SIZE_MISMATCH", f"bucket {sequence} is {planned} bytes in the plan; its compressed frame is "
+                f"announced as {start.size_bytes} bytes (1 to {planned - 1}: send a bucket that does not shrink as "
+                "it is)", bucket=sequence, planned_bytes=planned, announced_bytes=start.size_bytes)
+        if start.checksum.algorithm not in KNOWN_CHECKSUMS:
+            return InvalidArgument("CHECKSUM_ALGORITHM_UNKNOWN", f"bucket {sequence} has unknown checksum algorithm "
+                                   f"{start.checksum.algorithm}", bucket=sequence)
+        if len(start.tail) != tail_length(start.size_bytes):
+            return InvalidArgument("BUCKET_TAIL_INVALID", f"bucket {sequence}: tail has {len(start.tail)} bytes; "
+                                   f"send the frame's last {tail_length(start.size_bytes)} bytes", bucket=sequence,
+                                   tail_bytes=len(start.tail), expected=tail_length(start.size_bytes))
         return None
 
     def _check_slot(self, sequence: int) -> WeightSyncError | None:
@@ -266,8 +292,10 @@ class BucketIntake:
                 return
             shm = self.transport == pb.TRANSPORT_SHM
             assert not shm or self.ingress is not None
+            compression = start.compression
             await self.session.inbox.put(self.forward(
-                start.sequence, start.checksum, discard=False, size=size, tail=start.tail,
+                start.sequence, start.checksum, discard=False, size=start.size_bytes if compression else size,
+                tail=start.tail, compression=compression,
                 ingress_offset=self.ingress.slot_offset(start.sequence) if shm and self.ingress else None))
             if shm:
                 self.pieces_sent += 1
@@ -382,7 +410,7 @@ class BucketIntake:
     # -- forwarding ----------------------------------------------------------------------
     def forward(self, sequence: int, checksum: tensor_pb2.Checksum, *, discard: bool, size: int,
                 ingress_offset: int | None = None, piece_offset: int = 0, piece_size: int = 0,
-                last: bool = True, tail: bytes = b"") -> Bucket:
+                last: bool = True, tail: bytes = b"", compression: int = pb.BUCKET_COMPRESSION_UNSPECIFIED) -> Bucket:
         """Bucket `sequence` is received now: its owner joins the transfer that follows (NCCL: every other
         worker joins it too and drops the bytes), or copies the bucket (or one piece of it) from the ingress
         at `ingress_offset`. A worker that cannot take the command (it died) answers with its error; the
@@ -390,11 +418,14 @@ class BucketIntake:
         command = wpb.ReceiveBucketCommand(update_id=self.session.update_id, sequence=sequence, checksum=checksum,
                                            discard=discard, size_bytes=size, from_ingress=ingress_offset is not None,
                                            ingress_offset_bytes=ingress_offset or 0, piece_offset_bytes=piece_offset,
-                                           piece_size_bytes=piece_size, last_piece=last, tail=tail)
+                                           piece_size_bytes=piece_size, last_piece=last, tail=tail,
+                                           compression=compression)
         owners = self.session.owners
         owner = owners[sequence] if 0 <= sequence < len(owners) else None
-        if not discard and self.session.route_is_direct(sequence):
-            self.session.touched(sequence)  # received straight into the store: its bytes may land at any time
+        if not discard and not compression and self.session.route_is_direct(sequence):
+            # Received straight into the store: its bytes may land at any time. (A compressed frame lands
+            # in the owner's wire buffer; the owner says whether the bucket reached the store.)
+            self.session.touched(sequence)
         receives = []
         for worker in self.fleet.workers:
             if worker.index == owner:

@@ -63,6 +63,11 @@ class EngineState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENGINE_STATE_APPLYING: _ClassVar[EngineState]
     ENGINE_STATE_FAILED: _ClassVar[EngineState]
     ENGINE_STATE_UNREACHABLE: _ClassVar[EngineState]
+
+class BucketCompression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BUCKET_COMPRESSION_UNSPECIFIED: _ClassVar[BucketCompression]
+    BUCKET_COMPRESSION_ZSTD: _ClassVar[BucketCompression]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_GLOO: Backend
 BACKEND_NCCL: Backend
@@ -94,6 +99,8 @@ ENGINE_STATE_SERVING: EngineState
 ENGINE_STATE_APPLYING: EngineState
 ENGINE_STATE_FAILED: EngineState
 ENGINE_STATE_UNREACHABLE: EngineState
+BUCKET_COMPRESSION_UNSPECIFIED: BucketCompression
+BUCKET_COMPRESSION_ZSTD: BucketCompression
 
 class WeightVersion(_message.Message):
     __slots__ = ("version", "generation", "commit_time", "store_epoch")
@@ -194,7 +201,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("server_version", "workers", "backends", "transports", "store_state", "current_version", "limits", "draining", "engines", "local_socket", "store")
+    __slots__ = ("server_version", "workers", "backends", "transports", "store_state", "current_version", "limits", "draining", "engines", "local_socket", "store", "bucket_compressions")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +213,7 @@ class GetServerInfoResponse(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_COMPRESSIONS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     backends: _containers.RepeatedScalarFieldContainer[Backend]
@@ -217,7 +225,8 @@ class GetServerInfoResponse(_message.Message):
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
     local_socket: str
     store: StoreInfo
-    def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., local_socket: _Optional[str] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ...) -> None: ...
+    bucket_compressions: _containers.RepeatedScalarFieldContainer[BucketCompression]
+    def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., local_socket: _Optional[str] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ..., bucket_compressions: _Optional[_Iterable[_Union[BucketCompression, str]]] = ...) -> None: ...
 
 class TransferGroup(_message.Message):
     __slots__ = ("group_id", "world_size", "rank_offset", "backend", "state", "timeout", "broken_reason")
@@ -304,16 +313,18 @@ class BeginUpdate(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., version: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., plan_id: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., allow_new_tensors: _Optional[bool] = ..., base_generation: _Optional[int] = ..., base_store_epoch: _Optional[int] = ...) -> None: ...
 
 class BucketStart(_message.Message):
-    __slots__ = ("sequence", "checksum", "size_bytes", "tail")
+    __slots__ = ("sequence", "checksum", "size_bytes", "tail", "compression")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     checksum: _tensor_pb2.Checksum
     size_bytes: int
     tail: bytes
-    def __init__(self, sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., size_bytes: _Optional[int] = ..., tail: _Optional[bytes] = ...) -> None: ...
+    compression: BucketCompression
+    def __init__(self, sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., size_bytes: _Optional[int] = ..., tail: _Optional[bytes] = ..., compression: _Optional[_Union[BucketCompression, str]] = ...) -> None: ...
 
 class BucketChunk(_message.Message):
     __slots__ = ("sequence", "offset_bytes", "data")

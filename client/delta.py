@@ -81,6 +81,9 @@ it and dropped again, push after push (0.65-0.8x dense in the fine-tune bench)."
 DENSE_TIMING_MIN_BYTES = 64 << 20
 """Smaller dense pushes are timed by their fixed costs, not the link."""
 DENSE_TIMINGS_KEPT = 8
+LINK_TIMING_MIN_BYTES = 4 << 20
+LINK_BOUND_FRACTION = 0.3
+SLOWER_LINK_BELOW = 0.5
 
 SAMPLE_ELEMENTS = 4096
 """Elements compared before the full comparison; a tensor whose sample says 'dense' skips it."""
@@ -163,6 +166,19 @@ class DeltaBase:
         if size_bytes >= DENSE_TIMING_MIN_BYTES and seconds > 0:
             recent = self.dense_throughputs.get(transport, [])
             self.dense_throughputs[transport] = [*recent[-(DENSE_TIMINGS_KEPT - 1):], size_bytes / seconds]
+
+    def link_timed(self, transport: str, size_bytes: int, wire_seconds: float, seconds: float) -> None:
+        """A push that sent patches but spent a good part of its time waiting on the transport: its
+        bytes over that wait, kept only when well below the rate assumed for the transport (a link
+        clearly slower than the benchmark machine's loopback; there a wait says more about a busy
+        host than about the link). Without it a client on a slow link that never timed a dense push kept
+        the loopback's thresholds: at 3% changed over 1 Gbit/s its INLINE pushes mixed ever more dense
+        tensors, 7%, 28%, 46%, 51%, then 100% of the bytes (each timed by nothing), instead of patches."""
+        if size_bytes >= LINK_TIMING_MIN_BYTES and seconds > 0 and wire_seconds >= LINK_BOUND_FRACTION * seconds:
+            rate = size_bytes / wire_seconds
+            if rate < SLOWER_LINK_BELOW * ASSUMED_BYTES_PER_SECOND.get(transport, LOOPBACK_BYTES_PER_SECOND):
+                recent = self.dense_throughputs.get(transport, [])
+                self.dense_throughputs[transport] = [*recent[-(DENSE_TIMINGS_KEPT - 1):], rate]
 
     @property
     def dense_bytes_per_second(self) -> float:

@@ -84,6 +84,8 @@ class PushRun:
     """Called once every server is ready (none refused the update at Begin), before any byte moves."""
     plan_reused: bool = False
     zero_copy_buckets: int = 0
+    wire_seconds: float = 0.0
+    """How long the caller waited on the transport (sending, and the transfers in flight)."""
 
     @property
     def total_bytes(self) -> int:
@@ -126,12 +128,12 @@ class PushRun:
                     with one_intra_op_thread():
                         checksum = tensor_checksum(payload.read())
                 # A server that failed meanwhile stops us before we announce more.
-                failure = first_failure(streams) or self.sink.send(index, payload, checksum, streams)
+                failure = first_failure(streams) or self._timed(self.sink.send, index, payload, checksum, streams)
                 if failure is not None:
                     return failure
                 sent += bucket.spec.size_bytes
                 self._report(index, sent)
-            failure = self.sink.finish()
+            failure = self._timed(self.sink.finish)
             if failure is not None:
                 return failure
             self.source.finish()
@@ -140,6 +142,13 @@ class PushRun:
             return error
         finally:
             self.sink.finish()
+
+    def _timed(self, call: Callable[..., BaseException | None], *args) -> BaseException | None:
+        started = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self.wire_seconds += time.perf_counter() - started
 
     def _report(self, index: int, sent: int) -> None:
         if self.progress is None and self.bar is None:

@@ -314,6 +314,9 @@ class WeightSyncClient:
             # All dense into stores that exist (a first push also allocates them): what the link and
             # the servers take, for auto's thresholds.
             self._delta.dense_push_timed(transport, result.bytes_sent, result.seconds)
+        elif delta_choice is not None:
+            self._delta.link_timed(transport, result.bytes_sent, sum(run.wire_seconds for _, run, _ in runs),
+                                   result.seconds)
         return result
 
     def _compressing(self, compress: bool | None) -> bool:

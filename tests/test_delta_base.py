@@ -232,6 +232,25 @@ def test_auto_compares_more_on_a_slower_link_and_never_below_the_loopback_thresh
     assert not base.choose(list(step.items())).patches
 
 
+def test_a_patched_push_that_waited_on_a_slow_link_times_it():
+    """A client that never timed a dense push learns a slow link from a push of patches that spent
+    much of its time waiting on the transport; short waits, small pushes and rates near the
+    transport's assumed one (a busy host on loopback) time nothing."""
+    before = weights()
+    step = changed(before, 0.04, seed=21)
+    base = kept_base(before)
+    base.link_timed("collective", 12 << 20, 0.02, 0.2)  # waited 10% of the push: says nothing
+    base.link_timed("collective", 2 << 20, 0.1, 0.2)  # too small
+    base.link_timed("collective", 64 << 20, 0.04, 0.08)  # 1.7 GB/s: not clearly slower than loopback
+    assert base.dense_bytes_per_second == 3e9
+    assert not base.choose(list(step.items())).patches
+    base.link_timed("collective", 12 << 20, 0.1, 0.15)  # 126 MB/s, most of the push: a 1 Gbit/s link
+    assert base.dense_bytes_per_second == (12 << 20) / 0.1
+    assert set(base.choose(list(step.items())).patches) == {"a", "b"}
+    base.link_timed("inline", 12 << 20, 0.1, 0.15)  # another transport's figure is its own
+    assert base.dense_bytes_per_second == (12 << 20) / 0.1 and base.dense_throughputs["inline"] == [(12 << 20) / 0.1]
+
+
 def test_a_tensor_kept_as_a_sample_is_copied_again_only_once_clearly_sparse():
     """Near the crossover a tensor would be copied, compared, found not worth a patch and dropped,
     push after push: it is copied again only when its sample predicts under half the threshold."""

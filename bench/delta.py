@@ -211,6 +211,15 @@ def _sweep_block(servers: tuple[Server, Server, Server], tensors: dict[str, torc
     return rows
 
 
+def _frames(row: dict) -> str:
+    """How much of the model's bytes went as zstd frames, before compression and on the wire (the last push)."""
+    before = row.get("compressed_fraction", 0.0)
+    if not before:
+        return "none"
+    after = before - (row["planned_fraction"] - row["sent_fraction"])
+    return f"{before * 100:.2f}% / {after * 100:.2f}%"
+
+
 LINKS = (("1gbit", "1mb"), ("10gbit", "8mb"))
 """tc tbf rate and burst of the slow links (the burst at least the rate over the kernel's timer tick)."""
 
@@ -263,14 +272,15 @@ def markdown(result: dict) -> str:
         lines.append(f"| {row['lr']:g} | {row['step']} | {row['changed_fraction'] * 100:.3f}% | " + " | ".join(cells) + " |")
     lines += ["", "A slower link (bench/delta_link.py: a network namespace whose loopback a tc token-bucket "
               "filter holds to the rate; dense workload at scale 0.25, one-ulp changes):", "",
-              "| link | transport | changed | dense s | dense Gbit/s | auto s | auto bytes sent | auto x dense |",
-              "|---|---|---:|---:|---:|---:|---:|---:|"]
+              "| link | transport | changed | dense s | dense Gbit/s | auto s | auto bytes sent | of which zstd frames "
+              "(before / after) | auto x dense |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for link in result.get("links", []):
         if "skipped" in link:
-            lines.append(f"| {link['rate']} | not measured: {link['skipped']} | | | | | | |")
+            lines.append(f"| {link['rate']} | not measured: {link['skipped']} | | | | | | | |")
             continue
         for row in link["rows"]:
             lines.append(f"| {link['rate']} | {row['transport']} | {row['changed_fraction'] * 100:g}% | "
                          f"{row['dense_seconds']:.3f} | {row['dense_gbit_per_s']:.2f} | {row['auto_seconds']:.3f} | "
-                         f"{row['sent_fraction'] * 100:.2f}% | {row['speedup']:.2f}x |")
+                         f"{row['sent_fraction'] * 100:.2f}% | {_frames(row)} | {row['speedup']:.2f}x |")
     return "\n".join(lines) + "\n"

@@ -55,7 +55,7 @@ def measure(scale: float, reps: int, bucket_bytes: int) -> list[dict]:
                         client.push(current, version="start", transport=transport, bucket_size_bytes=bucket_bytes,
                                     allow_new_tensors=True)
                     for fraction in DENSITIES:
-                        t_dense, t_auto, sent = [], [], 0
+                        t_dense, t_auto, sent, compressed, planned = [], [], 0, 0, 0
                         for rep in range(reps):
                             new = _scatter_change(current, fraction, seed=int(fraction * 1e6) + rep)
                             started = time.perf_counter()
@@ -66,18 +66,21 @@ def measure(scale: float, reps: int, bucket_bytes: int) -> list[dict]:
                             result = auto.push(new, version=f"a{rep}", transport=transport,
                                                bucket_size_bytes=bucket_bytes)
                             t_auto.append(time.perf_counter() - started)
-                            sent = result.bytes_sent
+                            sent, compressed, planned = result.bytes_sent, result.compressed_bytes, result.size_bytes
                             current = new
                         if not (auto.verify(current).ok and dense.verify(current).ok):
                             raise RuntimeError(f"{transport} {fraction}: a worker does not hold the trainer's tensors")
                         size = result.dense_bytes
                         rows.append({"transport": transport, "changed_fraction": fraction, "dense_bytes": size,
                                      "sent_fraction": round(sent / size, 4),
+                                     "compressed_fraction": round(compressed / size, 4),
+                                     "planned_fraction": round(planned / size, 4),
                                      "dense_seconds": round(median(t_dense), 4), "auto_seconds": round(median(t_auto), 4),
                                      "speedup": round(median(t_dense) / median(t_auto), 2),
                                      "dense_gbit_per_s": round(size * 8 / median(t_dense) / 1e9, 2)})
                         log(f"delta link {transport} {fraction * 100:g}% changed: dense {median(t_dense):.3f} s, "
-                            f"auto {median(t_auto):.3f} s ({rows[-1]['speedup']:.2f}x), sent {sent / size * 100:.2f}%")
+                            f"auto {median(t_auto):.3f} s ({rows[-1]['speedup']:.2f}x), sent {sent / size * 100:.2f}% "
+                            f"({compressed / size * 100:.2f}% of the model's bytes compressed)")
         finally:
             for server in servers:
                 server.stop()

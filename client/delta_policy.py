@@ -31,32 +31,36 @@ class Worth:
 
 EVERY_SMALLER = Worth(1.0, 1.0)
 """delta=True: a patch wherever it is smaller than the tensor."""
-HOST_COMPARE_NS_PER_BYTE = 0.175
+HOST_COMPARE_NS_PER_BYTE = 0.155
 """delta="auto" on host tensors, measured on the 2-core benchmark machine (0.73 GB bf16, 2 CPU
-workers, COLLECTIVE over loopback at ~3 GB/s; bench --only delta): patches everywhere took
-0.10 s at 0.1% changed, 0.20 s at 1%, 0.34 s at 3%, against 0.24 s dense. Fitted per dense byte
-of the tensors: a fixed part (the comparison reading both copies, the plan, the kept copy) of
-this many ns ..."""
-HOST_CHANGE_NS_PER_BYTE = 9.1
+workers; bench --only delta, bench/results/delta.json "forced" rows): patches everywhere took
+about the same on every transport, 0.11-0.13 s at 0.1% changed, 0.17 s at 1%, 0.25 s at 3%,
+0.33 s at 5% (the compiled compare, one-pass apply; the kept copy taken while the bytes move).
+Fitted per dense byte of the tensors: a fixed part (the comparison reading both copies, the
+sample, the plan) of this many ns ..."""
+HOST_CHANGE_NS_PER_BYTE = 5.8
 """... plus this many ns per dense byte times the fraction of elements changed (the compare
-writing the patch, every worker's check and apply, the kept copy's XOR), plus the patch's bytes on
+writing the patch, the owners' check and apply, the kept copy's XOR), plus the patch's bytes on
 the link. With dense bytes at B bytes/s, patches pay below a fraction changed of
 f* = (1/B - fixed) / (change + 1.15/B) (1.15: the patch's bytes per dense byte per changed
-fraction, one-ulp bf16): 1.7% on loopback here, ~6% at 10 Gbit/s, ~40% at 1 Gbit/s."""
-LOOPBACK_BYTES_PER_SECOND = 3.0e9
+fraction, one-ulp bf16). Against the same run's dense pushes: COLLECTIVE (3.4 GB/s) 2.3%, measured
+between 2% (0.96x) and 3%; INLINE (1.35 GB/s) 9%, measured 1.5x at 5%, 0.91x at 10%; SHM
+(4.2 GB/s) 1.4%, measured 1.07x at 1%, 0.85x at 2%; ~10% at 10 Gbit/s, ~50% at 1 Gbit/s."""
+LOOPBACK_BYTES_PER_SECOND = 3.4e9
 """COLLECTIVE's dense throughput on the benchmark machine's loopback, where the constants were fitted."""
-ASSUMED_BYTES_PER_SECOND = {"collective": LOOPBACK_BYTES_PER_SECOND, "inline": 1.9e9, "shm": 6.0e9}
+ASSUMED_BYTES_PER_SECOND = {"collective": LOOPBACK_BYTES_PER_SECOND, "inline": 1.35e9, "shm": 4.2e9}
 """Per transport, the dense throughput assumed until this client timed a dense push of its own
-over it (the benchmark machine's: INLINE 0.65x COLLECTIVE, SHM 2.1x). On SHM the host's passes
-over memory cost more than the bytes: auto leaves unchanged tensors out and sends the rest dense."""
+over it (the benchmark machine's: INLINE 0.4x COLLECTIVE, SHM 1.2x). Where the host's passes over
+memory cost more than the bytes (a dense push above ~6.5 GB/s), no patch pays: auto leaves
+unchanged tensors out and sends the rest dense."""
 
 
 def host_worth(dense_bytes_per_second: float | None) -> Worth:
     """delta="auto" for host tensors at this dense throughput (the client's best recent dense push).
     compare_below is in the sample's estimate (it counts every XOR byte: 1.5x a one-ulp bf16 change),
-    patch_below in the patch's real bytes; their factors put both at the measured 2% and 3.5% on
-    the benchmark machine's loopback: a margin under the crossover for the sample's noise, and
-    room above it once the comparison is paid for."""
+    patch_below in the patch's real bytes; their factors put both at 2.8% and 4.8% on the benchmark
+    machine's loopback (one-ulp bf16 changes of ~1.9% and ~4% of the elements): a margin under the
+    crossover (2.3%) for the sample's noise, and room above it once the comparison is paid for."""
     crossover = host_crossover(dense_bytes_per_second)
     return Worth(min(1.0, 1.23 * crossover), min(1.0, 2.13 * crossover))
 
@@ -77,7 +81,7 @@ def auto_dense_above(dense_bytes_per_second: float | None) -> float:
 
 
 AUTO_CPU = host_worth(None)
-"""Worth(0.02, 0.035) on the benchmark machine's loopback."""
+"""Worth(0.028, 0.048) on the benchmark machine's loopback."""
 AUTO_CUDA = Worth(0.1, 0.1)
 """delta="auto" for CUDA tensors, on paper (no GPU measurement yet): the comparison runs at device
 bandwidth, far above any link's, so what counts is the bytes on the link."""

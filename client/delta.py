@@ -81,7 +81,7 @@ it and dropped again, push after push (0.65-0.8x dense in the fine-tune bench)."
 DENSE_TIMING_MIN_BYTES = 64 << 20
 """Smaller dense pushes are timed by their fixed costs, not the link."""
 DENSE_TIMINGS_KEPT = 8
-LINK_TIMING_MIN_BYTES = 4 << 20
+LINK_TIMING_MIN_BYTES = 1 << 20
 LINK_BOUND_FRACTION = 0.3
 SLOWER_LINK_BELOW = 0.5
 

@@ -13,7 +13,7 @@ say too much changed) hold more than this fraction of the dense bytes, and again
 patches and the changed tensors would move is more: a push that mixes patches with many dense
 tensors measured slower than dense on the benchmark machine (0.8-0.9x at 1-1.5% changed with a
 third to a half of the bytes dense: the comparisons, a patched plan, and the copy of the dense
-tensors on top of their transfer), and near the crossover (~1.7% changed) the samples split the
+tensors on top of their transfer), and near the crossover (~2% changed) the samples split the
 tensors that way. Checked on the samples before any full comparison."""
 
 

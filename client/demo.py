@@ -71,7 +71,7 @@ FINE_LR = 3e-7
 """An RL step: about 0.4% of the bf16 weights change, the smallest first, so auto sends patches
 (about 1% of the dense bytes; the norms and some small biases do not change and stay out)."""
 COARSE_LR = 3e-6
-"""The last step: about 3.5% change, above where patches pay on host tensors over loopback (about 1.7%,
+"""The last step: about 3.5% change, above where patches pay on host tensors over loopback (about 2.3%,
 client/delta_policy.py): it goes dense."""
 
 

@@ -243,7 +243,7 @@ def test_a_patched_push_that_waited_on_a_slow_link_times_it():
     step = changed(before, 0.04, seed=21)
     base = kept_base(before)
     base.link_timed("collective", 12 << 20, 0.02, 0.2)  # waited 10% of the push: says nothing
-    base.link_timed("collective", 2 << 20, 0.1, 0.2)  # too small
+    base.link_timed("collective", 512 << 10, 0.1, 0.2)  # too small
     base.link_timed("collective", 64 << 20, 0.035, 0.07)  # 1.9 GB/s: not clearly slower than loopback
     assert base.dense_bytes_per_second == 3.4e9
     assert not base.choose(list(step.items())).patches

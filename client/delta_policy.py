@@ -51,8 +51,8 @@ LOOPBACK_BYTES_PER_SECOND = 3.4e9
 ASSUMED_BYTES_PER_SECOND = {"collective": LOOPBACK_BYTES_PER_SECOND, "inline": 1.35e9, "shm": 4.2e9}
 """Per transport, the dense throughput assumed until this client timed a dense push of its own
 over it (the benchmark machine's: INLINE 0.4x COLLECTIVE, SHM 1.2x). Where the host's passes over
-memory cost more than the bytes (a dense push above ~6.5 GB/s), no patch pays: auto leaves
-unchanged tensors out and sends the rest dense."""
+memory cost more than the bytes (a dense push above ~6.5 GB/s), no patch pays: auto sends
+dense (as over SHM, DeltaBase.cannot_pay)."""
 
 
 def host_worth(dense_bytes_per_second: float | None) -> Worth:

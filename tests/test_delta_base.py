@@ -206,9 +206,9 @@ def test_auto_compares_more_on_a_slower_link_and_never_below_the_loopback_thresh
     """The thresholds follow the client's best recent dense push over the push's transport: on
     this machine's loopback (~3.4 GB/s) patches pay below ~2.3% changed, at 1 Gbit/s below ~50%: a
     4% step is dense on the first and patched on the second. Until a transport is timed its
-    benchmark-machine figure is assumed: over SHM (~4.2 GB/s) host patches pay below ~1.4%, and
-    over a faster SHM (above ~6.5 GB/s) never. A dense push smaller than DENSE_TIMING_MIN_BYTES
-    times nothing."""
+    benchmark-machine figure is assumed; where dense moves faster than ~6.5 GB/s no host patch
+    pays, and over SHM auto does not try (DeltaBase.cannot_pay). A dense push smaller than
+    DENSE_TIMING_MIN_BYTES times nothing."""
     assert delta_policy.host_worth(None) == delta_policy.host_worth(3.4e9)
     assert 0.021 < delta_policy.host_crossover(None) < 0.024
     assert delta_policy.host_crossover(1.25e8) > 0.5 and delta_policy.auto_dense_above(1.25e8) == 0.8
@@ -227,9 +227,12 @@ def test_auto_compares_more_on_a_slower_link_and_never_below_the_loopback_thresh
     base.transport = "shm"  # another transport: its own figure, never below the assumed one
     base.dense_push_timed("shm", 1 << 30, 2.0)
     assert base.dense_bytes_per_second == 4.2e9
-    assert not base.choose(list(step.items())).patches and not base.cannot_pay(list(step.items()))
-    base.dense_push_timed("shm", 1 << 30, 0.125)  # 8.6 GB/s: faster than the host's passes over memory
-    assert base.cannot_pay(list(step.items()))  # push() then neither samples nor keeps a copy
+    assert not base.choose(list(step.items())).patches
+    assert base.cannot_pay(list(step.items()))  # over SHM push() neither samples nor keeps a copy
+    base.transport = "inline"
+    assert not base.cannot_pay(list(step.items()))
+    base.dense_push_timed("inline", 1 << 30, 0.125)  # 8.6 GB/s: faster than the host's passes over memory
+    assert base.cannot_pay(list(step.items()))
     base.transport = "collective"
     base.dense_push_timed("collective", 1 << 30, 0.3)  # then a fast one: the best of the recent pushes counts
     assert not base.choose(list(step.items())).patches

@@ -320,24 +320,18 @@ def test_local_socket_needs_attach_first_and_refuses_garbage(node, committed):
     assert parsed.error.reason == "MESSAGE_MALFORMED"
 
 
-def test_shm_patches_a_sparse_step_by_default_and_a_faster_shm_keeps_no_copy(node, committed):
-    """Over SHM on this machine's figures (~4.2 GB/s) host patches pay below ~1.4% changed: auto
-    keeps a copy and patches a 0.1% step. Where SHM measured faster than the host's passes over
-    memory (above ~6.5 GB/s) no patch pays: auto neither samples nor keeps a copy and sends dense,
-    while delta=True still sends patches, which verify."""
+def test_shm_pushes_with_the_default_keep_no_copy_and_send_dense_while_delta_true_patches(node, committed):
+    """Over SHM auto neither samples nor keeps a copy, and the push is dense (at the densities RL
+    steps have, keeping patches in reach cost more than they saved: DeltaBase.cannot_pay);
+    delta=True still sends patches, which verify."""
     with WeightSyncClient(node.address, max_message_bytes=MAX_MESSAGE) as own:
         own.push(committed, version="shm-auto-0", transport="shm")
-        assert own._delta.memory_bytes > 0
+        assert own._delta.memory_bytes == 0 and own._delta.samples == {}
         step = {n: t.clone() for n, t in committed.items()}
         flat = step["lm_head.weight"].view(-1)
         flat[::997] = flat[::997] + 1
         auto = own.push(step, version="shm-auto-1", transport="shm")
-        assert auto.bytes_sent < 0.05 * auto.dense_bytes
-        assert own.verify(step).ok
-        own._delta.dense_push_timed("shm", 1 << 30, 0.125)  # 8.6 GB/s
-        flat[::993] = flat[::993] + 1
-        dense = own.push(step, version="shm-fast", transport="shm")
-        assert dense.bytes_sent >= dense.dense_bytes and own._delta.memory_bytes == 0 and own._delta.samples == {}
+        assert auto.bytes_sent >= auto.dense_bytes and own._delta.memory_bytes == 0
         own.push(step, version="shm-kept", transport="shm", delta=True)
         assert own._delta.memory_bytes > 0
         flat[::991] = flat[::991] - 1

@@ -16,6 +16,7 @@ import threading
 import torch
 
 from weightsync.v1 import tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
 
 COMPRESS_BELOW_BYTES_PER_SECOND = 400e6
 """Compress buckets of patches when this client's dense pushes over the group measured slower
@@ -53,3 +54,30 @@ def compressed_frame(data: torch.Tensor) -> torch.Tensor | None:
 def worth_compressing(dense_bytes_per_second: float | None) -> bool:
     """Whether a push whose dense bytes last moved at this rate compresses its buckets of patches."""
     return dense_bytes_per_second is not None and dense_bytes_per_second < COMPRESS_BELOW_BYTES_PER_SECOND
+
+
+class Frames:
+    """Which buckets of one push go as zstd frames, and what that saved (one per sink and push)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        """This push sends its buckets of patches as frames (set by the SDK per push)."""
+        self._patched: set[int] = set()
+        self.compressed_bytes = 0
+        """Bucket bytes sent as frames."""
+        self.saved_bytes = 0
+        """What compressing them took off the bytes sent."""
+
+    def planned(self, index: int, bucket: tensor_pb2.BucketSpec) -> None:
+        if holds_patches(bucket):
+            self._patched.add(index)
+
+    def encode(self, index: int, data: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """What to send for bucket `index` (its bytes, or a frame of them), and its BucketStart.compression."""
+        if self.enabled and index in self._patched and data.device.type == "cpu":
+            frame = compressed_frame(data)
+            if frame is not None:
+                self.compressed_bytes += data.numel()
+                self.saved_bytes += data.numel() - frame.numel()
+                return frame, pb.BUCKET_COMPRESSION_ZSTD
+        return data, pb.BUCKET_COMPRESSION_UNSPECIFIED

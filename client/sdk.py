@@ -240,8 +240,8 @@ class WeightSyncClient:
         group. Keeping the copy costs as much memory as the pushed tensors, on
         their device (host memory with delta_host_copy=True); delta=False frees it.
         PushResult.bytes_sent and dense_bytes say what it saved.
-        compress: COLLECTIVE over a Gloo group: send each bucket of patches as a zstd frame (the
-        owners decompress it). None (default): when this client's dense pushes measured the link
+        compress: COLLECTIVE over a Gloo group, and INLINE: send each bucket of patches as a zstd
+        frame (its owners decompress it). None (default): when this client's dense pushes measured the link
         slower than ~3 Gbit/s (client/compression.py); False: never; True: whenever it shrinks.
         """
         if mode not in _MODES:
@@ -266,8 +266,9 @@ class WeightSyncClient:
             if delta == "auto" and self._delta.cannot_pay(items):
                 self._delta.drop()  # the sample and the copy would cost a few percent, for nothing
                 items = None
-        if isinstance(sink, CollectiveSink) and items is not None and compress is not False:
-            sink.compress_patches = self._compressing(compress)
+        frames = getattr(sink, "frames", None)  # COLLECTIVE and INLINE: buckets of patches as zstd frames
+        if frames is not None:
+            frames.enabled = items is not None and compress is not False and self._compressing(compress)
         runs: list[tuple[PlanChoice, PushRun, list[ServerOutcome]]] = []
         delta_choice, targets = None, []
         while items is not None:
@@ -309,7 +310,7 @@ class WeightSyncClient:
         if items is not None:
             self._delta.committed(items, delta_choice, {o.server: o.committed for o in outcomes})
         result = _committed(runs, outcomes, version, started, dense_bytes=_dense_bytes(items) if items else 0,
-                            compressed=(getattr(sink, "compressed_bytes", 0), getattr(sink, "frame_bytes_saved", 0)))
+                            compressed=(frames.compressed_bytes, frames.saved_bytes) if frames else (0, 0))
         if result.bytes_sent >= result.dense_bytes and result.plan_reused:
             # All dense into stores that exist (a first push also allocates them): what the link and
             # the servers take, for auto's thresholds.
@@ -320,7 +321,7 @@ class WeightSyncClient:
         return result
 
     def _compressing(self, compress: bool | None) -> bool:
-        """Whether this COLLECTIVE push sends its buckets of patches compressed (every server takes zstd)."""
+        """Whether this push sends its buckets of patches compressed (every server takes zstd frames)."""
         if compress is None and not worth_compressing(self._delta.dense_bytes_per_second):
             return False
         return all(pb.BUCKET_COMPRESSION_ZSTD in info.bucket_compressions for info in self._server_limits())

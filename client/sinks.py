@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.client._loop import LoopThread
-from weightsync.client.compression import compressed_frame, holds_patches
+from weightsync.client.compression import Frames
 from weightsync.client.errors import WeightSyncRpcError
 from weightsync.client.packing import PackBuffers, Payload, TensorSource, fill_bucket
 from weightsync.client.planning import PlannedBucket
@@ -82,31 +82,21 @@ class CollectiveSink:
         """Compressed frames of the transfers in flight (kept alive until they completed)."""
         self.broken = False
         """A broadcast of ours failed or timed out: the group is unusable on every rank."""
-        self.compress_patches = False
-        """This push sends its buckets of patches as zstd frames (Gloo only; client/compression.py)."""
-        self._patched: set[int] = set()
-        self.compressed_bytes = 0
-        """Bucket bytes this push sent compressed, and what compressing them saved."""
-        self.frame_bytes_saved = 0
+        self.frames = Frames()
+        """Buckets of patches as zstd frames (Gloo only; client/compression.py)."""
 
     def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
-        if holds_patches(bucket.spec):
-            self._patched.add(index)
+        self.frames.planned(index, bucket.spec)
         # Buffer k % 2: bucket k-2 used it, and send(k-1) returned only once its transfers completed.
         return fill_bucket(self.buffers, bucket, index, source)
 
     def send(self, index: int, payload: Payload, checksum: tensor_pb2.Checksum,
              streams: list[UpdateStream]) -> BaseException | None:
-        data = payload.read()
-        compression, frame = pb.BUCKET_COMPRESSION_UNSPECIFIED, None
-        if (self.compress_patches and index in self._patched and self._collective.backend != pb.BACKEND_NCCL
-                and data.device.type == "cpu"):
+        data, compression, frame = payload.read(), pb.BUCKET_COMPRESSION_UNSPECIFIED, None
+        if self._collective.backend != pb.BACKEND_NCCL:
             # While bucket k-1 is on the wire; the owners decompress it (BucketStart.compression).
-            frame = compressed_frame(data)
-            if frame is not None:
-                compression, data = pb.BUCKET_COMPRESSION_ZSTD, frame
-                self.compressed_bytes += payload.size
-                self.frame_bytes_saved += payload.size - frame.numel()
+            data, compression = self.frames.encode(index, data)
+            frame = data if compression else None
         # Announce first: workers join only announced broadcasts, at the announced length. The
         # tail lets them tell a short broadcast from a full one; read() waited for the pack copies.
         announce(self._loop, streams, index, data.numel(), checksum, bucket_tail(data), compression)
@@ -164,15 +154,19 @@ class InlineSink:
         self._loop = loop
         self.buffers = buffers
         self._chunk = max_chunk_bytes
+        self.frames = Frames()
+        """Buckets of patches as zstd frames (client/compression.py)."""
 
     def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
+        self.frames.planned(index, bucket.spec)
         return fill_bucket(self.buffers, bucket, index, source)
 
     def send(self, index: int, payload: Payload, checksum: tensor_pb2.Checksum,
              streams: list[UpdateStream]) -> BaseException | None:
-        size = payload.size
-        data = memoryview(payload.read().detach().cpu().numpy())
-        announce(self._loop, streams, index, size, checksum)
+        sent, compression = self.frames.encode(index, payload.read().detach().cpu())
+        size = sent.numel()
+        data = memoryview(sent.numpy())
+        announce(self._loop, streams, index, size, checksum, compression=compression)
         receivers = [s for s in streams if s.stores(index)]  # the others take no chunks of it
         for offset in range(0, size, self._chunk):
             chunk = encode_bucket_chunk(index, offset, data[offset : offset + self._chunk])

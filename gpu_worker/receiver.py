@@ -14,7 +14,8 @@ This module only moves and checks bytes. Two lanes:
 
   host     a Gloo receive, or the ingress (INLINE, SHM): bytes land in host memory, the store
            itself where they can, else a reused, pre-touched staging buffer; a compressed Gloo
-           bucket lands in a wire buffer of its own and is decompressed into either;
+           bucket (Gloo, or INLINE's pieces gathered) lands in a wire buffer of its own and is
+           decompressed into either;
   device   an NCCL broadcast (CUDA workers): bytes land in one of two device staging buffers,
            then go to the store on a copy stream. A staging buffer is received into again only
            once the copy out of it completed (the current stream waits on its event), and the
@@ -321,21 +322,27 @@ class Receiver:
 
     def _receive_frame(self, update: ReceiveUpdate, owned: wpb.OwnedBucket, receive: wpb.ReceiveBucketCommand,
                        transfer: Callable[[torch.Tensor], None]) -> Applied:
-        """A compressed bucket (Gloo): the frame into the wire buffer, checked through its tail, then
+        """A compressed bucket over Gloo: the frame into the wire buffer, checked through its tail, then
         decompressed into the bucket's place (the store or staging) and put in place as any other."""
         frame = self._wire(receive.size_bytes)
         arm_tail(frame, receive.tail)
         transfer(frame)  # the wire buffer is never part of the store: nothing to put back if this fails
         try:
             check_tail(receive.sequence, frame, receive.tail)
-            bucket = decompress_bucket(owned.sequence, frame, owned.size_bytes)
-            buffer = self._receive_buffer(owned, device_lane=False)[1]
-            self.touched = owned.HasField("receive_into")  # from here on its bytes may reach the store
-            buffer.numpy()[:] = bucket
-            return self._apply(update, owned, buffer, receive.checksum)
+            return self._decompress_and_apply(update, owned, frame, receive.checksum)
         except WeightSyncError:
             update.phase = Phase.FAILED
             raise
+
+    def _decompress_and_apply(self, update: ReceiveUpdate, owned: wpb.OwnedBucket, frame: torch.Tensor,
+                              bucket_checksum: tensor_pb2.Checksum) -> Applied:
+        """A whole frame: checked and decompressed (gpu_worker/frames.py), and only then written where the
+        bucket lands uncompressed, and put in place."""
+        bucket = decompress_bucket(owned.sequence, frame, owned.size_bytes)
+        buffer = self._receive_buffer(owned, device_lane=False)[1]
+        self.touched = owned.HasField("receive_into")  # from here on its bytes may reach the store
+        buffer.numpy()[:] = bucket
+        return self._apply(update, owned, buffer, bucket_checksum)
 
     def _wire(self, size: int) -> torch.Tensor:
         """Host bytes to receive a compressed frame into (grown as needed, pre-touched, kept)."""
@@ -362,15 +369,23 @@ class Receiver:
             return None
         if ingress is None:
             raise FailedPrecondition("INGRESS_MISSING", "this worker has no ingress mapped")
+        compressed = receive.compression != pb.BUCKET_COMPRESSION_UNSPECIFIED
         try:
-            owned = self._expected(update, receive.sequence, receive.size_bytes)
-            offset, length = receive.piece_offset_bytes, receive.piece_size_bytes or owned.size_bytes
+            owned = self._expected(update, receive.sequence, receive.size_bytes, compressed=compressed)
+            sent = receive.size_bytes if compressed else owned.size_bytes  # what travels: the frame, or the bucket
+            offset, length = receive.piece_offset_bytes, receive.piece_size_bytes or sent
             start = receive.ingress_offset_bytes
-            if start < 0 or start + length > ingress.numel() or offset < 0 or offset + length > owned.size_bytes:
+            if start < 0 or start + length > ingress.numel() or offset < 0 or offset + length > sent:
                 raise InvalidArgument("INGRESS_OUT_OF_RANGE", f"bucket {receive.sequence}: piece [{offset}, +{length}) "
                                       f"at ingress offset {start} does not fit", bucket=receive.sequence)
             arrived = ingress[start : start + length]
-            whole = offset == 0 and length == owned.size_bytes
+            whole = offset == 0 and length == sent
+            if compressed:  # gathered whole in the wire buffer, then decompressed into its place
+                frame = self._wire(sent)
+                frame[offset : offset + length].copy_(arrived)
+                if not whole and not receive.last_piece:
+                    return None
+                return self._decompress_and_apply(update, owned, frame, receive.checksum)
             direct = owned.HasField("receive_into")
             checked = (receive.checksum.algorithm != tensor_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED or bool(owned.checks)
                        or bool(owned.patches))

@@ -58,6 +58,8 @@ class Bucket:
     """False for a piece that does not complete its bucket (INLINE buckets larger than a slot)."""
     in_slot: bool = False
     """Its bytes are in an ingress slot, free again once this settles (a not-stored INLINE bucket has none)."""
+    compressed: bool = False
+    """A zstd frame (or a piece of one): its owner writes the store only once the whole frame checked out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,8 @@ class _Filling:
     sequence: int
     size_bytes: int
     checksum: tensor_pb2.Checksum
+    compression: int = pb.BUCKET_COMPRESSION_UNSPECIFIED
+    """ZSTD: size_bytes is the frame's, which the owner gathers whole before it decompresses."""
     received: int = 0
     piece_start: int = 0
     """Where the piece now filling its slot starts in the bucket."""
@@ -236,15 +240,15 @@ class BucketIntake:
         return None
 
     def _check_compressed(self, start: pb.BucketStart, planned: int) -> WeightSyncError | None:
-        """A compressed bucket: one zstd frame over a Gloo group, shorter than the bucket (the workers check
-        the frame itself as they decompress it)."""
+        """A compressed bucket: one zstd frame (a Gloo group, or INLINE), shorter than the bucket (its owner
+        checks the frame itself as it decompresses it)."""
         sequence = start.sequence
         if start.compression not in pb.BucketCompression.values():
             return InvalidArgument("BUCKET_COMPRESSION_UNKNOWN", f"bucket {sequence}: unknown compression "
                                    f"{start.compression}", bucket=sequence, compression=start.compression)
-        if self.transport != pb.TRANSPORT_COLLECTIVE or self.session.broadcast_to_all:
+        if self.transport == pb.TRANSPORT_SHM or self.session.broadcast_to_all:
             return InvalidArgument("BUCKET_COMPRESSION_UNSUPPORTED", f"bucket {sequence}: compressed buckets travel "
-                                   "only over a Gloo group (COLLECTIVE)", bucket=sequence)
+                                   "only over a Gloo group (COLLECTIVE) or INLINE", bucket=sequence)
         if not 0 < start.size_bytes < planned:
             return InvalidArgument(
                 "BUCKET_SIZE_MISMATCH", f"bucket {sequence} is {planned} bytes in the plan; its compressed frame is "
@@ -253,7 +257,7 @@ class BucketIntake:
         if start.checksum.algorithm not in KNOWN_CHECKSUMS:
             return InvalidArgument("CHECKSUM_ALGORITHM_UNKNOWN", f"bucket {sequence} has unknown checksum algorithm "
                                    f"{start.checksum.algorithm}", bucket=sequence)
-        if len(start.tail) != tail_length(start.size_bytes):
+        if self.transport == pb.TRANSPORT_COLLECTIVE and len(start.tail) != tail_length(start.size_bytes):
             return InvalidArgument("BUCKET_TAIL_INVALID", f"bucket {sequence}: tail has {len(start.tail)} bytes; "
                                    f"send the frame's last {tail_length(start.size_bytes)} bytes", bucket=sequence,
                                    tail_bytes=len(start.tail), expected=tail_length(start.size_bytes))
@@ -285,7 +289,9 @@ class BucketIntake:
                 await self.session.inbox.put(self.forward(start.sequence, start.checksum, discard=False, size=size))
                 return  # no chunks follow: there is nothing here to receive them into
             if self.transport == pb.TRANSPORT_INLINE:
-                self.filling = _Filling(start.sequence, size, start.checksum)
+                compressed = start.compression != pb.BUCKET_COMPRESSION_UNSPECIFIED
+                self.filling = _Filling(start.sequence, start.size_bytes if compressed else size, start.checksum,
+                                        start.compression)
                 await self._claim_slot()
                 if size == 0:
                     self._forward_piece(last=True)
@@ -390,7 +396,7 @@ class BucketIntake:
         piece = self.forward(filling.sequence, filling.checksum, discard=False, size=filling.size_bytes,
                              ingress_offset=self.ingress.slot_offset(self.pieces_sent),
                              piece_offset=filling.piece_start, piece_size=filling.received - filling.piece_start,
-                             last=last)
+                             last=last, compression=filling.compression)
         self.pieces_sent += 1
         self.session.inbox.put_nowait(piece)
         filling.piece_start = filling.received
@@ -435,7 +441,8 @@ class BucketIntake:
                 dropped.CopyFrom(command)
                 dropped.discard = True
                 receives.append((worker, self.fleet.submit_or_refusal(worker, receive_bucket=dropped)))
-        bucket = Bucket(sequence, receives, discard, last, in_slot=ingress_offset is not None)
+        bucket = Bucket(sequence, receives, discard, last, in_slot=ingress_offset is not None,
+                        compressed=compression != pb.BUCKET_COMPRESSION_UNSPECIFIED)
         self.pending.append(bucket)
         return bucket
 

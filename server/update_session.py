@@ -301,7 +301,7 @@ class UpdateSession:
             retrieve_quietly(waiting)
             return None
         settled = waiting.result()
-        self._note_touched(bucket.sequence, settled.answers, discard=bucket.discard)
+        self._note_touched(bucket, settled.answers)
         errors = settled.errors
         for error in errors:
             self._note_broken(error)
@@ -325,16 +325,21 @@ class UpdateSession:
             self.applied_bytes += size  # what the node received (UpdateCommitted.size_bytes)
         return pb.UpdateWeightsResponse(bucket_applied=pb.BucketApplied(sequence=bucket.sequence, size_bytes=size))
 
-    def _note_touched(self, sequence: int, answers, *, discard: bool) -> None:
+    def _note_touched(self, bucket: Bucket, answers) -> None:
         """The owner's answer says whether the bucket's bytes reached the store: applied, or failed after they
-        could (its flag), or it died holding them (assumed)."""
-        if discard or self.store_update is None or not 0 <= sequence < len(self.owners):
+        could (its flag), or it died holding them (assumed). A piece of a compressed frame that does not
+        complete it went to the owner's wire buffer only."""
+        sequence = bucket.sequence
+        if bucket.discard or self.store_update is None or not 0 <= sequence < len(self.owners):
             return
         owner = self.owners[sequence]
         for worker, answer in answers:
             if worker.index != owner:
                 continue
-            if not isinstance(answer, BaseException) or getattr(answer, "store_touched", True):
+            if isinstance(answer, BaseException):
+                if getattr(answer, "store_touched", True):
+                    self.touched(sequence)
+            elif bucket.last or not bucket.compressed:
                 self.touched(sequence)
 
     async def _commit(self) -> pb.UpdateWeightsResponse:
@@ -446,7 +451,7 @@ class UpdateSession:
         pending, self.intake.pending = self.intake.pending, []
         for bucket in pending:
             settled = await self.services.fleet.settle(bucket.receives, self.bucket_timeout)
-            self._note_touched(bucket.sequence, settled.answers, discard=bucket.discard)
+            self._note_touched(bucket, settled.answers)
             for result in settled.errors:
                 if isinstance(result, WeightSyncError):
                     self.fail(result)

@@ -1,4 +1,4 @@
-"""Compressed buckets (BucketStart.compression ZSTD, COLLECTIVE over Gloo).
+"""Compressed buckets (BucketStart.compression ZSTD, COLLECTIVE over Gloo and INLINE).
 
 The SDK sends buckets of patches as zstd frames on a slow link (or when asked), every owner
 decompresses its own, and the bytes land bit for bit. A trainer that speaks the protos can
@@ -163,24 +163,79 @@ def test_an_announcement_the_server_refuses_is_drained(node, case):
     node.assert_unharmed()
 
 
-def test_inline_refuses_a_compressed_bucket(server):
+INLINE_SLOT = 64 << 10
+CHUNK = 16 << 10
+
+
+@pytest.fixture(scope="module")
+def inline_node(tmp_path_factory):
+    """Ingress slots of 64 KiB: a frame of ~0.5 MB arrives in pieces, gathered by its owner."""
+    server = start_server(tmp_path_factory.mktemp("inline-zstd"), "--ingress-slot-bytes", str(INLINE_SLOT))
+    yield server
+    assert server.stop() == 0, server.log()[-3000:]
+
+
+def noisy(seed: int) -> dict[str, torch.Tensor]:
+    """Low bytes random, high bytes zero: every bucket compresses about 2x and its frame spans pieces."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randint(0, 256, (512, 512), generator=g, dtype=torch.int16).view(torch.bfloat16)
+            for i in range(3)}
+
+
+def inline_update(server, model: dict[str, torch.Tensor], version: str, *, mode=pb.UPDATE_MODE_STAGED,
+                  bad: str | None = None) -> pb.UpdateWeightsResponse:
+    """One INLINE update, every bucket a zstd frame in CHUNK-byte chunks (bucket 0's made `bad`); the
+    last response: committed, or aborting."""
     from helpers import UpdateStream
 
-    model = compressible(1)
     plan = plan_buckets(list(model.items()), BUCKET)
     stream = UpdateStream(server.stub())
-    stream.send(begin=pb.BeginUpdate(version="inline-zstd", plan=plan, mode=pb.UPDATE_MODE_STAGED,
-                                     transport=pb.TRANSPORT_INLINE))
+    stream.send(begin=pb.BeginUpdate(version=version, plan=plan, mode=mode, transport=pb.TRANSPORT_INLINE,
+                                     allow_new_tensors=True))
     assert stream.recv().WhichOneof("message") == "ready"
-    sent = frame(pack(plan, model, 0))
-    stream.send(bucket_start=pb.BucketStart(sequence=0, size_bytes=sent.numel(),
-                                            compression=pb.BUCKET_COMPRESSION_ZSTD))
-    report = aborting(stream)
-    assert (report.code, report.reason) == (Code.INVALID_ARGUMENT.value[0], "BUCKET_COMPRESSION_UNSUPPORTED")
-    end(stream)
-    with WeightSyncClient(server.address, timeout=60) as client:
-        client.push(model, version="after-inline", transport="inline", allow_new_tensors=True)
-        assert client.verify(model).ok
+    for k in range(len(plan.buckets)):
+        data = pack(plan, model, k)
+        sent = BAD_FRAMES[bad][0](data) if bad and k == 0 else frame(data)
+        assert INLINE_SLOT < sent.numel() < data.numel()
+        stream.send(bucket_start=pb.BucketStart(sequence=k, size_bytes=sent.numel(), checksum=tensor_checksum(data),
+                                                compression=pb.BUCKET_COMPRESSION_ZSTD))
+        raw = sent.numpy().tobytes()
+        for offset in range(0, len(raw), CHUNK):
+            stream.send(bucket_chunk=pb.BucketChunk(sequence=k, offset_bytes=offset, data=raw[offset : offset + CHUNK]))
+        response = stream.recv()
+        if response.WhichOneof("message") != "bucket_applied":
+            end(stream)  # abort, then the status
+            return response
+    stream.send(commit=pb.CommitUpdate())
+    response = stream.recv()
+    stream.close()
+    return response
+
+
+def test_inline_frames_arrive_in_pieces_and_land_bit_exact(inline_node):
+    model = noisy(1)
+    for mode in (pb.UPDATE_MODE_STAGED, pb.UPDATE_MODE_IN_PLACE):
+        assert inline_update(inline_node, model, f"inline-{mode}", mode=mode).committed.version.version == \
+            f"inline-{mode}"
+        assert server_checksums(inline_node) == [local_checksums(model)]
+        model = noisy(2)
+
+
+@pytest.mark.parametrize("mode", [pb.UPDATE_MODE_STAGED, pb.UPDATE_MODE_IN_PLACE], ids=["staged", "in-place"])
+@pytest.mark.parametrize("bad", ["cut-short", "another-bucket", "trailing-bytes"])
+def test_a_malformed_inline_frame_is_refused_and_changes_nothing(inline_node, bad, mode):
+    committed = noisy(10)
+    assert inline_update(inline_node, committed, "base").committed.version.version == "base"
+    response = inline_update(inline_node, noisy(11), "bad", mode=mode, bad=bad)
+    assert response.WhichOneof("message") == "aborting", response
+    assert (response.aborting.code, response.aborting.reason) == (Code.INVALID_ARGUMENT.value[0],
+                                                                  "BUCKET_FRAME_MALFORMED")
+    state = info(inline_node)
+    assert state.store_state == pb.STORE_STATE_CONSISTENT and state.current_version.version == "base"
+    assert server_checksums(inline_node) == [local_checksums(committed)]
+    after = noisy(12)
+    assert inline_update(inline_node, after, "after").committed.version.version == "after"
+    assert server_checksums(inline_node) == [local_checksums(after)]
 
 
 # -- the SDK ---------------------------------------------------------------------------------------
@@ -206,19 +261,21 @@ def two_servers(tmp_path):
         assert server.stop() == 0, server.log()[-2000:]
 
 
-def test_the_sdk_compresses_buckets_of_patches_and_every_step_lands_bit_exact(two_servers):
+@pytest.mark.parametrize("transport", ["collective", "inline"])
+def test_the_sdk_compresses_buckets_of_patches_and_every_step_lands_bit_exact(two_servers, transport):
     g = torch.Generator().manual_seed(5)
     current = {f"layers.{i}.w": torch.randn(512, 512, generator=g).to(torch.bfloat16) for i in range(8)}
     current["norm"] = torch.randn(512, generator=g)
     with WeightSyncClient([s.address for s in two_servers], timeout=60) as client:
-        client.create_group(timeout=30)
-        client.push(current, version="v0", allow_new_tensors=True)
+        if transport == "collective":
+            client.create_group(timeout=30)
+        client.push(current, version="v0", allow_new_tensors=True, transport=transport)
         received = [w.received_bytes for w in info(two_servers[0]).workers]
         for step in range(1, 7):
             current = ulp_step(current, seed=step)
             mode = "staged" if step % 2 else "in_place"
             result = client.push(current, version=f"v{step}", mode=mode, delta=True, compress=True,
-                                 bucket_size_bytes=64 << 10)
+                                 bucket_size_bytes=64 << 10, transport=transport)
             assert result.bucket_count >= 3 and result.compressed_bytes > 0, result
             # The frames are what moved: fewer bytes than the patches they hold.
             assert result.bytes_sent < result.size_bytes < 0.1 * result.dense_bytes, result
@@ -229,7 +286,7 @@ def test_the_sdk_compresses_buckets_of_patches_and_every_step_lands_bit_exact(tw
         assert all(w.received_bytes > r for w, r in zip(info(two_servers[0]).workers, received, strict=True))
         # On loopback the default does not compress (the link is faster than the compressor).
         current = ulp_step(current, seed=99)
-        result = client.push(current, version="plain", delta=True, bucket_size_bytes=64 << 10)
+        result = client.push(current, version="plain", delta=True, bucket_size_bytes=64 << 10, transport=transport)
         assert result.compressed_bytes == 0 and result.bytes_sent == result.size_bytes, result
         assert client.verify(current).ok
 

@@ -144,6 +144,18 @@ def test_an_shm_bucket_without_its_checksum_is_refused(node, committed, trainer)
     assert refused(stream, Code.INVALID_ARGUMENT, "BUCKET_CHECKSUM_REQUIRED") == {"bucket": "0"}
 
 
+def test_an_shm_bucket_announced_compressed_is_refused(node, committed, trainer):
+    """Frames travel over Gloo and INLINE only: the slot is the server's memory, nothing to save."""
+    model = mixed_model(Committed.seed + 150)
+    plan = plan_buckets(list(model.items()), 1 << 20)
+    stream = trainer.begin(plan)
+    data = pack(plan, model, 0)
+    trainer.slot(0, data.numel()).copy_(data)
+    stream.send(bucket_start=pb.BucketStart(sequence=0, size_bytes=data.numel() // 2, checksum=tensor_checksum(data),
+                                            compression=pb.BUCKET_COMPRESSION_ZSTD))
+    assert refused(stream, Code.INVALID_ARGUMENT, "BUCKET_COMPRESSION_UNSUPPORTED") == {"bucket": "0"}
+
+
 @pytest.mark.parametrize("bucket", [0, 1], ids=["packed-bucket", "one-tensor-bucket"])
 def test_a_slot_rewritten_after_its_announcement_is_data_loss_and_changes_nothing(node, committed, trainer, bucket):
     """The trainer announces bucket k, then writes its slot again before the workers copied it."""

@@ -12,6 +12,7 @@ percent, not worth a pass over every byte.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -67,6 +68,13 @@ class Frames:
         """Bucket bytes sent as frames."""
         self.saved_bytes = 0
         """What compressing them took off the bytes sent."""
+        self.seconds = 0.0
+        """Time spent compressing (not waiting on the link)."""
+
+    def new_run(self) -> None:
+        """A run of another plan starts (a push sends patches, then dense to a server without the base):
+        its bucket indices start again at 0."""
+        self._patched.clear()
 
     def planned(self, index: int, bucket: tensor_pb2.BucketSpec) -> None:
         if holds_patches(bucket):
@@ -75,7 +83,9 @@ class Frames:
     def encode(self, index: int, data: torch.Tensor) -> tuple[torch.Tensor, int]:
         """What to send for bucket `index` (its bytes, or a frame of them), and its BucketStart.compression."""
         if self.enabled and index in self._patched and data.device.type == "cpu":
+            started = time.perf_counter()
             frame = compressed_frame(data)
+            self.seconds += time.perf_counter() - started
             if frame is not None:
                 self.compressed_bytes += data.numel()
                 self.saved_bytes += data.numel() - frame.numel()

@@ -316,8 +316,8 @@ class WeightSyncClient:
             # the servers take, for auto's thresholds.
             self._delta.dense_push_timed(transport, result.bytes_sent, result.seconds)
         elif delta_choice is not None:
-            self._delta.link_timed(transport, result.bytes_sent, sum(run.wire_seconds for _, run, _ in runs),
-                                   result.seconds)
+            waited = sum(run.wire_seconds for _, run, _ in runs) - (frames.seconds if frames else 0.0)
+            self._delta.link_timed(transport, result.bytes_sent, waited, result.seconds)
         return result
 
     def _compressing(self, compress: bool | None) -> bool:
@@ -354,6 +354,9 @@ class WeightSyncClient:
                    begun: Callable[[], None] | None = None, **common) -> tuple[PushRun, list[ServerOutcome]]:
         """One run of one plan to `servers`."""
         _prepare_buffers(sink, choice)
+        frames = getattr(sink, "frames", None)
+        if frames is not None:
+            frames.new_run()
         bar = _progress_bar(choice.total_bytes, common["version"], show_progress)
         run = self._run_for(group, sink, choice, servers=servers, bar=bar, **common)
         run.bases = bases or {}

@@ -120,7 +120,6 @@ class CollectiveSink:
 
     def finish(self) -> BaseException | None:
         works, self._in_flight = self._in_flight, []
-        self._frames = []
         failure: BaseException | None = None
         for work in works:  # every one, even after a failure: none is left in flight
             try:
@@ -128,6 +127,7 @@ class CollectiveSink:
             except CollectiveError as error:
                 self.broken = True
                 failure = failure or error
+        self._frames = []  # their sends completed
         return failure
 
 

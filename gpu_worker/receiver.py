@@ -324,7 +324,12 @@ class Receiver:
                        transfer: Callable[[torch.Tensor], None]) -> Applied:
         """A compressed bucket over Gloo: the frame into the wire buffer, checked through its tail, then
         decompressed into the bucket's place (the store or staging) and put in place as any other."""
-        frame = self._wire(receive.size_bytes)
+        try:
+            frame = self._wire(receive.size_bytes)
+        except WeightSyncError:  # over this worker's memory limit: still drained, so the sender never hangs
+            update.phase = Phase.FAILED
+            transfer(self.scratch(receive.size_bytes))
+            raise
         arm_tail(frame, receive.tail)
         transfer(frame)  # the wire buffer is never part of the store: nothing to put back if this fails
         try:

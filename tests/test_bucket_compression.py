@@ -304,3 +304,48 @@ def test_the_sdk_compresses_only_what_shrinks_and_only_on_a_slow_link():
     assert zstandard.ZstdDecompressor().decompress(sent.numpy().tobytes()) == runs.numpy().tobytes()
     assert not worth_compressing(None) and not worth_compressing(3e9)  # loopback, assumed or timed
     assert worth_compressing(1.25e8)  # 1 Gbit/s
+
+
+def test_a_frame_over_the_workers_memory_limit_is_drained_and_refused(tmp_path):
+    """The owner cannot hold the frame (its wire buffer would pass --worker-memory-limit-bytes): it
+    still receives the frame's bytes and drops them, so the trainer does not wait out the group's
+    timeout; the update fails with the reason, and an uncompressed update follows."""
+    import time
+
+    server = start_server(tmp_path, "--worker-memory-limit-bytes", str(64 << 10))
+    try:
+        node = Node(server)  # committed uncompressed: every bucket goes straight into the store
+        stream, plan, model = node.begin()
+        sent = frame(pack(plan, model, 0))
+        assert sent.numel() > 64 << 10
+        started = time.monotonic()
+        stream.send(bucket_start=pb.BucketStart(sequence=0, size_bytes=sent.numel(), tail=bucket_tail(sent),
+                                                compression=pb.BUCKET_COMPRESSION_ZSTD))
+        node.trainer.send_bucket(sent, 0)
+        report = aborting(stream)
+        assert time.monotonic() - started < 15, "the trainer waited for the group timeout (30 s)"
+        assert (report.code, report.reason) == (Code.RESOURCE_EXHAUSTED.value[0], "WORKER_MEMORY_LIMIT")
+        end(stream)
+        assert group_state(server, node.trainer.group_id) == pb.GROUP_STATE_READY
+        assert server_checksums(server) == [local_checksums(node.model)]
+        node.commit()
+        assert server_checksums(server) == [local_checksums(node.model)]
+        node.trainer.delete_group()
+    finally:
+        assert server.stop() == 0, server.log()[-2000:]
+
+
+def test_a_push_that_patches_one_server_and_sends_another_dense_compresses_only_the_patches(two_servers):
+    """The dense run to a server without the base numbers its buckets from 0 again: none of them is
+    compressed (they would shrink: these weights' high bytes are all zero)."""
+    a, b = two_servers
+    current = noisy(30)
+    with WeightSyncClient([a.address, b.address], timeout=60) as client, \
+            WeightSyncClient(b.address, timeout=60) as other:
+        client.push(current, version="v0", transport="inline", allow_new_tensors=True)
+        other.push(noisy(31), version="other", transport="inline")  # b no longer holds client's base
+        step = ulp_step(current, seed=3)
+        result = client.push(step, version="v1", transport="inline", delta=True, compress=True,
+                             bucket_size_bytes=64 << 10)
+        assert 0 < result.compressed_bytes < 0.1 * result.dense_bytes, result
+        assert client.verify(step).ok

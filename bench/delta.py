@@ -72,9 +72,7 @@ def _diff_all(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> No
     """What the SDK runs on host tensors: the compiled compare-and-encode, on torch's threads."""
     from weightsync.common import patch_kernels
 
-    threads = torch.get_num_threads()
-    for name, tensor in new.items():
-        patch_kernels.compare_and_encode(base[name], tensor, threads)
+    patch_kernels.compare_many([(base[name], tensor, None) for name, tensor in new.items()], torch.get_num_threads())
 
 
 def _copy_all(targets: dict[str, torch.Tensor], sources: dict[str, torch.Tensor]) -> None:

@@ -238,6 +238,9 @@ class DeltaBase:
                 for name, _ in named:  # all of them go dense
                     self.dense_runs[name] = self.dense_runs.get(name, 0) + 1
                 return choice
+        on_host = [(name, tensor) for name, tensor in named
+                   if compare[name] and name in self.tensors and _on_host(self.tensors[name], tensor)]
+        host_patches = self._host_patches(on_host, worths)
         for name, tensor in named:
             if not compare[name]:
                 continue
@@ -249,7 +252,7 @@ class DeltaBase:
                 else:
                     self.dense_runs[name] = self.dense_runs.get(name, 0) + 1
                 continue
-            patch = self._patch_of(name, tensor, worths[name])
+            patch = host_patches[name] if name in host_patches else self._patch_of(name, tensor, worths[name])
             if patch == "unchanged":
                 choice.unchanged.add(name)
             elif patch is not None:
@@ -306,8 +309,6 @@ class DeltaBase:
         base = self._base_for(name, new)
         if base is None:
             return None
-        if _on_host(base, new):
-            return self._host_patch(name, base, new, worth)
         numel, itemsize = new.numel(), new.element_size()
         dense = numel * itemsize
         changes = changes_between(base, new)
@@ -329,22 +330,28 @@ class DeltaBase:
             checksum = ws64_after_patch(kept, base, DecodedPatch(positions, changes.values))
         return TensorPatch(data, chosen.encoding, positions.numel(), checksum, positions)
 
-    def _host_patch(self, name: str, base: torch.Tensor, new: torch.Tensor,
-                    worth: Worth) -> TensorPatch | Literal["unchanged"] | None:
-        """PATCH_XOR from the compiled compare: one pass over both copies, no bytes written when the
-        patch would be over worth.patch_below (or the tensor too small to be worth one)."""
-        numel, itemsize = new.numel(), new.element_size()
-        small = numel < MIN_PATCH_ELEMENTS  # compared only to leave it out when unchanged
-        limit = None if small else int(worth.patch_below * numel * itemsize)
-        patch = patch_kernels.compare_and_encode(base, new, torch.get_num_threads(), limit_bytes=limit)
-        if patch is None:
-            return None
-        if not patch.count:
-            return "unchanged"
-        if small:
-            return None
-        checksum = (self._kept_checksum(name, base) + patch.ws64_delta) & _MASK64
-        return TensorPatch(patch.data, XOR, patch.count, checksum, None)
+    def _host_patches(self, named: list[tuple[str, torch.Tensor]],
+                      worths: dict[str, Worth]) -> dict[str, TensorPatch | Literal["unchanged"] | None]:
+        """PATCH_XOR from the compiled compare, for every kept host tensor at once: one pass over
+        both copies each, the tensors shared out whole between the threads (compare_many), no bytes
+        written for a patch that would be over worth.patch_below (or a tensor too small to be worth
+        one: compared only to leave it out when unchanged)."""
+        limits = {}
+        for name, new in named:
+            numel, itemsize = new.numel(), new.element_size()
+            limits[name] = None if numel < MIN_PATCH_ELEMENTS else int(worths[name].patch_below * numel * itemsize)
+        found = patch_kernels.compare_many([(self.tensors[name], new, limits[name]) for name, new in named],
+                                           torch.get_num_threads())
+        patches: dict[str, TensorPatch | Literal["unchanged"] | None] = {}
+        for (name, _), patch in zip(named, found, strict=True):
+            if patch is None or (patch.count and limits[name] is None):
+                patches[name] = None
+            elif not patch.count:
+                patches[name] = "unchanged"
+            else:
+                checksum = (self._kept_checksum(name, self.tensors[name]) + patch.ws64_delta) & _MASK64
+                patches[name] = TensorPatch(patch.data, XOR, patch.count, checksum, None)
+        return patches
 
     def _kept_checksum(self, name: str, base: torch.Tensor) -> int:
         """The kept tensor's WS64, computed when first needed (a dense push does not pay for it)."""

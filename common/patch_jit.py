@@ -46,15 +46,16 @@ than with the branch (15.2 against 18.5 ms; the threshold was 1/16 of the words)
 def _changed(a, b, lo, hi, found, branchless):
     """Indices t in lo..hi where a[t] != b[t] into found; how many. Plain loops: LLVM makes them
     ~40 GB/s on one core (blocked "any change in this line?" loops measured 3-5x slower)."""
+    x, y = a[lo:hi], b[lo:hi]
     count = 0
     if branchless:
-        for t in range(lo, hi):
-            found[count] = t
-            count += a[t] != b[t]
+        for t in range(x.size):
+            found[count] = lo + t
+            count += x[t] != y[t]
     else:
-        for t in range(lo, hi):
-            if a[t] != b[t]:
-                found[count] = t
+        for t in range(x.size):
+            if x[t] != y[t]:
+                found[count] = lo + t
                 count += 1
     return count
 

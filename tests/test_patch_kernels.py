@@ -200,6 +200,35 @@ def test_limit_bytes_skips_writing_a_patch_that_does_not_pay():
     assert torch.equal(pk.compare_and_encode(base, new, limit_bytes=full.data.numel()).data, full.data)
 
 
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_compare_many_is_compare_and_encode_per_tensor(monkeypatch, threads):
+    """The batch the SDK runs (tensors shared out whole, the largest split): per tensor, in order,
+    the bytes, count and WS64 change of compare_and_encode, None where the limit declines."""
+    monkeypatch.setattr(pk, "SPLIT_ABOVE_BYTES", 40_000)  # the 20_000-element float32 pair is split
+    monkeypatch.setattr(pk, "MIN_BYTES_PER_THREAD", 8)
+    pairs, expected = [], []
+    for i, (dtype, numel, density, offset) in enumerate([
+            (torch.bfloat16, 5003, 0.01, 0), (torch.float32, 20_000, 0.05, 1), (torch.uint8, 7, "one", 0),
+            (torch.bfloat16, 0, 0.0, 0), (torch.float64, 1000, 0.0, 0), (torch.bfloat16, 3000, 0.5, 0),
+            (torch.int32, 1031, 0.003, 3)]):
+        base = make_base(dtype, numel, offset, i, "random")
+        new = make_new(base, density, "ulp", i)
+        full = pk.compare_and_encode(base, new)
+        limit = full.data.numel() - 1 if i == 5 else (full.data.numel() if i == 0 else None)
+        pairs.append((base, new, limit))
+        expected.append(None if i == 5 else full)
+    got = pk.compare_many(pairs, threads)
+    assert [g is None for g in got] == [e is None for e in expected] == [False] * 5 + [True, False]
+    for g, e in zip(got, expected, strict=True):
+        if e is not None:
+            assert bytes(g.data.numpy()) == bytes(e.data.numpy())
+            assert (g.count, g.ws64_delta) == (e.count, e.ws64_delta)
+    assert got[3].count == got[4].count == 0
+    with pytest.raises(ValueError, match="base and new differ"):  # a worker's error reaches the caller
+        pk.compare_many(pairs[:2] + [(pairs[0][0], pairs[1][1], None)], threads)
+    assert pk.compare_many([], threads) == []
+
 def test_count_changed_and_samples():
     base = make_base(torch.bfloat16, 100_003, 1, 3, "random")
     new = make_new(base, 0.05, "random", 3)

@@ -13,9 +13,11 @@ copies writes a PATCH_XOR patch (gap varints, XOR byte planes) and the WS64 chan
 threads as torch may use. CUDA tensors are compared with torch ops on their device (the
 overwriting encodings: positions, gaps or a bitmask, whichever is smallest).
 Each patch carries the WS64 of the whole new tensor: the copy's WS64 plus the change, O(changed).
-The copy is refreshed while a push's bytes move, but it is any server's base only once every
-server committed (it claims their generations then): a push that fails after it started leaves a
-copy that claims nothing, and the next push goes dense.
+A kept host tensor is brought up to date by the comparison itself (the kernel writes each changed
+element into the copy as it finds it: no pass of its own); the others are refreshed while a push's
+bytes move. Once compared, the copy is no server's base until every server committed (it claims
+their generations then): a push that fails after the comparison leaves a copy that claims
+nothing, and the next push goes dense.
 """
 
 from __future__ import annotations
@@ -160,6 +162,9 @@ class DeltaBase:
         self._sampled: dict[str, torch.Tensor] = {}
         """This push's samples of the tensors in `samples`: they replace those once committed."""
         self._taking: ThreadCall[None] | None = None
+        self._advanced: set[str] = set()
+        """Kept tensors this push's comparison already made equal to the pushed ones (host tensors:
+        the compare kernel writes the changes into the copy); the refresh leaves them as they are."""
 
     def dense_push_timed(self, transport: str, size_bytes: int, seconds: float) -> None:
         """A dense push's bytes and seconds: what the link and the servers take, for auto's thresholds."""
@@ -224,7 +229,7 @@ class DeltaBase:
         the update goes dense (AUTO_DENSE_ABOVE), no tensor is compared in full."""
         self._settle()
         choice = DeltaChoice()
-        self._sampled, self._rekeep = {}, {}
+        self._sampled, self._rekeep, self._advanced = {}, {}, set()
         link = self.dense_bytes_per_second
         worths = {name: auto_worth(tensor, link) if auto else EVERY_SMALLER
                   for name, tensor in named}
@@ -240,6 +245,10 @@ class DeltaBase:
                 return choice
         on_host = [(name, tensor) for name, tensor in named
                    if compare[name] and name in self.tensors and _on_host(self.tensors[name], tensor)]
+        if on_host:
+            # The comparison writes the new bits into the copy: from here on it is no server's base
+            # (the caller holds the bases this push's patches apply to) until committed() claims them.
+            self.generations = {}
         host_patches = self._host_patches(on_host, worths)
         for name, tensor in named:
             if not compare[name]:
@@ -335,21 +344,31 @@ class DeltaBase:
         """PATCH_XOR from the compiled compare, for every kept host tensor at once: one pass over
         both copies each, the tensors shared out whole between the threads (compare_many), no bytes
         written for a patch that would be over worth.patch_below (or a tensor too small to be worth
-        one: compared only to leave it out when unchanged)."""
+        one: compared only to leave it out when unchanged). The same pass brings the copy of each
+        up to date (advance_base): every one of them is then the pushed tensor, bit for bit, with
+        its WS64 where it was known or a patch needs it."""
         limits = {}
         for name, new in named:
             numel, itemsize = new.numel(), new.element_size()
             limits[name] = None if numel < MIN_PATCH_ELEMENTS else int(worths[name].patch_below * numel * itemsize)
         found = patch_kernels.compare_many([(self.tensors[name], new, limits[name]) for name, new in named],
-                                           torch.get_num_threads())
+                                           torch.get_num_threads(), advance_base=True)
         patches: dict[str, TensorPatch | Literal["unchanged"] | None] = {}
         for (name, _), patch in zip(named, found, strict=True):
-            if patch is None or (patch.count and limits[name] is None):
+            self._advanced.add(name)
+            kept = self.checksums.pop(name, None)
+            if patch is None:  # over its limit: dense (its WS64 is computed again if a patch needs it)
+                patches[name] = None
+                continue
+            if kept is not None:
+                self.checksums[name] = (kept + patch.ws64_delta) & _MASK64
+            if patch.count and limits[name] is None:
                 patches[name] = None
             elif not patch.count:
                 patches[name] = "unchanged"
             else:
-                checksum = (self._kept_checksum(name, self.tensors[name]) + patch.ws64_delta) & _MASK64
+                # The copy is the new tensor now: its WS64 is the patched tensor's.
+                checksum = self._kept_checksum(name, self.tensors[name])
                 patches[name] = TensorPatch(patch.data, XOR, patch.count, checksum, None)
         return patches
 
@@ -423,6 +442,8 @@ class DeltaBase:
                     self.samples[name] = fresh if fresh is not None else bits_of(tensor)[::_sample_stride(tensor.numel())].clone()
                     continue
                 self.samples.pop(name, None)
+                if name in self._advanced and name in self.tensors:
+                    continue  # the comparison made it the pushed tensor already
                 patch = patches.get(name)
                 kept = self.tensors.get(name)
                 if patch is not None and kept is not None:
@@ -447,18 +468,21 @@ class DeltaBase:
                 torch.cuda.current_stream(device).synchronize()
             self.layout = layout
             self._sampled = {}
+            self._advanced = set()
 
     def drop(self) -> None:
         """No copy at all (delta=False, or an iterator that is never held whole): its memory is freed."""
         self._settle()
         self.tensors, self.checksums, self.layout, self.generations = {}, {}, (), {}
         self.dense_runs, self.samples, self._sampled, self._rekeep = {}, {}, {}, {}
+        self._advanced = set()
 
     def forget(self, address: str | None = None) -> None:
         """A server's generation is unknown (it refused our base): next time it gets dense."""
         self._settle()
         self._sampled = {}
         if address is None:
+            self._advanced = set()
             self.generations = {}
         else:
             self.generations.pop(address, None)

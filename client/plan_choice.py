@@ -58,14 +58,30 @@ def choose_plan(
     return PlanChoice(cached, planned, TensorSource(dict(items), None))
 
 
+MIN_PATCH_BUCKET_BYTES = 256 << 10
+"""patched_plan does not cut the patches into buckets smaller than this (each costs an announcement)."""
+
+
 def patched_plan(items: list[tuple[str, torch.Tensor]], delta: DeltaChoice, *, bucket_size_bytes: int,
-                 zero_copy_min_bytes: int) -> PlanChoice:
+                 zero_copy_min_bytes: int, patch_buckets: int = 1) -> PlanChoice:
     """The plan of a push that sends patches: unchanged tensors left out, each patch as its bytes
     (tensor.proto, TensorEncoding) under its tensor's name, dtype and shape. Never cached: its
-    counts and checksums are this step's."""
-    sent = [(name, delta.patches[name].data if name in delta.patches else tensor)
-            for name, tensor in items if name not in delta.unchanged]
-    planned = build_plan(sent, bucket_size_bytes, zero_copy_min_bytes)
+    counts and checksums are this step's.
+
+    The tensors sent whole come first, planned as a dense push would plan them; then the patches,
+    in at least `patch_buckets` buckets of about equal size where they are large enough
+    (MIN_PATCH_BUCKET_BYTES; a patch is never split): the owners are balanced by bytes
+    (common/ownership.py), so with one bucket per worker every worker of a node checks and
+    applies its share at once. At 1% changed a model's patches fit one bucket many times over,
+    and one worker applied all of them while the others waited."""
+    whole = [(name, tensor) for name, tensor in items if name not in delta.unchanged and name not in delta.patches]
+    patches = [(name, delta.patches[name].data) for name, _ in items if name in delta.patches]
+    patch_bytes = sum(data.numel() for _, data in patches)
+    largest = max((data.numel() for _, data in patches), default=0)
+    share = max(-(-patch_bytes // max(1, patch_buckets)), largest, MIN_PATCH_BUCKET_BYTES)
+    planned = (build_plan(whole, bucket_size_bytes, zero_copy_min_bytes) if whole else []) + (
+        build_plan(patches, min(bucket_size_bytes, share), zero_copy_min_bytes) if patches else [])
+    sent = whole + patches
     originals = dict(items)
     for bucket in planned:
         for spec in bucket.spec.tensors:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import sys
 import threading
 import time
@@ -270,15 +271,13 @@ class WeightSyncClient:
         if frames is not None:
             frames.enabled = items is not None and compress is not False and self._compressing(compress)
         runs: list[tuple[PlanChoice, PushRun, list[ServerOutcome]]] = []
-        delta_choice, targets = None, []
-        while items is not None:
-            patched = self._patched_plan(items, delta, collective=group is not None, **sizes)
-            if patched is None:
-                break
-            choice, delta_choice, targets = patched
-            # Once no server refused the base, the copy takes the patches while they move and the
-            # servers check and apply them (it claims no generation until committed(); a failure
-            # from here on makes the next push dense).
+        patched = self._patched_plan(items, delta, collective=group is not None, **sizes) if items is not None else None
+        delta_choice, targets = (patched[1], patched[2]) if patched is not None else (None, [])
+        while patched is not None and targets:
+            choice, _, _, bases = patched
+            # Once no server refused the base, the copy takes the rest of the patches while they move
+            # and the servers check and apply them (it claims no generation until committed(); a
+            # failure from here on makes the next push dense).
             taking: list[bool] = []
 
             def begun(items=items, delta_choice=delta_choice, taking=taking) -> None:
@@ -286,18 +285,22 @@ class WeightSyncClient:
                 self._delta.take_in_background(items, delta_choice)
 
             try:
-                runs.append((choice, *self._push_once(group, sink, choice, servers=targets, bases={
-                    s.address: self._delta.generations[s.address] for s in targets}, begun=begun, **common)))
+                runs.append((choice, *self._push_once(group, sink, choice, servers=targets, bases=bases,
+                                                      begun=begun, **common)))
                 break
             except UpdateFailed as error:
                 if error.reason != "BASE_MISMATCH":
                     raise
-                # Refused at Begin, before any byte moved, everywhere: that server gets it dense.
+                # Refused at Begin, before any byte moved, everywhere: that server gets it dense, the
+                # others the same patches (the comparison is not run again: the copy holds the new
+                # tensors already). COLLECTIVE sends one plan to the whole group: all of it dense.
+                # (Only Begin refuses a base, so the copy has taken nothing from the servers' answers.)
                 log.info("base_mismatch_sending_dense", server=error.server)
-                # (Only Begin refuses a base, so the copy has taken nothing; if it had, it would be
-                # no server's base any more.)
-                self._delta.forget(None if taking else error.server)
-                delta_choice, targets = None, []
+                self._delta.forget(error.server)
+                refused = group is not None or bool(taking)
+                targets = [] if refused else [s for s in targets if s.address != error.server]
+        if not targets:
+            delta_choice = None
         rest = [s for s in self._servers.servers if s not in targets]
         if rest:
             dense = choose_plan(dict(items) if items is not None else named_tensors, self._plans,
@@ -328,14 +331,16 @@ class WeightSyncClient:
 
     def _patched_plan(self, items: list[tuple[str, torch.Tensor]], delta: Delta, *, collective: bool,
                       bucket_size_bytes: int, zero_copy_min_bytes: int,
-                      ) -> tuple[PlanChoice, DeltaChoice, list[Server]] | None:
-        """The patched plan, and the servers that hold this client's last commit; None: all dense.
-        COLLECTIVE sends one plan to the whole group: patches only if every server can take them."""
+                      ) -> tuple[PlanChoice, DeltaChoice, list[Server], dict[str, StoreGeneration]] | None:
+        """The patched plan, the servers that hold this client's last commit and the generation each
+        holds it at; None: all dense. COLLECTIVE sends one plan to the whole group: patches only if
+        every server can take them."""
         targets = [s for s in self._servers.servers if s.address in self._delta.generations]
         if not targets or (collective and len(targets) != len(self._servers.servers)):
             return None
         if not self._delta.same_layout(items):
             return None
+        bases = {s.address: self._delta.generations[s.address] for s in targets}  # choose() may advance the copy
         choice = self._delta.choose(items, auto=delta == "auto")
         choice.keep_patches_within(bucket_size_bytes)
         if not choice.patches and (not choice.unchanged or len(choice.unchanged) == len(items)):
@@ -346,8 +351,17 @@ class WeightSyncClient:
         if delta == "auto" and choice.sent_bytes(items) > dense_above * _dense_bytes(items):
             self._delta.went_dense(items)
             return None  # patches would not pay
-        plan = patched_plan(items, choice, bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes)
-        return plan, choice, targets
+        plan = patched_plan(items, choice, bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes,
+                            patch_buckets=self._workers_per_node(targets))
+        return plan, choice, targets, bases
+
+    def _workers_per_node(self, servers: list[Server]) -> int:
+        """How many buckets give every worker of every one of these servers an equal share: the least
+        common multiple of their worker counts (their largest, past MAX_PATCH_BUCKETS)."""
+        infos = dict(zip(self._servers.addresses, self._server_limits(), strict=True))
+        counts = {max(1, len(infos[s.address].workers)) for s in servers}
+        common = math.lcm(*counts)
+        return common if common <= MAX_PATCH_BUCKETS else max(counts)
 
     def _push_once(self, group: TransferGroup | None, sink: Sink, choice: PlanChoice, *, servers: list[Server],
                    show_progress: bool | None, bases: dict[str, StoreGeneration] | None = None,
@@ -494,6 +508,10 @@ class WeightSyncClient:
             if kind is None:
                 raise
             log.warning("close_failed", error=str(error))  # the error already in flight matters more
+
+
+MAX_PATCH_BUCKETS = 16
+"""Patches are cut into at most this many buckets to share them out among a node's workers."""
 
 
 def _broke_the_group(error: BaseException) -> bool:

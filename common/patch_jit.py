@@ -78,10 +78,11 @@ def _put_gap(varints, used, gap):
 
 
 @njit(nogil=True, cache=True)
-def _emit_words(a64, b64, found, m, xors, varints, state, itemsize):
+def _emit_words(a64, b64, found, m, xors, varints, state, itemsize, advance):
     """Record the changes in the m changed words listed in found: XOR values, gap varints, the
-    WS64 delta. (A copy per itemsize with constant shifts measured ~3% faster and 4 s more of
-    cold compile: not worth it.)
+    WS64 delta; advance: and write each changed word of b into a (the base becomes b, its other
+    words being b's already). (A copy per itemsize with constant shifts measured ~3% faster and
+    4 s more of cold compile: not worth it.)
     state = [count, varint bytes used, first position, previous position], in and out."""
     lanes = 8 // itemsize
     lane_bits = 8 * itemsize
@@ -94,6 +95,8 @@ def _emit_words(a64, b64, found, m, xors, varints, state, itemsize):
         old, new = a64[t], b64[t]
         weight = ((np.uint64(t) >> U9) + U1) + C * ((np.uint64(t) & U511) + U1)
         delta += weight * (new - old)
+        if advance:
+            a64[t] = new  # its cache line was just read: a write here costs a write-back, no pass
         x = old ^ new
         while x:
             lane = np.int64(trailing_zeros(x)) >> lane_log
@@ -113,7 +116,7 @@ def _emit_words(a64, b64, found, m, xors, varints, state, itemsize):
 
 
 @njit(nogil=True, cache=True)
-def _emit_elements(a, b, found, m, xors, varints, state):
+def _emit_elements(a, b, found, m, xors, varints, state, advance):
     """_emit_words for the changed elements listed in found (off the aligned fast path)."""
     itemsize = a.itemsize
     count, used, first, previous = state[0], state[1], state[2], state[3]
@@ -122,6 +125,8 @@ def _emit_elements(a, b, found, m, xors, varints, state):
         t = found[k]
         delta += _ws64_change(t, itemsize, a[t], b[t])
         xors[count] = a[t] ^ b[t]
+        if advance:
+            a[t] = b[t]
         if count == 0:
             first = t
         else:
@@ -159,8 +164,9 @@ def _grow(xors, varints, state, elements):
 
 
 @njit(nogil=True, cache=True)
-def scan(a, b, a64, b64, start, stop, capacity):
-    """Compare a[start:stop] with b[start:stop] in one pass, chunk by chunk.
+def scan(a, b, a64, b64, start, stop, capacity, advance):
+    """Compare a[start:stop] with b[start:stop] in one pass, chunk by chunk; advance: and make
+    a[start:stop] equal to b[start:stop] in the same pass (only the changed words are written).
 
     a64, b64: a and b as 64-bit words when both are 8-byte aligned (then start is a multiple
     of 8 elements), else empty (element by element). Returns (count, first position, last
@@ -182,13 +188,13 @@ def scan(a, b, a64, b64, start, stop, capacity):
             xors, varints = _grow(xors, varints, state, (hi - lo) * lanes)
             m = _changed(a64, b64, lo, hi, found, branchless)
             branchless = m > BRANCHLESS_ABOVE * (hi - lo)
-            delta += _emit_words(a64, b64, found, m, xors, varints, state, a.itemsize)
+            delta += _emit_words(a64, b64, found, m, xors, varints, state, a.itemsize, advance)
     for lo in range(elements_from, stop, CHUNK):
         hi = min(lo + CHUNK, stop)
         xors, varints = _grow(xors, varints, state, hi - lo)
         m = _changed(a, b, lo, hi, found, branchless)
         branchless = m > BRANCHLESS_ABOVE * (hi - lo)
-        delta += _emit_elements(a, b, found, m, xors, varints, state)
+        delta += _emit_elements(a, b, found, m, xors, varints, state, advance)
     _plane_nonzero(xors, state[0], nonzero)
     return state[0], state[2], state[3], varints, state[1], xors, nonzero, delta
 

@@ -118,9 +118,13 @@ def _data(data: torch.Tensor | bytes | np.ndarray) -> np.ndarray:
 
 # -- the trainer's side ------------------------------------------------------------------------
 def compare_and_encode(base: torch.Tensor, new: torch.Tensor, threads: int = 1, *,
-                       limit_bytes: int | None = None) -> EncodedPatch | None:
+                       limit_bytes: int | None = None, advance_base: bool = False) -> EncodedPatch | None:
     """The PATCH_XOR patch from base to new, in one pass over both. None when the patch would be
-    longer than limit_bytes (checked before its bytes are written: send the tensor dense)."""
+    longer than limit_bytes (checked before its bytes are written: send the tensor dense).
+    advance_base: the same pass writes every changed element of new into base, so base equals
+    new bit for bit on return, whatever the result (the trainer's kept copy, brought up to date
+    without a pass of its own: only the changed words are written, in lines the compare has
+    just read)."""
     a, b = _host_bits(base, "base"), _host_bits(new, "new")
     if a.dtype != b.dtype or a.size != b.size:
         raise ValueError(f"base and new differ: {base.dtype}{tuple(base.shape)} vs {new.dtype}{tuple(new.shape)}")
@@ -130,7 +134,7 @@ def compare_and_encode(base: torch.Tensor, new: torch.Tensor, threads: int = 1, 
     a64, b64 = _words(a), _words(b)
     if not (a64.size and b64.size):
         a64 = b64 = _NO_WORDS
-    scans = _run([partial(jit.scan, a, b, a64, b64, s, e, guess) for s, e in ranges])
+    scans = _run([partial(jit.scan, a, b, a64, b64, s, e, guess, advance_base) for s, e in ranges])
     # Plan: the whole patch's shape from each range's summary (O(ranges)).
     count = sum(r[0] for r in scans)
     first_gaps, previous, gap_bytes = [], -1, 0
@@ -190,8 +194,9 @@ the model); smaller ones go whole, one per thread at a time."""
 
 
 def compare_many(pairs: list[tuple[torch.Tensor, torch.Tensor, int | None]],
-                 threads: int = 1) -> list[EncodedPatch | None]:
-    """compare_and_encode(base, new, limit_bytes=limit) for each (base, new, limit), in order.
+                 threads: int = 1, *, advance_base: bool = False) -> list[EncodedPatch | None]:
+    """compare_and_encode(base, new, limit_bytes=limit, advance_base=advance_base) for each
+    (base, new, limit), in order.
 
     Why not one call per tensor with the threads splitting each: a model is hundreds of tensors,
     most of a few MB, and splitting each costs two hand-offs and a join per tensor; here each
@@ -201,7 +206,7 @@ def compare_many(pairs: list[tuple[torch.Tensor, torch.Tensor, int | None]],
     whole: list[int] = []
     for i, (base, new, limit) in enumerate(pairs):
         if threads > 1 and new.numel() * new.element_size() >= SPLIT_ABOVE_BYTES:
-            results[i] = compare_and_encode(base, new, threads, limit_bytes=limit)
+            results[i] = compare_and_encode(base, new, threads, limit_bytes=limit, advance_base=advance_base)
         else:
             whole.append(i)
     whole.sort(key=lambda i: -pairs[i][1].numel() * pairs[i][1].element_size())
@@ -215,7 +220,7 @@ def compare_many(pairs: list[tuple[torch.Tensor, torch.Tensor, int | None]],
             if i is None:
                 return
             base, new, limit = pairs[i]
-            results[i] = compare_and_encode(base, new, 1, limit_bytes=limit)
+            results[i] = compare_and_encode(base, new, 1, limit_bytes=limit, advance_base=advance_base)
 
     helpers = max(0, min(threads, len(whole)) - 1)
     _run([work] * (helpers + 1))

@@ -4,6 +4,8 @@ group (COLLECTIVE). Every failure is followed by the next push and a verify."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -342,10 +344,11 @@ def test_the_default_push_keeps_a_copy_and_sends_a_sparse_step_as_patches(two_se
         assert server_checksums(a) == [local_checksums(current)]
 
 
-def test_the_copy_takes_the_patches_while_they_move_and_claims_the_base_only_once_committed(two_servers, monkeypatch):
-    """A patched push starts the kept copy's update once every server is ready (not after the
-    commit: it overlaps the transfer and the servers' apply); the copy is the servers' base again
-    only after the commit, and the push after it patches against it, exactly."""
+def test_the_comparison_updates_the_copy_which_claims_the_base_only_once_committed(two_servers, monkeypatch):
+    """Host tensors: the comparison itself writes the changes into the kept copy (no pass of its
+    own: the refresh started once every server is ready XORs nothing in), and from then on the
+    copy claims no server's base until the commit; the push after it patches against it, exactly."""
+    from weightsync.client import delta as delta_module
     from weightsync.client import push as push_module
     from weightsync.client.delta import DeltaBase
 
@@ -363,8 +366,15 @@ def test_the_copy_takes_the_patches_while_they_move_and_claims_the_base_only_onc
         events.append("commit")
         return await real_commit(self, streams)
 
+    def xor_in(*args, **kwargs):
+        if threading.current_thread().name == "weightsync-delta-copy":  # not the kernels' warm-up
+            events.append("patch applied to the copy")
+        return real_apply(*args, **kwargs)
+
+    real_apply = delta_module.patch_kernels.apply_patch
     monkeypatch.setattr(DeltaBase, "take_in_background", take)
     monkeypatch.setattr(push_module.PushRun, "_commit", commit)
+    monkeypatch.setattr(delta_module.patch_kernels, "apply_patch", xor_in)
     with WeightSyncClient([a.address, b.address], timeout=60) as client:
         current = model()
         client.push(current, version="v0", transport="inline", allow_new_tensors=True)
@@ -375,7 +385,9 @@ def test_the_copy_takes_the_patches_while_they_move_and_claims_the_base_only_onc
             result = client.push(current, version=f"v{step + 1}", transport="inline")
             assert result.bytes_sent < 0.1 * result.dense_bytes
             servers = sorted([a.address, b.address])
-            assert events == ["take patches", f"claims {servers}", "then claims []", "commit"]
+            assert events == ["take patches", "claims []", "then claims []", "commit"]
+            kept = client._delta.tensors
+            assert len(kept) >= 2 and all(torch.equal(kept[n], current[n]) for n in kept)
             assert sorted(client._delta.generations) == servers  # claimed again once committed
             events.clear()
             assert_held(two_servers, current)

@@ -115,7 +115,21 @@ def assert_everything_agrees(base: torch.Tensor, new: torch.Tensor, threads: int
     target = base.clone()  # checked while it applies: the same bytes, the same WS64
     assert pk.apply_checked(patch.data, target, count, live_ws64=ws64(base)) == ws64(new)
     np.testing.assert_array_equal(pf.bits(target), b)
+    # advance_base: the same patch, and the base made the new tensor in the same pass
+    advanced = same_offset_copy(base)
+    moved = pk.compare_and_encode(advanced, new, threads, advance_base=True)
+    assert bytes(moved.data.numpy()) == data and (moved.count, moved.ws64_delta) == (count, delta)
+    np.testing.assert_array_equal(pf.bits(advanced), b)
+    np.testing.assert_array_equal(pf.bits(new), b)  # new is only read
     return data
+
+
+def same_offset_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy at the same element offset into its storage (so unaligned stays unaligned)."""
+    storage = torch.empty(tensor.numel() + tensor.storage_offset(), dtype=tensor.dtype)
+    copy = storage[tensor.storage_offset():]
+    copy.copy_(tensor)
+    return copy
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -225,6 +239,14 @@ def test_compare_many_is_compare_and_encode_per_tensor(monkeypatch, threads):
             assert bytes(g.data.numpy()) == bytes(e.data.numpy())
             assert (g.count, g.ws64_delta) == (e.count, e.ws64_delta)
     assert got[3].count == got[4].count == 0
+    advanced = [(same_offset_copy(base), new, limit) for base, new, limit in pairs]
+    moved = pk.compare_many(advanced, threads, advance_base=True)
+    for m, g in zip(moved, got, strict=True):
+        assert (m is None) == (g is None)
+        if g is not None:
+            assert bytes(m.data.numpy()) == bytes(g.data.numpy()) and (m.count, m.ws64_delta) == (g.count, g.ws64_delta)
+    for base, new, _ in advanced:  # every base is the new tensor, the declined one (limit) too
+        np.testing.assert_array_equal(pf.bits(base), pf.bits(new))
     with pytest.raises(ValueError, match="base and new differ"):  # a worker's error reaches the caller
         pk.compare_many(pairs[:2] + [(pairs[0][0], pairs[1][1], None)], threads)
     assert pk.compare_many([], threads) == []

@@ -3,7 +3,8 @@
 Per density (0.1% .. 50% of bf16 elements changed, spread at random; one-ulp steps up or down,
 as a small AdamW step moves bf16 weights, or random new bits):
   - bytes per changed element and the patch as % of the dense bytes;
-  - the trainer's compare_and_encode on 1 and 2 threads, in GB/s of the two inputs read, against
+  - the trainer's compare_and_encode on 1 and 2 threads, and compare_many (the SDK's batch), in GB/s
+    of the two inputs read, against
     torch copy_ of the same bytes into memory already touched, in this process (medians);
   - the current torch path (common.patches: changes_between + smallest_encoding + encode_patch)
     on the same tensors;
@@ -191,6 +192,7 @@ def measure(base: dict[str, torch.Tensor], names: list[str], density: float, val
         "copy": lambda: memcpy(new),
         "enc1": lambda: [pk.compare_and_encode(base[n], new[n], 1) for n in names],
         "enc2": lambda: [pk.compare_and_encode(base[n], new[n], 2) for n in names],
+        "many2": lambda: pk.compare_many([(base[n], new[n], None) for n in names], 2),
         "check1": lambda: over_tensors(check, names, 1, pool),
         "check2": lambda: over_tensors(check, names, 2, pool),
         "apply1": lambda: over_tensors(apply, names, 1, pool),
@@ -203,9 +205,9 @@ def measure(base: dict[str, torch.Tensor], names: list[str], density: float, val
     row = {"density": density, "values": values, "changed": changed,
            "bytes": sum(p.data.numel() for p in patches.values())}
     row.update({name: median(t) for name, t in times.items()})
-    row["x_memcpy"] = median([c / e for c, e in zip(times["copy"], times["enc2"], strict=True)])
+    row["x_memcpy"] = median([c / e for c, e in zip(times["copy"], times["many2"], strict=True)])
     if "torch" in times:
-        row["x_torch"] = median([t / e for t, e in zip(times["torch"], times["enc2"], strict=True)])
+        row["x_torch"] = median([t / e for t, e in zip(times["torch"], times["many2"], strict=True)])
     row["zstd"] = zstd_row(patches, max(1, reps // 2))
     return row
 
@@ -223,29 +225,31 @@ def render(rows: list[dict], workload: str, dense_bytes: int, cold: float, warm:
         f"JIT: import + warm_up() costs {cold:.1f} s with an empty numba cache (compiles every kernel for 4 element "
         f"widths) and {warm:.2f} s once cached (beyond importing torch and numba).",
         "",
-        "Trainer: `compare` = compare_and_encode over every tensor, GB/s of both inputs read. Every timing of a "
+        "Trainer: `compare` = compare_and_encode over every tensor, GB/s of both inputs read: `1t` one thread, "
+        "`2t split` each tensor split over 2 threads, `2t whole` = compare_many, the tensors shared out whole "
+        "between 2 threads (what the SDK runs; the columns after it are its). Every timing of a "
         "row is taken in turn within each repetition (a neighbour's load slows them alike); ratios are per "
         "repetition, then the median. `x memcpy`: torch copy_ of both inputs into touched memory (the same "
-        "bytes read), its time over the 2-thread compare's; `x memcpy b2b`: the 2-thread compare's GB/s over "
+        "bytes read), its time over compare_many's; `x memcpy b2b`: compare_many's GB/s over "
         f"memcpy's timed back to back at the start ({read / memcpy_alone / 1e9:.1f} GB/s, its best case); "
-        "`ns/chg` = the 2-thread compare's whole time per changed element; `torch` = today's common.patches "
+        "`ns/chg` = compare_many's whole time per changed element; `torch` = the common.patches reference "
         "path (changes_between, smallest_encoding, encode_patch). Receiver: ns per changed element, "
         "check_patch (validate + WS64, no write) and apply_patch (in place), the tensors on 1 or 2 threads; "
         "`checked apply` = apply_checked, the one pass a worker runs for a patch it applies now (validate, WS64 "
         "and write), against check then apply (two passes), one thread.",
         "",
-        "| changed | values | B/changed | % dense | compare 1t GB/s | 2t GB/s | x memcpy | x memcpy b2b | ns/chg "
-        "| torch s | x torch | check ns 1t / 2t | apply ns 1t / 2t | checked apply ns 1t |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| changed | values | B/changed | % dense | compare 1t GB/s | 2t split GB/s | 2t whole GB/s | x memcpy "
+        "| x memcpy b2b | ns/chg | torch s | x torch | check ns 1t / 2t | apply ns 1t / 2t | checked apply ns 1t |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         count = max(r["changed"], 1)
-        enc1, enc2 = read / r["enc1"] / 1e9, read / r["enc2"] / 1e9
+        enc1, enc2, many = read / r["enc1"] / 1e9, read / r["enc2"] / 1e9, read / r["many2"] / 1e9
         torch_s, x_torch = r.get("torch"), r.get("x_torch", 0.0)
         lines.append(
             f"| {100 * r['density']:g}% | {r['values']} | {r['bytes'] / count:.2f} | {100 * r['bytes'] / dense_bytes:.2f}% "
-            f"| {enc1:.1f} | {enc2:.1f} | {r['x_memcpy']:.2f} | {enc2 / (read / memcpy_alone / 1e9):.2f} "
-            f"| {r['enc2'] / count * 1e9:.1f} | {f'{torch_s:.2f}' if torch_s else '-'} "
+            f"| {enc1:.1f} | {enc2:.1f} | {many:.1f} | {r['x_memcpy']:.2f} | {many / (read / memcpy_alone / 1e9):.2f} "
+            f"| {r['many2'] / count * 1e9:.1f} | {f'{torch_s:.2f}' if torch_s else '-'} "
             f"| {f'{x_torch:.1f}x' if torch_s else '-'} "
             f"| {r['check1'] / count * 1e9:.1f} / {r['check2'] / count * 1e9:.1f} "
             f"| {r['apply1'] / count * 1e9:.1f} / {r['apply2'] / count * 1e9:.1f} "

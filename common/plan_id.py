@@ -47,4 +47,6 @@ def plan_id_of(plan: tensor_pb2.WeightPlan) -> str:
                 digest.update(_PATCH.pack(tensor.encoding, tensor.patch_count))
             if tensor.HasField("piece"):
                 digest.update(b"piece" + _PIECE.pack(tensor.piece.offset_bytes))
+        if bucket.deferred:  # plans without one keep the ids they always had
+            digest.update(b"deferred")
     return digest.hexdigest()[:PLAN_ID_HEX_DIGITS]

@@ -3,7 +3,9 @@
 Checks only what the plan says about itself and the server's limits; checks
 against the weight store (existing names, dtypes, shapes) happen where the
 store's layout is known. Every failure is an InvalidArgument naming the
-offending bucket and tensor in its metadata.
+offending bucket and tensor in its metadata. A deferred bucket (BucketSpec.deferred)
+lists candidates at Begin; its layout, given at its BucketStart, is checked there
+(validate_layout) by the same rules as a plan's bucket.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def validate_plan(plan: tensor_pb2.WeightPlan, limits: PlanLimits) -> PlanSummar
         pieces = _validate_pieces(index, bucket, pieces)
         _validate_bucket(index, bucket, limits, names)
         tensor_count += sum(1 for t in bucket.tensors if not t.HasField("piece") or not t.piece.offset_bytes)
-        patched += sum(1 for t in bucket.tensors if patches.is_patch(t.encoding))
+        patched += sum(1 for t in bucket.tensors if patches.is_patch(t.encoding))  # a deferred one's candidates too
         total_bytes += bucket.size_bytes
         largest = max(largest, bucket.size_bytes)
         if tensor_count > limits.max_tensors:
@@ -141,28 +143,79 @@ def _validate_pieces(index: int, bucket: tensor_pb2.BucketSpec, pieces: _OpenPie
 def _validate_bucket(
     index: int, bucket: tensor_pb2.BucketSpec, limits: PlanLimits, names: set[str]
 ) -> None:
-    if bucket.size_bytes < 0:
-        raise InvalidArgument(
-            "BUCKET_SIZE_NEGATIVE", f"bucket {index} has size_bytes {bucket.size_bytes}", bucket=index
-        )
-    if bucket.size_bytes > limits.max_bucket_bytes:
-        raise InvalidArgument(
-            "BUCKET_TOO_LARGE",
-            f"bucket {index} is {bucket.size_bytes} bytes; the server accepts at most "
-            f"{limits.max_bucket_bytes} (max_bucket_bytes): split it",
-            bucket=index,
-            size_bytes=bucket.size_bytes,
-            limit=limits.max_bucket_bytes,
-        )
-    if 0 < bucket.size_bytes < MIN_BUCKET_BYTES:
-        raise InvalidArgument(
-            "BUCKET_TOO_SMALL",
-            f"bucket {index} is {bucket.size_bytes} bytes: a bucket is 0 or at least {MIN_BUCKET_BYTES} bytes "
-            "(receivers check its last 8 bytes); pad it",
-            bucket=index, size_bytes=bucket.size_bytes,
-        )
+    _validate_bucket_size(index, bucket.size_bytes, limits)
     if not bucket.tensors:
         raise InvalidArgument("BUCKET_EMPTY", f"bucket {index} lists no tensors", bucket=index)
+    if bucket.deferred:
+        for spec in bucket.tensors:
+            _validate_candidate(index, spec, names)
+        return
+    _validate_tensors(index, bucket, names)
+
+
+def validate_layout(index: int, planned: tensor_pb2.BucketSpec, layout: tensor_pb2.BucketSpec) -> None:
+    """A deferred bucket's layout (BucketStart.layout) against the plan's bucket (validated at Begin,
+    so within the server's limits): raises InvalidArgument for the first problem."""
+    if layout.deferred:
+        raise InvalidArgument("BUCKET_LAYOUT_INVALID", f"bucket {index}: a layout is not itself deferred",
+                              bucket=index)
+    if layout.size_bytes < 0 or 0 < layout.size_bytes < MIN_BUCKET_BYTES:
+        raise InvalidArgument("BUCKET_TOO_SMALL", f"bucket {index}'s layout is {layout.size_bytes} bytes: 0 or at "
+                              f"least {MIN_BUCKET_BYTES} (receivers check its last 8 bytes); pad it", bucket=index,
+                              size_bytes=layout.size_bytes)
+    if layout.size_bytes > planned.size_bytes:
+        raise InvalidArgument("BUCKET_TOO_LARGE", f"bucket {index}'s layout is {layout.size_bytes} bytes; the plan "
+                              f"gives it at most {planned.size_bytes}", bucket=index, size_bytes=layout.size_bytes,
+                              limit=planned.size_bytes)
+    candidates = iter(planned.tensors)
+    for spec in layout.tensors:
+        candidate = next((c for c in candidates if c.name == spec.name), None)
+        if candidate is None or (candidate.dtype, list(candidate.shape)) != (spec.dtype, list(spec.shape)):
+            raise InvalidArgument("BUCKET_LAYOUT_INVALID", f"bucket {index}: tensor {spec.name!r} is not one of the "
+                                  "plan's candidates for it, in their order, with their dtype and shape",
+                                  bucket=index, tensor=spec.name[:64])
+        if not patches.is_patch(spec.encoding) or spec.HasField("piece"):
+            raise InvalidArgument("BUCKET_LAYOUT_INVALID", f"bucket {index}: tensor {spec.name!r} is not a patch "
+                                  "(a deferred bucket holds patches only)", bucket=index, tensor=spec.name[:64])
+    _validate_tensors(index, layout, set())
+
+
+def _validate_candidate(index: int, spec: tensor_pb2.TensorSpec, names: set[str]) -> None:
+    """A deferred bucket's candidate: a tensor's name, dtype and shape, PATCH_XOR, nothing else."""
+    _validate_name_and_shape(index, spec, names, continued=False)
+    laid_out = (spec.offset_bytes, spec.size_bytes, spec.patch_count, spec.checksum.algorithm, spec.checksum.value)
+    if spec.encoding != patches.XOR or any(laid_out) or spec.HasField("piece"):
+        raise InvalidArgument("DEFERRED_CANDIDATE_INVALID", f"bucket {index} is deferred: its tensor {spec.name!r} "
+                              "must be a candidate (encoding PATCH_XOR; offset_bytes, size_bytes, patch_count, "
+                              "checksum and piece unset: its BucketStart.layout gives them)", bucket=index,
+                              tensor=spec.name)
+
+
+def _validate_bucket_size(index: int, size_bytes: int, limits: PlanLimits) -> None:
+    if size_bytes < 0:
+        raise InvalidArgument(
+            "BUCKET_SIZE_NEGATIVE", f"bucket {index} has size_bytes {size_bytes}", bucket=index
+        )
+    if size_bytes > limits.max_bucket_bytes:
+        raise InvalidArgument(
+            "BUCKET_TOO_LARGE",
+            f"bucket {index} is {size_bytes} bytes; the server accepts at most "
+            f"{limits.max_bucket_bytes} (max_bucket_bytes): split it",
+            bucket=index,
+            size_bytes=size_bytes,
+            limit=limits.max_bucket_bytes,
+        )
+    if 0 < size_bytes < MIN_BUCKET_BYTES:
+        raise InvalidArgument(
+            "BUCKET_TOO_SMALL",
+            f"bucket {index} is {size_bytes} bytes: a bucket is 0 or at least {MIN_BUCKET_BYTES} bytes "
+            "(receivers check its last 8 bytes); pad it",
+            bucket=index, size_bytes=size_bytes,
+        )
+
+
+def _validate_tensors(index: int, bucket: tensor_pb2.BucketSpec, names: set[str]) -> None:
+    """Each tensor's own fields, and the bucket's layout: increasing offsets, nothing past its end."""
     previous_end = 0
     previous_name = ""
     for spec in bucket.tensors:
@@ -218,6 +271,15 @@ def _encoded_size(index: int, spec: tensor_pb2.TensorSpec, numel: int, itemsize:
 
 def _validate_tensor(index: int, spec: tensor_pb2.TensorSpec, names: set[str]) -> None:
     """One spec's own fields; a piece after the first repeats its tensor's name (_validate_pieces)."""
+    continued = spec.HasField("piece") and spec.piece.offset_bytes > 0
+    itemsize, numel = _validate_name_and_shape(index, spec, names, continued=continued)
+    expected = spec.size_bytes if spec.HasField("piece") else _encoded_size(index, spec, numel, itemsize)
+    _finish_tensor(index, spec, itemsize, expected)
+
+
+def _validate_name_and_shape(index: int, spec: tensor_pb2.TensorSpec, names: set[str], *,
+                             continued: bool) -> tuple[int, int]:
+    """Name, dtype and shape; returns (itemsize, numel)."""
     name = spec.name
     if not name:
         raise InvalidArgument("TENSOR_NAME_EMPTY", f"bucket {index} has a tensor with no name", bucket=index)
@@ -228,7 +290,6 @@ def _validate_tensor(index: int, spec: tensor_pb2.TensorSpec, names: set[str]) -
             bucket=index,
             tensor=name[:64],
         )
-    continued = spec.HasField("piece") and spec.piece.offset_bytes > 0
     if name in names and not continued:
         raise InvalidArgument(
             "TENSOR_NAME_DUPLICATE", f"tensor {name!r} appears twice in the plan", bucket=index, tensor=name
@@ -256,7 +317,11 @@ def _validate_tensor(index: int, spec: tensor_pb2.TensorSpec, names: set[str]) -
             bucket=index,
             tensor=name,
         )
-    expected = spec.size_bytes if spec.HasField("piece") else _encoded_size(index, spec, numel, itemsize)
+    return itemsize, numel
+
+
+def _finish_tensor(index: int, spec: tensor_pb2.TensorSpec, itemsize: int, expected: int) -> None:
+    name = spec.name
     if spec.size_bytes != expected:
         what = (f"shape {list(spec.shape)} of {itemsize}-byte elements" if not patches.is_patch(spec.encoding) else
                 f"a {tensor_pb2.TensorEncoding.Name(spec.encoding)} patch of {spec.patch_count} elements")

@@ -260,9 +260,16 @@ class Receiver:
         self.update = None
 
     # -- receiving ------------------------------------------------------------------------------
-    def _expected(self, update: ReceiveUpdate, sequence: int, size: int, *, compressed: bool = False) -> wpb.OwnedBucket:
+    def _expected(self, update: ReceiveUpdate, receive: wpb.ReceiveBucketCommand, *,
+                  compressed: bool = False) -> wpb.OwnedBucket:
+        """The owned bucket this receive is for: the next one, of its size. A deferred bucket's places come
+        with the receive (its layout, no larger than the placeholder that sized staging)."""
+        sequence, size = receive.sequence, receive.size_bytes
         owned = update.owned.get(sequence)
         expected = update.order[update.next_index] if update.next_index < len(update.order) else None
+        if owned is not None and receive.HasField("layout"):
+            fits = receive.layout.sequence == sequence and receive.layout.size_bytes <= owned.size_bytes
+            owned = receive.layout if fits else None
         if owned is None or sequence != expected or not (
                 0 < size < owned.size_bytes if compressed else size == owned.size_bytes):
             raise InvalidArgument("BUCKET_NOT_EXPECTED", f"bucket {sequence} of {size} bytes is not the next one "
@@ -289,7 +296,7 @@ class Receiver:
             return None
         compressed = receive.compression != pb.BUCKET_COMPRESSION_UNSPECIFIED
         try:
-            owned = self._expected(update, receive.sequence, receive.size_bytes, compressed=compressed)
+            owned = self._expected(update, receive, compressed=compressed)
             if compressed and device_lane:
                 raise InvalidArgument("BUCKET_COMPRESSION_UNSUPPORTED", f"bucket {receive.sequence}: compressed "
                                       "buckets travel only over a Gloo group", bucket=receive.sequence)
@@ -376,7 +383,7 @@ class Receiver:
             raise FailedPrecondition("INGRESS_MISSING", "this worker has no ingress mapped")
         compressed = receive.compression != pb.BUCKET_COMPRESSION_UNSPECIFIED
         try:
-            owned = self._expected(update, receive.sequence, receive.size_bytes, compressed=compressed)
+            owned = self._expected(update, receive, compressed=compressed)
             sent = receive.size_bytes if compressed else owned.size_bytes  # what travels: the frame, or the bucket
             offset, length = receive.piece_offset_bytes, receive.piece_size_bytes or sent
             start = receive.ingress_offset_bytes

@@ -217,6 +217,7 @@ class Node:
             backends=available_backends_for(self.supervisor.workers),
             transports=self.transports(),
             bucket_compressions=[pb.BUCKET_COMPRESSION_ZSTD],  # every worker decompresses (gpu_worker/frames.py)
+            deferred_buckets=True,
             store_state=store.state,
             current_version=self.publisher.version.to_proto(),
             limits=pb.ServerLimits(

@@ -31,7 +31,14 @@ from weightsync.common.errors import FailedPrecondition, NotFound
 from weightsync.common.layout import align_segment
 from weightsync.common.ownership import bucket_owners
 from weightsync.server.arenas import ArenaTable, HostArena
-from weightsync.server.update_plan import DerivedPlans, StoredTensor, UpdatePlan, derive_update_plan
+from weightsync.server.update_plan import (
+    BucketRoute,
+    DerivedPlans,
+    StoredTensor,
+    UpdatePlan,
+    deferred_route,
+    derive_update_plan,
+)
 from weightsync.v1 import local_pb2, tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
@@ -79,10 +86,26 @@ class StoreUpdate:
     new_arena: int | None = None
     touched: set[int] = field(default_factory=set)
     """Buckets whose bytes may have reached the store (an IN_PLACE abort marks their tensors dirty)."""
+    laid_out: dict[int, BucketRoute] = field(default_factory=dict)
+    """Deferred buckets announced so far: the route of the layout each was announced with."""
 
     @property
     def staged(self) -> bool:
         return self.plan.staged
+
+    def route(self, sequence: int) -> BucketRoute:
+        """Where bucket `sequence` goes: the plan's route, or a deferred bucket's announced layout's."""
+        laid_out = self.laid_out.get(sequence)
+        return laid_out if laid_out is not None else self.plan.routes[sequence]
+
+    @property
+    def routes(self) -> list[BucketRoute]:
+        return [self.route(k) for k in range(len(self.plan.routes))]
+
+    @property
+    def names(self) -> set[str]:
+        """The tensors this update writes."""
+        return set(self.plan.names).union(*(r.overwrites for r in self.laid_out.values()))
 
 
 class NodeStore:
@@ -253,30 +276,8 @@ class NodeStore:
         command = wpb.PrepareUpdateCommand(update_id=update_id, group_id=group_id, staged=update.staged,
                                            largest_bucket_bytes=max((r.size_bytes for r in plan.routes), default=0))
         for sequence, route in enumerate(plan.routes):
-            if update.owners[sequence] != worker:
-                continue
-            owned = command.buckets.add(sequence=sequence, size_bytes=route.size_bytes)
-            if route.receive_into is not None:
-                owned.receive_into.CopyFrom(self._place(update, route.receive_into.segment,
-                                                        route.receive_into.offset_bytes))
-            for copy in route.copies:
-                owned.copies.add(src_offset_bytes=copy.src_offset, size_bytes=copy.size_bytes,
-                                 dst=self._place(update, copy.segment, copy.dst_offset))
-            for check in route.checks:
-                owned.checks.add(name=check.name, offset_bytes=check.offset_bytes, size_bytes=check.size_bytes,
-                                 expected=check.expected)
-            for target in route.patches:
-                stored = self.tensors[target.name]
-                patch = owned.patches.add(
-                    name=target.name, src_offset_bytes=target.src_offset, size_bytes=target.size_bytes,
-                    encoding=target.encoding, count=target.count, expected=target.expected,
-                    live=self._place(update, stored.segment, stored.offset_bytes, writes=False),
-                    destination=self._place(update, stored.segment, stored.offset_bytes),
-                    scatter_at_commit=self.scatters_at_commit(update, target.name),
-                    dtype=dtypes.from_torch(stored.dtype), shape=list(stored.shape))
-                known = self.checksums.get(target.name)
-                if known is not None:
-                    patch.live_checksum = known
+            if update.owners[sequence] == worker:  # a deferred one: a placeholder its layout replaces
+                self._owned(update, sequence, route, command.buckets.add())
         copies = list(plan.copied_to_shadow)
         for segment, owner in zip(copies, bucket_owners([self.segments[i].size_bytes for i in copies],
                                                         update.workers), strict=True):
@@ -285,6 +286,39 @@ class NodeStore:
                 assert s.shadow is not None
                 command.shadow_copies.add(source=s.live.at(0), destination=s.shadow.at(0), size_bytes=s.size_bytes)
         return command
+
+    def lay_out(self, update: StoreUpdate, sequence: int, layout: tensor_pb2.BucketSpec) -> wpb.OwnedBucket:
+        """A deferred bucket is announced with this layout (validated against its candidates): where its
+        bytes go, for its owner. From here on the update writes what it names."""
+        route = deferred_route(layout, self.stores, stored=update.plan.routes[sequence].stored)
+        update.laid_out[sequence] = route
+        return self._owned(update, sequence, route, wpb.OwnedBucket())
+
+    def _owned(self, update: StoreUpdate, sequence: int, route: BucketRoute, owned: wpb.OwnedBucket) -> wpb.OwnedBucket:
+        """Every byte's place in the store, for the owner of bucket `sequence`."""
+        owned.sequence, owned.size_bytes = sequence, route.size_bytes
+        if route.receive_into is not None:
+            owned.receive_into.CopyFrom(self._place(update, route.receive_into.segment,
+                                                    route.receive_into.offset_bytes))
+        for copy in route.copies:
+            owned.copies.add(src_offset_bytes=copy.src_offset, size_bytes=copy.size_bytes,
+                             dst=self._place(update, copy.segment, copy.dst_offset))
+        for check in route.checks:
+            owned.checks.add(name=check.name, offset_bytes=check.offset_bytes, size_bytes=check.size_bytes,
+                             expected=check.expected)
+        for target in route.patches:
+            stored = self.tensors[target.name]
+            patch = owned.patches.add(
+                name=target.name, src_offset_bytes=target.src_offset, size_bytes=target.size_bytes,
+                encoding=target.encoding, count=target.count, expected=target.expected,
+                live=self._place(update, stored.segment, stored.offset_bytes, writes=False),
+                destination=self._place(update, stored.segment, stored.offset_bytes),
+                scatter_at_commit=self.scatters_at_commit(update, target.name),
+                dtype=dtypes.from_torch(stored.dtype), shape=list(stored.shape))
+            known = self.checksums.get(target.name)
+            if known is not None:
+                patch.live_checksum = known
+        return owned
 
     def touched(self, update: StoreUpdate, sequence: int) -> None:
         """Bytes of bucket `sequence` may have reached the store."""
@@ -300,13 +334,14 @@ class NodeStore:
             segment.live, segment.shadow = segment.shadow, segment.live  # type: ignore[assignment]
         for tensor in plan.new_tensors:
             self.tensors[tensor.name] = tensor
-        for name in plan.names:
+        names = update.names
+        for name in names:
             self.checksums.pop(name, None)
             self.written[name] = generation
-        for route in plan.routes:
+        for route in update.routes:
             for target in route.patches:  # proved by every owner's check: the next patch starts from it
                 self.checksums[target.name] = target.expected
-        self.dirty -= plan.names
+        self.dirty -= names
         self.plans.remember(plan, self.layout_version)
         self.update = None
 
@@ -320,7 +355,7 @@ class NodeStore:
         dirtied = set(torn)
         if not update.staged:
             for sequence in update.touched:
-                dirtied.update(update.plan.routes[sequence].overwrites)
+                dirtied.update(update.route(sequence).overwrites)
         dirtied &= set(self.tensors)
         self.dirty |= dirtied
         for name in dirtied:
@@ -334,7 +369,7 @@ class NodeStore:
         return released
 
     def patched_names(self, update: StoreUpdate) -> set[str]:
-        return {t.name for r in update.plan.routes for t in r.patches}
+        return {t.name for r in update.routes for t in r.patches}
 
     def scatters_at_commit(self, update: StoreUpdate, name: str) -> bool:
         """A STAGED patch of a tensor whose segment this update does not shadow writes the live bytes: only

@@ -15,6 +15,9 @@ receives it into the store. Each BucketStart is checked and then, by transport:
     owner at once. It must carry a WS64 checksum (the owner checks its own copy
     of the slot against it). An announcement that reuses a slot before
     BucketApplied freed it is refused.
+A deferred bucket (BucketSpec.deferred) comes with its layout: it is checked against
+the plan's candidates, the node store routes its patches, and its owner gets that
+route with the receive command (it replaces the placeholder the prepare gave).
 A bucket with none of the node's tensors (a `--tensors` subset) has no owner: it is
 announced as usual and counts as applied at once; no bytes follow it on INLINE, the
 trainer sends none over Gloo nor writes its SHM slot, and over NCCL every worker
@@ -34,6 +37,7 @@ from typing import Protocol
 from weightsync.common.collective import tail_length
 from weightsync.common.errors import DeadlineExceeded, InvalidArgument, WeightSyncError
 from weightsync.common.logging import get_logger
+from weightsync.common.plan_validation import validate_layout
 from weightsync.server.fleet import FleetWorker, WorkerFleet
 from weightsync.server.ingress import Ingress
 from weightsync.server.wire import ChunkView
@@ -99,6 +103,8 @@ class _Filling:
     checksum: tensor_pb2.Checksum
     compression: int = pb.BUCKET_COMPRESSION_UNSPECIFIED
     """ZSTD: size_bytes is the frame's, which the owner gathers whole before it decompresses."""
+    layout: wpb.OwnedBucket | None = None
+    """A deferred bucket: where its owner puts it (sent with each piece)."""
     received: int = 0
     piece_start: int = 0
     """Where the piece now filling its slot starts in the bucket."""
@@ -137,6 +143,9 @@ class IntakeSession(Protocol):
 
     def stored_here(self, sequence: int) -> bool:
         """Bucket `sequence` holds some of this node's tensors (see the module docstring)."""
+
+    def lay_out(self, sequence: int, layout: tensor_pb2.BucketSpec) -> wpb.OwnedBucket:
+        """Deferred bucket `sequence` is announced with this (valid) layout: its owner's part."""
 
     def fail(self, error: WeightSyncError) -> None: ...
 
@@ -216,7 +225,19 @@ class BucketIntake:
         if sequence != announced:
             return InvalidArgument("BUCKET_OUT_OF_ORDER", f"bucket {sequence} announced, expected {announced}",
                                    bucket=sequence, expected=announced)
-        planned = self.session.plan.buckets[sequence].size_bytes
+        bucket = self.session.plan.buckets[sequence]
+        if bucket.deferred and not start.HasField("layout"):
+            return InvalidArgument("BUCKET_LAYOUT_MISSING", f"bucket {sequence} is deferred: announce it with its "
+                                   "layout", bucket=sequence)
+        if start.HasField("layout") and not bucket.deferred:
+            return InvalidArgument("BUCKET_LAYOUT_UNEXPECTED", f"bucket {sequence} is laid out by the plan: announce "
+                                   "it without a layout", bucket=sequence)
+        if bucket.deferred:
+            try:
+                validate_layout(sequence, bucket, start.layout)
+            except InvalidArgument as error:
+                return error
+        planned = bucket_size(self.session.plan, start)
         if start.compression != pb.BUCKET_COMPRESSION_UNSPECIFIED:
             return self._check_compressed(start, planned)
         if start.size_bytes and start.size_bytes != planned:
@@ -284,14 +305,15 @@ class BucketIntake:
                 self._refuse(refusal)
         if self.session.failure is None:
             self.announced += 1
-            size = self.session.plan.buckets[start.sequence].size_bytes
+            size = bucket_size(self.session.plan, start)
+            layout = self.session.lay_out(start.sequence, start.layout) if start.HasField("layout") else None
             if self.transport == pb.TRANSPORT_INLINE and not self.session.stored_here(start.sequence):
                 await self.session.inbox.put(self.forward(start.sequence, start.checksum, discard=False, size=size))
                 return  # no chunks follow: there is nothing here to receive them into
             if self.transport == pb.TRANSPORT_INLINE:
                 compressed = start.compression != pb.BUCKET_COMPRESSION_UNSPECIFIED
                 self.filling = _Filling(start.sequence, start.size_bytes if compressed else size, start.checksum,
-                                        start.compression)
+                                        start.compression, layout=layout)
                 await self._claim_slot()
                 if size == 0:
                     self._forward_piece(last=True)
@@ -301,7 +323,7 @@ class BucketIntake:
             compression = start.compression
             await self.session.inbox.put(self.forward(
                 start.sequence, start.checksum, discard=False, size=start.size_bytes if compression else size,
-                tail=start.tail, compression=compression,
+                tail=start.tail, compression=compression, layout=layout,
                 ingress_offset=self.ingress.slot_offset(start.sequence) if shm and self.ingress else None))
             if shm:
                 self.pieces_sent += 1
@@ -331,7 +353,7 @@ class BucketIntake:
         if not length:
             if not 0 <= start.sequence < len(self.session.plan.buckets):
                 return None
-            length = self.session.plan.buckets[start.sequence].size_bytes
+            length = bucket_size(self.session.plan, start)
         # Draining costs a scratch buffer of that length on every worker: no more than the plan's largest bucket.
         return length if length <= max(b.size_bytes for b in self.session.plan.buckets) else None
 
@@ -396,7 +418,7 @@ class BucketIntake:
         piece = self.forward(filling.sequence, filling.checksum, discard=False, size=filling.size_bytes,
                              ingress_offset=self.ingress.slot_offset(self.pieces_sent),
                              piece_offset=filling.piece_start, piece_size=filling.received - filling.piece_start,
-                             last=last, compression=filling.compression)
+                             last=last, compression=filling.compression, layout=filling.layout)
         self.pieces_sent += 1
         self.session.inbox.put_nowait(piece)
         filling.piece_start = filling.received
@@ -416,7 +438,8 @@ class BucketIntake:
     # -- forwarding ----------------------------------------------------------------------
     def forward(self, sequence: int, checksum: tensor_pb2.Checksum, *, discard: bool, size: int,
                 ingress_offset: int | None = None, piece_offset: int = 0, piece_size: int = 0,
-                last: bool = True, tail: bytes = b"", compression: int = pb.BUCKET_COMPRESSION_UNSPECIFIED) -> Bucket:
+                last: bool = True, tail: bytes = b"", compression: int = pb.BUCKET_COMPRESSION_UNSPECIFIED,
+                layout: wpb.OwnedBucket | None = None) -> Bucket:
         """Bucket `sequence` is received now: its owner joins the transfer that follows (NCCL: every other
         worker joins it too and drops the bytes), or copies the bucket (or one piece of it) from the ingress
         at `ingress_offset`. A worker that cannot take the command (it died) answers with its error; the
@@ -435,7 +458,12 @@ class BucketIntake:
         receives = []
         for worker in self.fleet.workers:
             if worker.index == owner:
-                receives.append((worker, self.fleet.submit_or_refusal(worker, receive_bucket=command)))
+                owned = command
+                if layout is not None and not discard:
+                    owned = wpb.ReceiveBucketCommand()
+                    owned.CopyFrom(command)
+                    owned.layout.CopyFrom(layout)
+                receives.append((worker, self.fleet.submit_or_refusal(worker, receive_bucket=owned)))
             elif self.session.broadcast_to_all and ingress_offset is None:
                 dropped = wpb.ReceiveBucketCommand()
                 dropped.CopyFrom(command)
@@ -450,3 +478,10 @@ class BucketIntake:
         """The buckets forwarded to this worker to receive into the store (not to drop)."""
         return sorted({b.sequence for b in self.pending if not b.discard
                        and any(w.index == worker_index for w, _ in b.receives)})
+
+
+def bucket_size(plan: tensor_pb2.WeightPlan, start: pb.BucketStart) -> int:
+    """The length of an announced bucket: its layout's for a deferred one, the plan's otherwise."""
+    if start.HasField("layout"):
+        return start.layout.size_bytes
+    return plan.buckets[start.sequence].size_bytes

@@ -11,7 +11,10 @@ decides, for each bucket, where its bytes go:
   - into the staging buffer, then one copy per tensor (the general path);
   - nowhere, when the node stores none of its tensors (a server started with
     `--tensors REGEX` holds a subset): the bucket has no owner on this node. A
-    bucket with some of the node's tensors takes the general path for those.
+    bucket with some of the node's tensors takes the general path for those;
+  - into staging, for a deferred bucket (BucketSpec.deferred): its candidates are
+    checked against the store now, and its patches routed once its layout is
+    announced (deferred_route), before its bytes move.
 STAGED: a shadowed segment this update does not rewrite whole starts as a copy
 of its live bytes.
 
@@ -107,6 +110,8 @@ class BucketRoute:
     """Tensors of this bucket sent as patches: never copied whole, never shadowed."""
     stored: bool = True
     """False: none of the bucket's tensors belongs to this node's subset; nobody receives it here."""
+    deferred: bool = False
+    """A deferred bucket: size_bytes bounds its layout; its patches come with it (deferred_route)."""
 
     @property
     def direct(self) -> bool:
@@ -236,6 +241,9 @@ class _Derivation:
         if bucket.tensors and not specs:
             self.routes.append(_not_stored(bucket))
             return
+        if bucket.deferred:
+            self.routes.append(self._deferred(index, bucket, specs))
+            return
         for spec in specs:
             self.names.add(spec.name)
         checks = _checks(specs)
@@ -275,6 +283,18 @@ class _Derivation:
                 _check_against_store(index, spec, stored)
                 existing.append(spec.name)
         return existing, patched
+
+    def _deferred(self, index: int, bucket: tensor_pb2.BucketSpec, specs: list[tensor_pb2.TensorSpec]) -> BucketRoute:
+        """Candidates are tensors of the store (a patch has a base); what the bucket writes, and which of
+        its tensors, is known once its layout is announced."""
+        for spec in specs:
+            stored = self.tensors.get(spec.name)
+            if stored is None:
+                raise InvalidArgument("TENSOR_UNKNOWN", f"tensor {spec.name!r} is a candidate patch but is not in "
+                                      "the store: send it dense", bucket=index, tensor=spec.name)
+            _check_against_store(index, spec, stored)
+        self.staging = max(self.staging, bucket.size_bytes)
+        return BucketRoute(bucket.size_bytes, None, (), (), (), deferred=True)
 
     def _require_new_allowed(self, index: int, spec: tensor_pb2.TensorSpec) -> None:
         if not self.allow_new:
@@ -337,6 +357,17 @@ class _Derivation:
             staging_bytes=self.staging,
             names=frozenset(self.names),
         )
+
+
+def deferred_route(layout: tensor_pb2.BucketSpec, stores: Callable[[str], bool] = stores_everything, *,
+                   stored: bool = True) -> BucketRoute:
+    """Where a deferred bucket's announced layout goes (validate_layout checked it against its
+    candidates, which the store holds): its patches of this node's tensors, from staging. `stored`:
+    as the plan's route (False: none of its candidates is this node's, nobody receives it)."""
+    patched = tuple(PatchTarget(s.name, s.offset_bytes, s.size_bytes, s.encoding, s.patch_count, s.checksum.value)
+                    for s in layout.tensors if stores(s.name))
+    return BucketRoute(layout.size_bytes, None, (), (), tuple(p.name for p in patched), patched, stored=stored,
+                       deferred=True)
 
 
 def derive_update_plan(

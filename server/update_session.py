@@ -171,6 +171,10 @@ class UpdateSession:
         if self.store_update is not None:
             self.services.store.touched(self.store_update, sequence)
 
+    def lay_out(self, sequence: int, layout: tensor_pb2.BucketSpec) -> wpb.OwnedBucket:
+        assert self.store_update is not None
+        return self.services.store.lay_out(self.store_update, sequence, layout)
+
     # -- driver ------------------------------------------------------------------
     async def run(self, requests: AsyncIterator[pb.UpdateWeightsRequest]) -> AsyncIterator[pb.UpdateWeightsResponse]:
         reader: asyncio.Task[None] | None = None
@@ -320,7 +324,7 @@ class UpdateSession:
         if not bucket.last:
             return None
         self.applied += 1
-        size = self.plan.buckets[bucket.sequence].size_bytes
+        size = self.store_update.route(bucket.sequence).size_bytes if self.store_update else 0  # a deferred one's layout
         if self.stored_here(bucket.sequence):
             self.applied_bytes += size  # what the node received (UpdateCommitted.size_bytes)
         return pb.UpdateWeightsResponse(bucket_applied=pb.BucketApplied(sequence=bucket.sequence, size_bytes=size))

@@ -95,12 +95,14 @@ class TensorPiece(_message.Message):
     def __init__(self, offset_bytes: _Optional[int] = ...) -> None: ...
 
 class BucketSpec(_message.Message):
-    __slots__ = ("size_bytes", "tensors")
+    __slots__ = ("size_bytes", "tensors", "deferred")
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
     size_bytes: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    deferred: bool
+    def __init__(self, size_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., deferred: _Optional[bool] = ...) -> None: ...
 
 class WeightPlan(_message.Message):
     __slots__ = ("buckets",)

@@ -201,7 +201,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("server_version", "workers", "backends", "transports", "store_state", "current_version", "limits", "draining", "engines", "local_socket", "store", "bucket_compressions")
+    __slots__ = ("server_version", "workers", "backends", "transports", "store_state", "current_version", "limits", "draining", "engines", "local_socket", "store", "bucket_compressions", "deferred_buckets")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class GetServerInfoResponse(_message.Message):
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     BUCKET_COMPRESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     backends: _containers.RepeatedScalarFieldContainer[Backend]
@@ -226,7 +227,8 @@ class GetServerInfoResponse(_message.Message):
     local_socket: str
     store: StoreInfo
     bucket_compressions: _containers.RepeatedScalarFieldContainer[BucketCompression]
-    def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., local_socket: _Optional[str] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ..., bucket_compressions: _Optional[_Iterable[_Union[BucketCompression, str]]] = ...) -> None: ...
+    deferred_buckets: bool
+    def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., local_socket: _Optional[str] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ..., bucket_compressions: _Optional[_Iterable[_Union[BucketCompression, str]]] = ..., deferred_buckets: _Optional[bool] = ...) -> None: ...
 
 class TransferGroup(_message.Message):
     __slots__ = ("group_id", "world_size", "rank_offset", "backend", "state", "timeout", "broken_reason")
@@ -313,18 +315,20 @@ class BeginUpdate(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., version: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., plan_id: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., allow_new_tensors: _Optional[bool] = ..., base_generation: _Optional[int] = ..., base_store_epoch: _Optional[int] = ...) -> None: ...
 
 class BucketStart(_message.Message):
-    __slots__ = ("sequence", "checksum", "size_bytes", "tail", "compression")
+    __slots__ = ("sequence", "checksum", "size_bytes", "tail", "compression", "layout")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     checksum: _tensor_pb2.Checksum
     size_bytes: int
     tail: bytes
     compression: BucketCompression
-    def __init__(self, sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., size_bytes: _Optional[int] = ..., tail: _Optional[bytes] = ..., compression: _Optional[_Union[BucketCompression, str]] = ...) -> None: ...
+    layout: _tensor_pb2.BucketSpec
+    def __init__(self, sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., size_bytes: _Optional[int] = ..., tail: _Optional[bytes] = ..., compression: _Optional[_Union[BucketCompression, str]] = ..., layout: _Optional[_Union[_tensor_pb2.BucketSpec, _Mapping]] = ...) -> None: ...
 
 class BucketChunk(_message.Message):
     __slots__ = ("sequence", "offset_bytes", "data")

@@ -118,6 +118,11 @@ class DeltaChoice:
     patches: dict[str, TensorPatch] = field(default_factory=dict)
     unchanged: set[str] = field(default_factory=set)
     """Bit for bit what the base holds: not sent at all (their generation on the node stays)."""
+    deferred: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    """Kept host tensors whose samples predict a patch, compared only while the push's first
+    buckets travel (client/deferred.py): (name, the new tensor, contiguous), in push order."""
+    patch_below: dict[str, float] = field(default_factory=dict)
+    """Per deferred tensor, its Worth.patch_below (what its deferred bucket makes room for)."""
 
     def keep_patches_within(self, bucket_size_bytes: int) -> None:
         """A patch larger than a bucket goes dense (split into pieces): a patch is never split."""
@@ -125,9 +130,10 @@ class DeltaChoice:
             del self.patches[name]
 
     def sent_bytes(self, items: list[tuple[str, torch.Tensor]]) -> int:
-        """What this choice moves: the patches, and the changed tensors whole."""
+        """What this choice moves: the patches, and the changed tensors whole (the deferred ones, whose
+        samples predict small patches, are not counted)."""
         return sum(self.patches[n].data.numel() if n in self.patches else t.numel() * t.element_size()
-                   for n, t in items if n not in self.unchanged)
+                   for n, t in items if n not in self.unchanged and n not in self.patch_below)
 
 
 def _layout(named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
@@ -223,10 +229,13 @@ class DeltaBase:
         self._settle()
         return bool(self.tensors or self.samples) and _layout(named) == self.layout
 
-    def choose(self, named: list[tuple[str, torch.Tensor]], *, auto: bool = True) -> DeltaChoice:
+    def choose(self, named: list[tuple[str, torch.Tensor]], *, auto: bool = True, defer: bool = False) -> DeltaChoice:
         """Per tensor, unchanged, patch or dense: where the patch pays (auto) or wherever it is
         smaller than the tensor. Auto samples every tensor first: when the samples already say
-        the update goes dense (AUTO_DENSE_ABOVE), no tensor is compared in full."""
+        the update goes dense (AUTO_DENSE_ABOVE), no tensor is compared in full. defer: the kept
+        host tensors worth comparing (but the smallest) are not compared here but listed in
+        DeltaChoice.deferred, for compare_deferred while the push's bytes move; the copy of each is
+        then the new tensor's as soon as that comparison ran."""
         self._settle()
         choice = DeltaChoice()
         self._sampled, self._rekeep, self._advanced = {}, {}, set()
@@ -249,9 +258,14 @@ class DeltaBase:
             # The comparison writes the new bits into the copy: from here on it is no server's base
             # (the caller holds the bases this push's patches apply to) until committed() claims them.
             self.generations = {}
-        host_patches = self._host_patches(on_host, worths)
+        if defer:
+            choice.deferred = [(n, t) for n, t in on_host if t.numel() >= MIN_PATCH_ELEMENTS]
+            choice.patch_below = {n: worths[n].patch_below for n, _ in choice.deferred}
+            self._advanced.update(choice.patch_below)  # the refresh leaves them to compare_deferred
+            on_host = [(n, t) for n, t in on_host if n not in choice.patch_below]
+        host_patches = self._host_patches(on_host, {n: self._limit(n, t, worths[n]) for n, t in on_host})
         for name, tensor in named:
-            if not compare[name]:
+            if not compare[name] or name in choice.patch_below:
                 continue
             if name not in self.tensors:
                 # Only its sample was kept, and it says clearly sparse again (REKEEP_BELOW): dense this
@@ -269,7 +283,7 @@ class DeltaBase:
         if auto:
             for name, _ in named:
                 if name in self.tensors:
-                    sparse = name in choice.patches or name in choice.unchanged
+                    sparse = name in choice.patches or name in choice.unchanged or name in choice.patch_below
                     self.dense_runs[name] = 0 if sparse else self.dense_runs.get(name, 0) + 1
                 elif not compare[name]:
                     self.dense_runs[name] = self.dense_runs.get(name, 0) + 1
@@ -339,20 +353,30 @@ class DeltaBase:
             checksum = ws64_after_patch(kept, base, DecodedPatch(positions, changes.values))
         return TensorPatch(data, chosen.encoding, positions.numel(), checksum, positions)
 
-    def _host_patches(self, named: list[tuple[str, torch.Tensor]],
-                      worths: dict[str, Worth]) -> dict[str, TensorPatch | Literal["unchanged"] | None]:
+    @staticmethod
+    def _limit(name: str, tensor: torch.Tensor, worth: Worth) -> int | None:
+        """The most bytes its patch may take to be sent (None: too small to be worth one; compared only
+        to leave it out when unchanged)."""
+        numel, itemsize = tensor.numel(), tensor.element_size()
+        return None if numel < MIN_PATCH_ELEMENTS else int(worth.patch_below * numel * itemsize)
+
+    def compare_deferred(self, named: list[tuple[str, torch.Tensor]],
+                         threads: int = 0) -> dict[str, TensorPatch | Literal["unchanged"] | None]:
+        """Compare tensors choose(defer=True) listed, on `threads` threads (0: torch's): a patch wherever one
+        is not larger than the tensor (None: larger), the copy brought up to date as by choose. Safe beside
+        the copy's refresh thread: that one leaves these tensors alone."""
+        return self._host_patches(named, {n: t.numel() * t.element_size() for n, t in named}, threads)
+
+    def _host_patches(self, named: list[tuple[str, torch.Tensor]], limits: dict[str, int | None],
+                      threads: int = 0) -> dict[str, TensorPatch | Literal["unchanged"] | None]:
         """PATCH_XOR from the compiled compare, for every kept host tensor at once: one pass over
         both copies each, the tensors shared out whole between the threads (compare_many), no bytes
         written for a patch that would be over worth.patch_below (or a tensor too small to be worth
         one: compared only to leave it out when unchanged). The same pass brings the copy of each
         up to date (advance_base): every one of them is then the pushed tensor, bit for bit, with
-        its WS64 where it was known or a patch needs it."""
-        limits = {}
-        for name, new in named:
-            numel, itemsize = new.numel(), new.element_size()
-            limits[name] = None if numel < MIN_PATCH_ELEMENTS else int(worths[name].patch_below * numel * itemsize)
+        its WS64 where it was known or a patch needs it. limits: see _limit."""
         found = patch_kernels.compare_many([(self.tensors[name], new, limits[name]) for name, new in named],
-                                           torch.get_num_threads(), advance_base=True)
+                                           threads or torch.get_num_threads(), advance_base=True)
         patches: dict[str, TensorPatch | Literal["unchanged"] | None] = {}
         for (name, _), patch in zip(named, found, strict=True):
             self._advanced.add(name)

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from weightsync.client.errors import DuplicateTensor, PlanMismatch
+
+if TYPE_CHECKING:
+    from weightsync.client.deferred import DeferredCompare
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.planning import PlannedBucket, check_tensors
 from weightsync.client.read_order import BufferFence, CudaEvents, Events, devices_of, read_order
@@ -63,9 +67,10 @@ class PackBuffers:
             self.views.clear()
             self.views_plan = plan_id
 
-    def destinations(self, index: int, spec: tensor_pb2.BucketSpec) -> list[torch.Tensor]:
-        """Where each non-empty tensor of bucket `index` goes in its pack buffer."""
-        views = self.views.get(index)
+    def destinations(self, index: int, spec: tensor_pb2.BucketSpec, *, cached: bool = True) -> list[torch.Tensor]:
+        """Where each non-empty tensor of bucket `index` goes in its pack buffer (cached per plan and index,
+        unless not `cached`)."""
+        views = self.views.get(index) if cached else None
         if views is None:
             buffer = self.slots[index % len(self.slots)]
             views = [
@@ -74,14 +79,15 @@ class PackBuffers:
                 for t in spec.tensors
                 if t.size_bytes
             ]
-            self.views[index] = views
+            if cached:
+                self.views[index] = views
         return views
 
 
 class Payload:
     """One bucket's bytes. Read them only through `read()`: copies into them may still be running."""
 
-    __slots__ = ("_bytes", "_fence", "packed", "source_devices")
+    __slots__ = ("_bytes", "_fence", "layout", "packed", "source_devices")
 
     def __init__(self, data: torch.Tensor, *, packed: bool, source_devices: frozenset[torch.device],
                  fence: BufferFence | None = None) -> None:
@@ -91,6 +97,8 @@ class Payload:
         """False: the caller's own memory, sent as it is (zero copy)."""
         self.source_devices = source_devices
         """Where the bytes came from (their own device when not packed)."""
+        self.layout: tensor_pb2.BucketSpec | None = None
+        """A deferred bucket's layout, announced with it (BucketStart.layout)."""
 
     @classmethod
     def own_memory(cls, data: torch.Tensor) -> Payload:
@@ -118,9 +126,12 @@ class TensorSource:
     # that follow them in the input are sent; more than this is a mismatch.
     MAX_STASHED = 100_000
 
-    def __init__(self, mapping: dict[str, torch.Tensor] | None, iterator: Iterator[tuple[str, torch.Tensor]] | None):
+    def __init__(self, mapping: dict[str, torch.Tensor] | None, iterator: Iterator[tuple[str, torch.Tensor]] | None,
+                 *, deferred: tuple[DeferredCompare, int] | None = None):
         self._mapping = mapping
         self._iterator = iterator
+        self._deferred = deferred
+        """The comparison that lays out the deferred buckets, and the plan index of the first."""
         self._stash: dict[str, torch.Tensor] = {}
         self._pulled: set[str] = set()
         self._split: tuple[str, torch.Tensor] | None = None
@@ -137,6 +148,18 @@ class TensorSource:
         if start + spec.size_bytes >= whole.numel():
             self._split = None  # the last piece: nothing of the tensor is held past it
         return whole[start : start + spec.size_bytes]
+
+    def laid_out(self, index: int, bucket: PlannedBucket) -> PlannedBucket:
+        """Bucket `index` as it is sent: a deferred one waits for its comparison (client/deferred.py) and is
+        its layout, whose patches this source then hands out; any other is the plan's."""
+        if not bucket.spec.deferred:
+            return bucket
+        assert self._deferred is not None and self._mapping is not None
+        compare, first = self._deferred
+        layout = compare.layout(index - first)
+        for name, patch in layout.patches.items():
+            self._mapping[name] = patch.data
+        return PlannedBucket(layout.spec, None, laid_out=True)
 
     def put_back(self, name: str, tensor: torch.Tensor) -> None:
         if self._mapping is None:
@@ -209,7 +232,8 @@ def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source:
         tensor = source.take(spec)  # streamed empty tensors are consumed (and checked) too
         if spec.size_bytes:
             sources.append(tensor.detach())
-    destinations = buffers.destinations(index, bucket.spec)
+    # A deferred bucket's layout is this push's own: its views are never the cached ones.
+    destinations = buffers.destinations(index, bucket.spec, cached=not bucket.laid_out)
     with torch.no_grad(), one_intra_op_thread():
         if all(t.device == buffer.device for t in sources):
             torch._foreach_copy_(destinations, sources)  # one call for the whole bucket

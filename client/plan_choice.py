@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync.client.deferred import DeferredCompare
 from weightsync.client.delta import DeltaChoice
 from weightsync.client.packing import TensorSource
 from weightsync.client.plan_cache import CachedPlan, PlanCache, fingerprint
@@ -63,7 +64,8 @@ MIN_PATCH_BUCKET_BYTES = 256 << 10
 
 
 def patched_plan(items: list[tuple[str, torch.Tensor]], delta: DeltaChoice, *, bucket_size_bytes: int,
-                 zero_copy_min_bytes: int, patch_buckets: int = 1) -> PlanChoice:
+                 zero_copy_min_bytes: int, patch_buckets: int = 1,
+                 deferred: DeferredCompare | None = None) -> PlanChoice:
     """The plan of a push that sends patches: unchanged tensors left out, each patch as its bytes
     (tensor.proto, TensorEncoding) under its tensor's name, dtype and shape. Never cached: its
     counts and checksums are this step's.
@@ -73,14 +75,23 @@ def patched_plan(items: list[tuple[str, torch.Tensor]], delta: DeltaChoice, *, b
     (MIN_PATCH_BUCKET_BYTES; a patch is never split): the owners are balanced by bytes
     (common/ownership.py), so with one bucket per worker every worker of a node checks and
     applies its share at once. At 1% changed a model's patches fit one bucket many times over,
-    and one worker applied all of them while the others waited."""
-    whole = [(name, tensor) for name, tensor in items if name not in delta.unchanged and name not in delta.patches]
+    and one worker applied all of them while the others waited.
+
+    `deferred`: the tensors DeltaChoice.deferred lists go last, in its deferred buckets, each
+    laid out once compared (client/deferred.py; the source hands out their layouts)."""
+    later = {name for group in deferred.groups for name in group.names} if deferred is not None else set()
+    whole = [(name, tensor) for name, tensor in items
+             if name not in delta.unchanged and name not in delta.patches and name not in later]
     patches = [(name, delta.patches[name].data) for name, _ in items if name in delta.patches]
     patch_bytes = sum(data.numel() for _, data in patches)
     largest = max((data.numel() for _, data in patches), default=0)
     share = max(-(-patch_bytes // max(1, patch_buckets)), largest, MIN_PATCH_BUCKET_BYTES)
     planned = (build_plan(whole, bucket_size_bytes, zero_copy_min_bytes) if whole else []) + (
         build_plan(patches, min(bucket_size_bytes, share), zero_copy_min_bytes) if patches else [])
+    first_deferred = len(planned)
+    if deferred is not None:
+        shapes = dict(items)
+        planned += [PlannedBucket(group.spec(shapes), None) for group in deferred.groups]
     sent = whole + patches
     originals = dict(items)
     for bucket in planned:
@@ -96,4 +107,5 @@ def patched_plan(items: list[tuple[str, torch.Tensor]], delta: DeltaChoice, *, b
             spec.patch_count = patch.count
             spec.checksum.CopyFrom(to_proto(patch.checksum))
     plan = plan_proto(planned)
-    return PlanChoice(CachedPlan.of(planned, (), plan, plan_id_of(plan)), planned, TensorSource(dict(sent), None))
+    source = TensorSource(dict(sent), None, deferred=(deferred, first_deferred) if deferred is not None else None)
+    return PlanChoice(CachedPlan.of(planned, (), plan, plan_id_of(plan)), planned, source)

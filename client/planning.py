@@ -36,6 +36,8 @@ class PlannedBucket:
     spec: tensor_pb2.BucketSpec
     flat_source: torch.Tensor | None
     """uint8 view of the storage bytes to broadcast as-is (flat buckets)."""
+    laid_out: bool = False
+    """A deferred bucket's layout for this push (TensorSource.laid_out), not a bucket of the plan."""
 
 
 def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,8 @@ class PushRun:
     zero_copy_buckets: int = 0
     wire_seconds: float = 0.0
     """How long the caller waited on the transport (sending, and the transfers in flight)."""
+    sent_bytes: int = 0
+    """The buckets' bytes sent (a deferred bucket's layout, not its room in the plan)."""
 
     @property
     def total_bytes(self) -> int:
@@ -117,11 +119,13 @@ class PushRun:
     def _send_buckets(self, streams: list[UpdateStream]) -> BaseException | None:
         """Place and send every bucket; returns the first failure. Nothing raised past here
         leaves bytes in flight: the sink completes them on every exit."""
-        sent = 0
         try:
-            for index, bucket in enumerate(self.planned):
+            for index, planned in enumerate(self.planned):
+                # A deferred bucket waits for its comparison here, while bucket k-1 is still on the wire.
+                bucket = self.source.laid_out(index, planned)
                 # COLLECTIVE packs bucket k while bucket k-1 is still on the wire (see sinks.py).
                 payload = self.sink.fill(index, bucket, self.source, streams)
+                payload.layout = bucket.spec if bucket.laid_out else None
                 self.zero_copy_buckets += not payload.packed
                 checksum = tensor_pb2.Checksum()
                 if wants_checksum(self.checksums, payload.source_devices, payload.device):
@@ -131,8 +135,8 @@ class PushRun:
                 failure = first_failure(streams) or self._timed(self.sink.send, index, payload, checksum, streams)
                 if failure is not None:
                     return failure
-                sent += bucket.spec.size_bytes
-                self._report(index, sent)
+                self.sent_bytes += bucket.spec.size_bytes
+                self._report(index, self.sent_bytes)
             failure = self._timed(self.sink.finish)
             if failure is not None:
                 return failure

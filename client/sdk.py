@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 import sys
 import threading
 import time
@@ -31,14 +30,14 @@ import torch
 from weightsync.client import transfer_group
 from weightsync.client._loop import LoopThread
 from weightsync.client.compression import worth_compressing
-from weightsync.client.delta import Delta, DeltaBase, DeltaChoice
-from weightsync.client.delta_policy import auto_dense_above
-from weightsync.client.errors import UpdateFailed, WeightSyncClientError
+from weightsync.client.delta import Delta, DeltaBase
+from weightsync.client.errors import WeightSyncClientError
 from weightsync.client.ingress import IngressLease, open_ingress
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.packing import PackBuffers, is_zero_copy
+from weightsync.client.patched_push import plan_patches, send_patches
 from weightsync.client.plan_cache import PlanCache
-from weightsync.client.plan_choice import PlanChoice, choose_plan, patched_plan
+from weightsync.client.plan_choice import PlanChoice, choose_plan
 from weightsync.client.planning import DEFAULT_ZERO_COPY_MIN_BYTES, check_tensors
 from weightsync.client.push import PushRun
 from weightsync.client.servers import Server, ServerSet
@@ -271,36 +270,18 @@ class WeightSyncClient:
         if frames is not None:
             frames.enabled = items is not None and compress is not False and self._compressing(compress)
         runs: list[tuple[PlanChoice, PushRun, list[ServerOutcome]]] = []
-        patched = self._patched_plan(items, delta, collective=group is not None, **sizes) if items is not None else None
-        delta_choice, targets = (patched[1], patched[2]) if patched is not None else (None, [])
-        while patched is not None and targets:
-            choice, _, _, bases = patched
-            # Once no server refused the base, the copy takes the rest of the patches while they move
-            # and the servers check and apply them (it claims no generation until committed(); a
-            # failure from here on makes the next push dense).
-            taking: list[bool] = []
-
-            def begun(items=items, delta_choice=delta_choice, taking=taking) -> None:
-                taking.append(True)
-                self._delta.take_in_background(items, delta_choice)
+        delta_choice, targets = None, []
+        patched = plan_patches(self._delta, items, delta, servers=self._servers.servers, infos=self._infos_by_address(),
+                               collective=group is not None, **sizes) if items is not None else None
+        if patched is not None:
+            def push_once(servers, bases, begun, patched=patched):
+                return self._push_once(group, sink, patched.choice, servers=servers, bases=bases, begun=begun, **common)
 
             try:
-                runs.append((choice, *self._push_once(group, sink, choice, servers=targets, bases=bases,
-                                                      begun=begun, **common)))
-                break
-            except UpdateFailed as error:
-                if error.reason != "BASE_MISMATCH":
-                    raise
-                # Refused at Begin, before any byte moved, everywhere: that server gets it dense, the
-                # others the same patches (the comparison is not run again: the copy holds the new
-                # tensors already). COLLECTIVE sends one plan to the whole group: all of it dense.
-                # (Only Begin refuses a base, so the copy has taken nothing from the servers' answers.)
-                log.info("base_mismatch_sending_dense", server=error.server)
-                self._delta.forget(error.server)
-                refused = group is not None or bool(taking)
-                targets = [] if refused else [s for s in targets if s.address != error.server]
-        if not targets:
-            delta_choice = None
+                runs, targets = send_patches(patched, self._delta, items, push_once, collective=group is not None)
+            finally:
+                patched.stop()
+            delta_choice = patched.delta if targets else None
         rest = [s for s in self._servers.servers if s not in targets]
         if rest:
             dense = choose_plan(dict(items) if items is not None else named_tensors, self._plans,
@@ -329,39 +310,8 @@ class WeightSyncClient:
             return False
         return all(pb.BUCKET_COMPRESSION_ZSTD in info.bucket_compressions for info in self._server_limits())
 
-    def _patched_plan(self, items: list[tuple[str, torch.Tensor]], delta: Delta, *, collective: bool,
-                      bucket_size_bytes: int, zero_copy_min_bytes: int,
-                      ) -> tuple[PlanChoice, DeltaChoice, list[Server], dict[str, StoreGeneration]] | None:
-        """The patched plan, the servers that hold this client's last commit and the generation each
-        holds it at; None: all dense. COLLECTIVE sends one plan to the whole group: patches only if
-        every server can take them."""
-        targets = [s for s in self._servers.servers if s.address in self._delta.generations]
-        if not targets or (collective and len(targets) != len(self._servers.servers)):
-            return None
-        if not self._delta.same_layout(items):
-            return None
-        bases = {s.address: self._delta.generations[s.address] for s in targets}  # choose() may advance the copy
-        choice = self._delta.choose(items, auto=delta == "auto")
-        choice.keep_patches_within(bucket_size_bytes)
-        if not choice.patches and (not choice.unchanged or len(choice.unchanged) == len(items)):
-            # Every tensor changed too much, or nothing changed at all: the plain dense push, whose
-            # plan may be reused (a version re-pushed as it is).
-            return None
-        dense_above = auto_dense_above(self._delta.dense_bytes_per_second)
-        if delta == "auto" and choice.sent_bytes(items) > dense_above * _dense_bytes(items):
-            self._delta.went_dense(items)
-            return None  # patches would not pay
-        plan = patched_plan(items, choice, bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes,
-                            patch_buckets=self._workers_per_node(targets))
-        return plan, choice, targets, bases
-
-    def _workers_per_node(self, servers: list[Server]) -> int:
-        """How many buckets give every worker of every one of these servers an equal share: the least
-        common multiple of their worker counts (their largest, past MAX_PATCH_BUCKETS)."""
-        infos = dict(zip(self._servers.addresses, self._server_limits(), strict=True))
-        counts = {max(1, len(infos[s.address].workers)) for s in servers}
-        common = math.lcm(*counts)
-        return common if common <= MAX_PATCH_BUCKETS else max(counts)
+    def _infos_by_address(self) -> dict[str, pb.GetServerInfoResponse]:
+        return dict(zip(self._servers.addresses, self._server_limits(), strict=True))
 
     def _push_once(self, group: TransferGroup | None, sink: Sink, choice: PlanChoice, *, servers: list[Server],
                    show_progress: bool | None, bases: dict[str, StoreGeneration] | None = None,
@@ -510,10 +460,6 @@ class WeightSyncClient:
             log.warning("close_failed", error=str(error))  # the error already in flight matters more
 
 
-MAX_PATCH_BUCKETS = 16
-"""Patches are cut into at most this many buckets to share them out among a node's workers."""
-
-
 def _broke_the_group(error: BaseException) -> bool:
     """Whether a failed push broke its transfer group (a broadcast failed or timed out, on any rank)."""
     return getattr(error, "reason", "") in ("COLLECTIVE_TIMEOUT", "COLLECTIVE_FAILED") or isinstance(
@@ -543,7 +489,7 @@ def _dense_bytes(items: list[tuple[str, torch.Tensor]]) -> int:
 def _committed(runs: list[tuple[PlanChoice, PushRun, list[ServerOutcome]]], outcomes: list[ServerOutcome],
                version: str, started: float, *, dense_bytes: int, compressed: tuple[int, int] = (0, 0)) -> PushResult:
     seconds = time.perf_counter() - started
-    sent = sum(choice.total_bytes for choice, _, _ in runs)
+    sent = sum(run.sent_bytes for _, run, _ in runs)  # a deferred bucket's layout, not its room
     result = PushResult(
         version=version,
         tensor_count=max(len({t.name for b in choice.planned for t in b.spec.tensors}) for choice, _, _ in runs),

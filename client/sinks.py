@@ -60,9 +60,9 @@ class Sink(Protocol):
 
 def announce(loop: LoopThread, streams: list[UpdateStream], index: int, size: int,
              checksum: tensor_pb2.Checksum, tail: bytes = b"",
-             compression: int = pb.BUCKET_COMPRESSION_UNSPECIFIED) -> None:
+             compression: int = pb.BUCKET_COMPRESSION_UNSPECIFIED, layout: tensor_pb2.BucketSpec | None = None) -> None:
     message = pb.UpdateWeightsRequest(bucket_start=pb.BucketStart(sequence=index, checksum=checksum, size_bytes=size,
-                                                                  tail=tail, compression=compression))
+                                                                  tail=tail, compression=compression, layout=layout))
     for stream in streams:
         loop.call_soon(stream.send, message)
 
@@ -99,7 +99,7 @@ class CollectiveSink:
             frame = data if compression else None
         # Announce first: workers join only announced broadcasts, at the announced length. The
         # tail lets them tell a short broadcast from a full one; read() waited for the pack copies.
-        announce(self._loop, streams, index, data.numel(), checksum, bucket_tail(data), compression)
+        announce(self._loop, streams, index, data.numel(), checksum, bucket_tail(data), compression, payload.layout)
         try:
             if self._collective.backend == pb.BACKEND_NCCL:
                 started = [self._collective.broadcast_async(data)]
@@ -166,7 +166,7 @@ class InlineSink:
         sent, compression = self.frames.encode(index, payload.read().detach().cpu())
         size = sent.numel()
         data = memoryview(sent.numpy())
-        announce(self._loop, streams, index, size, checksum, compression=compression)
+        announce(self._loop, streams, index, size, checksum, compression=compression, layout=payload.layout)
         receivers = [s for s in streams if s.stores(index)]  # the others take no chunks of it
         for offset in range(0, size, self._chunk):
             chunk = encode_bucket_chunk(index, offset, data[offset : offset + self._chunk])
@@ -223,7 +223,7 @@ class ShmSink:
         data = payload.read()  # the server reads the slot once it is announced
         if checksum.algorithm == tensor_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED:
             checksum = tensor_checksum(data)  # required for SHM: the workers check their copy of the slot
-        announce(self._loop, streams, index, payload.size, checksum)
+        announce(self._loop, streams, index, payload.size, checksum, layout=payload.layout)
         return None
 
     def finish(self) -> BaseException | None:

@@ -1,0 +1,140 @@
+"""A push's patched run: which servers take patches, the plan of them, and what happens when a
+server refuses the base or the patches do not fit.
+
+    plan_patches   the servers holding this client's last commit (COLLECTIVE: all or none), the
+                   choice per tensor (client/delta.py), the patched plan (client/plan_choice.py);
+                   on a slow link (delta_policy.defers_comparison), where every server takes
+                   deferred buckets, the kept host tensors are compared while the buckets travel
+                   (client/deferred.py), from before Begin on
+    send_patches   the run; a server that refuses the base at Begin gets the update dense and the
+                   others the same patches (nothing is compared again); patches that outgrow their
+                   deferred bucket send the whole update dense
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.client.deferred import (
+    DEFERRED_GROUPS,
+    DeferredCompare,
+    PatchesOverflow,
+    deferred_groups,
+)
+from weightsync.client.delta import Delta, DeltaBase, DeltaChoice
+from weightsync.client.delta_policy import auto_dense_above, defers_comparison
+from weightsync.client.errors import UpdateFailed
+from weightsync.client.plan_choice import PlanChoice, patched_plan
+from weightsync.client.push import PushRun
+from weightsync.client.servers import Server
+from weightsync.client.types import ServerOutcome, StoreGeneration
+from weightsync.common.logging import get_logger
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+log = get_logger("weightsync.client")
+
+MAX_PATCH_BUCKETS = 16
+"""Patches are cut into at most this many buckets to share them out among a node's workers."""
+
+PushOnce = Callable[[list[Server], dict[str, StoreGeneration], Callable[[], None]], tuple[PushRun, list[ServerOutcome]]]
+"""Runs the patched plan to these servers, with these bases, calling the callback once all are ready."""
+
+
+@dataclass(slots=True)
+class PatchedPlan:
+    """The patched run of one push."""
+
+    choice: PlanChoice
+    delta: DeltaChoice
+    targets: list[Server]
+    bases: dict[str, StoreGeneration]
+    """Server address -> the committed generation its patches apply to (read before the comparison
+    advanced the kept copy)."""
+    compare: DeferredCompare | None
+
+    def stop(self) -> None:
+        """The deferred comparison, if any, is over (it writes the kept copy)."""
+        if self.compare is not None:
+            self.compare.stop()
+
+
+def plan_patches(delta: DeltaBase, items: list[tuple[str, torch.Tensor]], mode: Delta, *, servers: list[Server],
+                 infos: dict[str, pb.GetServerInfoResponse], collective: bool, bucket_size_bytes: int,
+                 zero_copy_min_bytes: int) -> PatchedPlan | None:
+    """The patched plan, or None: all dense (no server holds our last commit, a new layout, nothing
+    or too much changed). COLLECTIVE sends one plan to the whole group: patches only if every
+    server can take them. The deferred comparison, if any, is started here."""
+    targets = [s for s in servers if s.address in delta.generations]
+    if not targets or (collective and len(targets) != len(servers)):
+        return None
+    if not delta.same_layout(items):
+        return None
+    bases = {s.address: delta.generations[s.address] for s in targets}  # choose() may advance the copy
+    defer = defers_comparison(delta.dense_bytes_per_second) and all(infos[s.address].deferred_buckets for s in targets)
+    choice = delta.choose(items, auto=mode == "auto", defer=defer)
+    choice.keep_patches_within(bucket_size_bytes)
+    if not choice.patches and not choice.deferred and (not choice.unchanged or len(choice.unchanged) == len(items)):
+        # Every tensor changed too much, or nothing changed at all: the plain dense push, whose
+        # plan may be reused (a version re-pushed as it is).
+        return None
+    dense_above = auto_dense_above(delta.dense_bytes_per_second)
+    if mode == "auto" and choice.sent_bytes(items) > dense_above * sum(t.numel() * t.element_size() for _, t in items):
+        delta.went_dense(items)
+        return None  # patches would not pay
+    workers = workers_per_node(targets, infos)
+    compare = None
+    if choice.deferred:
+        groups = deferred_groups(choice, groups=max(DEFERRED_GROUPS, workers), bucket_size_bytes=bucket_size_bytes)
+        compare = DeferredCompare(delta, choice, groups)
+    plan = patched_plan(items, choice, bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes,
+                        patch_buckets=workers, deferred=compare)
+    if compare is not None:
+        compare.start()  # while Begin goes out and the servers get ready
+    return PatchedPlan(plan, choice, targets, bases, compare)
+
+
+def workers_per_node(servers: list[Server], infos: dict[str, pb.GetServerInfoResponse]) -> int:
+    """How many buckets give every worker of every one of these servers an equal share: the least
+    common multiple of their worker counts (their largest, past MAX_PATCH_BUCKETS)."""
+    counts = {max(1, len(infos[s.address].workers)) for s in servers}
+    common = math.lcm(*counts)
+    return common if common <= MAX_PATCH_BUCKETS else max(counts)
+
+
+def send_patches(patched: PatchedPlan, delta: DeltaBase, items: list[tuple[str, torch.Tensor]], push_once: PushOnce,
+                 *, collective: bool) -> tuple[list[tuple[PlanChoice, PushRun, list[ServerOutcome]]], list[Server]]:
+    """Run the patched plan; returns the runs and the servers that took the patches (the others get
+    the update dense)."""
+    targets = list(patched.targets)
+    while targets:
+        # Once no server refused the base, the copy takes the rest of the push while it moves and the
+        # servers check and apply it (it claims no generation until committed(); a failure from
+        # here on makes the next push dense).
+        taking: list[bool] = []
+
+        def begun(taking: list[bool] = taking) -> None:
+            taking.append(True)
+            delta.take_in_background(items, patched.delta)
+
+        try:
+            run, outcomes = push_once(targets, patched.bases, begun)
+            return [(patched.choice, run, outcomes)], targets
+        except PatchesOverflow as error:
+            log.info("patches_overflow_sending_dense", error=str(error))
+            return [], []
+        except UpdateFailed as error:
+            if error.reason != "BASE_MISMATCH":
+                raise
+            # Refused at Begin, before any byte moved, everywhere: that server gets it dense, the
+            # others the same patches (the comparison is not run again: the copy holds the new
+            # tensors already). COLLECTIVE sends one plan to the whole group: all of it dense.
+            # (Only Begin refuses a base, so the copy has taken nothing from the servers' answers.)
+            log.info("base_mismatch_sending_dense", server=error.server)
+            delta.forget(error.server)
+            refused = collective or bool(taking)
+            targets = [] if refused else [s for s in targets if s.address != error.server]
+    return [], []

@@ -3,7 +3,8 @@
 Per density (0.1% .. 50% of bf16 elements changed, spread at random; one-ulp steps up or down,
 as a small AdamW step moves bf16 weights, or random new bits):
   - bytes per changed element and the patch as % of the dense bytes;
-  - the trainer's compare_and_encode on 1 and 2 threads, and compare_many (the SDK's batch), in GB/s
+  - the trainer's compare_and_encode on 1 and 2 threads, and compare_many (the SDK's batch), also
+    with advance_base (the same pass bringing the kept copy up to date, as the SDK runs it), in GB/s
     of the two inputs read, against
     torch copy_ of the same bytes into memory already touched, in this process (medians);
   - the current torch path (common.patches: changes_between + smallest_encoding + encode_patch)
@@ -178,6 +179,12 @@ def measure(base: dict[str, torch.Tensor], names: list[str], density: float, val
     patches = {n: pk.compare_and_encode(base[n], new[n], 2) for n in names}
     assert sum(p.count for p in patches.values()) == changed
     target = {n: t.clone() for n, t in base.items()}
+    moving, toward_new = {n: t.clone() for n, t in base.items()}, [True]
+
+    def advance() -> None:  # the kept copy made the new tensors, then the base again: the same changes each time
+        goal = new if toward_new[0] else base
+        pk.compare_many([(moving[n], goal[n], None) for n in names], 2, advance_base=True)
+        toward_new[0] = not toward_new[0]
 
     def check(name: str) -> None:
         pk.check_patch(patches[name].data, base[name], base[name].numel(), 2, patches[name].count, live_ws64=0)
@@ -193,6 +200,7 @@ def measure(base: dict[str, torch.Tensor], names: list[str], density: float, val
         "enc1": lambda: [pk.compare_and_encode(base[n], new[n], 1) for n in names],
         "enc2": lambda: [pk.compare_and_encode(base[n], new[n], 2) for n in names],
         "many2": lambda: pk.compare_many([(base[n], new[n], None) for n in names], 2),
+        "adv2": advance,
         "check1": lambda: over_tensors(check, names, 1, pool),
         "check2": lambda: over_tensors(check, names, 2, pool),
         "apply1": lambda: over_tensors(apply, names, 1, pool),
@@ -227,7 +235,8 @@ def render(rows: list[dict], workload: str, dense_bytes: int, cold: float, warm:
         "",
         "Trainer: `compare` = compare_and_encode over every tensor, GB/s of both inputs read: `1t` one thread, "
         "`2t split` each tensor split over 2 threads, `2t whole` = compare_many, the tensors shared out whole "
-        "between 2 threads (what the SDK runs; the columns after it are its). Every timing of a "
+        "between 2 threads (the columns after it are its), `+ copy` = the same with advance_base, the pass also "
+        "writing the changes into the kept copy (what the SDK runs). Every timing of a "
         "row is taken in turn within each repetition (a neighbour's load slows them alike); ratios are per "
         "repetition, then the median. `x memcpy`: torch copy_ of both inputs into touched memory (the same "
         "bytes read), its time over compare_many's; `x memcpy b2b`: compare_many's GB/s over "
@@ -238,9 +247,9 @@ def render(rows: list[dict], workload: str, dense_bytes: int, cold: float, warm:
         "`checked apply` = apply_checked, the one pass a worker runs for a patch it applies now (validate, WS64 "
         "and write), against check then apply (two passes), one thread.",
         "",
-        "| changed | values | B/changed | % dense | compare 1t GB/s | 2t split GB/s | 2t whole GB/s | x memcpy "
+        "| changed | values | B/changed | % dense | compare 1t GB/s | 2t split GB/s | 2t whole GB/s | + copy GB/s | x memcpy "
         "| x memcpy b2b | ns/chg | torch s | x torch | check ns 1t / 2t | apply ns 1t / 2t | checked apply ns 1t |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         count = max(r["changed"], 1)
@@ -248,7 +257,7 @@ def render(rows: list[dict], workload: str, dense_bytes: int, cold: float, warm:
         torch_s, x_torch = r.get("torch"), r.get("x_torch", 0.0)
         lines.append(
             f"| {100 * r['density']:g}% | {r['values']} | {r['bytes'] / count:.2f} | {100 * r['bytes'] / dense_bytes:.2f}% "
-            f"| {enc1:.1f} | {enc2:.1f} | {many:.1f} | {r['x_memcpy']:.2f} | {many / (read / memcpy_alone / 1e9):.2f} "
+            f"| {enc1:.1f} | {enc2:.1f} | {many:.1f} | {read / r['adv2'] / 1e9:.1f} | {r['x_memcpy']:.2f} | {many / (read / memcpy_alone / 1e9):.2f} "
             f"| {r['many2'] / count * 1e9:.1f} | {f'{torch_s:.2f}' if torch_s else '-'} "
             f"| {f'{x_torch:.1f}x' if torch_s else '-'} "
             f"| {r['check1'] / count * 1e9:.1f} / {r['check2'] / count * 1e9:.1f} "

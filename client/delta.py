@@ -444,7 +444,8 @@ class DeltaBase:
 
     def _take(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None,
               written: dict[torch.device, torch.cuda.Event] | None = None) -> None:
-        """Patched tensors are patched in the copy (O(changed)), the others copied whole."""
+        """Tensors the comparison brought up to date are left alone, unchanged ones too; other patched
+        tensors (CUDA) are patched in the copy (O(changed)), the rest copied whole."""
         for device, event in (written or {}).items():
             torch.cuda.current_stream(device).wait_event(event)
         with one_intra_op_thread():

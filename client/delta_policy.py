@@ -90,12 +90,12 @@ bandwidth, far above any link's, so what counts is the bytes on the link."""
 DEFER_BELOW_BYTES_PER_SECOND = 500e6
 """Host tensors are compared while the patches travel (deferred buckets, client/deferred.py) only
 on a link slower than this (4 Gbit/s): there the push costs about max(comparison, transfer)
-instead of their sum. Measured on the 2-core benchmark machine, the bench's dense model, 2 CPU
-workers a server, patches everywhere (delta=True), COLLECTIVE, medians of 4-6, alternated: 3%
-changed over 1 Gbit/s 0.28-0.32 s deferred against 0.42-0.45 s compared first; 1% changed on
-loopback (3.4 GB/s) 0.18-0.20 s against 0.17-0.18 s, and over INLINE (~1 GB/s) 0.19-0.23 s
-against 0.17-0.20 s: where the bytes take little time, the trainer, its servers and their owners'
-apply share the machine's two cores and overlapping them gains nothing while each bucket costs an
+instead of their sum. Measured on the 2-core benchmark machine (`python -m bench.delta_defer`:
+the bench's dense model, 2 CPU workers a server, patches everywhere, COLLECTIVE, 7 alternated
+repetitions): over 1 Gbit/s, 3% changed 0.244 s deferred against 0.352 s compared first (1.42x),
+1% 1.06x; on plain loopback 0.87x at 1% and 3% (and over INLINE on loopback 0.19-0.23 s against
+0.17-0.20 s): where the bytes take little time, the trainer, its servers and their owners' apply
+share the machine's two cores, overlapping them gains nothing and each bucket costs an
 announcement."""
 
 

@@ -101,8 +101,11 @@ def send(server, plan: tensor_pb2.WeightPlan | str, starts: list[tuple[pb.Bucket
     stream = UpdateStream(server.stub())
     stream.send(begin=begin)
     try:
-        assert stream.recv().WhichOneof("message") == "ready"
+        ready = stream.recv()
+        assert ready.WhichOneof("message") == "ready"
         for k, (start, data) in enumerate(starts):
+            if k in ready.ready.not_stored_buckets:  # none of its tensors is this node's: no bytes follow
+                data = b""
             if k == stop_after:
                 stream.send(abort=pb.AbortUpdate(reason="trainer stops half-way"))
                 stream.recv()
@@ -116,7 +119,7 @@ def send(server, plan: tensor_pb2.WeightPlan | str, starts: list[tuple[pb.Bucket
                 stream.send(abort=pb.AbortUpdate(reason="server is aborting"))
                 stream.recv()
                 raise AssertionError(f"unexpected {response}")
-            assert response.bucket_applied.size_bytes == len(data)  # the layout's bytes, not the room
+            assert response.bucket_applied.size_bytes == len(starts[k][1])  # the layout's bytes, not the room
         stream.send(commit=pb.CommitUpdate())
         committed = stream.recv().committed
         stream.close()
@@ -328,5 +331,25 @@ def test_the_documented_example_is_what_the_server_takes(tmp_path):
         assert server_checksums(server) == [local_checksums({"a": new_a, "b": b})]
         text = (EXAMPLE_DOC).read_text()
         assert "and sends `00 03 06 01 00 01 01 00`" in text and "value: 0xf9f5744000000020" in text
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+
+
+def test_a_node_that_stores_a_subset_takes_the_layouts_patches_of_its_tensors_only(tmp_path):
+    """`--tensors 'embed|steps'`: each deferred bucket has one candidate of the node's; its layout
+    names both of its bucket's changed tensors, and the node patches its own, bit for bit (the
+    others' patches arrive with the bucket and are not written anywhere)."""
+    server = start_server(tmp_path, "--tensors", "embed|steps", workers=2)
+    try:
+        weights = model(2)
+        committed(dense_push(server, weights, "base", allow_new=True))
+        mine = {n: weights[n] for n in ("embed", "steps")}
+        assert server_checksums(server) == [local_checksums(mine)]
+        current = weights
+        for step in range(2):
+            new = changed(current, seed=30 + step)
+            committed(deferred_push(server, current, new, f"d{step}"))
+            assert server_checksums(server) == [local_checksums({n: new[n] for n in mine})]
+            current = new
     finally:
         assert server.stop() == 0, server.log()[-3000:]

@@ -226,3 +226,27 @@ def test_cuda_tensors_pushed_as_patches_land_exactly(cuda_server, transport):
             assert result.bytes_sent < 0.1 * result.dense_bytes, f"step {step} did not go as patches"
             assert client.verify(model).ok, f"step {step}: the store holds other bytes than the trainer's"
             assert_same_bytes(mapped_copy(cuda_server, "cuda:0"), model)
+
+
+@pytest.mark.parametrize("transport", ["inline", "collective"])
+def test_deferred_buckets_reach_a_cuda_worker(cuda_server, transport, monkeypatch):
+    """Host tensors compared while their patches travel (deferred buckets; the link declared slow):
+    the CUDA worker takes each bucket's route from its receive command, not from the prepare, and
+    writes the patches into the host store bit for bit."""
+    from weightsync.client import deferred, delta_policy
+
+    monkeypatch.setattr(delta_policy, "DEFER_BELOW_BYTES_PER_SECOND", float("inf"))
+    monkeypatch.setattr(deferred, "MIN_GROUP_BYTES", 64 << 10)
+    with WeightSyncClient(cuda_server.address, timeout=120) as client:
+        if transport == "collective":
+            client.create_group(backend="auto", timeout=60)  # host tensors: Gloo
+        model = {n: t.cpu() for n, t in gpu_model(70).items()}
+        client.push(model, version="v0", transport=transport, allow_new_tensors=True, delta=True)
+        for step in range(1, 4):
+            for tensor in model.values():
+                tensor.view(-1)[step::97] += 1
+            mode = "staged" if step % 2 else "in_place"
+            result = client.push(model, version=f"v{step}", mode=mode, transport=transport, delta=True)
+            assert result.bytes_sent < 0.1 * result.dense_bytes, f"step {step} did not go as patches"
+            assert client.verify(model).ok, f"step {step}"
+            assert_same_bytes(mapped_copy(cuda_server, "cuda:0"), model)

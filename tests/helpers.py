@@ -299,6 +299,17 @@ class PlainTrainer:
         self.pg = None
 
 
+def mixed_model(seed: int) -> dict[str, torch.Tensor]:
+    """Four small tensors of four dtypes (bf16, fp32, int64, bool) for the raw-protocol patch tests."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed": torch.randn(4096, 64, generator=g).to(torch.bfloat16),
+        "w": torch.randn(3001, generator=g),
+        "steps": torch.arange(999, dtype=torch.int64),
+        "flags": torch.zeros(77, dtype=torch.bool),
+    }
+
+
 def local_checksums(named: dict[str, torch.Tensor]) -> dict[str, int]:
     from weightsync.common.checksum import ws64
 

@@ -19,6 +19,7 @@ from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import DTYPE, UpdateStream, error_info, local_checksums, server_checksums, start_server
+from helpers import mixed_model as model
 
 pytestmark = pytest.mark.timeout(180)
 EXAMPLE_DOC = Path(__file__).parent.parent / "docs" / "data-plane.md"
@@ -26,16 +27,6 @@ CHUNK = 1 << 20
 GROUPS = (("embed", "w"), ("steps", "flags"))
 """The candidates of the two deferred buckets."""
 ROOM = 64 << 10
-
-
-def model(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "embed": torch.randn(4096, 64, generator=g).to(torch.bfloat16),
-        "w": torch.randn(3001, generator=g),
-        "steps": torch.arange(999, dtype=torch.int64),
-        "flags": torch.zeros(77, dtype=torch.bool),
-    }
 
 
 def changed(base: dict[str, torch.Tensor], seed: int, names=("embed", "w", "steps", "flags"),

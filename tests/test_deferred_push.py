@@ -179,3 +179,20 @@ def test_a_fast_link_compares_first(servers, planned):
         result = client.push(current, version="v1", transport="inline")
         assert result.bytes_sent < 0.1 * result.dense_bytes and not planned
         assert_held(servers, current)
+
+
+@pytest.mark.parametrize("transport", ["collective", "inline"])
+def test_deferred_buckets_travel_as_zstd_frames(servers, slow_link, planned, transport):
+    """A slow link also compresses buckets of patches: each deferred bucket's frame decompresses to
+    its layout (not to its room in the plan)."""
+    with WeightSyncClient([s.address for s in servers], timeout=60) as client:
+        if transport == "collective":
+            client.create_group(timeout=60)
+        current = model()
+        client.push(current, version="v0", transport=transport, allow_new_tensors=True, delta=True)
+        for k in range(3):
+            current = step(current, seed=20 + k, fraction=0.02)
+            result = client.push(current, version=f"v{k + 1}", transport=transport, delta=True, compress=True)
+            assert 0 < result.compressed_bytes and result.bytes_sent < 0.1 * result.dense_bytes, result
+            assert planned and len(planned[-1]) >= 2
+            assert_held(servers, current)

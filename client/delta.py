@@ -263,7 +263,7 @@ class DeltaBase:
             choice.patch_below = {n: worths[n].patch_below for n, _ in choice.deferred}
             self._advanced.update(choice.patch_below)  # the refresh leaves them to compare_deferred
             on_host = [(n, t) for n, t in on_host if n not in choice.patch_below]
-        host_patches = self._host_patches(on_host, {n: self._limit(n, t, worths[n]) for n, t in on_host})
+        host_patches = self._host_patches(on_host, {n: self._limit(t, worths[n]) for n, t in on_host})
         for name, tensor in named:
             if not compare[name] or name in choice.patch_below:
                 continue
@@ -354,7 +354,7 @@ class DeltaBase:
         return TensorPatch(data, chosen.encoding, positions.numel(), checksum, positions)
 
     @staticmethod
-    def _limit(name: str, tensor: torch.Tensor, worth: Worth) -> int | None:
+    def _limit(tensor: torch.Tensor, worth: Worth) -> int | None:
         """The most bytes its patch may take to be sent (None: too small to be worth one; compared only
         to leave it out when unchanged)."""
         numel, itemsize = tensor.numel(), tensor.element_size()

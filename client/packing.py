@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from weightsync.client.errors import DuplicateTensor, PlanMismatch
-
-if TYPE_CHECKING:
-    from weightsync.client.deferred import DeferredCompare
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.planning import PlannedBucket, check_tensors
 from weightsync.client.read_order import BufferFence, CudaEvents, Events, devices_of, read_order
 from weightsync.common import dtypes
 from weightsync.common.patches import is_patch
 from weightsync.v1 import tensor_pb2
+
+if TYPE_CHECKING:
+    from weightsync.client.deferred import DeferredCompare
 
 
 @dataclass(slots=True)

@@ -22,7 +22,6 @@ nothing, and the next push goes dense.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -46,11 +45,13 @@ from weightsync.common.patches import (
     XOR,
     DecodedPatch,
     PatchChoice,
+    SampleLayout,
     apply_patch,
     bits_of,
     changes_between,
     encode_patch,
     gaps_of,
+    sample_layout,
     smallest_encoding,
     ws64_after_patch,
 )
@@ -88,11 +89,14 @@ LINK_BOUND_FRACTION = 0.3
 SLOWER_LINK_BELOW = 0.5
 
 SAMPLE_ELEMENTS = 4096
-"""Elements compared before the full comparison; a tensor whose sample says 'dense' skips it."""
+"""Elements compared before the full comparison (in runs spread over the tensor:
+common.patches.sample_layout); a tensor whose sample says 'dense' skips it."""
 
 
-def _sample_stride(numel: int) -> int:
-    return max(1, numel // SAMPLE_ELEMENTS)
+def _sample(numel: int) -> SampleLayout:
+    return sample_layout(numel, SAMPLE_ELEMENTS)
+
+
 MIN_PATCH_ELEMENTS = 1024
 """Smaller tensors always go dense: their patch saves less than its bookkeeping costs."""
 
@@ -300,7 +304,7 @@ class DeltaBase:
         (with a margin for the sample's noise); small tensors are always compared."""
         base = self._base_for(name, new)
         numel, itemsize = new.numel(), new.element_size()
-        stride = _sample_stride(numel)
+        layout = _sample(numel)
         sample = self.samples.get(name)
         if base is None and sample is None:
             return False
@@ -308,22 +312,22 @@ class DeltaBase:
             return base is not None  # compared whole to find it unchanged; one not kept stays dense
         if base is None:
             if new.device.type == "cpu" and sample.device.type == "cpu":
-                changed, fresh = patch_kernels.resample(new, stride, sample)  # 1.6x the torch ops' speed
+                changed, fresh = patch_kernels.resample(new, layout, sample)  # 1.6x the torch ops' speed
             else:
-                fresh = bits_of(new)[::stride].clone()
+                fresh = layout.of(bits_of(new)).clone()
                 changed = int((fresh != sample.to(new.device)).sum().item())
             self._sampled[name] = fresh
             per_change = 1 + itemsize if new.device.type == "cpu" else 2 + itemsize
-            sampled = changed / math.ceil(numel / stride)
+            sampled = changed / layout.size
             smallest = min(sampled * per_change, 1 / 8 + sampled * itemsize) * numel
             self._rekeep[name] = smallest <= REKEEP_BELOW * worth.compare_below * numel * itemsize
         elif _on_host(base, new):
-            changed = patch_kernels.count_changed(base, new, stride)
+            changed = patch_kernels.count_changed(base, new, layout)
             per_change = 1 + itemsize  # a one-byte gap and, at most, every XOR byte plane dense
         else:
-            changed = int((bits_of(base)[::stride] != bits_of(new)[::stride]).sum().item())
+            changed = int((layout.of(bits_of(base)) != layout.of(bits_of(new))).sum().item())
             per_change = 2 + itemsize
-        sampled = changed / math.ceil(numel / stride)
+        sampled = changed / layout.size
         smallest = min(sampled * per_change, 1 / 8 + sampled * itemsize) * numel
         return smallest <= 1.1 * worth.compare_below * numel * itemsize
 
@@ -464,7 +468,7 @@ class DeltaBase:
                     self.tensors.pop(name, None)
                     self.checksums.pop(name, None)
                     fresh = self._sampled.get(name)
-                    self.samples[name] = fresh if fresh is not None else bits_of(tensor)[::_sample_stride(tensor.numel())].clone()
+                    self.samples[name] = fresh if fresh is not None else _sample(tensor.numel()).of(bits_of(tensor)).clone()
                     continue
                 self.samples.pop(name, None)
                 if name in self._advanced and name in self.tensors:

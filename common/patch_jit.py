@@ -281,20 +281,28 @@ def emit(out, start, stop, count, first, varints, used, xors, first_gap, bitmask
 
 
 @njit(nogil=True, cache=True)
-def count_changed(a, b, stride):
-    """How many of a[::stride] differ from b[::stride] by bits."""
+def count_changed(a, b, blocks, stride, run):
+    """How many of the sampled elements (common.patches.SampleLayout: `run` at every `stride`-th,
+    `blocks` times) differ between a and b by bits."""
     changed = 0
-    for i in range(0, a.size, stride):
-        changed += a[i] != b[i]
+    for k in range(blocks):
+        start = k * stride
+        for j in range(start, start + run):
+            changed += a[j] != b[j]
     return changed
 
 
 @njit(nogil=True, cache=True)
-def resample(a, stride, old, fresh):
-    """fresh[k] = a[k * stride] for every k of fresh; how many of them differ from old[k] by bits."""
+def resample(a, blocks, stride, run, old, fresh):
+    """fresh = the sampled elements of a, in order (as count_changed reads them); how many of them
+    differ from old by bits."""
     changed = 0
-    for k in range(fresh.size):
-        value = a[k * stride]
-        changed += value != old[k]
-        fresh[k] = value
+    at = 0
+    for k in range(blocks):
+        start = k * stride
+        for j in range(start, start + run):
+            value = a[j]
+            changed += value != old[at]
+            fresh[at] = value
+            at += 1
     return changed

@@ -39,6 +39,7 @@ from weightsync.common.patch_format import (
     bits,
     refuse,
 )
+from weightsync.common.patches import SampleLayout
 
 MIN_BYTES_PER_THREAD = 1 << 20
 """Below this per thread, one thread: a task hand-off costs more than it saves."""
@@ -227,21 +228,30 @@ def compare_many(pairs: list[tuple[torch.Tensor, torch.Tensor, int | None]],
     return results
 
 
-def count_changed(base: torch.Tensor, new: torch.Tensor, stride: int = 1) -> int:
-    """Elements of base[::stride] and new[::stride] whose bits differ (stride > 1: a sample)."""
-    return int(jit.count_changed(_host_bits(base, "base"), _host_bits(new, "new"), stride))
+def count_changed(base: torch.Tensor, new: torch.Tensor, sample: SampleLayout | None = None) -> int:
+    """Elements of base and new whose bits differ: every element, or those `sample` reads."""
+    a, b = _host_bits(base, "base"), _host_bits(new, "new")
+    sample = sample or SampleLayout(a.size, 1, 1)
+    _check_sample(sample, a.size)
+    return int(jit.count_changed(a, b, sample.blocks, sample.stride, sample.run))
 
 
-def resample(new: torch.Tensor, stride: int, sample: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """A fresh sample of new's raw bits (new[::stride], as patches.bits_of(new)[::stride]) and how
-    many of its elements differ from an earlier sample of the same tensor, in one pass: the dense
-    phase of delta="auto" keeps only samples, and this is all it reads of a tensor."""
-    a, old = _host_bits(new, "new"), _host_bits(sample, "sample")
-    fresh = torch.empty_like(sample)
-    if old.size != -(-a.size // stride) or old.itemsize != a.itemsize:
+def resample(new: torch.Tensor, sample: SampleLayout, kept: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """A fresh sample of new's raw bits (`sample.of(patches.bits_of(new))`) and how many of its
+    elements differ from `kept`, an earlier sample of the same tensor, in one pass: the dense phase
+    of delta="auto" keeps only samples, and this is all it reads of a tensor."""
+    a, old = _host_bits(new, "new"), _host_bits(kept, "sample")
+    _check_sample(sample, a.size)
+    if old.size != sample.size or old.itemsize != a.itemsize:
         raise ValueError(f"a sample of {old.size} x {old.itemsize} bytes is not one of {a.size} elements "
-                         f"of {a.itemsize} bytes at stride {stride}")
-    return int(jit.resample(a, stride, old, bits(fresh))), fresh
+                         f"of {a.itemsize} bytes laid out as {sample}")
+    fresh = torch.empty_like(kept)
+    return int(jit.resample(a, sample.blocks, sample.stride, sample.run, old, bits(fresh))), fresh
+
+
+def _check_sample(sample: SampleLayout, numel: int) -> None:
+    if sample.blocks < 0 or not 1 <= sample.run <= sample.stride or sample.blocks * sample.stride > numel:
+        raise ValueError(f"{sample} does not sample a tensor of {numel} elements")
 
 
 # -- the receiver's side (and the trainer's kept copy) -----------------------------------------
@@ -359,7 +369,7 @@ def _warm_up_steps(dtype: torch.dtype) -> list[Callable[[], object]]:
         partial(apply_patch, patch.data, base, patch.count),
         partial(scatter_values, base, torch.zeros(1, dtype=torch.int64), new[:1]),
         partial(count_changed, base, new),
-        partial(resample, new, 1, base),
+        partial(resample, new, SampleLayout(9, 1, 1), base),
     ]
 
 WARM_UP_EXIT_WAIT_S = 120.0

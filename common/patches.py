@@ -107,6 +107,38 @@ def gaps_of(positions: torch.Tensor) -> torch.Tensor:
 
 
 # -- the trainer's side ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SampleLayout:
+    """Which elements a sample of a tensor reads: `run` consecutive ones at the start of each of
+    `blocks` strides of `stride` elements (a small tensor: every element, blocks = numel)."""
+
+    blocks: int
+    stride: int
+    run: int
+
+    @property
+    def size(self) -> int:
+        return self.blocks * self.run
+
+    def of(self, bits: torch.Tensor) -> torch.Tensor:
+        """The sampled elements of a flat raw-bits tensor (bits_of), on its device: a view where it can be."""
+        return bits[: self.blocks * self.stride].view(self.blocks, self.stride)[:, : self.run].reshape(-1)
+
+
+SAMPLE_RUN = 16
+"""Elements read together by a sample: 32 bytes of bf16, one cache line. 4096 elements one by one
+cost a cache (and, past 4 MB, a TLB) miss each: 10.5 ms a push for the bench model's 291 tensors,
+against 2.1 ms for 256 runs of 16 (one-ulp changes at 1%, the same counts within noise)."""
+
+
+def sample_layout(numel: int, elements: int) -> SampleLayout:
+    """`elements` (a multiple of SAMPLE_RUN) elements of a tensor of `numel`, spread in runs over all of it."""
+    if numel <= elements:
+        return SampleLayout(numel, 1, 1)
+    blocks = elements // SAMPLE_RUN
+    return SampleLayout(blocks, numel // blocks, SAMPLE_RUN)
+
+
 def bits_of(tensor: torch.Tensor) -> torch.Tensor:
     """A flat integer view of a tensor's raw bits, so -0.0 differs from 0.0 and NaN payloads count.
 

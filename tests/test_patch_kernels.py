@@ -256,31 +256,41 @@ def test_count_changed_and_samples():
     new = make_new(base, 0.05, "random", 3)
     truth = int((pf.bits(base) != pf.bits(new)).sum())
     assert pk.count_changed(base, new) == truth
-    assert pk.count_changed(base, new, 7) == int((pf.bits(base)[::7] != pf.bits(new)[::7]).sum())
+    layout = pp.sample_layout(100_003, 4096)
+    assert (layout.blocks, layout.stride, layout.run) == (256, 390, 16)
+    sampled = int((layout.of(pp.bits_of(base)) != layout.of(pp.bits_of(new))).sum())
+    assert pk.count_changed(base, new, layout) == sampled and 0 < sampled < truth
+    assert layout.of(pp.bits_of(new))[16].item() == pp.bits_of(new)[390].item()  # the second run starts there
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.bool])
-@pytest.mark.parametrize(("numel", "stride"), [(1, 1), (9, 1), (100_003, 7), (100_003, 24), (4096 * 3 + 1, 3)])
-def test_resample_is_the_torch_sample_bit_for_bit(dtype, numel, stride):
-    old = make_base(dtype, numel, 0, numel + stride, "random")  # raw random bits: NaN payloads included
+@pytest.mark.parametrize(("numel", "elements"), [(1, 4096), (9, 4096), (4096, 4096), (4097, 4096), (100_003, 4096),
+                                                  (100_003, 32), (4096 * 3 + 1, 1024)])
+def test_resample_is_the_torch_sample_bit_for_bit(dtype, numel, elements):
+    layout = pp.sample_layout(numel, elements)
+    assert layout.size == min(numel, elements)
+    old = make_base(dtype, numel, 0, numel + elements, "random")  # raw random bits: NaN payloads included
     new = make_new(old, 0.3, "random", numel)
     if dtype.is_floating_point and numel > 1:  # bits, not values: -0.0 against 0.0
         old[0], new[0] = 0.0, -0.0
-    sample = pp.bits_of(old)[::stride].clone()
-    changed, fresh = pk.resample(new, stride, sample)
-    reference = pp.bits_of(new)[::stride]
+    sample = layout.of(pp.bits_of(old)).clone()
+    changed, fresh = pk.resample(new, layout, sample)
+    reference = layout.of(pp.bits_of(new))
     assert fresh.dtype == reference.dtype and torch.equal(fresh, reference)
-    assert changed == int((reference != sample).sum())
+    assert changed == int((reference != sample).sum()) == pk.count_changed(old, new, layout)
     if dtype.is_floating_point and numel > 1:
         assert changed >= 1
 
 
 def test_resample_refuses_a_sample_of_another_tensor():
-    new = torch.zeros(1000, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="not one of 1000 elements"):
-        pk.resample(new, 10, pp.bits_of(new)[::9].clone())
-    with pytest.raises(ValueError, match="not one of 1000 elements"):
-        pk.resample(new, 10, pp.bits_of(new.float())[::10].clone())
+    new = torch.zeros(10_000, dtype=torch.bfloat16)
+    layout = pp.sample_layout(10_000, 1024)
+    with pytest.raises(ValueError, match="not one of 10000 elements"):
+        pk.resample(new, layout, pp.sample_layout(9_000, 512).of(pp.bits_of(new)).clone())
+    with pytest.raises(ValueError, match="not one of 10000 elements"):
+        pk.resample(new, layout, layout.of(pp.bits_of(new.float())).clone())
+    with pytest.raises(ValueError, match="does not sample a tensor of 10000 elements"):
+        pk.count_changed(new, new, pp.sample_layout(20_000, 1024))
 
 
 def test_calls_from_many_threads_at_once(monkeypatch):

@@ -63,6 +63,21 @@ MIN_PATCH_BUCKET_BYTES = 256 << 10
 """patched_plan does not cut the patches into buckets smaller than this (each costs an announcement)."""
 
 
+def share_out(patches: list[tuple[str, torch.Tensor]], buckets: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """The patches in `buckets` shares of about equal bytes (fewer where that would leave a share under
+    MIN_PATCH_BUCKET_BYTES): largest first, each to the share holding the fewest bytes so far; each
+    share keeps the patches' order."""
+    total = sum(data.numel() for _, data in patches)
+    count = max(1, min(buckets, total // MIN_PATCH_BUCKET_BYTES))
+    held = [0] * count
+    where: dict[str, int] = {}
+    for name, data in sorted(patches, key=lambda p: -p[1].numel()):
+        share = held.index(min(held))
+        where[name] = share
+        held[share] += data.numel()
+    return [s for s in ([p for p in patches if where[p[0]] == k] for k in range(count)) if s]
+
+
 def patched_plan(items: list[tuple[str, torch.Tensor]], delta: DeltaChoice, *, bucket_size_bytes: int,
                  zero_copy_min_bytes: int, patch_buckets: int = 1,
                  deferred: DeferredCompare | None = None) -> PlanChoice:
@@ -71,11 +86,13 @@ def patched_plan(items: list[tuple[str, torch.Tensor]], delta: DeltaChoice, *, b
     counts and checksums are this step's.
 
     The tensors sent whole come first, planned as a dense push would plan them; then the patches,
-    in at least `patch_buckets` buckets of about equal size where they are large enough
-    (MIN_PATCH_BUCKET_BYTES; a patch is never split): the owners are balanced by bytes
-    (common/ownership.py), so with one bucket per worker every worker of a node checks and
-    applies its share at once. At 1% changed a model's patches fit one bucket many times over,
-    and one worker applied all of them while the others waited.
+    shared out into `patch_buckets` buckets of about equal bytes where they are large enough
+    (share_out; a patch is never split): the owners are balanced by bytes (common/ownership.py),
+    so with one bucket per worker every worker of a node checks and applies its share at once. At
+    1% changed a model's patches fit one bucket many times over, and one worker applied all of
+    them while the others waited. Exactly one per worker, not more: a worker receives its next
+    bucket only once it applied the one before, and a sender that waits on that apply takes it for
+    a slow link (DeltaBase.link_timed).
 
     `deferred`: the tensors DeltaChoice.deferred lists go last, in its deferred buckets, each
     laid out once compared (client/deferred.py; the source hands out their layouts)."""
@@ -83,11 +100,9 @@ def patched_plan(items: list[tuple[str, torch.Tensor]], delta: DeltaChoice, *, b
     whole = [(name, tensor) for name, tensor in items
              if name not in delta.unchanged and name not in delta.patches and name not in later]
     patches = [(name, delta.patches[name].data) for name, _ in items if name in delta.patches]
-    patch_bytes = sum(data.numel() for _, data in patches)
-    largest = max((data.numel() for _, data in patches), default=0)
-    share = max(-(-patch_bytes // max(1, patch_buckets)), largest, MIN_PATCH_BUCKET_BYTES)
-    planned = (build_plan(whole, bucket_size_bytes, zero_copy_min_bytes) if whole else []) + (
-        build_plan(patches, min(bucket_size_bytes, share), zero_copy_min_bytes) if patches else [])
+    planned = build_plan(whole, bucket_size_bytes, zero_copy_min_bytes) if whole else []
+    for share in share_out(patches, patch_buckets):
+        planned += build_plan(share, bucket_size_bytes, zero_copy_min_bytes=0)  # packed: one bucket a share
     first_deferred = len(planned)
     if deferred is not None:
         shapes = dict(items)

@@ -71,3 +71,20 @@ def test_duplicate_names_and_unsupported_dtypes_are_refused():
         build_plan([("a", f32(1)), ("a", f32(1))], MiB)
     with pytest.raises(ValueError, match="complex64"):
         build_plan([("a", torch.zeros(2, dtype=torch.complex64))], MiB)
+
+
+@pytest.mark.parametrize(("sizes", "buckets", "expected"), [
+    ([300 << 10, 200 << 10, 100 << 10, 100 << 10], 2, [["p0", "p3"], ["p1", "p2"]]),  # largest first, to the lightest
+    ([300 << 10, 200 << 10, 100 << 10, 100 << 10], 1, [["p0", "p1", "p2", "p3"]]),
+    ([100 << 10, 100 << 10], 4, [["p0", "p1"]]),  # 200 KiB: under MIN_PATCH_BUCKET_BYTES a share
+    ([600 << 10] + [10 << 10] * 6, 3, [["p0"], ["p1", "p2", "p3", "p4", "p5", "p6"]]),  # 660 KiB: two shares
+    ([300 << 10] * 3 + [10 << 10] * 3, 3, [["p0", "p3"], ["p1", "p4"], ["p2", "p5"]]),
+    ([], 2, []),
+])
+def test_patches_are_shared_out_one_bucket_per_worker(sizes, buckets, expected):
+    """client.plan_choice.share_out: exactly `buckets` shares where the bytes allow, balanced by bytes
+    (largest first, each to the share holding least), each share in the patches' order."""
+    from weightsync.client.plan_choice import share_out
+
+    patches = [(f"p{i}", torch.empty(size, dtype=torch.uint8)) for i, size in enumerate(sizes)]
+    assert [[name for name, _ in share] for share in share_out(patches, buckets)] == expected

@@ -108,7 +108,6 @@ class Layout:
 
     spec: tensor_pb2.BucketSpec
     patches: dict[str, TensorPatch]
-    unchanged: tuple[str, ...]
 
 
 class DeferredCompare:
@@ -132,22 +131,13 @@ class DeferredCompare:
     def stop(self) -> None:
         """No further group is compared; waits for the one under way (it writes the kept copy)."""
         self._stop.set()
-        if self._thread.is_alive() or self._thread.ident is not None:
+        if self._thread.ident is not None:  # started
             self._thread.join(WAIT_SECONDS)
-
-    @property
-    def patches(self) -> dict[str, TensorPatch]:
-        """Every patch compared so far."""
-        out: dict[str, TensorPatch] = {}
-        for result in self._results:
-            if result.done() and result.exception() is None:
-                out.update(result.result().patches)
-        return out
 
     def _run(self) -> None:
         for index, group in enumerate(self.groups):
             if self._stop.is_set():
-                self._fail_from(index, PatchesOverflow("the push stopped before this group was compared"))
+                self._fail_from(index, WeightSyncClientError("the push stopped before this group was compared"))
                 return
             try:
                 found = self._delta.compare_deferred([(name, self._tensors[name]) for name in group.names],
@@ -164,15 +154,13 @@ class DeferredCompare:
     def _lay_out(self, index: int, group: DeferredGroup, found: dict) -> Layout:
         spec = tensor_pb2.BucketSpec()
         patches: dict[str, TensorPatch] = {}
-        unchanged = []
         cursor = 0
         for name in group.names:
             patch = found[name]
             if patch is None:
                 raise PatchesOverflow(f"tensor {name!r}: its patch would be larger than the tensor")
             if patch == "unchanged":
-                unchanged.append(name)
-                continue
+                continue  # left out of the layout: its generation stays
             tensor = self._tensors[name]
             start = align_up(cursor)
             size = patch.data.numel()
@@ -185,4 +173,4 @@ class DeferredCompare:
         if spec.size_bytes > group.capacity:
             raise PatchesOverflow(f"deferred bucket {index}: its patches take {spec.size_bytes} bytes, more than the "
                                   f"{group.capacity} it was planned with")
-        return Layout(spec, patches, tuple(unchanged))
+        return Layout(spec, patches)

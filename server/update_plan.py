@@ -110,8 +110,6 @@ class BucketRoute:
     """Tensors of this bucket sent as patches: never copied whole, never shadowed."""
     stored: bool = True
     """False: none of the bucket's tensors belongs to this node's subset; nobody receives it here."""
-    deferred: bool = False
-    """A deferred bucket: size_bytes bounds its layout; its patches come with it (deferred_route)."""
 
     @property
     def direct(self) -> bool:
@@ -294,7 +292,7 @@ class _Derivation:
                                       "the store: send it dense", bucket=index, tensor=spec.name)
             _check_against_store(index, spec, stored)
         self.staging = max(self.staging, bucket.size_bytes)
-        return BucketRoute(bucket.size_bytes, None, (), (), (), deferred=True)
+        return BucketRoute(bucket.size_bytes, None, (), (), ())  # size_bytes: the room its layout may take
 
     def _require_new_allowed(self, index: int, spec: tensor_pb2.TensorSpec) -> None:
         if not self.allow_new:
@@ -366,8 +364,7 @@ def deferred_route(layout: tensor_pb2.BucketSpec, stores: Callable[[str], bool] 
     as the plan's route (False: none of its candidates is this node's, nobody receives it)."""
     patched = tuple(PatchTarget(s.name, s.offset_bytes, s.size_bytes, s.encoding, s.patch_count, s.checksum.value)
                     for s in layout.tensors if stores(s.name))
-    return BucketRoute(layout.size_bytes, None, (), (), tuple(p.name for p in patched), patched, stored=stored,
-                       deferred=True)
+    return BucketRoute(layout.size_bytes, None, (), (), tuple(p.name for p in patched), patched, stored=stored)
 
 
 def derive_update_plan(

@@ -31,7 +31,7 @@ from weightsync.client import transfer_group
 from weightsync.client._loop import LoopThread
 from weightsync.client.compression import worth_compressing
 from weightsync.client.delta import Delta, DeltaBase
-from weightsync.client.errors import WeightSyncClientError
+from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
 from weightsync.client.ingress import IngressLease, open_ingress
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.packing import PackBuffers, is_zero_copy
@@ -119,6 +119,8 @@ class WeightSyncClient:
         self._shm_sink: ShmSink | None = None
         self._ingress_lease: IngressLease | None = None
         self._server_infos: dict[str, pb.GetServerInfoResponse] = {}
+        self._server_infos_stale = False
+        """A push failed since they were asked: the next push asks again (a server may have restarted)."""
         """GetServerInfo of each server, fetched once for INLINE/SHM limits."""
         self._plans = PlanCache()
         self._delta = DeltaBase(host_copy=delta_host_copy)
@@ -335,6 +337,9 @@ class WeightSyncClient:
                 group.collective.close()
             if getattr(error, "reason", "") != "BASE_MISMATCH":
                 self._delta.forget()  # whatever the servers hold now, the next push re-establishes it densely
+            # What the servers said of themselves (chunk size, worker counts, deferred buckets) may be what a
+            # server said before it restarted with other limits: the next push asks again.
+            self._server_infos_stale = True
             raise
         finally:
             if bar is not None:
@@ -387,6 +392,13 @@ class WeightSyncClient:
     def _server_limits(self) -> list[pb.GetServerInfoResponse]:
         if any(a not in self._server_infos for a in self._servers.addresses):
             self._server_infos.update(zip(self._servers.addresses, self.server_info(), strict=True))
+            self._server_infos_stale = False
+        elif self._server_infos_stale:
+            try:
+                self._server_infos.update(zip(self._servers.addresses, self.server_info(), strict=True))
+                self._server_infos_stale = False
+            except WeightSyncRpcError:
+                pass  # still not answering: the push fails on its own terms (typed, naming the server)
         return [self._server_infos[a] for a in self._servers.addresses]
 
     # -- verify ------------------------------------------------------------------

@@ -203,3 +203,29 @@ def test_plan_is_reused_while_the_layout_holds(server, monkeypatch):
         client.push(offset, version="r7")
         assert len(calls) == 4
         assert client.verify(offset).ok
+
+
+def test_a_server_restarted_with_smaller_messages_is_asked_again_after_a_failed_push(tmp_path):
+    """The SDK keeps what GetServerInfo said (chunk size, worker counts) between pushes. A server restarted
+    at the same address with a smaller --max-message-bytes refuses the chunks cut for the old one: that push
+    fails, and the next one asks again and cuts chunks the new server takes."""
+    first = start_server(tmp_path, workers=1)
+    address = first.address
+    tensors = {"w": torch.arange(3 << 20, dtype=torch.int32)}  # 12 MiB: one 12 MiB chunk for the first server
+    with WeightSyncClient(address, timeout=60) as client:
+        client.push(tensors, version="v0", transport="inline", allow_new_tensors=True, delta=False)
+        assert first.stop() == 0
+        second = start_server(tmp_path, "--listen", address, "--max-message-bytes", str(1 << 20), workers=1)
+        try:
+            with pytest.raises(UpdateFailed) as failed:
+                client.push(tensors, version="v1", transport="inline", allow_new_tensors=True, delta=False)
+            assert failed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            result = client.push(tensors, version="v2", transport="inline", allow_new_tensors=True, delta=False)
+            assert result.bytes_sent == 12 << 20
+            info = client.server_info()[0]
+            assert (info.current_version.version, info.store_state) == ("v2", pb.STORE_STATE_CONSISTENT)
+            assert info.limits.max_chunk_bytes == (1 << 20) - (64 << 10)
+            assert client.verify(tensors).ok
+            assert server_checksums(second) == [local_checksums(tensors)]
+        finally:
+            assert second.stop() == 0, second.log()[-2000:]

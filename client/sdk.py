@@ -251,6 +251,11 @@ class WeightSyncClient:
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be 'collective', 'inline' or 'shm', got {transport!r}")
         started = time.perf_counter()
+        if self._ingress_lease is not None and self._ingress_lease.connection.hung_up():
+            self._server_infos_stale = True  # the SHM server exited since the last push: restarted, or gone
+        if self._server_infos_stale:
+            self._refresh_server_infos()
+            self._close_ingress()  # mapped from the server as it was: one restarted since has another
         group, sink = self._sink(transport)
         if transport == "shm":
             bucket_size_bytes = min(bucket_size_bytes, self._ingress_lease.slot_bytes)  # type: ignore[union-attr]
@@ -337,8 +342,8 @@ class WeightSyncClient:
                 group.collective.close()
             if getattr(error, "reason", "") != "BASE_MISMATCH":
                 self._delta.forget()  # whatever the servers hold now, the next push re-establishes it densely
-            # What the servers said of themselves (chunk size, worker counts, deferred buckets) may be what a
-            # server said before it restarted with other limits: the next push asks again.
+            # What the servers said of themselves (chunk size, worker counts, deferred buckets) and the SHM
+            # ingress may be those of a server that restarted since: the next push asks and maps again.
             self._server_infos_stale = True
             raise
         finally:
@@ -393,13 +398,16 @@ class WeightSyncClient:
         if any(a not in self._server_infos for a in self._servers.addresses):
             self._server_infos.update(zip(self._servers.addresses, self.server_info(), strict=True))
             self._server_infos_stale = False
-        elif self._server_infos_stale:
-            try:
-                self._server_infos.update(zip(self._servers.addresses, self.server_info(), strict=True))
-                self._server_infos_stale = False
-            except WeightSyncRpcError:
-                pass  # still not answering: the push fails on its own terms (typed, naming the server)
         return [self._server_infos[a] for a in self._servers.addresses]
+
+    def _refresh_server_infos(self) -> None:
+        """Ask again, once a push: a server that does not answer keeps its last answer, and the push
+        fails on its own terms (typed, naming the server) rather than on this query."""
+        try:
+            self._server_infos.update(zip(self._servers.addresses, self.server_info(), strict=True))
+            self._server_infos_stale = False
+        except WeightSyncRpcError:
+            pass
 
     # -- verify ------------------------------------------------------------------
     @_serialized
@@ -448,10 +456,7 @@ class WeightSyncClient:
     def close(self) -> None:
         """Delete the group (if any) and close every channel."""
         try:
-            if self._shm_sink is not None:
-                self._shm_sink.close()
-                self._ingress_lease.close()  # type: ignore[union-attr]
-                self._shm_sink = self._ingress_lease = None
+            self._close_ingress()
             if self._group is not None:
                 self.delete_group()
         finally:
@@ -459,6 +464,13 @@ class WeightSyncClient:
                 self._servers.close()
             finally:
                 self._loop.stop()
+
+    def _close_ingress(self) -> None:
+        """Unmap the SHM ingress and leave the local socket; the next SHM push opens them again."""
+        if self._shm_sink is not None:
+            self._shm_sink.close()
+            self._ingress_lease.close()  # type: ignore[union-attr]
+            self._shm_sink = self._ingress_lease = None
 
     def __enter__(self) -> WeightSyncClient:
         return self

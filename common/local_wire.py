@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import socket
 import struct
 
@@ -117,6 +118,23 @@ class LocalConnection:
         response = local_pb2.LocalResponse()
         response.ParseFromString(bytes(payload))
         return response, fds
+
+    def hung_up(self) -> bool:
+        """Whether the server closed this connection (it exited or restarted), without waiting: between
+        requests nothing else arrives, so a readable socket here is one at its end."""
+        if self._sock.fileno() < 0:
+            return True
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        events = poller.poll(0)
+        if not events:
+            return False
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def close(self) -> None:
         self._sock.close()

@@ -229,3 +229,25 @@ def test_a_server_restarted_with_smaller_messages_is_asked_again_after_a_failed_
             assert server_checksums(second) == [local_checksums(tensors)]
         finally:
             assert second.stop() == 0, second.log()[-2000:]
+
+
+def test_the_first_shm_push_after_a_server_restart_maps_the_new_servers_ingress(tmp_path):
+    """The SDK keeps the SHM ingress it mapped. A server restarted at the same address has another
+    ingress: pushing into the old one left every later push DATA_LOSS (the bytes were not where the new
+    server read them). The local connection's end tells the SDK, and the next push maps the new one."""
+    first = start_server(tmp_path, "--local-socket", "auto", workers=1)
+    address = first.address
+    before = {"w": torch.arange(1 << 20, dtype=torch.int32)}
+    after = {"w": torch.arange(1 << 20, dtype=torch.int32) * 3}
+    with WeightSyncClient(address, timeout=60) as client:
+        client.push(before, version="v0", transport="shm", allow_new_tensors=True, delta=False)
+        assert first.stop() == 0
+        second = start_server(tmp_path, "--local-socket", "auto", "--listen", address, workers=1)
+        try:
+            for version in ("v1", "v2"):
+                result = client.push(after, version=version, transport="shm", allow_new_tensors=True, delta=False)
+                assert result.servers[0].version == version
+                assert client.verify(after).ok
+                assert server_checksums(second) == [local_checksums(after)]
+        finally:
+            assert second.stop() == 0, second.log()[-2000:]

@@ -119,9 +119,9 @@ class WeightSyncClient:
         self._shm_sink: ShmSink | None = None
         self._ingress_lease: IngressLease | None = None
         self._server_infos: dict[str, pb.GetServerInfoResponse] = {}
+        """GetServerInfo of each server (INLINE/SHM limits, worker counts, deferred buckets)."""
         self._server_infos_stale = False
-        """A push failed since they were asked: the next push asks again (a server may have restarted)."""
-        """GetServerInfo of each server, fetched once for INLINE/SHM limits."""
+        """A push failed, or the SHM server hung up, since they were asked: the next push asks again."""
         self._plans = PlanCache()
         self._delta = DeltaBase(host_copy=delta_host_copy)
         patch_kernels.warm_up_in_background()  # compiled once per numba cache; loaded before the first patch

@@ -208,23 +208,26 @@ def test_plan_is_reused_while_the_layout_holds(server, monkeypatch):
 def test_a_server_restarted_with_smaller_messages_is_asked_again_after_a_failed_push(tmp_path):
     """The SDK keeps what GetServerInfo said (chunk size, worker counts) between pushes. A server restarted
     at the same address with a smaller --max-message-bytes refuses the chunks cut for the old one: that push
-    fails, and the next one asks again and cuts chunks the new server takes."""
-    first = start_server(tmp_path, workers=1)
+    fails, and the next one asks again and cuts chunks the new server takes. (The new limit still lets the
+    old chunks through gRPC, so the refusal is the server's own, typed: an over-long message is gRPC's
+    RESOURCE_EXHAUSTED or, racing the stream's reset, INTERNAL.)"""
+    old_limit, new_limit = 2 << 20, (2 << 20) - (32 << 10)
+    first = start_server(tmp_path, "--max-message-bytes", str(old_limit), workers=1)
     address = first.address
-    tensors = {"w": torch.arange(3 << 20, dtype=torch.int32)}  # 12 MiB: one 12 MiB chunk for the first server
+    tensors = {"w": torch.arange(3 << 20, dtype=torch.int32)}  # 12 MiB: chunks of old_limit - 64 KiB
     with WeightSyncClient(address, timeout=60) as client:
         client.push(tensors, version="v0", transport="inline", allow_new_tensors=True, delta=False)
         assert first.stop() == 0
-        second = start_server(tmp_path, "--listen", address, "--max-message-bytes", str(1 << 20), workers=1)
+        second = start_server(tmp_path, "--listen", address, "--max-message-bytes", str(new_limit), workers=1)
         try:
             with pytest.raises(UpdateFailed) as failed:
                 client.push(tensors, version="v1", transport="inline", allow_new_tensors=True, delta=False)
-            assert failed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (failed.value.code, failed.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "CHUNK_SIZE_INVALID")
             result = client.push(tensors, version="v2", transport="inline", allow_new_tensors=True, delta=False)
             assert result.bytes_sent == 12 << 20
             info = client.server_info()[0]
             assert (info.current_version.version, info.store_state) == ("v2", pb.STORE_STATE_CONSISTENT)
-            assert info.limits.max_chunk_bytes == (1 << 20) - (64 << 10)
+            assert info.limits.max_chunk_bytes == new_limit - (64 << 10)
             assert client.verify(tensors).ok
             assert server_checksums(second) == [local_checksums(tensors)]
         finally:

@@ -221,8 +221,10 @@ class PushRun:
         return all(stream.server in unsettled for stream, _ in failures)
 
     def _note_unsettled(self, streams: list[UpdateStream]) -> None:
-        """Remember the servers whose stream we gave up on: see Server.unsettled."""
-        silent = {s.server for s in streams if s.unresponsive}
+        """Remember the servers whose stream we gave up on, or lost with its connection (a cut link: the
+        server learns of it only by its own timeouts): see Server.unsettled."""
+        silent = {s.server for s in streams if s.unresponsive or (
+            s.failure is not None and s.failure.code == grpc.StatusCode.UNAVAILABLE)}
         for server in self.servers:
             if server.address in silent:
                 server.unsettled = True

@@ -403,6 +403,11 @@ CUT_FAILURE = {
     # node-b's stream takes no more bytes; the SDK gives up after its per-RPC timeout.
     "inline": (("DEADLINE_EXCEEDED", "SERVER_UNRESPONSIVE"), RPC_TIMEOUT),
 }
+INLINE_CUT_LOST = ("UNAVAILABLE", "SERVER_UNREACHABLE")
+"""INLINE, the other of two equal timers: the kernel gives up on the unacknowledged bytes after the
+channel's keepalive timeout (gRPC sets TCP_USER_TIMEOUT to it; client/servers.py makes it the client
+timeout), the same moment the SDK's own give-up comes due. Under load either fires first (a fresh-clone
+CI run saw this one); both name node-b, at the same bound."""
 
 
 @pytest.mark.parametrize("mode", ["staged", "in_place"])
@@ -427,8 +432,9 @@ def test_link_cut_mid_update(cluster, impaired, request, transport, mode):
     assert failed["type"] == "UpdateFailed"
     status, bound = CUT_FAILURE[transport]
     # The cut-off node is named, with a status that says so.
-    assert (failed["code"], failed["reason"], failed["server"]) == (
-        *status, f"{cluster.mesh.host('node-b').ip}:{SERVER_PORT}"), failed
+    named = (failed["code"], failed["reason"], failed["server"])
+    node_b = f"{cluster.mesh.host('node-b').ip}:{SERVER_PORT}"
+    assert named == (*status, node_b) or (transport == "inline" and named == (*INLINE_CUT_LOST, node_b)), failed
     # At the timeout, plus the SDK's grace for the servers to answer the abort (4 s).
     assert elapsed <= bound + 4.0 + MARGIN, failed
 

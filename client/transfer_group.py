@@ -23,6 +23,7 @@ from weightsync.client.rendezvous import Rendezvous
 from weightsync.client.servers import Server, ServerSet
 from weightsync.common.address import parse_address
 from weightsync.common.collective import CollectiveGroup, host_store, local_address_towards
+from weightsync.common.device_identity import normalize_uuid
 from weightsync.common.logging import get_logger
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -46,12 +47,6 @@ class TransferGroup:
 WORKER_UUID_FIELD = "device_uuid"
 """WorkerInfo's device UUID ("GPU-...", empty for CPU workers), once servers report it; until then every
 worker reads as "" and no GPU is known to be shared."""
-
-
-def normalize_uuid(uuid: str) -> str:
-    """One spelling for a GPU's UUID: nvidia-smi and NVML write "GPU-<uuid>", torch the bare <uuid>."""
-    uuid = uuid.strip().lower()
-    return uuid.removeprefix("gpu-")
 
 
 def gpu_uuid(device: torch.device) -> str:

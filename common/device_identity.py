@@ -10,7 +10,8 @@ from __future__ import annotations
 
 
 def normalize_uuid(text: str) -> str:
-    """One spelling of a GPU UUID: lowercase, without nvidia-smi's "GPU-" prefix."""
+    """One spelling of a GPU UUID: lowercase, without the "GPU-" prefix (nvidia-smi and NVML write
+    "GPU-<uuid>", torch the bare <uuid>)."""
     text = text.strip().lower()
     return text[4:] if text.startswith("gpu-") else text
 

@@ -8,7 +8,7 @@ larger than the bucket size gets a bucket of its own.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -115,16 +115,3 @@ def plan_buckets(metas: Iterable[TensorMeta], bucket_size_bytes: int) -> list[Bu
     close()
     return buckets
 
-
-def plan_to_proto(buckets: Sequence[BucketLayout]) -> tensor_pb2.WeightPlan:
-    return tensor_pb2.WeightPlan(buckets=[b.to_proto() for b in buckets])
-
-
-def bucket_signature(bucket: tensor_pb2.BucketSpec) -> tuple:
-    """What must be equal for a bucket to be received straight into a segment."""
-    return (
-        bucket.size_bytes,
-        tuple(
-            (t.name, t.dtype, tuple(t.shape), t.offset_bytes, t.size_bytes) for t in bucket.tensors
-        ),
-    )

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.client.planning import PlannedBucket
+from weightsync.client.planning import PlannedBucket, storage_bytes
 from weightsync.v1 import tensor_pb2
 
 
@@ -42,10 +42,6 @@ def fingerprint(named: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: in
             for name, t in named
         ),
     )
-
-
-def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +77,7 @@ class CachedPlan:
     def rebind(self, tensors: dict[str, torch.Tensor]) -> list[PlannedBucket]:
         """The plan over these tensors (same layout: same fingerprint)."""
         return [
-            PlannedBucket(spec, None if where is None else _storage_bytes(tensors[where.name])[where.start : where.end])
+            PlannedBucket(spec, None if where is None else storage_bytes(tensors[where.name])[where.start : where.end])
             for spec, where in zip(self.plan.buckets, self.flat, strict=True)
         ]
 

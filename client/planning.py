@@ -40,9 +40,9 @@ class PlannedBucket:
     """A deferred bucket's layout for this push (TensorSource.laid_out), not a bucket of the plan."""
 
 
-def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    storage = tensor.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of the whole storage under `tensor` (no copy): where a flat bucket's bytes are read."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
 def _byte_offset(tensor: torch.Tensor) -> int:
@@ -86,7 +86,7 @@ def _flat_runs(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[int, int
 def _flat_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_size_bytes: int) -> list[PlannedBucket]:
     """Split one flat run into buckets at tensor boundaries, offsets as laid out."""
     out: list[PlannedBucket] = []
-    storage = _storage_bytes(named[0][1])
+    storage = storage_bytes(named[0][1])
     group: list[tuple[str, torch.Tensor]] = []
 
     def close() -> None:
@@ -143,7 +143,7 @@ def _piece_buckets(name: str, tensor: torch.Tensor, bucket_size_bytes: int) -> l
     """One bucket per piece of a tensor too large for one; flat (its own memory) where it is contiguous."""
     size = _nbytes(tensor)
     contiguous = tensor.is_contiguous()
-    storage = _storage_bytes(tensor) if contiguous else None
+    storage = storage_bytes(tensor) if contiguous else None
     base = _byte_offset(tensor)
     out = []
     for start, end in piece_ranges(size, bucket_size_bytes):

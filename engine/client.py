@@ -118,6 +118,10 @@ class StoreSnapshot:
         self.release(applied=self.applied and kind is None, error="" if kind is None else f"{kind.__name__}: {value}")
 
 
+WORKER_DEPRECATED = ("EngineClient(worker=...) is deprecated and ignored: the node has one store, which every "
+                     "engine reads; drop the argument (a later release removes it)")
+
+
 class EngineClient:
     """Attach to the node's store, read versions, report what is served."""
 
@@ -128,15 +132,18 @@ class EngineClient:
         socket_path: str | None = None,
         name: str = "engine",
         device: str = "cpu",
-        worker: int = -1,
+        worker: int | None = None,
         token: str | None = None,
         timeout: float = 60.0,
     ) -> None:
         """server: the node's gRPC address (its local socket is looked up with GetServerInfo), or
         socket_path: the local socket itself. device: where this engine copies the weights ("cpu",
         "cuda:N" in this process's numbering): a CUDA engine pins the mapped store and waits for its
-        copies before a release. worker: ignored (older servers kept one replica per worker)."""
-        del worker
+        copies before a release. worker: deprecated and ignored (servers before 0.3 kept one replica
+        per worker; the node now has one store, which every engine reads): passing it warns with a
+        DeprecationWarning, and a later release drops it."""
+        if worker is not None:
+            warnings.warn(WORKER_DEPRECATED, DeprecationWarning, stacklevel=2)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise EngineError("DEVICE_UNAVAILABLE", f"this process has no CUDA device {device!r}",

@@ -346,7 +346,7 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         try:
             self._client = EngineClient(
                 server=init_info.server or None, socket_path=init_info.local_socket or None,
-                name=name, device=_device_name(self.device), worker=init_info.worker,
+                name=name, device=_device_name(self.device),
                 token=init_info.token or None, timeout=init_info.timeout_s,
             )
         except EngineError as error:

@@ -12,7 +12,7 @@ The update's lifecycle (and every check on a bucket) lives in receiver.py; this 
 dispatches. Commands are handled one at a time, in order; each gets exactly one event with
 the same command_id: its result or CommandFailed. A command blocks the loop only inside a
 collective (every collective has its group's timeout) or a join (bounded by its deadline,
-see groups.py).
+see group_table.py).
 
 A sticky CUDA error ends the process after its CommandFailed went out (see
 device_faults.py): the supervisor restarts the worker; the store is the server's.
@@ -225,6 +225,7 @@ class Worker:
         if update is not None and update.group_id == group_id:
             self._abort("group deleted")
         self.groups.leave(group_id)
+        self.receiver.release_staging()  # the device staging (NCCL's) goes back while no update runs
         event.group_left.group_id = group_id
         log.info("group_left", group_id=group_id)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import warnings
 
 import grpc
 import pytest
@@ -72,13 +73,19 @@ def test_every_engine_reads_the_one_store_whatever_worker_it_names(node, trainer
     assert (caught.value.reason, caught.value.metadata) == ("DEVICE_UNAVAILABLE", {"device": "cuda:0"})
     v1 = weights(1)
     trainer.push(v1, version="one-store", transport="inline", allow_new_tensors=True)
-    with EngineClient(server=node.address, name="a", worker=1) as a, EngineClient(server=node.address, name="b") as b:
-        with a.acquire() as first, b.acquire() as second:
-            assert first.version == second.version and first.version.version == "one-store"
-            for name, tensor in v1.items():
-                assert torch.equal(first.tensors[name], tensor) and torch.equal(second.tensors[name], tensor)
-                # the same memory: one copy per node, mapped by each engine
-                assert first.tensors[name].untyped_storage().nbytes() == second.tensors[name].untyped_storage().nbytes()
+    with pytest.warns(DeprecationWarning, match=r"EngineClient\(worker=\.\.\.\) is deprecated and ignored"):
+        a = EngineClient(server=node.address, name="a", worker=1)
+    with a:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)  # without worker=, no warning
+            b = EngineClient(server=node.address, name="b")
+        with b:
+            with a.acquire() as first, b.acquire() as second:
+                assert first.version == second.version and first.version.version == "one-store"
+                for name, tensor in v1.items():
+                    assert torch.equal(first.tensors[name], tensor) and torch.equal(second.tensors[name], tensor)
+                    # the same memory: one copy per node, mapped by each engine
+                    assert first.tensors[name].untyped_storage().nbytes() == second.tensors[name].untyped_storage().nbytes()
 
 
 def test_follower_warm_starts_then_applies_only_what_changed(node, trainer):

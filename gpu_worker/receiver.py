@@ -20,7 +20,9 @@ This module only moves and checks bytes. Two lanes:
            then go to the store on a copy stream. A staging buffer is received into again only
            once the copy out of it completed (the current stream waits on its event), and the
            update's commit or abort waits for every copy: nothing reads the store's bytes before
-           they are there.
+           they are there. An abort gives the staging buffers back (and torch's cached blocks,
+           `empty_cache`), as does the worker when a group is deleted with no update in flight;
+           the next update that needs them allocates them again.
 
 A bucket's bytes count as touching the store (an IN_PLACE abort marks its tensors dirty) from
 the moment they can reach it: before the receive for one received straight into the store,
@@ -154,19 +156,25 @@ class DeviceLane:
             torch.cuda.current_stream(self.device).wait_event(event)
         return index, self.slots[index][:size]
 
+    @property
+    def copy_stream(self) -> torch.cuda.Stream:
+        """The stream the copies out of staging run on (created at first use)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
     def copy_out(self, index: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy (device source, host destination) pairs on the copy stream, after what the current stream
         did (the receive); the buffer is reused only after these copies (its event)."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+        stream = self.copy_stream
         received = torch.cuda.Event()
         received.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(received)
+        with torch.cuda.stream(stream):
+            stream.wait_event(received)
             for source, destination in pairs:
                 destination.copy_(source, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self._stream)
+            done.record(stream)
         self.copied[index] = done
 
     def drain(self) -> None:
@@ -175,6 +183,7 @@ class DeviceLane:
             self._stream.synchronize()
 
     def release(self) -> None:
+        """Every copy out completed, then the staging buffers and torch's cached blocks go back to the device."""
         self.drain()
         self.slots = []
         self.copied = [None, None]
@@ -255,9 +264,16 @@ class Receiver:
         self.update = None
 
     def abort(self) -> None:
-        if self.lane is not None:
-            self.lane.drain()  # no copy keeps writing into the store after the server took the abort
+        """Drop the update: every copy out of device staging completed (none keeps writing into the store
+        after the server took the abort), then the device staging is given back."""
         self.update = None
+        self.release_staging()
+
+    def release_staging(self) -> None:
+        """Give the device staging back (and torch's cached blocks): at an abort, and when the worker leaves
+        a group with no update in flight. A no-op while an update runs, and on a CPU worker."""
+        if self.lane is not None and self.update is None:
+            self.lane.release()
 
     # -- receiving ------------------------------------------------------------------------------
     def _expected(self, update: ReceiveUpdate, receive: wpb.ReceiveBucketCommand, *,

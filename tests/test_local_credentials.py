@@ -2,9 +2,10 @@
 
 A real server with --token-file and --engine vllm-http pointing at a fake vLLM (tests/fake_vllm.py)
 that really attaches to the local socket with the token the driver hands it. After the token file
-is rewritten and SIGHUP sent, the new token attaches over the local socket and the old one is
-refused (UNAUTHENTICATED TOKEN_INVALID), also on a connection attached before the rotation; the
-driver initializes vLLM again with the new token, so the next commit is served.
+is rewritten and SIGHUP sent, the new token attaches over the local socket (an engine, and an SHM
+trainer opening the ingress) and the old one is refused (UNAUTHENTICATED TOKEN_INVALID), also on a
+connection attached before the rotation; the driver initializes vLLM again with the new token, so
+the next commit is served.
 """
 
 from __future__ import annotations
@@ -94,9 +95,11 @@ def test_sighup_rotates_the_token_of_the_local_socket_and_the_driver(rotated):
         with engine.acquire() as snapshot:
             assert all(torch.equal(snapshot.tensors[k], v) for k, v in weights(1).items())
 
-    # The driver hands vLLM the token in force: vLLM attaches with it and serves the next commit.
+    # An SHM trainer attaches to the local socket with the new token too (its ingress comes from
+    # there), and the driver hands vLLM the token in force: vLLM attaches with it and serves the
+    # next commit.
     with WeightSyncClient(server.address, token=TOKEN_TWO) as trainer:
-        trainer.push(weights(2), version="v2", transport="inline")
+        trainer.push(weights(2), version="v2", transport="shm")
     wait_for(lambda: serving(server, TOKEN_TWO, "v2"))
     assert fake.tokens() == [TOKEN_ONE, TOKEN_TWO] and fake.attach_errors == []
     assert all(torch.equal(fake.weights[k], v) for k, v in weights(2).items())

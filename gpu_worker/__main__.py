@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from weightsync.common.nccl_env import worker_environment
     from weightsync.gpu_worker.device_faults import DeviceFault, classify
 
-    # NCCL groups of this process: no torch watchdog or monitor, our timeouts decide (nccl_env.py).
+    # NCCL groups of this process: no torch watchdog or monitor, our timeouts decide (common/nccl_env.py).
     # Set once, here, before any thread or group exists.
     os.environ.update(worker_environment(os.environ))
     # One intra-op thread: copies and checksums are memory-bound, and OpenMP

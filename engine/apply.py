@@ -60,15 +60,23 @@ def apply_to_module(
     strict: bool = True,
 ) -> list[str]:
     """Copy what changed since `since_generation` (-1: everything) into the module's parameters and
-    buffers; returns the names copied. Marks the snapshot applied."""
+    buffers; returns the names copied. Marks the snapshot applied.
+
+    Copies into a CUDA module are queued on the device's current stream and return at once (from
+    the pinned store mapping of a CUDA engine they run asynchronously, at DMA speed); the snapshot's
+    release waits for them (every device copied to is added to `snapshot.devices`) before the lease
+    goes, since an IN_PLACE update may overwrite the store's bytes from then on. Host copies are
+    synchronous."""
     plan = plan_module_update(module, snapshot, since_generation=since_generation, name_map=name_map, strict=strict)
+    same_device = [(t, s) for _, t, s in plan if t.device == s.device]
+    crossing = [(t, s) for _, t, s in plan if t.device != s.device]
+    snapshot.devices = snapshot.devices | {d for pair in crossing for d in (pair[0].device, pair[1].device)
+                                           if d.type == "cuda"}
     with torch.no_grad():
-        same_device = [(t, s) for _, t, s in plan if t.device == s.device]
         if same_device:
             torch._foreach_copy_([t for t, _ in same_device], [s for _, s in same_device])
-        for _, target, source in plan:
-            if target.device != source.device:
-                target.copy_(source, non_blocking=False)
+        for target, source in crossing:
+            target.copy_(source, non_blocking=True)
     snapshot.applied = True
     return [name for name, _, _ in plan]
 

@@ -117,6 +117,10 @@ def require_base(begin: pb.BeginUpdate, summary: PlanSummary, version: Published
                               patched_tensors=summary.patch_count)
     if begin.base_generation < 0:
         raise InvalidArgument("BASE_GENERATION_MISSING", f"base_generation {begin.base_generation} is negative")
+    if begin.base_store_epoch < 0:  # no store has one (epochs are positive): a malformed field, not a mismatch
+        raise InvalidArgument("BASE_EPOCH_INVALID", f"base_store_epoch {begin.base_store_epoch} is negative: send the "
+                              "positive store_epoch the base was committed in (WeightVersion.store_epoch)",
+                              base_store_epoch=begin.base_store_epoch)
     if begin.base_generation and begin.base_store_epoch <= 0:
         raise InvalidArgument("BASE_EPOCH_MISSING", "base_generation needs base_store_epoch (the store_epoch the "
                               "base was committed in: WeightVersion.store_epoch)")

@@ -401,6 +401,17 @@ def test_bad_begin(server, tracker, fields, code, reason):
     assert_error(error, code, reason)
 
 
+@pytest.mark.parametrize("with_base", [True, False], ids=["with-base-generation", "without"])
+def test_a_negative_base_store_epoch_is_invalid_not_missing(server, tracker, with_base):
+    """No store has a negative epoch: the field is malformed (BASE_EPOCH_INVALID, naming it), not
+    absent (BASE_EPOCH_MISSING would tell a client to add the epoch it sent)."""
+    generation = tracker.version.generation if with_base else 0
+    begin = begin_message(tracker.trainer.group_id, good_plan(tracker.model), base_generation=generation,
+                          base_store_epoch=-tracker.version.store_epoch)
+    assert_error(begin_error(server, begin), Code.INVALID_ARGUMENT, "BASE_EPOCH_INVALID",
+                 base_store_epoch=-tracker.version.store_epoch)
+
+
 def test_plan_id_not_cached(server, tracker):
     group_id = tracker.trainer.group_id
     error = begin_error(server, begin_message(group_id, plan_id="0123456789abcdef0123456789abcdef"))

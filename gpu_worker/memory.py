@@ -9,6 +9,13 @@ That takes a while for a large arena and must never hold the GIL meanwhile: the 
 heartbeat thread has to keep beating, or the server takes a busy worker for a stalled one
 (mmap.madvise holds the GIL for the whole call; madvise through ctypes, in chunks, does not).
 
+Faulting pages in never writes them: an arena a worker maps may already hold committed
+weights (every mapping after a worker restart does), and only an update may write the
+store. Where MADV_POPULATE_WRITE is missing (Linux < 5.14, gVisor) the pages are touched
+by reading one byte of each. The server allocated every page of an arena (fallocate), so a
+read fault maps the page itself, writable in a shared mapping without a write-notify hook
+(shmem has none): the later write pays no second fault worth measuring.
+
 A CUDA worker copies what NCCL delivered into its device staging buffers to the store
 with the device's DMA engines: it pins each mapping (cudaHostRegister) when it maps it,
 so those copies are asynchronous and at full speed. If pinning fails the copies still
@@ -30,10 +37,14 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.common.host_pinning import pin_host, unpin_host
+from weightsync.common.logging import get_logger
+
+log = get_logger("weightsync.worker.memory")
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; mmap does not name it before Python 3.13
 POPULATE_CHUNK_BYTES = 64 << 20
 """Pre-fault in chunks: each madvise call is short even where the GIL would be held."""
+PAGE_BYTES = mmap.PAGESIZE
 
 
 @dataclass(slots=True)
@@ -79,18 +90,29 @@ def _libc_madvise():
 _madvise = _libc_madvise()
 
 
-def populate(data: torch.Tensor) -> None:
-    """Fault in every page of a host mapping for writing, without holding the GIL.
+def populate(data: torch.Tensor) -> bool:
+    """Fault in every page of a host mapping, without writing it and without holding the GIL.
 
-    `data` is a uint8 tensor over a page-aligned mapping. Chunked, so even the
-    fallback (a kernel without MADV_POPULATE_WRITE: torch zeroes each chunk, which
-    also releases the GIL) lets other threads run between chunks."""
+    `data` is a uint8 tensor over a page-aligned mapping whose bytes may be committed
+    weights: nothing here may change one of them. Chunked, so even the fallback (a
+    kernel without MADV_POPULATE_WRITE: torch reads one byte of each page, which also
+    releases the GIL) lets other threads run between chunks. Returns whether the
+    madvise did the work (False: the pages were touched by reading)."""
     size = data.numel()
     base = data.data_ptr()
+    advised = _madvise is not None
     for start in range(0, size, POPULATE_CHUNK_BYTES):
         length = min(POPULATE_CHUNK_BYTES, size - start)
-        if _madvise is None or _madvise(base + start, length, MADV_POPULATE_WRITE) != 0:
-            data[start : start + length].zero_()  # older kernel: touch the pages by hand
+        if advised and _madvise(base + start, length, MADV_POPULATE_WRITE) == 0:
+            continue
+        advised = False  # one refusal is the kernel's answer for every chunk
+        touch_pages(data[start : start + length])
+    return advised
+
+
+def touch_pages(chunk: torch.Tensor) -> None:
+    """Read one byte of each page of `chunk` (page-aligned uint8): a read fault per page, no write."""
+    chunk[::PAGE_BYTES].max()
 
 
 def map_arena(arena_id: int, fd: int, size_bytes: int, device: torch.device) -> MappedArena:
@@ -103,7 +125,9 @@ def map_arena(arena_id: int, fd: int, size_bytes: int, device: torch.device) -> 
     finally:
         os.close(fd)  # the mapping keeps the memory; the server holds the arena itself
     data = torch.frombuffer(mapping, dtype=torch.uint8)
-    populate(data)
+    if not populate(data):
+        log.info("arena_pages_touched_by_reading", arena_id=arena_id, size_bytes=size_bytes,
+                 reason="MADV_POPULATE_WRITE refused (Linux < 5.14?)")
     return MappedArena(arena_id, data, mapping, pin_host(data) if device.type == "cuda" else [])
 
 

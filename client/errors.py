@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
+
+from weightsync.common.errors import error_info
 
 
 class WeightSyncClientError(Exception):
@@ -28,16 +28,7 @@ class WeightSyncRpcError(WeightSyncClientError):
 
     @staticmethod
     def from_rpc(server: str, error: grpc.RpcError) -> WeightSyncRpcError:
-        reason, metadata = "", {}
-        try:
-            status = rpc_status.from_call(error)  # type: ignore[arg-type]
-        except Exception:  # noqa: BLE001 - a malformed status is still an error
-            status = None
-        if status is not None:
-            for detail in status.details:
-                info = error_details_pb2.ErrorInfo()
-                if detail.Unpack(info):
-                    reason, metadata = info.reason, dict(info.metadata)
+        reason, metadata = error_info(error)
         code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
         details = error.details() if callable(getattr(error, "details", None)) else str(error)
         if not reason and code == grpc.StatusCode.UNAVAILABLE:

@@ -123,3 +123,21 @@ def error_from_code(code: int, reason: str, message: str, metadata: dict[str, st
     status = _CODE_BY_NUMBER.get(code, grpc.StatusCode.INTERNAL)
     cls = _BY_CODE.get(status, Internal)
     return cls(reason, message, **metadata)
+
+
+def error_info(error: grpc.RpcError) -> tuple[str, dict[str, str]]:
+    """The ErrorInfo reason and metadata a refused call's status carries; ("", {}) where it carries
+    none (a status from gRPC itself, or one that does not parse)."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a malformed status is still an error
+        return "", {}
+    reason, metadata = "", {}
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            reason, metadata = info.reason, dict(info.metadata)
+    return reason, metadata

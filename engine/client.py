@@ -27,11 +27,9 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from weightsync.common import dtypes
-from weightsync.common.errors import status_code
+from weightsync.common.errors import error_info, status_code
 from weightsync.common.host_pinning import READ_ONLY, pin_host, unpin_host
 from weightsync.common.local_wire import LocalConnection, close_fds
 from weightsync.v1 import local_pb2
@@ -261,15 +259,7 @@ def _engine_error(server: str, error: grpc.RpcError) -> EngineError:
     """A refused gRPC call as an EngineError: its code, and the ErrorInfo reason and metadata."""
     code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
-    reason, metadata = "", {}
-    try:
-        status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - a malformed status is still an error
-        status = None
-    for detail in status.details if status is not None else ():
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            reason, metadata = info.reason, dict(info.metadata)
+    reason, metadata = error_info(error)
     if not reason:
         reason = "SERVER_UNREACHABLE" if code == grpc.StatusCode.UNAVAILABLE else code.name
     return EngineError(reason, f"{server}: {code.name}: {details}", code, metadata)

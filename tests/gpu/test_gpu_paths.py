@@ -6,7 +6,9 @@ The trainer's tensors are written on the current stream right behind a long
 those kernels ran sends stale bytes, and `verify` (WS64 of the store) plus the bytes an engine
 maps catch it. Engines get a long kernel queued before their copies out of the pinned store,
 then an IN_PLACE push follows at once: an engine that released its lease before its copies ran
-would read torn bytes (a control run without the release's synchronize shows it).
+would read torn bytes (a control run without the release's synchronize shows it). A CUDA
+worker's device staging is taken again only after the copy out of it ran, and goes back to the
+device at an abort.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 
 from weightsync.client import WeightSyncClient
 from weightsync.common.checksum import ws64
+from weightsync.common.collective import BUCKET_TAIL_BYTES
 from weightsync.common.dtypes import SUPPORTED_PROTO_DTYPES, entry_for_proto
-from weightsync.engine import EngineClient, ModuleFollower
+from weightsync.engine import EngineClient, ModuleFollower, apply_to_module
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from gpukit import (
@@ -54,40 +57,85 @@ def test_a_cuda_trainer_sends_the_bytes_its_stream_wrote(transport, store, reque
     assert not worker.staging_on_device  # Gloo, INLINE and SHM never touch a worker's GPU
 
 
-def follow_then_overwrite(server, monkeypatch, *, synchronize: bool) -> tuple[dict, dict, dict]:
+def module_like(model: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, dict[str, str]]:
+    """A module with an empty CUDA buffer per tensor, and the store name -> buffer name map."""
+    module = torch.nn.Module()
+    for name, tensor in model.items():
+        module.register_buffer(name.replace(".", "_"), torch.empty_like(tensor, device="cuda"))
+    return module, {n: n.replace(".", "_") for n in model}
+
+
+def follow_then_overwrite(server, monkeypatch, *, synchronize: bool,
+                          sleep_cycles: int = SLEEP_CYCLES) -> tuple[dict, dict, dict, bool]:
     """An engine copies v1 behind a long kernel; an IN_PLACE push of v2 (built on the CPU, so nothing of
-    it waits for that kernel) follows at once. Returns v1, v2, what the engine's module holds."""
+    it waits for that kernel) follows at once. Returns v1, v2, what the engine's module holds, and
+    whether the kernel (so every copy queued behind it) was still pending when the push returned."""
     from weightsync.engine import client as engine_client
 
     if not synchronize:
         monkeypatch.setattr(engine_client, "synchronize_devices", lambda devices: None)
-    module = torch.nn.Module()
     first = {n: t.cpu() for n, t in gpu_model(10, scale=32).items()}
     second = {n: t.cpu() for n, t in gpu_model(11, scale=32).items()}
-    for name, tensor in first.items():
-        module.register_buffer(name.replace(".", "_"), torch.empty_like(tensor, device="cuda"))
-    name_map = {n: n.replace(".", "_") for n in first}
+    module, name_map = module_like(first)
     with WeightSyncClient(server.address, timeout=120) as client:
         client.push(first, version="v1", transport="inline", allow_new_tensors=True)
         with EngineClient(server=server.address, name="module", device="cuda:0") as engine:
+            with engine.acquire():  # map and pin the store now: no registration runs behind the kernel
+                pass
             follower = ModuleFollower(engine, module, name_map=name_map)
-            torch.cuda._sleep(SLEEP_CYCLES)  # the follower's copies queue behind this
+            torch.cuda.synchronize()
+            torch.cuda._sleep(sleep_cycles)  # the follower's copies queue behind this
+            slept = torch.cuda.Event()
+            slept.record()
             assert follower.update()
             client.push(second, version="v2", mode="in_place", transport="inline")  # writes the live bytes
+            pending = not slept.query()
             torch.cuda.synchronize()
-    return first, second, {n: getattr(module, name_map[n]) for n in first}
+    return first, second, {n: getattr(module, name_map[n]) for n in first}, pending
 
 
 def test_an_engine_keeps_its_lease_until_its_gpu_copies_ran(cuda_server, monkeypatch):
-    first, _second, held = follow_then_overwrite(cuda_server, monkeypatch, synchronize=True)
+    first, _second, held, pending = follow_then_overwrite(cuda_server, monkeypatch, synchronize=True)
+    assert not pending  # update() returned only once the copies ran (the release waited for them)
     assert_same_bytes(held, first)  # v1 whole, never torn
 
 
 def test_without_the_release_synchronize_the_engine_would_copy_torn_bytes(cuda_server, monkeypatch):
-    """The control: the same sequence, the release not waiting for the engine's copies."""
-    first, _second, held = follow_then_overwrite(cuda_server, monkeypatch, synchronize=False)
+    """The control: the same sequence, the release not waiting for the engine's copies. The copies are
+    asynchronous (apply_to_module queues them), so the lease went while they waited behind the kernel,
+    and the IN_PLACE push rewrote the store under them: the module gets v2's bytes, not v1's."""
+    first, second, held, pending = follow_then_overwrite(cuda_server, monkeypatch, synchronize=False,
+                                                         sleep_cycles=5 * SLEEP_CYCLES)
+    assert pending, "the push took longer than the queued kernel: this control shows nothing (raise sleep_cycles)"
     with pytest.raises(AssertionError):
         assert_same_bytes(held, first)
+    assert_same_bytes(held, second)  # every copy ran after the push had rewritten the store
+
+
+@pytest.mark.parametrize("engine_device", ["cuda:0", "cpu"])
+def test_apply_to_module_queues_its_copies_and_the_release_waits_for_them(cuda_server, engine_device):
+    """apply_to_module returns with its copies from the store still queued behind a long kernel (from the
+    pinned mapping of a CUDA engine); the snapshot's release waits for them before the lease goes, also
+    when the EngineClient was opened on the CPU (the devices copied to join the snapshot's)."""
+    model = {n: t.cpu() for n, t in gpu_model(12, scale=32).items()}
+    module, name_map = module_like(model)
+    with WeightSyncClient(cuda_server.address, timeout=120) as client:
+        client.push(model, version="v1", transport="inline", allow_new_tensors=True)
+    with EngineClient(server=cuda_server.address, name="apply", device=engine_device) as engine:
+        with engine.acquire():  # map (and pin) the store before the kernel is queued
+            pass
+        snapshot = engine.acquire()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        slept = torch.cuda.Event()
+        slept.record()
+        apply_to_module(module, snapshot, name_map=name_map)
+        if engine_device == "cuda:0":  # from pageable memory CUDA may wait for the stream before it copies
+            assert not slept.query(), "apply_to_module waited for its copies: they are not asynchronous"
+        assert snapshot.devices == frozenset({torch.device("cuda", 0)})
+        snapshot.release(applied=True)
+        assert slept.query(), "the lease went before the engine's copies ran"
+    assert_same_bytes({n: getattr(module, name_map[n]) for n in model}, model)
 
 
 def test_a_killed_cuda_worker_loses_nothing(cuda_server):
@@ -130,11 +178,14 @@ def test_staged_in_place_and_abort_on_a_cuda_worker(cuda_server):
         assert client.verify(gpu_model(33)).ok
 
 
-def test_the_device_lane_copies_to_the_pinned_store_only_after_the_receive_ran():
-    """A CUDA worker's NCCL path, in this process: the "broadcast" writes its staging buffer behind a long
-    kernel on the current stream; the copy to the pinned host store must run after it (an event), a
-    staging buffer must not be reused before its copy out ran, and commit waits for every copy. Staging
-    is the only device memory the receiver holds."""
+def test_the_device_lane_takes_a_staging_buffer_again_only_after_the_copy_out_of_it_ran():
+    """A CUDA worker's NCCL path, in this process: three buckets through the two device staging buffers.
+    The copy out of bucket 0 (slot 0) is held on the lane's copy stream behind a long kernel; bucket 2
+    takes slot 0 again and its "broadcast" writes it at once: unless that write waits on device for
+    slot 0's copy-out event, bucket 0 reaches the store as bucket 2's bytes. Each "broadcast" writes
+    its buffer behind a kernel on the current stream (the copy out waits for it through an event; the
+    tail check reads the buffer too). Commit waits for every copy. Staging is the only device memory
+    the receiver holds, and release gives it back."""
     import mmap as mmap_module
 
     from weightsync.gpu_worker.memory import map_arena
@@ -145,6 +196,7 @@ def test_the_device_lane_copies_to_the_pinned_store_only_after_the_receive_ran()
     fd = os.memfd_create("arena")
     os.ftruncate(fd, size * buckets)
     receiver = Receiver(torch.device("cuda:0"))
+    torch.cuda.synchronize()
     allocated_before = torch.cuda.memory_allocated(0)
     receiver.maps.add(map_arena(1, os.dup(fd), size * buckets, torch.device("cuda:0")))
     assert receiver.maps.arenas[1].pinned, "the store mapping is pinned for DMA"
@@ -152,25 +204,83 @@ def test_the_device_lane_copies_to_the_pinned_store_only_after_the_receive_ran()
     for k in range(buckets):
         command.buckets.add(sequence=k, size_bytes=size, receive_into=wpb.Region(arena_id=1, offset_bytes=k * size))
     receiver.prepare(command, device_lane=True)
+    lane = receiver.lane
+    assert lane is not None
     assert torch.cuda.memory_allocated(0) - allocated_before == 2 * size  # two staging buffers, nothing else
 
-    def broadcast_behind_a_sleep(k: int):
-        def transfer(buffer: torch.Tensor) -> None:
-            torch.cuda._sleep(SLEEP_CYCLES // 4)
-            buffer.fill_(k + 1)  # what NCCL would have written, queued behind the sleep
-        return transfer
+    def receive(k: int) -> None:
+        def broadcast(buffer: torch.Tensor) -> None:  # what NCCL writes, queued behind a kernel
+            torch.cuda._sleep(SLEEP_CYCLES // 8)
+            buffer.fill_(k + 1)
 
-    for k in range(buckets):
-        receive = wpb.ReceiveBucketCommand(update_id="u", sequence=k, size_bytes=size)
-        applied = receiver.receive_collective(receive, broadcast_behind_a_sleep(k), device_lane=True)
+        tail = bytes([k + 1]) * BUCKET_TAIL_BYTES  # the bucket's last bytes, as the trainer announces them
+        receive = wpb.ReceiveBucketCommand(update_id="u", sequence=k, size_bytes=size, tail=tail)
+        applied = receiver.receive_collective(receive, broadcast, device_lane=True)
         assert applied is not None and applied.fast_path
+
+    with torch.cuda.stream(lane.copy_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)  # bucket 0's copy out of slot 0 queues behind this
+    receive(0)
+    receive(1)
+    assert lane.copied[0] is not None and not lane.copied[0].query(), \
+        "bucket 0's copy out already ran: the reuse of slot 0 below would show nothing"
+    receive(2)  # slot 0 again
     receiver.commit("u")  # waits for the copy stream
     with mmap_module.mmap(fd, size * buckets, prot=mmap_module.PROT_READ) as view:
         held = torch.frombuffer(bytearray(view), dtype=torch.uint8)
     for k in range(buckets):
-        assert bool((held[k * size : (k + 1) * size] == k + 1).all()), f"bucket {k}: the copy ran before the receive"
+        got = torch.unique(held[k * size : (k + 1) * size]).tolist()
+        assert got == [k + 1], f"bucket {k}: the store holds bytes {got[:4]}: a staging buffer was written " \
+                               "before the copy out of it ran, or the copy ran before the receive"
     receiver.release()
+    assert torch.cuda.memory_allocated(0) == allocated_before
     os.close(fd)
+
+
+def test_a_cuda_worker_gives_its_device_staging_back_at_an_abort():
+    """Through the worker's command handling, in this process: a prepare that takes the device lane (as an
+    NCCL group's does; joining one needs two GPUs) allocates two staging buffers on the GPU; the abort
+    gives them back, and torch's cached blocks with them (empty_cache); the next update allocates again."""
+    from weightsync.common.shm_queue import OwnedQueue
+    from weightsync.gpu_worker.worker import Worker
+    from weightsync.worker.v1 import worker_pb2 as wpb
+
+    size = 64 << 20
+    commands, events = OwnedQueue(1 << 16), OwnedQueue(1 << 16)
+    config = wpb.WorkerConfig(index=0, device="cuda:0", queue_capacity_bytes=1 << 16, parent_pid=os.getpid())
+    worker = Worker(config, commands.queue, events.queue, None)
+    worker._device_lane = lambda group_id: True  # as for an NCCL group
+    ids = iter(range(1, 100))
+
+    def send(**command) -> wpb.WorkerEvent:
+        worker._dispatch(wpb.WorkerCommand(command_id=next(ids), **command).SerializeToString())
+        event = wpb.WorkerEvent.FromString(events.queue.get(timeout=30))
+        assert event.WhichOneof("event") != "command_failed", event.command_failed
+        return event
+
+    def prepare(update_id: str) -> wpb.WorkerEvent:
+        return send(prepare_update=wpb.PrepareUpdateCommand(update_id=update_id, staged=False,
+                                                            largest_bucket_bytes=size))
+
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        allocated, reserved = torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0)
+        prepared = prepare("u1").update_prepared
+        assert prepared.staging_on_device and prepared.staging_bytes == 2 * size
+        assert torch.cuda.memory_allocated(0) - allocated == 2 * size
+        aborted = send(abort_update=wpb.AbortUpdateCommand(update_id="u1"))
+        assert aborted.status.staging_bytes == 0
+        assert torch.cuda.memory_allocated(0) == allocated
+        assert torch.cuda.memory_reserved(0) <= reserved, "the staging stayed in torch's cache"
+        assert prepare("u2").update_prepared.staging_bytes == 2 * size  # the next update allocates again
+        committed = send(commit_update=wpb.CommitUpdateCommand(update_id="u2"))
+        assert committed.status.staging_bytes == 2 * size  # kept for the update after
+        assert send(leave_group=wpb.LeaveGroupCommand(group_id="g")).status.staging_bytes == 0
+        assert torch.cuda.memory_allocated(0) == allocated
+    finally:
+        commands.close()
+        events.close()
 
 
 @pytest.mark.parametrize("proto_dtype", SUPPORTED_PROTO_DTYPES)

@@ -1,0 +1,154 @@
+"""NCCL on one GPU: the trainer's own group code in a world of one rank, and why a trainer and a CUDA
+worker that share a GPU use Gloo.
+
+NCCL refuses two ranks of one communicator on one device: at init every rank gathers its peers' host
+hash and PCI bus id, and two ranks with the same pair fail with ncclInvalidUsage ("Duplicate GPU
+detected : rank 0 and rank 1 both on CUDA device ..."). A trainer and a CUDA worker on the same GPU
+therefore cannot form an NCCL group at all: `backend="auto"` picks Gloo and logs why, `"nccl"` is
+refused before any rendezvous (client/transfer_group.choose_backend), and the pair's test below checks
+exactly that, then pushes over the Gloo group. What NCCL does run on one GPU is a group of one rank,
+built as the trainer builds its own (client/rendezvous.Rendezvous -> common/collective.open_group:
+weightsync's NCCL environment, a non-blocking communicator connected at once), a broadcast waited for by
+polling against the group timeout, a broadcast that outlasts that timeout, and close() aborting the
+communicator within its bound; after each failure a new group works.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+import pytest
+import torch
+
+from weightsync.client import WeightSyncClient, WeightSyncClientError
+from weightsync.client.rendezvous import Rendezvous
+from weightsync.client.transfer_group import gpu_uuid
+from weightsync.common.collective import (
+    CLOSE_JOIN_SECONDS,
+    CollectiveError,
+    CollectiveGroup,
+    host_store,
+)
+from weightsync.common.device_identity import normalize_uuid
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+from gpukit import (
+    SLEEP_CYCLES,
+    assert_same_bytes,
+    gpu_model,
+    info,
+    mapped_copy,
+    written_behind_a_sleep,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+DEVICE = torch.device("cuda", 0)
+
+
+def open_alone(group_id: str, timeout_seconds: float) -> tuple[CollectiveGroup, object]:
+    """A one-rank NCCL group, opened the way WeightSyncClient.create_group opens the trainer's rank 0,
+    and its rendezvous store (kept for the group's life, as the SDK keeps it)."""
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    store = host_store("127.0.0.1", timeout)
+    rendezvous = Rendezvous(group_id=group_id, backend=pb.BACKEND_NCCL, store=store, world_size=1,
+                            timeout=timeout, device=DEVICE, local_address="127.0.0.1")
+    return rendezvous.result(timeout_seconds + 10), store
+
+
+@pytest.fixture
+def polled(monkeypatch) -> list[str]:
+    """Every NCCL wait that went through the polling path (group ids)."""
+    calls: list[str] = []
+    original = CollectiveGroup._wait_polling
+
+    def spy(self: CollectiveGroup, work) -> None:
+        calls.append(self.group_id)
+        original(self, work)
+
+    monkeypatch.setattr(CollectiveGroup, "_wait_polling", spy)
+    return calls
+
+
+def broadcast_and_check(group: CollectiveGroup, seed: int) -> None:
+    """A broadcast queued behind a long kernel: wait() returns once it completed, the bytes as they were."""
+    tensor = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device=DEVICE,
+                           generator=torch.Generator(device="cuda").manual_seed(seed))
+    expected = tensor.clone()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES // 2)
+    slept = torch.cuda.Event()
+    slept.record()
+    group.wait(group.broadcast_async(tensor))
+    assert slept.query(), "wait() returned before the broadcast queued behind the kernel completed"
+    assert_same_bytes({"t": tensor}, {"t": expected})  # a world of one: the root's own bytes
+
+
+def test_a_one_rank_nccl_group_opens_broadcasts_waits_by_polling_and_closes(polled):
+    group, _store = open_alone("solo-1", 30)
+    try:
+        assert group.backend == pb.BACKEND_NCCL and type(group._pg).__name__ == "ProcessGroupNCCL"
+        broadcast_and_check(group, seed=1)
+        broadcast_and_check(group, seed=2)
+        assert polled == ["solo-1", "solo-1"]
+    finally:
+        started = time.monotonic()
+        assert group.close(), "aborting a healthy one-rank communicator did not finish within the bound"
+        assert time.monotonic() - started < CLOSE_JOIN_SECONDS + 1
+    assert group.close()  # twice is fine
+    with pytest.raises(CollectiveError, match="closed"):
+        group.broadcast_async(torch.zeros(8, dtype=torch.uint8, device=DEVICE))
+
+
+def test_a_broadcast_that_outlasts_the_group_timeout_fails_at_it_and_close_stays_bounded(polled):
+    """The polling wait gives up at the group's timeout (never torch's timed wait, which would abort in this
+    thread); close() aborts the communicator with the broadcast still queued, within CLOSE_JOIN_SECONDS;
+    the device stays usable and the next group works."""
+    timeout = 2.0
+    group, _store = open_alone("solo-late", timeout)
+    tensor = torch.zeros(1 << 20, dtype=torch.uint8, device=DEVICE)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(6 * SLEEP_CYCLES)  # about 6 s: the broadcast completes only after it
+    work = group.broadcast_async(tensor)
+    started = time.monotonic()
+    with pytest.raises(CollectiveError) as failed:
+        group.wait(work)
+    waited = time.monotonic() - started
+    assert failed.value.timed_out and timeout <= waited < timeout + 1, waited
+    assert polled == ["solo-late"]
+    started = time.monotonic()
+    closed = group.close()
+    assert time.monotonic() - started < CLOSE_JOIN_SECONDS + 1, f"close() held its caller (finished: {closed})"
+    torch.cuda.synchronize()  # the kernel drains; the context is sound
+    after, _after_store = open_alone("solo-next", 30)
+    try:
+        broadcast_and_check(after, seed=3)
+    finally:
+        assert after.close()
+
+
+def test_a_trainer_and_a_cuda_worker_on_one_gpu_use_gloo_and_say_why(cuda_server, caplog):
+    """NCCL cannot put this process (rank 0) and the server's worker on cuda:0 into one communicator
+    (Duplicate GPU): `nccl` is refused naming the worker and the GPU, before any group exists; `auto`
+    picks Gloo and logs the reason; the push then goes over that Gloo group, bit for bit."""
+    caplog.set_level(logging.INFO, logger="weightsync.client")
+    mine = gpu_uuid(DEVICE)
+    server = info(cuda_server)
+    assert pb.BACKEND_NCCL in server.backends, "the CUDA worker offers NCCL: only the shared GPU rules it out"
+    assert normalize_uuid(server.workers[0].device_uuid) == mine
+    with WeightSyncClient(cuda_server.address, timeout=120) as client:
+        with pytest.raises(WeightSyncClientError, match="NCCL cannot put two ranks of one group on one GPU") as refused:
+            client.create_group(backend="nccl", timeout=60)
+        assert "worker 0 of " in str(refused.value) and mine in str(refused.value)
+        assert [groups for groups in client.list_groups().values()] == [[]]  # refused before any rendezvous
+        client.create_group(backend="auto", timeout=60)
+        [groups] = client.list_groups().values()
+        assert [g.backend for g in groups] == [pb.BACKEND_GLOO]
+        said = [r.weightsync for r in caplog.records if getattr(r, "weightsync", {}).get("event") == "nccl_not_chosen"]
+        assert said and said[-1]["reason"] == "a worker shares this process's GPU" and said[-1]["gpu"] == mine
+        model = written_behind_a_sleep(gpu_model(60))
+        client.push(model, version="v1", transport="collective", allow_new_tensors=True)
+        assert client.verify(model).ok
+        assert_same_bytes(mapped_copy(cuda_server, "cuda:0"), model)

@@ -125,10 +125,12 @@ def map_arena(arena_id: int, fd: int, size_bytes: int, device: torch.device) -> 
     finally:
         os.close(fd)  # the mapping keeps the memory; the server holds the arena itself
     data = torch.frombuffer(mapping, dtype=torch.uint8)
-    if not populate(data):
+    # Pinning faults every page in itself: pre-faulting first would walk the arena twice.
+    pinned = pin_host(data) if device.type == "cuda" else []
+    if not pinned and not populate(data):
         log.info("arena_pages_touched_by_reading", arena_id=arena_id, size_bytes=size_bytes,
                  reason="MADV_POPULATE_WRITE refused (Linux < 5.14?)")
-    return MappedArena(arena_id, data, mapping, pin_host(data) if device.type == "cuda" else [])
+    return MappedArena(arena_id, data, mapping, pinned)
 
 
 def map_ingress(fd: int, size_bytes: int) -> torch.Tensor | None:

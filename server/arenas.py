@@ -28,6 +28,19 @@ from weightsync.common.errors import ResourceExhausted
 from weightsync.common.layout import align_segment
 
 
+MAP_FLOOR_BYTES_PER_SECOND = 1 << 30
+"""The slowest rate at which a worker is expected to map arenas: fault every page in, or pin it
+with cudaHostRegister (which faults pages in itself). Either runs at several GB/s on one
+process; 1 GiB/s leaves room for every worker and engine of a node doing it at once."""
+
+
+def map_timeout(base_seconds: float, size_bytes: int) -> float:
+    """How long a worker may take to map `size_bytes` of new arenas: the command bound, plus the
+    bytes at the floor rate. A fixed bound does not scale: a 140 GB model with its STAGED shadow
+    is ~280 GB to map, and a worker killed for taking longer maps it all again after its restart."""
+    return base_seconds + max(0, size_bytes) / MAP_FLOOR_BYTES_PER_SECOND
+
+
 @dataclass(slots=True)
 class HostArena:
     """One arena: its descriptor (the server's hold on the memory) and size."""

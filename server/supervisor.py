@@ -30,6 +30,7 @@ from weightsync.common.logging import get_logger
 from weightsync.common.shm_queue import OwnedQueue, QueueCorrupted
 from weightsync.gpu_worker.device_faults import EXIT_DEVICE_LOST
 from weightsync.server.arenas import HostArena
+from weightsync.server.arenas import map_timeout
 from weightsync.server.fleet import FanOut
 from weightsync.server.ingress import Ingress
 from weightsync.server.tasks import supervised
@@ -320,7 +321,10 @@ class Supervisor:
     # -- the node store's arenas ---------------------------------------------------------
     async def map_arenas(self, worker: WorkerHandle, arenas: list[HostArena], timeout: float) -> None:
         """Make sure this worker process maps these arenas: their descriptors go over its fd channel,
-        then the command that names them (in that order, so the worker finds them there)."""
+        then the command that names them (in that order, so the worker finds them there). The wait
+        grows with the bytes to map (map_timeout): faulting in or pinning a large store takes time
+        in proportion, and a fixed bound would kill a worker that maps a large model, again and
+        again at every restart."""
         missing = [a for a in arenas if a.arena_id not in worker.mapped]
         if not missing:
             return
@@ -331,7 +335,7 @@ class Supervisor:
                                                for a in missing])
         send_fds(worker.channel, [a.fd for a in missing])
         incarnation = worker.restart_count
-        await self.call(worker, timeout, map_arenas=command)
+        await self.call(worker, map_timeout(timeout, sum(a.size_bytes for a in missing)), map_arenas=command)
         if worker.restart_count == incarnation:
             worker.mapped.update(a.arena_id for a in missing)
 

@@ -211,10 +211,3 @@ def patched_ws64(data: bytes, live: torch.Tensor, count: int, tensor: str = "") 
     copy = live.detach().clone()
     apply(data, copy, count, tensor)
     return ws64(copy)
-
-
-def new_values(data: bytes, live: torch.Tensor, count: int, tensor: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """(positions, the new elements' bits) for a patch kept until commit."""
-    flat = bits(live)
-    positions, xor = decode(data, flat.size, flat.itemsize, count, tensor)
-    return positions, flat[positions] ^ xor

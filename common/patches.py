@@ -20,7 +20,6 @@ Everything runs with torch ops on the tensor's own device.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -319,7 +318,3 @@ def _weighted_sum(change: torch.Tensor, words: torch.Tensor) -> int:
     r, c = divmod(word, ROW_WORDS), written as (r + C * c) + (1 + C); modulo 2^64 (int64 wraps)."""
     weights = torch.add(words >> _ROW_SHIFT, words & (ROW_WORDS - 1), alpha=_signed(COLUMN_FACTOR))
     return int((change * weights).sum().item()) + (1 + COLUMN_FACTOR) * int(change.sum().item())
-
-
-def numel_of(spec: tensor_pb2.TensorSpec) -> int:
-    return math.prod(spec.shape)

@@ -45,6 +45,9 @@ ABORT_GRACE_SECONDS = 4.0
 """How long an aborted push waits for each server to end its stream. A server whose workers sat
 in the broken broadcast answers within about 2 s of the group timeout; one that is cut off never
 does, and must not hold the caller for the whole RPC timeout."""
+FAILURE_POLL_SECONDS = 0.01
+"""How often a COLLECTIVE push looks for a server's report of failure while the trainer's thread waits in a
+transfer (see PushRun._abort_at_first_failure)."""
 UNSETTLED_RETRY_SECONDS = 0.25
 """Between Begins to a server still winding down the update we gave up on."""
 _SETTLING = frozenset({"UPDATE_IN_PROGRESS", "WORKER_UNAVAILABLE"})
@@ -96,6 +99,8 @@ class PushRun:
     # -- the whole push ---------------------------------------------------------------------
     def run(self) -> list[ServerOutcome]:
         streams = self.loop.run(self._begin())
+        watcher = (asyncio.run_coroutine_threadsafe(self._abort_at_first_failure(streams), self.loop.loop)
+                   if self.group_id else None)
         try:
             if self.begun is not None:
                 self.begun()
@@ -105,6 +110,9 @@ class PushRun:
             # wait for buckets that will never come.
             self.loop.run(self._abort(streams, "client error"))
             raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
         if failure is None:
             failure = first_failure(streams)
         if failure is not None:
@@ -228,6 +236,22 @@ class PushRun:
         for server in self.servers:
             if server.address in silent:
                 server.unsettled = True
+
+    async def _abort_at_first_failure(self, streams: list[UpdateStream]) -> None:
+        """COLLECTIVE: abort the update on every server as soon as one reports a failure (its `aborting`).
+
+        The trainer's thread may be inside a transfer that cannot complete: a Gloo send whose receiver never
+        posts its receive (a bucket the server refused: it broke the group) waits out the group timeout, and
+        nothing in this process can end it (ProcessGroupGloo's abort() and shutdown() leave a pending send
+        waiting). A server that failed waits for our `abort`, then aborts its workers, and those of a broken
+        group leave it: the send then fails at once (its peer closed the connection). A group that is not
+        broken is unharmed: its workers still drain what was announced, then abort."""
+        while (failure := first_failure(streams)) is None:
+            await asyncio.sleep(FAILURE_POLL_SECONDS)
+        log.info("update_aborting_at_server_failure", server=failure.server, reason=failure.reason)
+        for stream in streams:
+            stream.send(pb.UpdateWeightsRequest(abort=pb.AbortUpdate(reason=f"{failure.server}: {failure.reason}"[:500])))
+            stream.send(None)
 
     async def _abort(self, streams: list[UpdateStream], reason: str) -> None:
         for stream in streams:

@@ -198,3 +198,58 @@ def test_an_abandoned_join_leaves_no_connection_to_the_silent_store(server, comm
         client.create_group(timeout=30)
         client.push(mixed_model(35), version="after-mute", bucket_size_bytes=1 << 20)
         assert client.verify(mixed_model(35)).ok
+
+
+# -- a transfer the server refused, or one that failed, ends when the server says so --------------------
+LONG_GROUP_TIMEOUT = 120.0
+"""Far past the test's own bound: a push that waits out the group timeout fails the test by that bound."""
+
+
+def _push_in_thread(client: WeightSyncClient, model, version: str) -> tuple[threading.Event, dict]:
+    done, outcome = threading.Event(), {}
+
+    def push() -> None:
+        try:
+            outcome["result"] = client.push(model, version=version, bucket_size_bytes=1 << 20, delta=False)
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    threading.Thread(target=push, name=f"push-{version}", daemon=True).start()
+    return done, outcome
+
+
+def _next_push_and_verify(client: WeightSyncClient, server, seed: int, version: str) -> None:
+    """The group broke: a new one, then a normal push that every worker verifies."""
+    client.delete_group()
+    client.create_group(timeout=30)
+    model = mixed_model(seed)
+    client.push(model, version=version, bucket_size_bytes=1 << 20, delta=False)
+    assert client.verify(model).ok
+    assert server_checksums(server) == [local_checksums(model)]
+    assert info(server).store_state == pb.STORE_STATE_CONSISTENT
+
+
+def test_a_gloo_send_the_server_refused_ends_as_soon_as_the_server_says_so(server, committed, monkeypatch):
+    """Bucket 1 is announced with a sequence outside the plan: the server refuses it (INVALID_ARGUMENT
+    BUCKET_OUT_OF_RANGE) and breaks the group, as no worker can receive it; our Gloo send to bucket 1's owner
+    would wait out the group timeout. The SDK aborts the update at the server's word: the workers leave the
+    broken group and the send fails at once."""
+    from weightsync.client import sinks
+
+    real_announce = sinks.announce
+
+    def out_of_plan(loop, streams, index, *args, **kwargs):
+        return real_announce(loop, streams, 1000 + index if index == 1 else index, *args, **kwargs)
+
+    with WeightSyncClient(server.address) as client:
+        client.create_group(timeout=LONG_GROUP_TIMEOUT)
+        monkeypatch.setattr(sinks, "announce", out_of_plan)
+        done, outcome = _push_in_thread(client, mixed_model(33), "refused")
+        assert done.wait(LONG_GROUP_TIMEOUT / 4), "the push waited for its send past the server's refusal"
+        error = outcome.get("error")
+        assert getattr(error, "code", None) == grpc.StatusCode.INVALID_ARGUMENT, outcome
+        assert error.reason == "BUCKET_OUT_OF_RANGE"
+        monkeypatch.setattr(sinks, "announce", real_announce)
+        _next_push_and_verify(client, server, 34, "after-refused")

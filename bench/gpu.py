@@ -10,13 +10,18 @@ started as a user starts it (bench.servers.Server).
     `torch.cuda.synchronize()`. `d2h_pageable` (the same into ordinary host memory) shows what
     host memory that is not pinned costs.
 (b) store -> engine. An engine on the same host (`weightsync.engine.EngineClient`) acquires the
-    committed version (the store mapped read-only) and copies every tensor into a module on
-    cuda:0 (`apply_to_module`), synchronizes and releases, against `h2d_pinned`: a plain copy of
-    the same tensors from pinned host memory; `h2d_pageable` from ordinary host memory.
+    committed version (the store mapped read-only), copies every tensor into a module on cuda:0
+    (`apply_to_module`: queued, asynchronous) and releases (which waits for the copies), measured
+    both ways an engine can open its client: `engine_apply_pinned` (device="cuda:0": the mapping
+    is pinned, so the copies are DMA from pinned memory; compare with `h2d_pinned`, a plain copy of
+    the same tensors from pinned host memory, the section's baseline) and `engine_apply_pageable`
+    (device="cpu": the mapping stays pageable; compare with `h2d_pageable`, a plain copy from
+    ordinary host memory). `x like` in the table is each engine mode against its like.
 
 Every mode runs once to warm up, then --reps times, alternated; medians. The pushed and applied
-bytes are checked (verify() on the server, torch.equal on the engine's module). Writes
-DIR/gpu_bench.json and DIR/gpu_bench.md and prints the table. Without CUDA it says so and exits 0.
+bytes are checked (verify() on the server, torch.equal on the engine's modules). Every report
+names the GPU, torch, CUDA and NCCL versions it ran with. Writes DIR/gpu_bench.json and
+DIR/gpu_bench.md and prints the table. Without CUDA it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,8 +63,13 @@ WHAT = {
     "push_shm": "client.push(transport='shm'), to Committed",
     "h2d_pinned": "plain copy_ from pinned host tensors + synchronize (the baseline)",
     "h2d_pageable": "plain copy_ from ordinary host tensors + synchronize",
-    "engine_apply": "EngineClient.acquire + apply_to_module (CUDA module) + synchronize + release",
+    "engine_apply_pinned": "EngineClient(device='cuda:0'), store mapping pinned: acquire + apply_to_module "
+                           "(CUDA module) + release (waits for the copies)",
+    "engine_apply_pageable": "EngineClient(device='cpu'), store mapping pageable: acquire + apply_to_module "
+                             "(CUDA module) + release (waits for the copies)",
 }
+LIKE = {"engine_apply_pinned": "h2d_pinned", "engine_apply_pageable": "h2d_pageable"}
+"""The plain copy from the same kind of host memory each engine mode reads: its `x like`."""
 
 
 # -- pure parts (tested without a GPU) ---------------------------------------------------
@@ -102,29 +113,43 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def summarize(mode: str, seconds: list[float], size: int, baseline_median: float | None = None) -> dict:
+def summarize(mode: str, seconds: list[float], size: int, baseline_median: float | None = None,
+              like_median: float | None = None) -> dict:
     m = statistics.median(seconds)
     run = {"mode": mode, "what": WHAT.get(mode, ""), "seconds": [round(s, 6) for s in seconds],
            "median_seconds": round(m, 6), "gbps": round(size / m / GB, 3)}
     if baseline_median:
         run["x_baseline"] = round(m / baseline_median, 3)
+    if like_median:
+        run["like"] = LIKE[mode]
+        run["x_like"] = round(m / like_median, 3)
     return run
 
 
 def section(key: str, times: dict[str, list[float]], size: int) -> dict:
-    """One table: every mode's medians, and its time as a multiple of the section's baseline."""
+    """One table: every mode's medians, its time as a multiple of the section's baseline, and for an
+    engine mode as a multiple of the plain copy from its kind of host memory (LIKE)."""
     title, baseline = SECTIONS[key]
     base = statistics.median(times[baseline])
-    return {"key": key, "title": title, "baseline": baseline,
-            "runs": [summarize(mode, seconds, size, base) for mode, seconds in times.items()]}
+    runs = []
+    for mode, seconds in times.items():
+        like = statistics.median(times[LIKE[mode]]) if LIKE.get(mode) in times else None
+        runs.append(summarize(mode, seconds, size, base, like))
+    return {"key": key, "title": title, "baseline": baseline, "runs": runs}
+
+
+def versions_line(machine: dict) -> str:
+    """GPU, torch, CUDA and NCCL, as every GPU figure is reported with."""
+    return (f"{machine.get('gpu', '?')}, torch {machine.get('torch', '?')}, CUDA {machine.get('cuda', '?')}, "
+            f"NCCL {machine.get('nccl', '?')}")
 
 
 def markdown(results: dict) -> str:
     model, cfg, machine = results["model"], results["config"], results["machine"]
     lines = [
         "# weightsync on a GPU (bench.gpu)", "",
-        f"Machine: {machine.get('gpu', '?')}, {machine.get('cores', '?')} cores, torch {machine.get('torch', '?')} "
-        f"(CUDA {machine.get('cuda', '?')}), Python {machine.get('python', '?')}.", "",
+        f"Machine: {versions_line(machine)}; {machine.get('cores', '?')} cores, Python {machine.get('python', '?')}.",
+        "",
         f"Model: {model['tensors']} bf16 tensors, {model['bytes'] / GB:.2f} GB (Qwen2.5-0.5B's shapes, "
         f"{model['layers']} layers) on cuda:0. Server: {cfg['workers']} CPU worker(s), store in host memory, "
         f"ingress slots of {cfg.get('ingress_slot_bytes', 0) // MIB} MiB; buckets of {cfg['bucket_bytes'] // MIB} MiB "
@@ -132,11 +157,12 @@ def markdown(results: dict) -> str:
         "alternated. `x baseline` = median / the section's plain-copy median (1.00: as fast as the copy).",
     ]
     for sec in results["sections"]:
-        lines += ["", f"## {sec['title']}", "", "| mode | median s | GB/s | x baseline | what |",
-                  "|---|---:|---:|---:|---|"]
+        lines += ["", f"## {sec['title']}", "", "| mode | median s | GB/s | x baseline | x like | what |",
+                  "|---|---:|---:|---:|---:|---|"]
         for run in sec["runs"]:
+            like = f"{run['x_like']:.2f} ({run['like']})" if "x_like" in run else ""
             lines.append(f"| {run['mode']} | {run['median_seconds']:.4f} | {run['gbps']:.2f} | "
-                         f"{run.get('x_baseline', 0):.2f} | {run['what']} |")
+                         f"{run.get('x_baseline', 0):.2f} | {like} | {run['what']} |")
     checks = results.get("verified", {})
     if checks:
         lines += ["", "Checked: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in checks.items()) + "."]
@@ -213,23 +239,38 @@ def measure_engine(server, model: dict, copies: Copies, args: argparse.Namespace
     from bench.harness import alternate
     from weightsync.engine import EngineClient, apply_to_module
 
-    module = module_with(model)  # zeros like the model: on cuda:0
+    modules = {"cuda:0": module_with(model), "cpu": module_with(model)}  # zeros like the model: on cuda:0
     targets = {name: torch.empty_like(t) for name, t in model.items()}
-    with EngineClient(server=server.address, name="bench-gpu") as engine:
+    # The store's mapping: pinned by an engine opened on the GPU (at its first acquire, in the warm-up),
+    # pageable for one opened on the CPU. Either way the copies go into a module on cuda:0.
+    with (EngineClient(server=server.address, name="bench-gpu-pinned", device="cuda:0") as pinned,
+          EngineClient(server=server.address, name="bench-gpu-pageable", device="cpu") as pageable):
 
-        def engine_apply() -> None:
-            with engine.acquire() as snapshot:
-                apply_to_module(module, snapshot)
-                torch.cuda.synchronize()  # the copies ran before the lease goes
+        def engine_apply(engine: EngineClient, module) -> Callable[[], None]:
+            def apply() -> None:
+                with engine.acquire() as snapshot:
+                    apply_to_module(module, snapshot)  # queued; the release waits for the copies
+            return apply
 
         times = alternate({
             "h2d_pinned": _timed(lambda: _copy_all(targets, copies.pinned)),
             "h2d_pageable": _timed(lambda: _copy_all(targets, copies.pageable)),
-            "engine_apply": _timed(engine_apply),
+            "engine_apply_pinned": _timed(engine_apply(pinned, modules["cuda:0"])),
+            "engine_apply_pageable": _timed(engine_apply(pageable, modules["cpu"])),
         }, args.reps, "gpu engine")
-    state = module.state_dict()
-    verified = all(torch.equal(state[name], tensor) for name, tensor in model.items())
+    states = [module.state_dict() for module in modules.values()]
+    verified = all(torch.equal(state[name], tensor) for state in states for name, tensor in model.items())
     return section("engine", times, size), verified
+
+
+def nccl_version() -> str:
+    """NCCL's version as torch reports it ("-" in a build without NCCL)."""
+    import torch
+
+    try:
+        return ".".join(str(part) for part in torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):
+        return "-"
 
 
 def machine() -> dict:
@@ -240,7 +281,8 @@ def machine() -> dict:
     from bench.machine import describe
 
     m = describe()
-    m |= {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda, "python": platform.python_version()}
+    m |= {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+          "nccl": nccl_version(), "python": platform.python_version()}
     return m
 
 
@@ -277,7 +319,7 @@ def run(args: argparse.Namespace) -> dict:
                        "ingress_slot_bytes": slot},
             "sections": [push, engine],
             "verified": {"server holds the pushed bytes (verify)": push_ok,
-                         "engine's module equals the model": engine_ok}}
+                         "engines' modules equal the model": engine_ok}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     from weightsync.common.logging import configure_logging
 
     configure_logging("warning")  # not a line per push
+    print(f"bench.gpu: {versions_line(machine())}", flush=True)  # in the log even if a step fails later
     results = run(args)
     js, md = write(results, args.out)
     print(markdown(results))

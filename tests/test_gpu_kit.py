@@ -242,9 +242,10 @@ def made_up_results() -> dict:
     push = gpu.section("push", {"d2h_pinned": [0.06, 0.061, 0.059], "d2h_pageable": [0.3, 0.31, 0.29],
                                 "push_inline": [1.2, 1.1, 1.3], "push_shm": [0.5, 0.45, 0.55]}, size)
     engine = gpu.section("engine", {"h2d_pinned": [0.055, 0.056, 0.054], "h2d_pageable": [0.25, 0.26, 0.24],
-                                    "engine_apply": [0.3, 0.28, 0.32]}, size)
+                                    "engine_apply_pinned": [0.3, 0.28, 0.32],
+                                    "engine_apply_pageable": [0.5, 0.52, 0.48]}, size)
     return {"machine": {"gpu": "NVIDIA H100 80GB HBM3", "cores": 16, "torch": "2.11.0+cu130", "cuda": "13.0",
-                        "python": "3.12.3"},
+                        "nccl": "2.28.9", "python": "3.12.3"},
             "model": {"tensors": 494, "bytes": size, "dtype": "bfloat16", "layers": 41},
             "config": {"reps": 3, "bucket_bytes": 128 << 20, "workers": 1, "ingress_slot_bytes": 260 << 20},
             "sections": [push, engine], "verified": {"server holds the pushed bytes (verify)": True}}
@@ -259,8 +260,12 @@ def test_bench_gpu_report_on_made_up_numbers(tmp_path):
     assert json.loads(js.read_text()) == results
     text = md_path.read_text()
     assert "## Trainer -> server: CUDA tensors into a CPU worker's store" in text
-    assert "| push_inline | 1.2000 | 1.25 | 20.00 |" in text
-    assert "| engine_apply | 0.3000 | 5.00 | 5.46 |" in text  # 0.3 / 0.055
+    assert "| push_inline | 1.2000 | 1.25 | 20.00 |  |" in text
+    # Each engine mode against the section's baseline (pinned) and against the copy from its own kind of memory.
+    assert "| engine_apply_pinned | 0.3000 | 5.00 | 5.46 | 5.46 (h2d_pinned) |" in text  # 0.3 / 0.055
+    assert "| engine_apply_pageable | 0.5000 | 3.00 | 9.09 | 2.00 (h2d_pageable) |" in text  # 0.5 / 0.25
+    assert "device='cuda:0'), store mapping pinned" in text and "device='cpu'), store mapping pageable" in text
+    assert "Machine: NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, CUDA 13.0, NCCL 2.28.9; 16 cores" in text
     assert "494 bf16 tensors, 1.50 GB" in text and "verify) ok" in text
     assert "ingress slots of 260 MiB; buckets of 128 MiB" in text and "Medians of 3 after" in text
 
@@ -270,3 +275,11 @@ def test_bench_gpu_skips_without_cuda(tmp_path, capsys):
     assert gpu.main(["--out", str(tmp_path / "out")]) == 0
     assert "skipped: no CUDA device" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
+
+
+def test_bench_gpu_names_the_nccl_it_ran_with():
+    version = gpu.nccl_version()
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        assert version.count(".") >= 2 and version.split(".")[0].isdigit(), version
+    else:
+        assert version == "-"

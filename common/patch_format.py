@@ -41,8 +41,6 @@ import torch
 from weightsync.common.checksum import ws64
 from weightsync.common.errors import InvalidArgument
 
-PATCH_XOR = 5
-"""tensor.proto's TENSOR_ENCODING_PATCH_XOR."""
 INDEX_GAPS, INDEX_BITMASK = 0, 1
 PLANE_ZERO, PLANE_DENSE, PLANE_SPARSE = 0, 1, 2
 MALFORMED = "PATCH_MALFORMED"

@@ -34,7 +34,6 @@ BITMASK = tensor_pb2.TENSOR_ENCODING_PATCH_BITMASK
 XOR = tensor_pb2.TENSOR_ENCODING_PATCH_XOR
 """Gap varints and XOR byte planes, variable length: common.patch_format (layout),
 common.patch_kernels (the host kernels). The three above overwrite and are sized by their count."""
-OVERWRITE_ENCODINGS = (POSITIONS, GAPS, BITMASK)
 PATCH_ENCODINGS = (POSITIONS, GAPS, BITMASK, XOR)
 DENSE_ENCODINGS = (tensor_pb2.TENSOR_ENCODING_UNSPECIFIED, tensor_pb2.TENSOR_ENCODING_DENSE)
 MAX_GAP = (1 << 16) - 1

@@ -54,6 +54,15 @@ def gpu_uuid(device: torch.device) -> str:
     return normalize_uuid(str(torch.cuda.get_device_properties(device).uuid))
 
 
+def trainer_cuda_device(*, available: bool, initialized: bool) -> torch.device | None:
+    """The trainer's GPU for backend choice: its current CUDA device if this process already uses CUDA,
+    else None (Gloo). Asking torch.cuda.current_device() in a process that never touched CUDA creates a
+    context on GPU 0 (hundreds of MiB there, and every later pack buffer pinned for it)."""
+    if not (available and initialized):
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 @dataclass(frozen=True, slots=True)
 class ServerDevices:
     """What backend choice needs to know of one server."""
@@ -72,16 +81,21 @@ class ServerDevices:
 def choose_backend(requested: str, *, trainer_gpu_uuid: str | None, servers: Sequence[ServerDevices]) -> int:
     """The group's backend. "auto": NCCL when this process has a GPU, every server offers NCCL, and no
     worker runs on this process's GPU (NCCL cannot put two ranks of one group on one GPU: the group
-    hangs or fails at its first collective); else Gloo. "nccl" on a shared GPU is refused, naming it."""
+    hangs or fails at its first collective), nor two workers share one GPU (two servers on one host given
+    the same GPUs); else Gloo. "nccl" on a shared GPU is refused, naming it."""
     trainer = normalize_uuid(trainer_gpu_uuid) if trainer_gpu_uuid else ""
     sharing = [(s.address, index) for s in servers for index, uuid in enumerate(s.worker_uuids)
                if trainer and uuid and normalize_uuid(uuid) == trainer]
+    crowded = workers_sharing_a_gpu(servers)
     if requested == "auto":
         nccl = bool(trainer) and all(pb.BACKEND_NCCL in s.backends for s in servers)
         if nccl and sharing:
             log.info("nccl_not_chosen", reason="a worker shares this process's GPU", gpu=trainer,
                      workers=[f"{address} worker {index}" for address, index in sharing])
-        chosen = pb.BACKEND_NCCL if nccl and not sharing else pb.BACKEND_GLOO
+        if nccl and crowded:
+            log.info("nccl_not_chosen", reason="two workers share a GPU",
+                     gpus={gpu: [f"{a} worker {i}" for a, i in where] for gpu, where in crowded.items()})
+        chosen = pb.BACKEND_NCCL if nccl and not sharing and not crowded else pb.BACKEND_GLOO
     elif requested in ("gloo", "nccl"):
         chosen = pb.BACKEND_GLOO if requested == "gloo" else pb.BACKEND_NCCL
     else:
@@ -93,10 +107,28 @@ def choose_backend(requested: str, *, trainer_gpu_uuid: str | None, servers: Seq
             "put two ranks of one group on one GPU. Use backend='gloo' (or 'auto', which then picks Gloo), or "
             "train on another GPU"
         )
+    if chosen == pb.BACKEND_NCCL and crowded:
+        gpu, where = next(iter(crowded.items()))
+        raise WeightSyncClientError(
+            f"backend 'nccl': {' and '.join(f'worker {i} of {a}' for a, i in where)} run on one GPU ({gpu}); NCCL "
+            "cannot put two ranks of one group on one GPU. Use backend='gloo' (or 'auto', which then picks Gloo), "
+            "or give each server's workers GPUs of their own"
+        )
     for server in servers:
         if chosen not in server.backends:
             raise WeightSyncClientError(f"{server.address} does not offer {pb.Backend.Name(chosen)}")
     return chosen
+
+
+def workers_sharing_a_gpu(servers: Sequence[ServerDevices]) -> dict[str, list[tuple[str, int]]]:
+    """GPU UUID -> the workers (server address, worker index) on it, for each GPU that holds more than one:
+    two servers on one host whose workers were given the same GPUs would put two ranks of a group on it."""
+    on: dict[str, list[tuple[str, int]]] = {}
+    for server in servers:
+        for index, uuid in enumerate(server.worker_uuids):
+            if uuid:
+                on.setdefault(normalize_uuid(uuid), []).append((server.address, index))
+    return {gpu: where for gpu, where in on.items() if len(where) > 1}
 
 
 # -- create and delete --------------------------------------------------------------------------
@@ -104,7 +136,8 @@ def create(servers: ServerSet, *, backend: str, timeout: float, group_id: str | 
            store_port: int) -> TransferGroup:
     """Join every server's workers and this process (rank 0) in one group (see WeightSyncClient.create_group)."""
     infos = servers.each("GetServerInfo", pb.GetServerInfoRequest())
-    trainer_gpu = gpu_uuid(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
+    trainer_device = trainer_cuda_device(available=torch.cuda.is_available(), initialized=torch.cuda.is_initialized())
+    trainer_gpu = gpu_uuid(trainer_device) if trainer_device is not None else None
     chosen = choose_backend(backend, trainer_gpu_uuid=trainer_gpu,
                             servers=[ServerDevices.of(s.address, i) for s, i in zip(servers.servers, infos, strict=True)])
     for server, info in zip(servers.servers, infos, strict=True):
@@ -119,7 +152,7 @@ def create(servers: ServerSet, *, backend: str, timeout: float, group_id: str | 
     host = store_host or local_address_towards(first.host, first.port)
     delta = datetime.timedelta(seconds=timeout)
     store = host_store(host, delta, store_port)
-    device = torch.device("cuda", torch.cuda.current_device()) if chosen == pb.BACKEND_NCCL else torch.device("cpu")
+    device = trainer_device if chosen == pb.BACKEND_NCCL and trainer_device is not None else torch.device("cpu")
     log.info("group_creating", group_id=group_id, world_size=world_size, backend=pb.Backend.Name(chosen))
     rendezvous = Rendezvous(group_id=group_id, backend=chosen, store=store, world_size=world_size,
                             timeout=delta, device=device, local_address=host)

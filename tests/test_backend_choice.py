@@ -84,3 +84,46 @@ def test_a_real_servers_offer_is_what_backend_choice_sees(server):
     devices = ServerDevices.of(server.address, info)
     assert devices.backends == frozenset({GLOO})  # CPU workers, no NCCL in this build
     assert choose_backend("auto", trainer_gpu_uuid=MINE, servers=[devices]) == GLOO
+
+
+# -- two servers' workers on one GPU: never one NCCL group --------------------------------------------------
+CROWDED = [
+    # name, requested, trainer uuid, servers, chosen (None: refused)
+    ("auto, two servers' workers on one GPU", "auto", MINE, [gpu_server("a:1", OTHER), gpu_server("b:1", OTHER)], GLOO),
+    ("auto, one server's two workers on one GPU", "auto", MINE, [gpu_server("a:1", THIRD, THIRD.lower())], GLOO),
+    ("auto, every worker on its own GPU", "auto", MINE, [gpu_server("a:1", OTHER), gpu_server("b:1", THIRD)], NCCL),
+    ("auto, UUIDs not reported", "auto", MINE, [gpu_server("a:1", ""), gpu_server("b:1", "")], NCCL),
+    ("gloo, two servers on one GPU", "gloo", MINE, [gpu_server("a:1", OTHER), gpu_server("b:1", OTHER)], GLOO),
+    ("nccl, two servers on one GPU", "nccl", MINE, [gpu_server("a:1", OTHER), gpu_server("b:1", OTHER)], None),
+]
+
+
+@pytest.mark.parametrize(("requested", "trainer", "servers", "chosen"), [c[1:] for c in CROWDED],
+                         ids=[c[0] for c in CROWDED])
+def test_workers_sharing_a_gpu_never_get_nccl(requested, trainer, servers, chosen):
+    if chosen is None:
+        with pytest.raises(WeightSyncClientError) as caught:
+            choose_backend(requested, trainer_gpu_uuid=trainer, servers=servers)
+        assert str(caught.value).startswith(
+            f"backend 'nccl': worker 0 of a:1 and worker 0 of b:1 run on one GPU ({normalize_uuid(OTHER)})")
+    else:
+        assert choose_backend(requested, trainer_gpu_uuid=trainer, servers=servers) == chosen
+
+
+# -- a CPU-only trainer on a GPU host never makes a CUDA context -----------------------------------------
+def test_the_trainers_gpu_is_asked_for_only_when_this_process_already_uses_cuda(monkeypatch):
+    import torch
+
+    from weightsync.client.transfer_group import trainer_cuda_device
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append(1) or 3)
+    table = [  # available, initialized -> device (current_device() asked)
+        (False, False, None),
+        (True, False, None),  # a GPU host, CUDA never touched here: no context on GPU 0
+        (True, True, torch.device("cuda", 3)),
+    ]
+    for available, initialized, device in table:
+        asked.clear()
+        assert trainer_cuda_device(available=available, initialized=initialized) == device
+        assert asked == ([1] if device is not None else [])

@@ -26,8 +26,12 @@ if _version_not_supported:
 
 
 class WeightSyncServiceStub:
-    """WeightSyncService moves model weights from a trainer into the worker
-    processes of one inference node while inference keeps running.
+    """WeightSyncService moves model weights from a trainer into one inference
+    node while inference keeps running. The node keeps one copy of the weights
+    (its store: host memory the server holds, whatever the workers' devices);
+    its worker processes are the receivers, each bucket of an update received,
+    checked and written into the store by one owner worker; the node's engines
+    map the store read-only (local.proto).
 
     Every error carries a google.rpc.Status with exactly one
     google.rpc.ErrorInfo (domain "weightsync", reason in UPPER_SNAKE_CASE,
@@ -85,8 +89,12 @@ class WeightSyncServiceStub:
 
 
 class WeightSyncServiceServicer:
-    """WeightSyncService moves model weights from a trainer into the worker
-    processes of one inference node while inference keeps running.
+    """WeightSyncService moves model weights from a trainer into one inference
+    node while inference keeps running. The node keeps one copy of the weights
+    (its store: host memory the server holds, whatever the workers' devices);
+    its worker processes are the receivers, each bucket of an update received,
+    checked and written into the store by one owner worker; the node's engines
+    map the store read-only (local.proto).
 
     Every error carries a google.rpc.Status with exactly one
     google.rpc.ErrorInfo (domain "weightsync", reason in UPPER_SNAKE_CASE,
@@ -102,7 +110,7 @@ class WeightSyncServiceServicer:
 
     def GetServerInfo(self, request, context):
         """GetServerInfo describes the workers, their devices and backends, the
-        supported transports, the store state and the current weight version.
+        supported transports, the node's store and the current weight version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,12 +140,15 @@ class WeightSyncServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeights(self, request_iterator, context):
-        """UpdateWeights runs one weight update:
+        """UpdateWeights runs one weight update into the node's one store:
         client: begin -> (bucket_start, then that bucket's bytes)* -> commit
         server: ready -> bucket_applied* -> committed
-        The bytes follow each bucket_start according to the transport: one
-        collective broadcast (COLLECTIVE), bucket_chunk messages in this stream
-        (INLINE), or nothing (SHM: the client wrote them into the ingress slot
+        Each bucket has one owner worker on this server, which receives it,
+        checks it and writes it into the store. The bytes follow each
+        bucket_start according to the transport: over a COLLECTIVE group, a Gloo
+        send to the owner's rank (UpdateReady.bucket_owner_ranks) or one NCCL
+        broadcast that only the owner keeps; bucket_chunk messages in this stream
+        (INLINE); or nothing (SHM: the client wrote them into the ingress slot
         before announcing). docs/data-plane.md spells out each.
         A refused begin (PLAN_NOT_FOUND included) ends the stream with its
         status before any message: no `ready`, no `aborting`.
@@ -148,16 +159,21 @@ class WeightSyncServiceServicer:
         sent before any `aborting` ends the stream ABORTED (ABORTED_BY_CLIENT),
         wherever it falls, also in the middle of an INLINE bucket; closing the
         stream before commit ends it ABORTED (STREAM_CLOSED). Either way the
-        update is aborted on every worker.
+        update is aborted: a STAGED one leaves the committed weights bit for bit,
+        an IN_PLACE one leaves the store INCONSISTENT if bytes of it reached the
+        store (see UpdateMode).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetTensorChecksums(self, request, context):
-        """GetTensorChecksums returns per-tensor checksums of the committed weights,
-        per worker. Unknown names are NOT_FOUND (reason TENSOR_NOT_FOUND, listing
-        them); a name given twice is INVALID_ARGUMENT (TENSOR_NAME_DUPLICATE).
+        """GetTensorChecksums returns the WS64 of each tensor of the node's store,
+        which the server computes from the committed bytes (one entry per tensor,
+        however many workers). Unknown names are NOT_FOUND (reason
+        TENSOR_NOT_FOUND, listing them); a name given twice is INVALID_ARGUMENT
+        (TENSOR_NAME_DUPLICATE). While an IN_PLACE update writes the store it is
+        FAILED_PRECONDITION (STORE_UPDATING); a STAGED one does not stop it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -218,8 +234,12 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class WeightSyncService:
-    """WeightSyncService moves model weights from a trainer into the worker
-    processes of one inference node while inference keeps running.
+    """WeightSyncService moves model weights from a trainer into one inference
+    node while inference keeps running. The node keeps one copy of the weights
+    (its store: host memory the server holds, whatever the workers' devices);
+    its worker processes are the receivers, each bucket of an update received,
+    checked and written into the store by one owner worker; the node's engines
+    map the store read-only (local.proto).
 
     Every error carries a google.rpc.Status with exactly one
     google.rpc.ErrorInfo (domain "weightsync", reason in UPPER_SNAKE_CASE,

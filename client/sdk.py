@@ -40,6 +40,7 @@ from weightsync.client.plan_cache import PlanCache
 from weightsync.client.plan_choice import PlanChoice, choose_plan
 from weightsync.client.planning import DEFAULT_ZERO_COPY_MIN_BYTES, check_tensors
 from weightsync.client.push import PushRun
+from weightsync.client.revision import spoken
 from weightsync.client.servers import Server, ServerSet
 from weightsync.client.sinks import CollectiveSink, InlineSink, ShmSink, Sink
 from weightsync.client.store_checksums import fetch_checksums, holds, mismatches
@@ -396,7 +397,7 @@ class WeightSyncClient:
 
     def _server_limits(self) -> list[pb.GetServerInfoResponse]:
         if any(a not in self._server_infos for a in self._servers.addresses):
-            self._server_infos.update(zip(self._servers.addresses, self.server_info(), strict=True))
+            self._server_infos.update(spoken(self._servers.addresses, self.server_info()))
             self._server_infos_stale = False
         return [self._server_infos[a] for a in self._servers.addresses]
 
@@ -404,7 +405,7 @@ class WeightSyncClient:
         """Ask again, once a push: a server that does not answer keeps its last answer, and the push
         fails on its own terms (typed, naming the server) rather than on this query."""
         try:
-            self._server_infos.update(zip(self._servers.addresses, self.server_info(), strict=True))
+            self._server_infos.update(spoken(self._servers.addresses, self.server_info()))
             self._server_infos_stale = False
         except WeightSyncRpcError:
             pass

@@ -20,6 +20,7 @@ import torch
 
 from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
 from weightsync.client.rendezvous import Rendezvous
+from weightsync.client.revision import spoken
 from weightsync.client.servers import Server, ServerSet
 from weightsync.common.address import parse_address
 from weightsync.common.collective import CollectiveGroup, host_store, local_address_towards
@@ -135,7 +136,7 @@ def workers_sharing_a_gpu(servers: Sequence[ServerDevices]) -> dict[str, list[tu
 def create(servers: ServerSet, *, backend: str, timeout: float, group_id: str | None, store_host: str | None,
            store_port: int) -> TransferGroup:
     """Join every server's workers and this process (rank 0) in one group (see WeightSyncClient.create_group)."""
-    infos = servers.each("GetServerInfo", pb.GetServerInfoRequest())
+    infos = [info for _, info in spoken(servers.addresses, servers.each("GetServerInfo", pb.GetServerInfoRequest()))]
     trainer_device = trainer_cuda_device(available=torch.cuda.is_available(), initialized=torch.cuda.is_initialized())
     trainer_gpu = gpu_uuid(trainer_device) if trainer_device is not None else None
     chosen = choose_backend(backend, trainer_gpu_uuid=trainer_gpu,

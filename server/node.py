@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from grpc_health.v1 import health_pb2
 
+from weightsync.common.data_plane import DATA_PLANE_REVISION
 from weightsync.common.errors import Unavailable
 from weightsync.common.logging import get_logger
 from weightsync.server.admission import MemoryAdmission
@@ -218,6 +219,7 @@ class Node:
             transports=self.transports(),
             bucket_compressions=[pb.BUCKET_COMPRESSION_ZSTD],  # every worker decompresses (gpu_worker/frames.py)
             deferred_buckets=True,
+            data_plane_revision=DATA_PLANE_REVISION,
             store_state=store.state,
             current_version=self.publisher.version.to_proto(),
             limits=pb.ServerLimits(

@@ -1,18 +1,27 @@
-"""The dtype table, the bucket layout helpers, and stub freshness."""
+"""The dtype table, the bucket layout helpers, stub freshness, and the data-plane revision the server
+reports and the SDK checks."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
+from weightsync.client import WeightSyncClient, WeightSyncClientError
+from weightsync.client.revision import DataPlaneRevisionUnsupported
 from weightsync.common import dtypes
+from weightsync.common.data_plane import DATA_PLANE_REVISION
 from weightsync.common.errors import InvalidArgument
 from weightsync.common.layout import ALIGN_BYTES, TensorMeta, align_up, plan_buckets
-from weightsync.v1 import tensor_pb2
+from weightsync.v1 import tensor_pb2, weight_sync_service_pb2_grpc
+from weightsync.v1 import weight_sync_service_pb2 as wpb
+
+from helpers import start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,3 +113,92 @@ def test_generated_stubs_are_fresh(tmp_path):
     assert len(generated) == 3 * len(protos)
     stale = [str(p) for p in generated if (tmp_path / p).read_bytes() != (ROOT / "protos" / p).read_bytes()]
     assert stale == [], f"stale generated stubs (run `make proto`): {stale}"
+
+
+# -- the data-plane revision (GetServerInfo.data_plane_revision) ----------------------------------
+class _FakeServer(weight_sync_service_pb2_grpc.WeightSyncServiceServicer):
+    """Answers GetServerInfo with a given data-plane revision and counts every other call; an update
+    that reaches it is refused at once (FAILED_PRECONDITION), so a push that gets this far fails
+    for another reason than the revision."""
+
+    def __init__(self, revision: int) -> None:
+        self.revision = revision
+        self.calls: list[str] = []
+
+    def GetServerInfo(self, request, context):
+        return wpb.GetServerInfoResponse(
+            server_version="fake", data_plane_revision=self.revision,
+            workers=[wpb.WorkerInfo(index=0, device="cpu", backend=wpb.BACKEND_GLOO,
+                                    state=wpb.WORKER_STATE_RUNNING)],
+            backends=[wpb.BACKEND_GLOO], transports=[wpb.TRANSPORT_COLLECTIVE, wpb.TRANSPORT_INLINE],
+            limits=wpb.ServerLimits(max_tensors=1000, max_plan_bytes=1 << 30, max_bucket_bytes=1 << 30,
+                                    max_message_bytes=32 << 20, max_chunk_bytes=(32 << 20) - (64 << 10),
+                                    ingress_slot_bytes=1 << 20, ingress_slot_count=2))
+
+    def UpdateWeights(self, request_iterator, context):
+        self.calls.append("UpdateWeights")
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a fake server takes no update")
+
+    def CreateTransferGroup(self, request, context):
+        self.calls.append("CreateTransferGroup")
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a fake server joins no group")
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(revision: int) -> tuple[str, _FakeServer]:
+        servicer = _FakeServer(revision)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        weight_sync_service_pb2_grpc.add_WeightSyncServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}", servicer
+
+    yield start
+    for server in servers:
+        server.stop(grace=None).wait(10)
+
+
+@pytest.mark.parametrize("revision", [0, DATA_PLANE_REVISION - 1, DATA_PLANE_REVISION + 1],
+                         ids=["unset", "older", "newer"])
+def test_the_sdk_refuses_a_server_of_another_data_plane_revision_before_a_byte_moves(fake_server, revision):
+    address, servicer = fake_server(revision)
+    with WeightSyncClient(address, timeout=10) as client:
+        with pytest.raises(DataPlaneRevisionUnsupported) as caught:
+            client.push({"w": torch.ones(16)}, version="v1", transport="inline", delta=False,
+                        allow_new_tensors=True)
+        assert (caught.value.server, caught.value.revision) == (address, revision)
+        assert caught.value.reason == "DATA_PLANE_REVISION_UNSUPPORTED"
+        assert f"this SDK speaks [{DATA_PLANE_REVISION}]" in str(caught.value)
+        with pytest.raises(DataPlaneRevisionUnsupported):
+            client.create_group(backend="gloo", timeout=10)
+    assert servicer.calls == []  # refused before any update or group: nothing reached the server
+
+
+def test_a_server_of_the_sdk_s_revision_gets_the_update(fake_server):
+    """The control: the same fake server, speaking the SDK's revision, is sent the update (which it
+    refuses for its own reason), so the refusal above is the revision's."""
+    address, servicer = fake_server(DATA_PLANE_REVISION)
+    with WeightSyncClient(address, timeout=10) as client:
+        with pytest.raises(WeightSyncClientError) as caught:
+            client.push({"w": torch.ones(16)}, version="v1", transport="inline", delta=False,
+                        allow_new_tensors=True)
+        assert not isinstance(caught.value, DataPlaneRevisionUnsupported)
+    assert servicer.calls == ["UpdateWeights"]
+
+
+def test_the_server_reports_its_data_plane_revision_and_a_push_follows(tmp_path):
+    server = start_server(tmp_path, workers=1)
+    try:
+        info = server.stub().GetServerInfo(wpb.GetServerInfoRequest(), timeout=10)
+        assert info.data_plane_revision == DATA_PLANE_REVISION
+        model = {"w": torch.arange(64, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
+        with WeightSyncClient(server.address, timeout=30) as client:
+            result = client.push(model, version="v1", transport="inline", allow_new_tensors=True)
+            assert result.version == "v1"
+            assert client.verify(model).ok
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from weightsync.common import errors
 from weightsync.common.collective import RENDEZVOUS_PREFIX
+from weightsync.common.data_plane import DATA_PLANE_REVISION
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -143,3 +144,16 @@ def test_the_tables_give_each_reason_the_code_it_is_raised_with():
     wrong = {r: (codes, documented[r]) for r, codes in _raised_with_codes().items()
              if r in documented and not codes <= documented[r]}
     assert not wrong, f"reason: (raised with, documented): {wrong}"
+
+
+# -- docs/data-plane.md: the data-plane revisions ---------------------------------------------------
+def test_the_revisions_table_ends_at_the_revision_the_server_speaks():
+    """A revision bumped in common/data_plane.py without its row (or a row without the bump) fails here:
+    the table lists 1, 2, ... up to DATA_PLANE_REVISION, and the page says which one it describes."""
+    section = _section("Revisions")
+    listed = [int(n) for n in re.findall(r"^\| (\d+) \| ", section, re.MULTILINE)]
+    assert listed == list(range(1, DATA_PLANE_REVISION + 1)), listed
+    assert f"this page describes revision **{DATA_PLANE_REVISION}**" in section
+    assert f"The Python SDK speaks revision {DATA_PLANE_REVISION} only" in section
+    proto = (ROOT / "protos/weightsync/v1/weight_sync_service.proto").read_text()
+    assert "int32 data_plane_revision = 14;" in proto and "0 (unset): a server older than this field" in proto

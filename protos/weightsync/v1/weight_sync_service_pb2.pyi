@@ -201,7 +201,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("server_version", "workers", "backends", "transports", "store_state", "current_version", "limits", "draining", "engines", "local_socket", "store", "bucket_compressions", "deferred_buckets")
+    __slots__ = ("server_version", "workers", "backends", "transports", "store_state", "current_version", "limits", "draining", "engines", "local_socket", "store", "bucket_compressions", "deferred_buckets", "data_plane_revision")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class GetServerInfoResponse(_message.Message):
     STORE_FIELD_NUMBER: _ClassVar[int]
     BUCKET_COMPRESSIONS_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_REVISION_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     backends: _containers.RepeatedScalarFieldContainer[Backend]
@@ -228,7 +229,8 @@ class GetServerInfoResponse(_message.Message):
     store: StoreInfo
     bucket_compressions: _containers.RepeatedScalarFieldContainer[BucketCompression]
     deferred_buckets: bool
-    def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., local_socket: _Optional[str] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ..., bucket_compressions: _Optional[_Iterable[_Union[BucketCompression, str]]] = ..., deferred_buckets: _Optional[bool] = ...) -> None: ...
+    data_plane_revision: int
+    def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., local_socket: _Optional[str] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ..., bucket_compressions: _Optional[_Iterable[_Union[BucketCompression, str]]] = ..., deferred_buckets: _Optional[bool] = ..., data_plane_revision: _Optional[int] = ...) -> None: ...
 
 class TransferGroup(_message.Message):
     __slots__ = ("group_id", "world_size", "rank_offset", "backend", "state", "timeout", "broken_reason")

@@ -110,7 +110,8 @@ class WeightSyncServiceServicer:
 
     def GetServerInfo(self, request, context):
         """GetServerInfo describes the workers, their devices and backends, the
-        supported transports, the node's store and the current weight version.
+        supported transports, the node's store and the current weight version,
+        and the data-plane revision the server speaks (data_plane_revision).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -71,7 +71,10 @@ test-gpu: $(if $(filter $(PY),$(GPU_PY)),install)
 # package registry) lacks to run test-gpu and bench.gpu, as wheels in .gpu-kit/ (ignored): the
 # pinned, hashed files of tools/gpu_kit/requirements.txt, grpcio and protobuf as fallbacks
 # (.gpu-kit/fallback/, used only if the machine's are too old), and a weightsync wheel built from
-# this tree. Carry it with `carry: [".gpu-kit"]` and run `bash tools/gpu_kit/run.sh` there.
+# this tree. Carry it with `carry: [".gpu-kit"]` and run `bash tools/gpu_kit/run.sh` there: a
+# 300 s run (a small bench; the call's timeout_s=360), so that a second, corrected run fits in the
+# ~15 minutes a lent machine is there, start-up included. Its summary.txt starts with the GPU,
+# driver, torch, CUDA and NCCL versions.
 GPU_KIT := .gpu-kit
 GPU_KIT_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
 GPU_KIT_DOWNLOAD := $(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \

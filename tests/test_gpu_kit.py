@@ -204,8 +204,38 @@ def test_run_sh_parses_and_its_dry_run_prints_the_plan(tmp_path):
     log = (out / "run.log").read_text()
     assert f"INSTALL {folder}/weightsync-99.0-py3-none-any.whl" in log
     assert "KEEP structlog" in log and "+ pip install --no-index --no-deps" in log
-    summary = (out / "summary.txt").read_text()
-    assert summary.split()[:2] == ["info", "ok"] and "plan     ok" in summary
+    summary = (out / "summary.txt").read_text().splitlines()
+    # First the versions every figure of the run comes from (none here: no CUDA), then the steps.
+    assert summary[0] == f"versions {(out / 'versions.txt').read_text().strip()}"
+    assert summary[0].startswith("versions no CUDA device, driver ") and f"torch {torch.__version__}, CUDA " in summary[0]
+    assert summary[0].endswith(", NCCL -") or torch.cuda.is_available()
+    assert summary[1].split()[:2] == ["info", "ok"] and summary[2].split()[:2] == ["plan", "ok"]
+
+
+def test_the_kit_run_is_short_enough_for_a_corrected_second_run():
+    """One lent machine, ~15 minutes in all with its start-up (minutes): two runs and the start must fit."""
+    text = (ROOT / "tools/gpu_kit/run.sh").read_text()
+    assert f"TOTAL=${{GPU_KIT_TOTAL_S:-{kit.RUN_BUDGET_SECONDS}}}" in text and kit.RUN_BUDGET_SECONDS == 300
+    assert f"timeout -s INT -k {kit.STOP_GRACE_SECONDS} " in text
+    assert 2 * kit.CALL_TIMEOUT_SECONDS + 3 * 60 <= 15 * 60
+    # A small bench by default: well under the budget the run keeps for it.
+    assert "BENCH_ARGS=${GPU_KIT_BENCH_ARGS:---gb 0.5 --reps 3}" in text
+    args = gpu.parse_args(["--out", "x", "--gb", "0.5", "--reps", "3"])
+    shapes = gpu.model_shapes(int(args.gb * gpu.GB))
+    assert sum(gpu._numel(s) for _, s in shapes) * gpu.DTYPE_BYTES < 0.55 * gpu.GB
+
+
+def test_a_run_out_of_time_skips_its_steps_rather_than_overrun(tmp_path):
+    """Each step's limit is what is left less what the steps after it keep: with too small a budget the
+    steps are skipped (and the run fails), never started past the budget."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), GPU_PY=sys.executable, GPU_KIT=str(tmp_path / "none"),
+               GPU_KIT_DRY_RUN="1", GPU_KIT_TOTAL_S="100")
+    done = subprocess.run(["bash", str(ROOT / "tools/gpu_kit/run.sh")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert [line.split()[:2] for line in summary[1:]] == [["info", "SKIPPED"], ["plan", "SKIPPED"]]
 
 
 # -- bench.gpu -------------------------------------------------------------------------------

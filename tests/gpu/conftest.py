@@ -21,7 +21,31 @@ from helpers import ServerProcess, start_server  # noqa: E402
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def pytest_report_header(config) -> str:
+    """The versions every result of the run comes from (the kit's run.log keeps this line)."""
+    if GPUS == 0:
+        return f"GPU suite: no CUDA device (torch {torch.__version__})"
+    try:
+        nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):
+        nccl = "-"
+    return (f"GPU suite: {GPUS} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}, NCCL {nccl}")
+
+
+def _needs_a_server(item) -> bool:
+    """A server fixture, requested by name or through a parameter (request.getfixturevalue)."""
+    names = set(getattr(item, "fixturenames", ()))
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        names |= {value for value in callspec.params.values() if isinstance(value, str)}
+    return bool({"cuda_server", "cpu_server"} & names)
+
+
 def pytest_collection_modifyitems(config, items):
+    # Tests without a server first: they are quick, and a run cut short by its time limit on a
+    # lent machine still reports them (the order within each kind is the files' order).
+    items.sort(key=_needs_a_server)
     for item in items:
         if GPUS == 0:
             item.add_marker(pytest.mark.skip(reason="no CUDA device: the GPU suite runs on a machine with one"))

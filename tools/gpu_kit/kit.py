@@ -36,6 +36,13 @@ PROTECTED = ("torch", "grpcio", "protobuf", "numba", "llvmlite", "numpy")
 """The machine's own builds: never installed over (a CUDA torch; grpcio and protobuf the image's;
 numba with the llvmlite it was built against, and the numpy both use)."""
 SOURCE_SUFFIXES = (".py", ".pyi", ".proto")
+RUN_BUDGET_SECONDS = 300
+"""run.sh's whole run (GPU_KIT_TOTAL_S): a lent machine is there ~15 minutes, start-up included, so
+the first run stays short and a second, corrected one fits on the same warm machine."""
+STOP_GRACE_SECONDS = 20
+"""What a step stopped at its limit may still take (run.sh: timeout -k 20) to write its results."""
+CALL_TIMEOUT_SECONDS = RUN_BUDGET_SECONDS + 3 * STOP_GRACE_SECONDS
+"""The device call's timeout_s for one run."""
 
 
 def normalize(name: str) -> str:
@@ -116,6 +123,8 @@ def manifest(kit: Path) -> int:
     total = kit_total + tree
     print(f"kit: {len(files)} wheels, {mib(kit_total)}; with the working tree ({mib(tree)}): {mib(total)} "
           f"of the device's {mib(DEVICE_LIMIT_BYTES)} per call")
+    print(f"on the GPU machine: bash tools/gpu_kit/run.sh, carrying {kit.name} (a {RUN_BUDGET_SECONDS} s run: "
+          f"give the call timeout_s={CALL_TIMEOUT_SECONDS}; a corrected rerun fits the same machine)")
     try:
         commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, check=True,
                                 capture_output=True, text=True).stdout.strip()

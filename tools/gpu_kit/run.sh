@@ -3,7 +3,13 @@
 #
 #   bash tools/gpu_kit/run.sh
 #
-# Steps, each recorded in $OUT/summary.txt; a step that fails or runs out of time does not stop
+# A lent GPU machine is there for about 15 minutes in all, its start-up included: the whole run
+# is budgeted at 300 s (give the device call timeout_s=360), so a second, corrected run still fits
+# on the same warm machine. The bench is small by default (0.5 GB, 3 reps); pytest gets what the
+# steps before it left, less what the bench needs, and prints its slowest tests for the next plan.
+#
+# Steps, each recorded in $OUT/summary.txt (which starts with the GPU, driver, torch, CUDA and NCCL
+# versions every figure of the run comes from); a step that fails or runs out of time does not stop
 # the next one:
 #   info      nvidia-smi, the interpreter, torch/grpcio/protobuf/numpy/numba versions, /dev/shm
 #   stale     is the kit's weightsync wheel built from this tree? if not, rebuild it here
@@ -12,14 +18,18 @@
 #             (a fallback grpcio/protobuf goes on PYTHONPATH for this run only if the machine's is
 #             too old)
 #   check     torch's version and CUDA unchanged, weightsync and the companions import, pip check
-#   pytest    python3 -m pytest -q -rs -p no:cacheprovider tests/gpu  (junit: $OUT/junit-gpu.xml)
-#   bench     python3 -m bench.gpu --out $OUT  (gpu_bench.json, gpu_bench.md)
-# Files in $OUT: run.log (everything), summary.txt, junit-gpu.xml, gpu_bench.json, gpu_bench.md.
+#   pytest    python3 -m pytest -q -rs -p no:cacheprovider --durations=15 tests/gpu
+#             (junit: $OUT/junit-gpu.xml)
+#   bench     python3 -m bench.gpu --out $OUT --gb 0.5 --reps 3  (gpu_bench.json, gpu_bench.md)
+# Files in $OUT: run.log (everything), summary.txt, versions.txt, junit-gpu.xml, gpu_bench.json,
+# gpu_bench.md.
 #
 # Environment: OUT (default /tmp/gpu-kit-out), GPU_PY (python3), GPU_KIT (.gpu-kit),
-# GPU_KIT_TOTAL_S (540: the whole run stays under the device's 600 s per command),
-# GPU_KIT_PYTEST_S (340), GPU_KIT_BENCH_S (150), GPU_KIT_BENCH_ARGS (extra bench.gpu arguments),
-# GPU_KIT_DRY_RUN=1 (info and the install plan only: installs nothing, runs nothing).
+# GPU_KIT_TOTAL_S (300: the whole run, every step's limit included), GPU_KIT_PYTEST_S (at most
+# this for pytest: 220), GPU_KIT_BENCH_S (kept for the bench: 50), GPU_KIT_BENCH_ARGS (bench.gpu's
+# arguments: "--gb 0.5 --reps 3"), GPU_KIT_PYTEST_ARGS (more pytest arguments, e.g. -k NAME for
+# a rerun of what failed), GPU_KIT_DRY_RUN=1 (info and the install plan only: installs nothing,
+# runs nothing).
 # Exit status: 0 when every step passed, 1 otherwise.
 
 # shellcheck disable=SC2317  # the step functions run through `bash -c NAME` (export -f)
@@ -29,15 +39,16 @@ cd "$(dirname "$0")/../.." || exit 2
 OUT=${OUT:-/tmp/gpu-kit-out}
 PY=${GPU_PY:-python3}
 KIT=${GPU_KIT:-.gpu-kit}
-TOTAL=${GPU_KIT_TOTAL_S:-540}
-PYTEST_S=${GPU_KIT_PYTEST_S:-340}
-BENCH_S=${GPU_KIT_BENCH_S:-150}
+TOTAL=${GPU_KIT_TOTAL_S:-300}
+PYTEST_S=${GPU_KIT_PYTEST_S:-220}
+BENCH_S=${GPU_KIT_BENCH_S:-50}
+BENCH_ARGS=${GPU_KIT_BENCH_ARGS:---gb 0.5 --reps 3}
 DRY_RUN=${GPU_KIT_DRY_RUN:-0}
 STATE=$(mktemp -d /tmp/gpu-kit-state.XXXXXX)
 SUMMARY=$OUT/summary.txt
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
-export OUT PY KIT STATE
+export OUT PY KIT STATE BENCH_ARGS
 
 failures=0
 
@@ -69,6 +80,22 @@ min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
 
 torch_state() {
   "$PY" -c 'import torch; print(torch.__version__, torch.cuda.is_available(), torch.version.cuda)'
+}
+
+# One line: what every figure of this run comes from (GPU, driver, torch, CUDA, NCCL).
+gpu_versions() {
+  local driver
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
+  "$PY" - "${driver:--}" <<'EOF'
+import sys
+import torch
+try:
+    nccl = ".".join(str(p) for p in torch.cuda.nccl.version())
+except (AttributeError, RuntimeError):
+    nccl = "-"
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+print(f"{gpu}, driver {sys.argv[1]}, torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}")
+EOF
 }
 
 versions() {
@@ -165,34 +192,44 @@ EOF
 }
 
 run_pytest() {
-  "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu --junitxml="$OUT/junit-gpu.xml"
+  # shellcheck disable=SC2086  # GPU_KIT_PYTEST_ARGS is a list of arguments
+  "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 tests/gpu --junitxml="$OUT/junit-gpu.xml" \
+    ${GPU_KIT_PYTEST_ARGS:-}
 }
 
 run_bench() {
-  # shellcheck disable=SC2086  # GPU_KIT_BENCH_ARGS is a list of arguments
-  "$PY" -m bench.gpu --out "$OUT" ${GPU_KIT_BENCH_ARGS:-}
+  # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
+  "$PY" -m bench.gpu --out "$OUT" $BENCH_ARGS
 }
 
-export -f torch_state versions info stale install_kit check run_pytest run_bench
+export -f torch_state gpu_versions versions info stale install_kit check run_pytest run_bench
 export DRY_RUN
+
+# The limit of a step that may take up to $1 s: never more than what is left once $2 s are kept
+# back for the steps after it.
+upto() { min "$1" $(($(left) - $2)); }
 
 main() {
   : >"$SUMMARY"
   echo "gpu-kit run: $(date -u +%FT%TZ), OUT=$OUT, python=$PY, kit=$KIT, budget ${TOTAL}s"
-  step info 60 info
+  timeout -k 5 30 bash -c gpu_versions >"$OUT/versions.txt" 2>&1 || echo "(unknown: see run.log)" >>"$OUT/versions.txt"
+  echo "versions $(head -1 "$OUT/versions.txt")" | tee -a "$SUMMARY"
+  # What pytest needs at least, and the bench, are kept back from the steps before them.
+  local later=$((BENCH_S + 60))
+  step info "$(upto 30 "$later")" info
   if [ "$DRY_RUN" = 1 ]; then
-    step plan 60 install_kit
+    step plan "$(upto 60 "$later")" install_kit
   else
-    step stale 90 stale
-    step install 120 install_kit
+    step stale "$(upto 60 "$later")" stale
+    step install "$(upto 90 "$later")" install_kit
     if [ -s "$STATE/pythonpath" ]; then
       PYTHONPATH="$(cat "$STATE/pythonpath")${PYTHONPATH:+:$PYTHONPATH}"
       export PYTHONPATH
       echo "PYTHONPATH=$PYTHONPATH (the kit's fallback grpcio/protobuf, this run only)"
     fi
-    step check 60 check
-    step pytest "$(min "$PYTEST_S" $(($(left) - BENCH_S - 10)))" run_pytest
-    step bench "$(min "$BENCH_S" $(($(left) - 5)))" run_bench
+    step check "$(upto 30 "$later")" check
+    step pytest "$(upto "$PYTEST_S" "$((BENCH_S + 5))")" run_pytest
+    step bench "$(upto "$BENCH_S" 2)" run_bench
   fi
   echo
   echo "=== summary ($SECONDS s, $failures failed) ==="

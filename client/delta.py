@@ -1,9 +1,12 @@
 """Sending only what changed: the trainer's copy of what it last committed, and the per-tensor
 choice between the whole tensor and a patch.
 
-The SDK keeps, per WeightSyncClient, one copy of every tensor it last committed (the same bytes
-as the model: memory equal to the model's size, on the host or on the tensors' device) with the
-WS64 of each. The next push compares raw bits against that copy, per tensor:
+The SDK keeps, per WeightSyncClient, one copy of every tensor it last committed, with the WS64 of
+each: memory equal to the pushed tensors' size, in host memory (CUDA tensors' in pinned host
+memory: none on the trainer's GPU unless WeightSyncClient(delta_host_copy=False) asks for it
+there), except that a view which reads some elements more than once (expand(), a stride of 0)
+costs only the storage it reads (delta_policy.kept_copy; DeltaBase.memory_bytes says what the
+copy holds). The next push compares raw bits against that copy, per tensor:
   - a sample of its elements first: a tensor whose patch would plainly not pay goes dense without
     paying for a full comparison (so a push where most of the model changed costs about what
     dense costs);
@@ -11,7 +14,9 @@ WS64 of each. The next push compares raw bits against that copy, per tensor:
 Host tensors are compared by the compiled kernels (common.patch_kernels): one pass over both
 copies writes a PATCH_XOR patch (gap varints, XOR byte planes) and the WS64 change, on as many
 threads as torch may use. CUDA tensors are compared with torch ops on their device (the
-overwriting encodings: positions, gaps or a bitmask, whichever is smallest).
+overwriting encodings: positions, gaps or a bitmask, whichever is smallest); a copy in host memory
+is brought over HOST_COMPARE_CHUNK_BYTES at a time (the sample: its elements only), never whole.
+A view that repeats elements is compared by the storage it reads: unchanged, or dense.
 Each patch carries the WS64 of the whole new tensor: the copy's WS64 plus the change, O(changed).
 A kept host tensor is brought up to date by the comparison itself (the kernel writes each changed
 element into the copy as it finds it: no pass of its own); the others are refreshed while a push's
@@ -35,6 +40,7 @@ from weightsync.client.delta_policy import (
     auto_dense_above,
     auto_worth,
     host_crossover,
+    kept_copy,
 )
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.types import StoreGeneration
@@ -43,6 +49,7 @@ from weightsync.common.checksum import ws64
 from weightsync.common.logging import get_logger
 from weightsync.common.patches import (
     XOR,
+    Changes,
     DecodedPatch,
     PatchChoice,
     SampleLayout,
@@ -67,6 +74,31 @@ _MASK64 = (1 << 64) - 1
 
 def _on_host(base: torch.Tensor, new: torch.Tensor) -> bool:
     return base.device.type == "cpu" and new.device.type == "cpu" and base.is_contiguous()
+
+
+def read_span(tensor: torch.Tensor) -> int:
+    """The elements of its storage a tensor reads, from its first to its last (torch strides are never
+    negative): fewer than its numel only when it reads some more than once (expand(), a stride of 0)."""
+    if not tensor.numel():
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+
+
+def repeats_elements(tensor: torch.Tensor) -> bool:
+    """Whether the tensor is a view whose storage is smaller than its logical size (its copy keeps
+    only that storage: delta_policy.kept_copy)."""
+    return read_span(tensor) < tensor.numel()
+
+
+def _read_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """The storage a tensor reads, first element to last, as flat raw bits (a view: no copy)."""
+    return bits_of(tensor.detach().as_strided((read_span(tensor),), (1,), tensor.storage_offset()))
+
+
+HOST_COMPARE_CHUNK_BYTES = 64 << 20
+"""A CUDA tensor whose copy lives in host memory is compared against it this many bytes at a time,
+each piece copied to the device into one staging buffer: the comparison costs that much device
+memory, not a second copy of the tensor."""
 
 
 DENSE_RUN_DROPS_COPY = 1
@@ -140,6 +172,45 @@ class DeltaChoice:
                    for n, t in items if n not in self.unchanged and n not in self.patch_below)
 
 
+def _changes_across(base: torch.Tensor, new: torch.Tensor) -> Changes:
+    """changes_between a copy in host memory and a tensor on a device, on the device: the copy is
+    brought over HOST_COMPARE_CHUNK_BYTES at a time into one staging buffer (never whole). Positions
+    and values are on new's device; the WS64 change is left to ws64_after_patch (O(changed))."""
+    ours, theirs = bits_of(new), bits_of(base)
+    step = max(8, HOST_COMPARE_CHUNK_BYTES // ours.element_size())  # a multiple of 8 elements: words stay whole
+    staging = torch.empty(min(step, ours.numel()), dtype=ours.dtype, device=ours.device)
+    stream = torch.cuda.current_stream(ours.device) if ours.is_cuda else None
+    positions, values = [], []
+    for start in range(0, ours.numel(), step):
+        end = min(start + step, ours.numel())
+        piece = staging[: end - start]
+        # Queued on the current stream, before the comparison that reads it and before the next
+        # piece overwrites the staging buffer (stream order); from pinned memory, asynchronously.
+        piece.copy_(theirs[start:end], non_blocking=True)
+        found = changes_between(piece, ours[start:end])
+        positions.append(found.positions.add_(start))
+        values.append(found.values)
+    if stream is not None:
+        # The host copy must not change while a copy out of it is queued: every piece has been read
+        # before this returns (changes_between's nonzero waits too; this does not rely on it).
+        stream.synchronize()
+    if not positions:
+        return Changes(torch.empty(0, dtype=torch.int64, device=ours.device),
+                       torch.empty(0, dtype=torch.uint8, device=ours.device), None)
+    return Changes(torch.cat(positions), torch.cat(values), None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Home:
+    """Where one kept copy is allocated (delta_policy.kept_copy)."""
+
+    device: torch.device
+    pinned: bool
+
+    def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device, pin_memory=self.pinned)
+
+
 def _layout(named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
     return tuple((name, t.dtype, tuple(t.shape)) for name, t in named)
 
@@ -148,11 +219,17 @@ class DeltaBase:
     """The tensors this client last committed, the generation they are at on each server, and
     their WS64s."""
 
-    def __init__(self, *, host_copy: bool = False) -> None:
+    def __init__(self, *, host_copy: bool = True) -> None:
         self.host_copy = host_copy
-        """Keep the copy in host memory (a GPU trainer short of device memory); comparing then
-        reads the new tensors across the bus."""
+        """Keep device tensors' copy in host memory (pinned for CUDA; the default: a second copy of
+        the model on the trainer's GPU left it short for its optimizer and activations a few steps
+        later); comparing then reads the kept copy across the bus. False: on the tensors' device
+        (delta_policy.kept_copy)."""
         self.tensors: dict[str, torch.Tensor] = {}
+        """The whole copy of each kept tensor (contiguous)."""
+        self.views: dict[str, torch.Tensor] = {}
+        """Views that read some elements more than once (repeats_elements): the view's shape and
+        strides over a copy of only the storage it reads."""
         self.checksums: dict[str, int] = {}
         """WS64 of a kept tensor, once a patch of it needed it (kept across patches)."""
         self.generations: dict[str, StoreGeneration] = {}
@@ -226,12 +303,14 @@ class DeltaBase:
 
     @property
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """The bytes the kept copies hold (their storages; the samples, SAMPLE_ELEMENTS a tensor,
+        aside): the pushed tensors' size, but a repeating view's only the storage it reads."""
+        return sum(t.untyped_storage().nbytes() for t in [*self.tensors.values(), *self.views.values()])
 
     def same_layout(self, named: list[tuple[str, torch.Tensor]]) -> bool:
         """Whether these tensors have the names, dtypes and shapes of the kept copy."""
         self._settle()
-        return bool(self.tensors or self.samples) and _layout(named) == self.layout
+        return bool(self.tensors or self.samples or self.views) and _layout(named) == self.layout
 
     def choose(self, named: list[tuple[str, torch.Tensor]], *, auto: bool = True, defer: bool = False) -> DeltaChoice:
         """Per tensor, unchanged, patch or dense: where the patch pays (auto) or wherever it is
@@ -239,10 +318,15 @@ class DeltaBase:
         the update goes dense (AUTO_DENSE_ABOVE), no tensor is compared in full. defer: the kept
         host tensors worth comparing (but the smallest) are not compared here but listed in
         DeltaChoice.deferred, for compare_deferred while the push's bytes move; the copy of each is
-        then the new tensor's as soon as that comparison ran."""
+        then the new tensor's as soon as that comparison ran. A view that repeats elements
+        (repeats_elements) is unchanged when the storage it reads is, and dense otherwise."""
         self._settle()
         choice = DeltaChoice()
         self._sampled, self._rekeep, self._advanced = {}, {}, set()
+        everything = named
+        # A view that reads some elements more than once: its storage unchanged, or dense.
+        views = {name: self._same_view(name, t) for name, t in named if repeats_elements(t)}
+        named = [(name, t) for name, t in named if name not in views]
         link = self.dense_bytes_per_second
         worths = {name: auto_worth(tensor, link) if auto else EVERY_SMALLER
                   for name, tensor in named}
@@ -250,12 +334,14 @@ class DeltaBase:
         named = [(name, t.detach().contiguous() if t.device.type == "cpu" else t.detach()) for name, t in named]
         compare = {name: self._worth_comparing(name, tensor, worths[name]) for name, tensor in named}
         if auto:
-            dense = sum(t.numel() * t.element_size() for _, t in named)
-            expected = sum(t.numel() * t.element_size() for n, t in named if not compare[n])
+            dense = sum(t.numel() * t.element_size() for _, t in everything)
+            expected = sum(t.numel() * t.element_size() for n, t in everything
+                           if not (views[n] if n in views else compare[n]))
             if expected > auto_dense_above(link) * dense:
                 for name, _ in named:  # all of them go dense
                     self.dense_runs[name] = self.dense_runs.get(name, 0) + 1
                 return choice
+        choice.unchanged.update(name for name, same in views.items() if same)
         on_host = [(name, tensor) for name, tensor in named
                    if compare[name] and name in self.tensors and _on_host(self.tensors[name], tensor)]
         if on_host:
@@ -296,8 +382,23 @@ class DeltaBase:
         return choice
 
     def _base_for(self, name: str, new: torch.Tensor) -> torch.Tensor | None:
+        """The kept copy to compare `new` against, where it lives (never copied whole: a copy in host
+        memory is read by the sample and by the chunked comparison, _changes_across); None when it
+        is on another device than new's (the tensor moved: dense, and kept where it is now)."""
         base = self.tensors.get(name)
-        return base.to(new.device) if base is not None and base.device != new.device else base
+        if base is None or base.device == new.device or base.device.type == "cpu":
+            return base
+        return None
+
+    def _same_view(self, name: str, new: torch.Tensor) -> bool:
+        """Whether a repeating view reads the same storage bits, with the same strides, as its kept copy."""
+        kept = self.views.get(name)
+        if kept is None or kept.dtype != new.dtype or kept.shape != new.shape or kept.stride() != new.stride():
+            return False
+        now = _read_storage(new)
+        if now.device != kept.device:
+            now = now.to(kept.device)  # the storage it reads: as small as its kept copy
+        return torch.equal(_read_storage(kept), now)
 
     def _worth_comparing(self, name: str, new: torch.Tensor, worth: Worth) -> bool:
         """Whether a sample of the tensor's elements predicts a patch under worth.compare_below
@@ -325,7 +426,10 @@ class DeltaBase:
             changed = patch_kernels.count_changed(base, new, layout)
             per_change = 1 + itemsize  # a one-byte gap and, at most, every XOR byte plane dense
         else:
-            changed = int((layout.of(bits_of(base)) != layout.of(bits_of(new))).sum().item())
+            ours = layout.of(bits_of(new))
+            if ours.device != base.device:
+                ours = ours.to(base.device)  # a copy in host memory: only the sampled elements cross the bus
+            changed = int((layout.of(bits_of(base)) != ours).sum().item())
             per_change = 2 + itemsize
         sampled = changed / layout.size
         smallest = min(sampled * per_change, 1 / 8 + sampled * itemsize) * numel
@@ -338,7 +442,7 @@ class DeltaBase:
             return None
         numel, itemsize = new.numel(), new.element_size()
         dense = numel * itemsize
-        changes = changes_between(base, new)
+        changes = changes_between(base, new) if base.device == new.device else _changes_across(base, new)
         positions = changes.positions
         if not positions.numel():
             return "unchanged"
@@ -444,6 +548,7 @@ class DeltaBase:
         except Exception as error:  # noqa: BLE001 - the push itself succeeded; only the copy is lost
             log.warning("delta_copy_failed", error=repr(error))
             self.tensors, self.checksums, self.layout, self.generations = {}, {}, (), {}
+            self.views = {}
             return False
 
     def _take(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None,
@@ -456,11 +561,19 @@ class DeltaBase:
             layout = _layout(named)
             if layout != self.layout:
                 self.tensors, self.checksums, self.layout, self.dense_runs, self.samples = {}, {}, (), {}, {}
-                self._sampled = {}
+                self.views, self._sampled = {}, {}
             patches = choice.patches if choice is not None else {}
             unchanged = choice.unchanged if choice is not None else set()
             cuda_devices: set[torch.device] = set()
             for name, tensor in named:
+                if repeats_elements(tensor):
+                    for kept_whole in (self.tensors, self.checksums, self.samples, self.dense_runs):
+                        kept_whole.pop(name, None)
+                    if name not in unchanged or name not in self.views:
+                        self._keep_view(name, tensor)
+                    cuda_devices.update(t.device for t in (self.views[name], tensor) if t.is_cuda)
+                    continue
+                self.views.pop(name, None)
                 if name in unchanged and name in self.tensors:
                     continue
                 if name not in patches and self.dense_runs.get(name, 0) >= DENSE_RUN_DROPS_COPY:
@@ -485,24 +598,43 @@ class DeltaBase:
                         apply_patch(kept, DecodedPatch(patch.positions.to(kept.device), values.to(kept.device)))
                     self.checksums[name] = patch.checksum
                 else:
-                    device = torch.device("cpu") if self.host_copy else tensor.device
-                    if kept is None or kept.shape != tensor.shape or kept.device != device:
-                        kept = torch.empty(tensor.shape, dtype=tensor.dtype, device=device,
-                                           pin_memory=self.host_copy and tensor.is_cuda)
-                        self.tensors[name] = kept
-                    kept.copy_(tensor.detach())
+                    home = self._home(tensor)
+                    if kept is None or kept.shape != tensor.shape or kept.device != home.device:
+                        kept = self.tensors[name] = home.empty(tensor.shape, tensor.dtype)
+                    # From the device into pinned memory: queued, and waited for below.
+                    kept.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
                     self.checksums.pop(name, None)
                 cuda_devices.update(t.device for t in (kept, tensor) if t.is_cuda)
-            for device in cuda_devices:  # the copies are asynchronous: done before the copy is claimed
+            for device in cuda_devices:
+                # The copies are asynchronous (into pinned host memory too): every one of them is done
+                # before the copy is claimed, or read by the host (the next comparison, a patch's apply).
                 torch.cuda.current_stream(device).synchronize()
             self.layout = layout
             self._sampled = {}
             self._advanced = set()
 
+    def _home(self, tensor: torch.Tensor) -> _Home:
+        place = kept_copy(tensor.device.type, tensor.numel() * tensor.element_size(),
+                          read_span(tensor) * tensor.element_size(), host_copy=self.host_copy)
+        return _Home(tensor.device if place.home == "device" else torch.device("cpu"), place.home == "pinned host")
+
+    def _keep_view(self, name: str, tensor: torch.Tensor) -> None:
+        """Keep a repeating view as the storage it reads (a copy of that much), with its strides."""
+        home, kept = self._home(tensor), self.views.get(name)
+        if (kept is None or kept.device != home.device or kept.dtype != tensor.dtype
+                or read_span(kept) != read_span(tensor)):
+            storage = home.empty((read_span(tensor),), tensor.dtype)
+        else:
+            storage = kept.as_strided((read_span(kept),), (1,), 0)  # its allocation, reused
+        storage.copy_(tensor.detach().as_strided(storage.shape, (1,), tensor.storage_offset()),
+                      non_blocking=tensor.is_cuda)  # waited for with the others (_take)
+        self.views[name] = storage.as_strided(tensor.shape, tensor.stride(), 0)
+
     def drop(self) -> None:
         """No copy at all (delta=False, or an iterator that is never held whole): its memory is freed."""
         self._settle()
         self.tensors, self.checksums, self.layout, self.generations = {}, {}, (), {}
+        self.views = {}
         self.dense_runs, self.samples, self._sampled, self._rekeep = {}, {}, {}, {}
         self._advanced = set()
 

@@ -1,9 +1,11 @@
 """When delta="auto" sends a patch: the cost model fitted on the benchmark machine, per device and
-per link (client/delta.py applies it to each tensor's sample and comparison)."""
+per link (client/delta.py applies it to each tensor's sample and comparison); and where the copy
+it compares against lives (kept_copy)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -83,8 +85,9 @@ def auto_dense_above(dense_bytes_per_second: float | None) -> float:
 AUTO_CPU = host_worth(None)
 """Worth(0.028, 0.048) on the benchmark machine's loopback."""
 AUTO_CUDA = Worth(0.1, 0.1)
-"""delta="auto" for CUDA tensors, on paper (no GPU measurement yet): the comparison runs at device
-bandwidth, far above any link's, so what counts is the bytes on the link."""
+"""delta="auto" for CUDA tensors, on paper (no GPU measurement yet): the comparison runs on the
+device, reading the kept copy across the bus where it lives in host memory (the default), at the
+bus's bandwidth, well above most links', so what counts is the bytes on the link."""
 
 
 DEFER_BELOW_BYTES_PER_SECOND = 500e6
@@ -106,3 +109,38 @@ def defers_comparison(dense_bytes_per_second: float | None) -> bool:
 
 def auto_worth(tensor: torch.Tensor, dense_bytes_per_second: float | None = None) -> Worth:
     return AUTO_CUDA if tensor.is_cuda else host_worth(dense_bytes_per_second)
+
+
+KeptHome = Literal["host", "pinned host", "device"]
+
+
+@dataclass(frozen=True, slots=True)
+class KeptCopy:
+    """Where the copy of one pushed tensor lives and what it holds (DeltaBase keeps it)."""
+
+    home: KeptHome
+    """"host": the trainer's memory (a host tensor's copy); "pinned host": page-locked host memory
+    (a CUDA tensor's, by default: copied from and to the device asynchronously); "device": the
+    tensor's own device (a CUDA trainer that asked for it: delta_host_copy=False)."""
+    storage_only: bool
+    """A view that reads some elements more than once (expand(), a stride of 0) keeps only the
+    storage it reads, with its strides: an update of it is then left out when that storage is
+    unchanged and sent dense otherwise (never as a patch)."""
+    bytes: int
+    """What the copy holds."""
+
+
+def kept_copy(device_type: str, logical_bytes: int, read_bytes: int, *, host_copy: bool = True) -> KeptCopy:
+    """Where delta's copy of a tensor lives: `device_type` is the tensor's (torch.device.type),
+    `logical_bytes` its numel times its element size, `read_bytes` the bytes of storage it reads,
+    first to last (fewer than logical_bytes only when it reads some more than once). host_copy
+    (WeightSyncClient(delta_host_copy=...), default True) keeps a device tensor's copy in host
+    memory: a second copy of the model on a trainer's GPU left it short for its optimizer and
+    activations a few steps later; comparing then reads the kept copy across the bus."""
+    storage_only = read_bytes < logical_bytes
+    held = read_bytes if storage_only else logical_bytes
+    if device_type == "cpu":
+        return KeptCopy("host", storage_only, held)
+    if not host_copy:
+        return KeptCopy("device", storage_only, held)
+    return KeptCopy("pinned host" if device_type == "cuda" else "host", storage_only, held)

@@ -94,13 +94,14 @@ class WeightSyncClient:
         timeout: float = 60.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         metadata: Sequence[tuple[str, str]] = (),
-        delta_host_copy: bool = False,
+        delta_host_copy: bool = True,
     ) -> None:
         """metadata: extra gRPC metadata on every call, e.g. a W3C ("traceparent", ...) the server
         logs with the update.
         delta_host_copy: keep the copy of the last committed tensors (what push(delta=...)
-        compares against: as much memory as the model) in host memory rather than on the
-        tensors' device; a GPU trainer short of device memory trades the comparison's speed."""
+        compares against: as much memory as the model) in host memory (default; pinned for CUDA
+        tensors, whose comparison then reads it across the bus); False: on the tensors' device
+        (a second copy of the model in GPU memory)."""
         addresses = [servers] if isinstance(servers, str) else list(servers)
         if not addresses:
             raise ValueError("at least one server address is required")
@@ -240,8 +241,10 @@ class WeightSyncClient:
         False: always dense, and no copy kept. A server that does not hold this
         client's last commit (restarted, or pushed to by someone else) gets the
         update dense: INLINE and SHM that server alone, COLLECTIVE the whole
-        group. Keeping the copy costs as much memory as the pushed tensors, on
-        their device (host memory with delta_host_copy=True); delta=False frees it.
+        group. Keeping the copy costs as much memory as the pushed tensors, in
+        host memory (on their device with delta_host_copy=False), but a view that
+        reads elements more than once (expand()) only the storage it reads;
+        delta=False frees it.
         PushResult.bytes_sent and dense_bytes say what it saved.
         compress: COLLECTIVE over a Gloo group, and INLINE: send each bucket of patches as a zstd
         frame (its owners decompress it). None (default): when this client's dense pushes measured the link

@@ -272,3 +272,130 @@ def test_a_tensor_kept_as_a_sample_is_copied_again_only_once_clearly_sparse():
     sparse = changed(near, 0.002, seed=3)
     base.committed(list(sparse.items()), base.choose(list(sparse.items())), {"s": 4})
     assert sorted(base.tensors) == ["a", "b"] and base.dense_runs == {"a": 0, "b": 0}
+
+
+GIB = 1 << 30
+KEPT_COPY_TABLE = [
+    # device, logical bytes, bytes of storage read, delta_host_copy -> where, storage only, bytes held
+    ("cpu", 4096, 4096, True, "host", False, 4096),
+    ("cpu", 4096, 4096, False, "host", False, 4096),  # a host tensor's copy is in host memory either way
+    ("cpu", 4096, 12288, True, "host", False, 4096),  # a strided slice reads past its elements: kept whole
+    ("cpu", 2 * GIB, 4, True, "host", True, 4),  # 2 GiB of expand() over one float32: 4 bytes
+    ("cpu", 4096, 4094, True, "host", True, 4094),  # any repeated element: the storage is smaller
+    ("cpu", 0, 0, True, "host", False, 0),
+    ("cuda", 4096, 4096, True, "pinned host", False, 4096),  # the default: nothing on the trainer's GPU
+    ("cuda", 12 * GIB, 12 * GIB, True, "pinned host", False, 12 * GIB),
+    ("cuda", 4096, 4096, False, "device", False, 4096),
+    ("cuda", 12 * GIB, 4, True, "pinned host", True, 4),
+    ("cuda", 12 * GIB, 4, False, "device", True, 4),
+    ("xpu", 4096, 4096, True, "host", False, 4096),  # host memory, pinned only where CUDA pins it
+    ("xpu", 4096, 4096, False, "device", False, 4096),
+]
+
+
+@pytest.mark.parametrize(("device", "logical", "read", "host_copy", "home", "storage_only", "held"), KEPT_COPY_TABLE)
+def test_where_the_kept_copy_lives_and_what_it_holds(device, logical, read, host_copy, home, storage_only, held):
+    assert delta_policy.kept_copy(device, logical, read, host_copy=host_copy) == delta_policy.KeptCopy(
+        home, storage_only, held)
+
+
+def test_the_copy_of_device_tensors_is_kept_in_host_memory_by_default():
+    import inspect
+
+    from weightsync.client import WeightSyncClient
+
+    assert DeltaBase().host_copy is True
+    assert inspect.signature(WeightSyncClient.__init__).parameters["delta_host_copy"].default is True
+
+
+def test_the_storage_a_view_reads():
+    big = torch.zeros(64, 300)
+    spans = {
+        "contiguous": (big, 64 * 300),
+        "expanded scalar": (torch.zeros(1).expand(1 << 20), 1),
+        "expanded row": (big[7:8].expand(4096, 300), 300),
+        "expanded column": (big[:, 3:4].expand(64, 50), 63 * 300 + 1),
+        "transposed": (big.t(), 64 * 300),
+        "every third": (big.view(-1)[::3], (64 * 300 - 1) // 3 * 3 + 1),
+        "overlapping windows": (big.view(-1).unfold(0, 8, 1), 64 * 300),
+        "empty": (big[:0], 0),
+    }
+    assert {name: delta_module.read_span(t) for name, (t, _) in spans.items()} == {
+        name: span for name, (_, span) in spans.items()}
+    assert {name for name, (t, _) in spans.items() if delta_module.repeats_elements(t)} == {
+        "expanded scalar", "expanded row", "overlapping windows"}
+
+
+def test_an_expanded_view_keeps_only_the_storage_it_reads_and_goes_unchanged_or_dense():
+    """delta="auto" kept a copy of an expand() view's full logical size (2 GiB of views over 4 bytes
+    took the trainer from 293 MiB to ~3 GiB; 12 GB of them OOM-killed it). Kept now: the storage it
+    reads, with its strides; the next push leaves it out when that storage holds the same bits and
+    sends it dense otherwise."""
+    big = torch.randn(64, 300, generator=torch.Generator().manual_seed(21))
+    w = weights()["a"]
+    first = {"bias": torch.tensor([1.5]).expand(1 << 22),  # 16 MiB over 4 bytes
+             "row": big[7:8].expand(4096, 300),  # 4.7 MiB over one row (1200 bytes) of a 76.8 KB matrix
+             "w": w}
+    base = kept_base(first)
+    assert base.memory_bytes == 4 + 1200 + w.numel() * 2  # not 21 MiB
+    assert {n: t.untyped_storage().nbytes() for n, t in base.views.items()} == {"bias": 4, "row": 1200}
+    assert base.views["bias"].stride() == (0,) and base.views["row"].stride() == (0, 1)
+    assert all(torch.equal(base.views[n], first[n]) for n in ("bias", "row")) and sorted(base.tensors) == ["w"]
+
+    # Other tensors over storages of the same bits: left out; w sparse: a patch.
+    second = {"bias": torch.tensor([1.5]).expand(1 << 22), "row": big.clone()[7:8].expand(4096, 300),
+              "w": changed({"w": w}, 0.002, seed=22)["w"]}
+    choice = base.choose(list(second.items()))
+    assert choice.unchanged == {"bias", "row"} and set(choice.patches) == {"w"}
+    base.committed(list(second.items()), choice, {"s": 2})
+
+    # -0.0 against 0.0 (raw bits), and the same value over a storage read with other strides: dense.
+    zero = {"bias": torch.tensor([0.0]).expand(1 << 22), "row": big[7:8].expand(4096, 300), "w": second["w"]}
+    base.committed(list(zero.items()), None, {"s": 3})
+    third = {"bias": torch.tensor([-0.0]).expand(1 << 22),
+             "row": big[7].clone().expand(4096, 300),  # the same bits, strides (0, 1) as before: unchanged
+             "w": second["w"]}
+    choice = base.choose(list(third.items()), auto=False)
+    assert choice.unchanged == {"row", "w"} and not choice.patches  # bias goes dense
+    base.committed(list(third.items()), choice, {"s": 4})
+    assert torch.equal(base.views["bias"].view(torch.int32), third["bias"].view(torch.int32))
+    assert base.views["bias"].untyped_storage().nbytes() == 4
+
+    # One element read everywhere: strides (0, 0), its storage 4 bytes; dense (other strides).
+    fourth = dict(third, row=torch.full((300,), float(big[7, 0])).as_strided((4096, 300), (0, 0)))
+    choice = base.choose(list(fourth.items()), auto=False)
+    assert choice.unchanged == {"bias", "w"}
+    base.committed(list(fourth.items()), choice, {"s": 5})
+    assert base.views["row"].stride() == (0, 0) and base.views["row"].untyped_storage().nbytes() == 4
+    assert base.memory_bytes == 4 + 4 + w.numel() * 2
+    assert torch.equal(base.views["row"], fourth["row"])
+
+    # A view that becomes a whole tensor of the same layout (and back): kept as what it is now.
+    fifth = dict(fourth, bias=torch.full((1 << 22,), -0.0))
+    base.committed(list(fifth.items()), base.choose(list(fifth.items()), auto=False), {"s": 6})
+    assert "bias" in base.tensors and "bias" not in base.views
+    assert base.memory_bytes == (1 << 22) * 4 + 4 + w.numel() * 2
+    choice = base.choose(list(fourth.items()), auto=False)
+    assert "bias" not in choice.unchanged and "bias" not in choice.patches  # dense, though the bits match
+    base.committed(list(fourth.items()), choice, {"s": 7})
+    assert "bias" in base.views and "bias" not in base.tensors and base.memory_bytes == 4 + 4 + w.numel() * 2
+
+
+def test_a_comparison_against_a_copy_on_another_device_goes_in_chunks(monkeypatch):
+    """A CUDA tensor whose copy is in host memory is compared against it a piece at a time through one
+    staging buffer (shown here with host tensors on both sides): the same changes as one comparison of
+    both whole, positions across every piece boundary, and the patch's WS64 that of the new tensor."""
+    from weightsync.common.patches import changes_between
+
+    monkeypatch.setattr(delta_module, "HOST_COMPARE_CHUNK_BYTES", 4096)
+    before = weights()["a"]  # 256 KiB: 64 pieces
+    after = changed({"a": before}, 0.01, seed=23)["a"]
+    flat = after.view(-1).view(torch.int16)
+    for edge in (0, 2047, 2048, 4095, 4096, flat.numel() - 1):  # either side of piece boundaries
+        flat[edge] ^= 4
+    whole, pieces = changes_between(before, after), delta_module._changes_across(before, after)
+    assert pieces.ws64_delta is None
+    assert torch.equal(pieces.positions, whole.positions) and torch.equal(pieces.values, whole.values)
+    assert {0, 2047, 2048, 4095, 4096, flat.numel() - 1} <= set(pieces.positions.tolist())
+    same = delta_module._changes_across(before, before.clone())
+    assert same.positions.numel() == 0 and same.values.numel() == 0

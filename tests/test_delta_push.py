@@ -392,3 +392,46 @@ def test_the_comparison_updates_the_copy_which_claims_the_base_only_once_committ
             events.clear()
             assert_held(two_servers, current)
         assert client.verify(current).ok
+
+
+def test_expanded_views_cost_the_kept_copy_only_their_storage_and_land_bit_for_bit(two_servers):
+    """delta="auto" (the default) kept a copy of an expand() view's full logical size: 12 GB of views
+    over a few bytes got the trainer OOM-killed. The copy now holds what their storages hold: an
+    unchanged view is left out, a changed one goes dense, and the servers hold every view's bytes."""
+    a, _ = two_servers
+    g = torch.Generator().manual_seed(31)
+    w = torch.randn(256, 256, generator=g).to(torch.bfloat16)
+    row = torch.randn(1, 512, generator=g).to(torch.bfloat16)
+
+    def views(scale: float, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"scale": torch.tensor([scale]).expand(1 << 21),  # 8 MiB over 4 bytes
+                "pos": row.clone().expand(2048, 512),  # 2 MiB over 1 KiB
+                "w": w}
+
+    def held(named: dict[str, torch.Tensor]) -> None:
+        assert server_checksums(a) == [local_checksums({n: t.contiguous() for n, t in named.items()})]
+
+    with WeightSyncClient(a.address, timeout=60) as client:
+        current = views(1.5, w)
+        first = client.push(current, version="v0", transport="inline", allow_new_tensors=True)
+        assert first.dense_bytes == (1 << 21) * 4 + 2048 * 512 * 2 + w.numel() * 2
+        assert client._delta.memory_bytes == 4 + 1024 + w.numel() * 2  # not 10 MiB more
+        held(current)
+        sparse = w.clone()
+        sparse.view(-1)[::997] += 1  # ~0.1% of w
+        current = views(1.5, sparse)  # new views over storages of the same bits
+        step = client.push(current, version="v1", transport="inline")
+        assert step.bytes_sent < w.numel() * 2  # w's patch; the views' 10 MiB stay where they are
+        held(current)
+        assert client.verify(current).ok
+        current = views(-1.5, sparse)  # scale's storage changed: dense, the rest left out
+        changed = client.push(current, version="v2", transport="inline")
+        assert (1 << 21) * 4 <= changed.bytes_sent < (1 << 21) * 4 + 2048 * 512 * 2
+        assert client._delta.memory_bytes == 4 + 1024 + w.numel() * 2
+        held(current)
+        sparse = sparse.clone()
+        sparse.view(-1)[5::997] -= 1
+        current = views(-1.5, sparse)
+        client.push(current, version="v3", transport="inline")
+        held(current)
+        assert client.verify(current).ok

@@ -33,7 +33,8 @@ class Rendezvous:
         self._group_id = group_id
         self._environment = contextlib.ExitStack()
         if backend == pb.BACKEND_NCCL:
-            self._environment.enter_context(trainer_group_environment(interface_of(local_address)))
+            self._environment.enter_context(trainer_group_environment(interface_of(local_address),
+                                                                      group_timeout=timeout.total_seconds()))
 
         def join() -> CollectiveGroup:
             if device.type == "cuda":

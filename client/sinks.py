@@ -76,8 +76,8 @@ class CollectiveSink:
         self._loop = loop
         self._collective = collective
         self.buffers = buffers
-        self._in_flight: list[dist.Work] = []
-        """The previous bucket's transfers, still on the wire."""
+        self._in_flight: list[tuple[dist.Work, float]] = []
+        """The previous bucket's transfers, still on the wire, each with its deadline (time.monotonic())."""
         self._frames: list[torch.Tensor] = []
         """Compressed frames of the transfers in flight (kept alive until they completed)."""
         self.broken = False
@@ -101,13 +101,14 @@ class CollectiveSink:
         # tail lets them tell a short broadcast from a full one; read() waited for the pack copies.
         announce(self._loop, streams, index, data.numel(), checksum, bucket_tail(data), compression, payload.layout)
         try:
+            deadline = self._collective.deadline()
             if self._collective.backend == pb.BACKEND_NCCL:
-                started = [self._collective.broadcast_async(data)]
+                started = [(self._collective.broadcast_async(data), deadline)]
             else:
-                started = [self._collective.send_async(data, rank, bucket_tag(index))
+                started = [(self._collective.send_async(data, rank, bucket_tag(index)), deadline)
                            for rank in owner_ranks(streams, index)]
         except CollectiveError:
-            self.broken = True
+            self._broke()
             self.finish()  # bucket k-1's transfers too: none is left in flight
             raise
         # Bucket k is on its way (its owner posted its receive while k-1's finished: over Gloo
@@ -119,16 +120,30 @@ class CollectiveSink:
         return failure
 
     def finish(self) -> BaseException | None:
-        works, self._in_flight = self._in_flight, []
+        """Complete the transfers in flight. At the first failure the group is unusable on every rank:
+        NCCL's is closed at once (its other transfers end with it, never waited for again: a second
+        group timeout), Gloo's remaining sends are waited for until their own deadline only (a Gloo
+        send ends when its receiver leaves the group, which the servers do once the update is aborted:
+        push.py aborts it as soon as a server reports a failure)."""
+        transfers, self._in_flight = self._in_flight, []
         failure: BaseException | None = None
-        for work in works:  # every one, even after a failure: none is left in flight
+        for work, deadline in transfers:
+            if self.broken and self._collective.backend == pb.BACKEND_NCCL:
+                break  # aborted with the group: nothing of it is left to wait for
             try:
-                self._collective.wait(work)
+                self._collective.wait(work, deadline)
             except CollectiveError as error:
-                self.broken = True
-                failure = failure or error
-        self._frames = []  # their sends completed
+                failure = error
+                self._broke()
+        self._frames = []  # their sends completed, or their group is closed
         return failure
+
+    def _broke(self) -> None:
+        """A transfer of ours failed or timed out: the group is unusable on every rank. NCCL's is aborted
+        now (bounded), so no transfer of it runs on and none is waited for twice."""
+        self.broken = True
+        if self._collective.backend == pb.BACKEND_NCCL:
+            self._collective.close()
 
 
 def owner_ranks(streams: list[UpdateStream], index: int) -> list[int]:

@@ -10,11 +10,17 @@ stay one small switch apart.
 
 NCCL groups are built so that weightsync's own timeouts decide what a failure
 costs (nccl_env.py: no torch watchdog or heartbeat monitor for our groups):
-  - a broadcast is waited for by polling its completion against the group's
-    timeout; on the deadline the caller closes the group (abort, bounded), never
-    torch's work.wait(timeout), which aborts the communicator in the waiting thread;
-  - the communicator is created non-blocking, so no thread blocks inside NCCL
-    init: an abandoned group is aborted, half-built or not;
+  - a broadcast is waited for by polling its completion against its deadline
+    (started + the group's timeout); its result is read with work.exception(), never
+    with torch's work.wait(), which aborts the communicator in the waiting thread
+    when the work failed (TORCH_NCCL_BLOCKING_WAIT=1) or timed out: on a failure the
+    caller closes the group (abort, bounded);
+  - the communicator is non-blocking (an abandoned group is aborted, half-built or
+    not) and is built inside open_group, by a first 1-byte broadcast waited for
+    against the group's timeout: open_group returns a group whose ranks all
+    connected, or fails within the timeout. Not eager_connect_single_device: with a
+    non-blocking communicator its init cannot be waited for from Python, and the
+    first collective then races it (NCCL error 7, "operation in progress");
   - a group is closed (aborted and released) in a thread of its own with a
     bounded join: ncclCommAbort can hang.
 
@@ -26,10 +32,12 @@ one (see gpu_worker/bucket_checks.py).
 from __future__ import annotations
 
 import datetime
+import math
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -52,6 +60,12 @@ NCCL_POLL_SECONDS = (0.0001, 0.001)
 """Polling a broadcast's completion: first this often, then (after a millisecond) this often."""
 CLOSE_JOIN_SECONDS = 10.0
 """How long closing a group may hold its caller; the abort goes on in its thread after that."""
+FAILED_CLOSE_JOIN_SECONDS = 0.5
+"""How long a worker whose transfer failed waits for the group's abort before it reports the failure: the
+server gives a bucket the group timeout + server/update_session.BUCKET_MARGIN_SECONDS (2 s) and kills a
+worker silent past that (see failure_report_bound)."""
+CONNECT_BYTES = 1
+"""open_group's first broadcast, which builds an NCCL communicator and proves every rank connected."""
 
 
 # -- framing of a bucket broadcast ---------------------------------------------------
@@ -157,6 +171,12 @@ class CollectiveGroup:
     timeout: datetime.timedelta
     device: torch.device
     _pg: object | None
+    released: threading.Event = field(default_factory=threading.Event)
+    """Set once close() finished releasing the communicator (its abort may outlive close()'s bound)."""
+
+    def __post_init__(self) -> None:
+        if self._pg is None:
+            self.released.set()
 
     def broadcast_async(self, tensor: torch.Tensor) -> dist.Work:
         """Start a broadcast from rank 0; wait() on the result with wait()."""
@@ -171,14 +191,20 @@ class CollectiveGroup:
         except RuntimeError as error:
             raise CollectiveError(str(error), timed_out=_looks_like_timeout(error)) from error
 
-    def wait(self, work: dist.Work) -> None:
-        """Complete a broadcast; raises CollectiveError on failure or timeout (the group is then
-        unusable: the caller closes it)."""
+    def deadline(self) -> float:
+        """When a transfer started now must have completed (time.monotonic())."""
+        return time.monotonic() + self.timeout.total_seconds()
+
+    def wait(self, work: dist.Work, deadline: float | None = None) -> None:
+        """Complete a transfer by `deadline` (time.monotonic(); default: the group's timeout from now,
+        pass the transfer's own when it started earlier); raises CollectiveError on failure or timeout
+        (the group is then unusable: the caller closes it)."""
+        deadline = self.deadline() if deadline is None else deadline
         try:
             if self.backend == pb.BACKEND_NCCL:
-                self._wait_polling(work)
+                self._wait_polling(work, deadline)
             else:
-                work.wait(self.timeout)
+                work.wait(datetime.timedelta(seconds=gloo_wait_seconds(deadline - time.monotonic())))
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
         except CollectiveError:
@@ -186,10 +212,10 @@ class CollectiveGroup:
         except RuntimeError as error:
             raise CollectiveError(str(error), timed_out=_looks_like_timeout(error)) from error
 
-    def _wait_polling(self, work: dist.Work) -> None:
-        """NCCL: wait for completion against the group's timeout without torch's timed wait, which
-        aborts the communicator in this thread on expiry (ncclCommAbort can hang: close() bounds it)."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
+    def _wait_polling(self, work: dist.Work, deadline: float) -> None:
+        """NCCL: wait for completion against the deadline, then read the result without torch's wait(),
+        which aborts the communicator in this thread when the work failed or timed out (ncclCommAbort
+        can hang: close() bounds it)."""
         fast_until = time.monotonic() + 0.001
         while not work.is_completed():
             now = time.monotonic()
@@ -197,9 +223,13 @@ class CollectiveGroup:
                 raise CollectiveError(f"group {self.group_id}: broadcast not complete after "
                                       f"{self.timeout.total_seconds():g} s", timed_out=True)
             time.sleep(NCCL_POLL_SECONDS[0] if now < fast_until else NCCL_POLL_SECONDS[1])
-        # Completed: raises a failure the communicator reported (aborting an already failed one does not
-        # wait on a peer), and orders this thread's current stream after the broadcast.
-        work.wait()
+        failure = completed_failure(work)
+        if failure is not None:
+            raise CollectiveError(f"group {self.group_id}: broadcast failed: {failure}",
+                                  timed_out=_looks_like_timeout(failure))
+        # Completed without error: order this thread's current stream after it (WorkNCCL::synchronize
+        # blocks the current stream on the work's end event; unlike wait() it never aborts).
+        work.synchronize()
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.wait(self.broadcast_async(tensor))
@@ -233,23 +263,50 @@ class CollectiveGroup:
         Returns whether the release finished in time."""
         pg, self._pg = self._pg, None
         if pg is None:
-            return True
+            return self.released.wait(join_seconds)  # closed already: the release may still be on its way
         held = [pg]
         del pg
+        released = self.released
 
         def release() -> None:
-            group = held.pop()
-            for method in ("abort", "shutdown"):
-                fn = getattr(group, method, None)
-                if fn is not None:
-                    try:
-                        fn()
-                        break
-                    except Exception:  # noqa: BLE001 - best effort on teardown
-                        continue
-            del group  # the destructor runs here, not in the caller
+            try:
+                group = held.pop()
+                for method in ("abort", "shutdown"):
+                    fn = getattr(group, method, None)
+                    if fn is not None:
+                        try:
+                            fn()
+                            break
+                        except Exception:  # noqa: BLE001 - best effort on teardown
+                            continue
+                del group  # the destructor runs here, not in the caller
+            finally:
+                released.set()
 
         return run_bounded(release, join_seconds, f"close-{self.group_id}")
+
+
+def completed_failure(work: dist.Work) -> BaseException | None:
+    """What a completed work failed with (None: it succeeded), read without wait(). isCompleted() is
+    true for a work whose communicator reported an error; exception() then holds it."""
+    try:
+        return work.exception()
+    except RuntimeError as error:  # the binding itself raising is a failure too
+        return error
+
+
+def gloo_wait_seconds(remaining: float) -> float:
+    """The timeout a Gloo wait is given for what is left of its transfer's deadline: at least 1 ms
+    (torch reads a zero timeout as "none": the group's default)."""
+    return max(0.001, remaining)
+
+
+def failure_report_bound(group_timeout: float, *, margin: float, close_join: float = FAILED_CLOSE_JOIN_SECONDS,
+                         poll: float = NCCL_POLL_SECONDS[1]) -> bool:
+    """Whether a worker whose transfer timed out reports it before the server gives up on it: its wait
+    ends at the group timeout (+ one poll), then the group's abort may hold it `close_join`, and the
+    server waits the group timeout + `margin`. Half the margin is kept for the command's way there and back."""
+    return group_timeout + poll + close_join <= group_timeout + margin / 2
 
 
 def open_group(
@@ -276,12 +333,16 @@ def open_group(
 
             # The environment our group is built with (nccl_env.py) was set by the caller, from the
             # thread that started this one: the trainer around its rendezvous, a worker at start.
+            deadline = time.monotonic() + timeout.total_seconds()
             options = nccl_options(ProcessGroupNCCL.Options(), timeout)
             pg = ProcessGroupNCCL(prefixed, rank, world_size, options)
-            # Connect now, so the unique-id exchange (bounded by the store's timeout) happens
-            # here on every rank. Non-blocking: NCCL's own init does not hold this thread,
-            # and closing the group aborts a communicator still initializing.
-            pg.eager_connect_single_device(device)
+            group = CollectiveGroup(group_id, backend, rank, world_size, timeout, device, pg)
+            try:
+                connect(group, deadline)
+            except BaseException:
+                group.close()  # a communicator still initializing is aborted (bounded)
+                raise
+            return group
         else:
             raise ValueError(f"unsupported backend {backend}")
     except RuntimeError as error:
@@ -289,6 +350,27 @@ def open_group(
             raise RendezvousTimeout(str(error)) from error
         raise
     return CollectiveGroup(group_id, backend, rank, world_size, timeout, device, pg)
+
+
+def connect(group: CollectiveGroup, deadline: float) -> None:
+    """Build the group's NCCL communicator now and prove every rank joined it: a 1-byte broadcast from
+    rank 0 (the unique id goes through the store, NCCL's init runs in the background, and torch waits for
+    it inside the broadcast call for at most TORCH_NCCL_NONBLOCKING_TIMEOUT, which nccl_env keeps below
+    the group's timeout), then waited for against the deadline. Every rank runs it in open_group."""
+    probe = torch.zeros(CONNECT_BYTES, dtype=torch.uint8, device=group.device)
+    try:
+        group.wait(group.broadcast_async(probe), deadline)
+    except CollectiveError as error:
+        if error.timed_out:
+            raise RendezvousTimeout(f"group {group.group_id}: not every rank connected within "
+                                    f"{group.timeout.total_seconds():g} s: {error}") from error
+        raise RuntimeError(f"group {group.group_id}: connecting failed: {error}") from error
+
+
+def nonblocking_timeout_seconds(group_timeout: float) -> int:
+    """The TORCH_NCCL_NONBLOCKING_TIMEOUT that ends a non-blocking communicator's wait within the group's
+    timeout: torch counts whole seconds and fails once more than that many passed (so up to one more)."""
+    return max(1, math.floor(group_timeout) - 1)
 
 
 def nccl_options(options, timeout: datetime.timedelta):

@@ -3,11 +3,23 @@
 cudaHostRegister through torch's binding, in chunks (one call of 512 GiB or more fails on
 recent drivers). It pins every page (about 0.1 s per GB) so that copies between the host
 mapping and a GPU are asynchronous and run at full speed; a read-only mapping needs the
-READ_ONLY flag. Where the driver refuses, nothing is pinned and copies still work,
-synchronously: the caller is told by an empty result and a warning, once per mapping.
+READ_ONLY flag, which not every device supports (cudaDevAttrHostRegisterReadOnlySupported):
+it is asked first, and where it is missing the mapping is left pageable without trying.
+Where the driver refuses, nothing is pinned and copies still work, synchronously: the caller
+is told by an empty result and a warning, once per mapping.
+
+A refused cudaHostRegister also leaves its error as the thread's CUDA "last error", which
+the next kernel launch's check (torch's C10_CUDA_KERNEL_LAUNCH_CHECK reads cudaGetLastError)
+would raise as its own: an engine's next forward pass failing with the registration's error.
+The error is read and cleared (cudaGetLastError, in the thread that registered) right away.
 """
 
 from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -19,26 +31,114 @@ DEFAULT = 0
 """cudaHostRegisterDefault: a read-write mapping."""
 READ_ONLY = 8
 """cudaHostRegisterReadOnly: a PROT_READ mapping (an engine's view of the store)."""
-CHUNK_BYTES = 64 << 30
+CHUNK_BYTES = 256 << 30
+"""The largest single registration (one of 512 GiB or more fails): an arena up to this size is one
+registration, so no copy of one of its segments spans two."""
+HOST_REGISTER_READ_ONLY_SUPPORTED = 113
+"""cudaDevAttrHostRegisterReadOnlySupported."""
 
 
-def pin_host(data: torch.Tensor, flags: int = DEFAULT) -> list[int]:
-    """Register a host mapping (uint8) with CUDA; the base addresses to unpin, or [] where refused."""
-    registered: list[int] = []
+@dataclass(frozen=True, slots=True)
+class CudaRuntime:
+    """The CUDA runtime calls pinning makes (the real ones: `cuda_runtime()`)."""
+
+    register: Callable[[int, int, int], int]
+    """cudaHostRegister(ptr, size, flags) -> cudaError_t"""
+    unregister: Callable[[int], int]
+    """cudaHostUnregister(ptr) -> cudaError_t"""
+    take_last_error: Callable[[], int]
+    """cudaGetLastError() in this thread: returns the last error and clears it."""
+    read_only_supported: Callable[[], bool]
+    """Whether the current device takes cudaHostRegisterReadOnly."""
+
+
+def registration_chunks(size: int, limit: int = CHUNK_BYTES, boundaries: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """(offset, length) of each registration covering `size` bytes, none longer than `limit`. Given segment
+    `boundaries` (offsets where a segment starts), a chunk ends at the last one that fits, so no segment is
+    split across two registrations unless it alone is longer than `limit`."""
+    cuts = sorted(b for b in set(boundaries) if 0 < b < size)
+    chunks: list[tuple[int, int]] = []
+    start = 0
+    while start < size:
+        end = min(size, start + limit)
+        if end < size:
+            fitting = [b for b in cuts if start < b <= end]
+            if fitting:
+                end = fitting[-1]
+        chunks.append((start, end - start))
+        start = end
+    return chunks
+
+
+def pin_host(data: torch.Tensor, flags: int = DEFAULT, *, runtime: CudaRuntime | None = None,
+             boundaries: Sequence[int] = ()) -> list[int]:
+    """Register a host mapping (uint8) with CUDA; the base addresses to unpin, or [] where refused.
+    `boundaries`: offsets in `data` where its segments start (see registration_chunks)."""
+    cuda = runtime if runtime is not None else cuda_runtime()
     base, size = data.data_ptr(), data.numel()
-    cudart = torch.cuda.cudart()
-    for start in range(0, size, CHUNK_BYTES):
-        length = min(CHUNK_BYTES, size - start)
-        result = cudart.cudaHostRegister(base + start, length, flags)
-        code = int(getattr(result, "value", result))
+    if flags & READ_ONLY and not cuda.read_only_supported():
+        log.warning("host_pinning_unsupported", size_bytes=size, flags=flags,
+                    why="the device does not take read-only registrations: copies from this mapping are synchronous")
+        return []
+    registered: list[int] = []
+    for offset, length in registration_chunks(size, boundaries=boundaries):
+        code = _code(cuda.register(base + offset, length, flags))
         if code != 0:
-            unpin_host(registered)
-            log.warning("host_pinning_refused", size_bytes=size, flags=flags, cuda_error=code)
+            cleared = _code(cuda.take_last_error())  # or the next kernel launch raises it as its own
+            unpin_host(registered, runtime=cuda)
+            log.warning("host_pinning_refused", size_bytes=size, flags=flags, cuda_error=code, cleared=cleared)
             return []
-        registered.append(base + start)
+        registered.append(base + offset)
     return registered
 
 
-def unpin_host(bases: list[int]) -> None:
+def unpin_host(bases: list[int], *, runtime: CudaRuntime | None = None) -> None:
+    if not bases:
+        return
+    cuda = runtime if runtime is not None else cuda_runtime()
     for base in bases:
-        torch.cuda.cudart().cudaHostUnregister(base)
+        if _code(cuda.unregister(base)) != 0:
+            cuda.take_last_error()
+
+
+def _code(result: object) -> int:
+    return int(getattr(result, "value", result))  # type: ignore[call-overload]
+
+
+# -- the real runtime ----------------------------------------------------------------------------
+def cuda_runtime() -> CudaRuntime:
+    """torch's cudart binding for (un)registering; cudaGetLastError and cudaDeviceGetAttribute (which torch
+    does not bind) from the same libcudart torch loaded: the last error lives in that library's state."""
+    cudart = torch.cuda.cudart()
+    library = _loaded_cudart()
+
+    def take_last_error() -> int:
+        return int(library.cudaGetLastError()) if library is not None else -1
+
+    def read_only_supported() -> bool:
+        if library is None:
+            return True  # cannot ask: try, and a refusal is cleared like any other
+        value = ctypes.c_int(0)
+        device = torch.cuda.current_device()
+        if library.cudaDeviceGetAttribute(ctypes.byref(value), HOST_REGISTER_READ_ONLY_SUPPORTED, device) != 0:
+            library.cudaGetLastError()
+            return False
+        return value.value == 1
+
+    return CudaRuntime(register=cudart.cudaHostRegister, unregister=cudart.cudaHostUnregister,
+                       take_last_error=take_last_error, read_only_supported=read_only_supported)
+
+
+def _loaded_cudart() -> ctypes.CDLL | None:
+    """The libcudart already mapped into this process (torch's), opened without loading another copy."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+    return None

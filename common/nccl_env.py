@@ -15,15 +15,20 @@ value present while the constructor runs applies to that group alone. Ours get:
   TORCH_NCCL_ENABLE_MONITORING=0     first (they are read only on that one).
 
 Two settings are read once per process, not per group, so they cannot be scoped:
-  TORCH_NCCL_NONBLOCKING_TIMEOUT     bounds the spin on a non-blocking communicator (ours are): set
-                                     when absent, and left set (it affects only non-blocking
-                                     communicators, which torch creates only when asked to).
+  TORCH_NCCL_NONBLOCKING_TIMEOUT     bounds every spin on a non-blocking communicator (ours are), its
+                                     init included, which torch waits for inside our group's first
+                                     broadcast (collective.connect): lowered to what ends within the
+                                     group's timeout (collective.nonblocking_timeout_seconds; an
+                                     operator's lower value stays) and left set. torch reads it once,
+                                     at the process's first NCCL call: a process that used NCCL
+                                     before keeps its value (the join's own bound still holds).
   NCCL_SOCKET_IFNAME                 NCCL reads it at the process's first communicator and keeps it:
                                      set (as an exact match) only while our group is built, and only
                                      when nobody set it. If that group is the process's first NCCL
                                      communicator, the process's later communicators keep its
                                      interface: a trainer with NCCL groups of its own should create
-                                     them first, or set NCCL_SOCKET_IFNAME itself.
+                                     them first, or set NCCL_SOCKET_IFNAME itself (the trainer logs a
+                                     warning, nccl_interface_pinned, when it sets it).
 
 A trainer sets these from the thread that starts the rendezvous, before the rendezvous thread
 exists, and restores them there once the rendezvous ended (setenv from one thread while others may
@@ -36,6 +41,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Mapping, MutableMapping
+
+from weightsync.common.logging import get_logger
+
+log = get_logger("weightsync.nccl_env")
 
 BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
 ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -50,6 +59,31 @@ NONBLOCKING_TIMEOUT_SECONDS = 120
 """How long a non-blocking communicator may take to become ready at its first use (torch: 30 min)."""
 
 _lock = threading.Lock()
+
+
+def lowered_nonblocking_timeout(current: str | None, group_timeout: float | None) -> str:
+    """TORCH_NCCL_NONBLOCKING_TIMEOUT for a group of `group_timeout` seconds (None: not known yet): never
+    higher than what ends within the group's timeout, nor than a lower value already set."""
+    from weightsync.common.collective import nonblocking_timeout_seconds
+
+    bound = NONBLOCKING_TIMEOUT_SECONDS if group_timeout is None else min(
+        NONBLOCKING_TIMEOUT_SECONDS, nonblocking_timeout_seconds(group_timeout))
+    try:
+        return str(min(bound, int(current))) if current else str(bound)
+    except ValueError:  # not a number: torch would fail on it; ours instead
+        return str(bound)
+
+
+def lower_nonblocking_timeout(group_timeout: float, environ: MutableMapping[str, str] | None = None) -> str:
+    """A worker, before a group's join thread exists (from the command loop's thread): bound the wait for
+    that group's communicator by its timeout, if torch has not read the value yet. Returns the value set."""
+    import os
+
+    env = os.environ if environ is None else environ
+    with _lock:
+        value = lowered_nonblocking_timeout(env.get(NONBLOCKING_TIMEOUT), group_timeout)
+        env[NONBLOCKING_TIMEOUT] = value
+        return value
 
 
 def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -70,8 +104,8 @@ def ifname_setting(current: str | None, interface: str | None) -> str | None:
 
 
 @contextlib.contextmanager
-def trainer_group_environment(interface: str | None,
-                              environ: MutableMapping[str, str] | None = None) -> Iterator[dict[str, str]]:
+def trainer_group_environment(interface: str | None, environ: MutableMapping[str, str] | None = None, *,
+                              group_timeout: float | None = None) -> Iterator[dict[str, str]]:
     """Our group's settings while it is built (see the module docstring); afterwards every variable
     is what it was (absent stays absent), but TORCH_NCCL_NONBLOCKING_TIMEOUT. Yields what was set."""
     import os
@@ -81,9 +115,14 @@ def trainer_group_environment(interface: str | None,
     ifname = ifname_setting(env.get(SOCKET_IFNAME), interface)
     if ifname is not None:
         settings[SOCKET_IFNAME] = ifname
+        log.warning("nccl_interface_pinned", interface=ifname,
+                    why="NCCL keeps the first NCCL_SOCKET_IFNAME it reads: if this group is this process's first "
+                        "NCCL communicator, the trainer's own later ones use this interface too; set "
+                        "NCCL_SOCKET_IFNAME yourself, or create your NCCL groups first, to choose otherwise")
     with _lock:
-        if not env.get(NONBLOCKING_TIMEOUT):
-            env[NONBLOCKING_TIMEOUT] = str(NONBLOCKING_TIMEOUT_SECONDS)
+        current = env.get(NONBLOCKING_TIMEOUT)
+        if not current or group_timeout is not None:
+            env[NONBLOCKING_TIMEOUT] = lowered_nonblocking_timeout(current, group_timeout)
         before = {key: env.get(key) for key in settings}
         env.update(settings)
     try:

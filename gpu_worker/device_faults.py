@@ -59,8 +59,16 @@ _STICKY_TEXT = (*_STICKY_CODES.values(), "unhandled cuda error")
 _LOST_TEXT = (*_LOST_CODES.values(), "gpu has fallen off the bus", "device not found")
 
 
+class DeviceLeftBusy(RuntimeError):
+    """Work of ours may still run on the device and nothing in this process can end it (an NCCL kernel
+    whose communicator's abort did not finish): only the process's exit frees the GPU. LOST, not STICKY:
+    the restart is what frees it, and a device that keeps doing this is backed off from."""
+
+
 def classify(error: BaseException) -> DeviceFault | None:
     """STICKY, LOST, or None for an error the worker survives (out of memory, a bad input...)."""
+    if isinstance(error, DeviceLeftBusy):
+        return DeviceFault.LOST
     code = getattr(error, "error_code", None)
     if isinstance(code, int):
         if code in _STICKY_CODES:

@@ -20,6 +20,8 @@ import time
 import torch
 
 from weightsync.common.collective import (
+    CLOSE_JOIN_SECONDS,
+    FAILED_CLOSE_JOIN_SECONDS,
     CollectiveError,
     CollectiveGroup,
     RendezvousTimeout,
@@ -31,8 +33,9 @@ from weightsync.common.collective import (
 )
 from weightsync.common.errors import Aborted, AlreadyExists, DeadlineExceeded, NotFound
 from weightsync.common.logging import get_logger
-from weightsync.common.nccl_env import pin_worker_interface
+from weightsync.common.nccl_env import lower_nonblocking_timeout, pin_worker_interface
 from weightsync.common.threads import CallAbandoned, ThreadCall
+from weightsync.gpu_worker.device_faults import DeviceLeftBusy
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -55,6 +58,13 @@ def _open(join: wpb.JoinGroupCommand, device: torch.device) -> CollectiveGroup:
     )
 
 
+def abort_overdue(backend: int, device: torch.device, *, finished: bool, waited: float,
+                  bound: float = CLOSE_JOIN_SECONDS) -> bool:
+    """Whether a closed group's unfinished abort means a kernel may be left on this worker's GPU for good: an
+    NCCL broadcast's kernel runs until its communicator's abort ends it (Gloo runs nothing on a device)."""
+    return not finished and waited >= bound and backend == pb.BACKEND_NCCL and device.type == "cuda"
+
+
 def _close_abandoned(group: CollectiveGroup) -> None:
     group.close()
     log.info("abandoned_join_closed", group_id=group.group_id)
@@ -69,9 +79,12 @@ class GroupTable:
         self.stores: dict[str, tuple[str, int]] = {}
         """Each joined group's rendezvous store address."""
         self.abandoned_joins = 0
+        self.closing: list[tuple[CollectiveGroup, float]] = []
+        """Groups left whose abort had not finished by then, with when it began (check_closing)."""
 
     def join(self, join: wpb.JoinGroupCommand) -> float:
         """Join a group; returns the seconds it took."""
+        self.check_closing()
         if join.group_id in self.groups:
             raise AlreadyExists("GROUP_ALREADY_EXISTS", f"already in group {join.group_id}", group_id=join.group_id)
         timeout = join.timeout.ToTimedelta().total_seconds()
@@ -79,6 +92,7 @@ class GroupTable:
         if join.backend == pb.BACKEND_NCCL:
             # From this (the loop's) thread, before any join thread exists: NCCL reads it once.
             pin_worker_interface(interface_of(local_address_towards(join.store_host, join.store_port)))
+            lower_nonblocking_timeout(timeout)  # its communicator's init ends within the join's bound
         call = ThreadCall(functools.partial(_open, join, self.device), name=f"join-{join.group_id}",
                           discard=_close_abandoned)
         try:
@@ -114,26 +128,45 @@ class GroupTable:
             raise NotFound("GROUP_NOT_FOUND", f"not in group {group_id}", group_id=group_id)
         return group
 
-    def leave(self, group_id: str) -> None:
+    def leave(self, group_id: str, join_seconds: float = CLOSE_JOIN_SECONDS) -> bool:
+        """Leave and close a group, waiting for its abort at most `join_seconds`; False if it goes on."""
         self.stores.pop(group_id, None)
         group = self.groups.pop(group_id, None)
-        if group is not None:
-            group.close()
+        if group is None or group.close(join_seconds):
+            return True
+        self.closing.append((group, time.monotonic()))
+        return False
+
+    def check_closing(self) -> None:
+        """Before a group command: a closed NCCL group whose abort is still not done CLOSE_JOIN_SECONDS after
+        it began may have left its broadcast's kernel running on this GPU, and nothing in this process can end
+        it: raise DeviceLeftBusy (the worker reports it, then exits with the device-lost code)."""
+        now = time.monotonic()
+        self.closing = [(g, started) for g, started in self.closing if not g.released.is_set()]
+        for group, started in self.closing:
+            if abort_overdue(group.backend, group.device, finished=False, waited=now - started):
+                raise DeviceLeftBusy(f"group {group.group_id}: its NCCL abort is not done after {now - started:.0f} s; "
+                                     "its kernel may still run on this device")
 
     def transfer(self, group: CollectiveGroup, buffer: torch.Tensor, sequence: int) -> None:
         """Receive bucket `sequence` from rank 0: Gloo sends each bucket to its owner alone (tag: the
         sequence); NCCL broadcasts it to every rank. A failure leaves the group (it is unusable) and says so."""
+        self.check_closing()
         try:
             if group.backend == pb.BACKEND_NCCL:
                 group.broadcast(buffer)
             else:
                 group.receive(buffer, 0, bucket_tag(sequence))
         except CollectiveError as error:
-            self.leave(group.group_id)
+            # Reported within the server's bound (the group timeout + its margin: collective.failure_report_bound):
+            # the abort goes on in its own thread past FAILED_CLOSE_JOIN_SECONDS.
+            # The abort goes on in its own thread past FAILED_CLOSE_JOIN_SECONDS; one still running at a later
+            # group command CLOSE_JOIN_SECONDS after it began ends the worker (check_closing).
+            closed = self.leave(group.group_id, FAILED_CLOSE_JOIN_SECONDS)
             kind, reason = (DeadlineExceeded, "COLLECTIVE_TIMEOUT") if error.timed_out else (Aborted, "COLLECTIVE_FAILED")
             failure = kind(reason, f"group {group.group_id}: bucket {sequence} failed: {error}", group_id=group.group_id)
             failure.broken_group_id = group.group_id
-            log.warning("collective_failed", group_id=group.group_id, reason=reason, error=str(error))
+            log.warning("collective_failed", group_id=group.group_id, reason=reason, error=str(error), closed=closed)
             raise failure from error
 
     def close_all(self) -> None:

@@ -104,8 +104,14 @@ def test_the_rendezvous_sets_the_environment_from_the_callers_thread_and_restore
 class PolledWork:
     """An NCCL work as CollectiveGroup.wait sees it: completes after `polls` polls, or never."""
 
-    def __init__(self, polls: int | None) -> None:
-        self.polls, self.seen, self.waits = polls, 0, []
+    def __init__(self, polls: int | None, error: BaseException | None = None) -> None:
+        self.polls, self.seen, self.waits, self.error, self.synced = polls, 0, [], error, 0
+
+    def exception(self) -> BaseException | None:
+        return self.error
+
+    def synchronize(self) -> None:
+        self.synced += 1
 
     def is_completed(self) -> bool:
         self.seen += 1
@@ -122,7 +128,7 @@ def test_an_nccl_broadcast_is_waited_for_by_polling_and_never_by_torchs_timed_wa
     group = CollectiveGroup("g", pb.BACKEND_NCCL, 1, 2, datetime.timedelta(seconds=0.3), torch.device("cpu"), None)
     done = PolledWork(polls=5)
     group.wait(done)
-    assert done.waits == [()]  # completed: an untimed wait only orders the stream
+    assert done.waits == [] and done.synced == 1  # completed: its result read, the stream ordered, never wait()
     stuck = PolledWork(polls=None)
     with pytest.raises(CollectiveError) as caught:
         group.wait(stuck)

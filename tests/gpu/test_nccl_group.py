@@ -1,0 +1,83 @@
+"""NCCL groups and host registration, where only a GPU can show it (issue 33: items 7, 13, 14).
+
+The decisions behind these are tested on CPU in tests/test_collective_bounds.py; here the real
+ProcessGroupNCCL and CUDA runtime confirm what torch 2.11's sources say they do. Skipped without CUDA
+(tests/gpu/conftest.py)."""
+
+from __future__ import annotations
+
+import datetime
+import mmap
+import os
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+from weightsync.common import host_pinning
+from weightsync.common.collective import RendezvousTimeout, host_store, open_group
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_group_whose_other_rank_never_connects_fails_in_open_group_within_its_timeout(monkeypatch):
+    """World size 2, rank 1 never comes: open_group used to return once the unique id was in the store
+    (eager connect, non-blocking) and the first broadcast then waited TORCH_NCCL_NONBLOCKING_TIMEOUT."""
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    timeout = datetime.timedelta(seconds=8)
+    store = host_store("127.0.0.1", timeout)
+    outcome: dict[str, object] = {}
+
+    def join() -> None:
+        torch.cuda.set_device(0)
+        try:
+            outcome["group"] = open_group(group_id="lonely", backend=pb.BACKEND_NCCL, store=store, rank=0,
+                                          world_size=2, timeout=timeout, device=torch.device("cuda", 0),
+                                          local_address="127.0.0.1")
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            outcome["error"] = error
+
+    started = time.monotonic()
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    thread.join(timeout.total_seconds() * 4)
+    assert not thread.is_alive(), "open_group did not return"
+    assert isinstance(outcome.get("error"), RendezvousTimeout), outcome
+    assert time.monotonic() - started < timeout.total_seconds() + 15  # the timeout, plus the bounded close
+
+
+def test_a_refused_registration_leaves_no_error_for_the_next_kernel():
+    """Registering the same range twice is refused (cudaErrorHostMemoryAlreadyRegistered): without clearing
+    the thread's last error, the next kernel launch's check raised it."""
+    data = torch.zeros(1 << 20, dtype=torch.uint8)
+    first = host_pinning.pin_host(data)
+    assert first, "the first registration of a fresh mapping should be taken"
+    try:
+        assert host_pinning.pin_host(data) == []  # refused: registered already
+        x = torch.ones(16, device="cuda")
+        assert float((x + 1).sum()) == 32.0  # launches a kernel: its launch check must find no stale error
+    finally:
+        host_pinning.unpin_host(first)
+
+
+def test_read_only_registration_is_asked_about_and_used_only_where_supported():
+    runtime = host_pinning.cuda_runtime()
+    supported = runtime.read_only_supported()
+    fd = os.memfd_create("ws-read-only")
+    try:
+        os.ftruncate(fd, 1 << 20)
+        view = mmap.mmap(fd, 1 << 20, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():  # read-only on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(view, dtype=torch.uint8)
+        pinned = host_pinning.pin_host(data, host_pinning.READ_ONLY)
+        assert bool(pinned) is supported, (supported, pinned)
+        host_pinning.unpin_host(pinned)
+        assert float(torch.ones(4, device="cuda").sum()) == 4.0  # nothing stale either way
+        del data
+        view.close()
+    finally:
+        os.close(fd)

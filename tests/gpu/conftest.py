@@ -23,6 +23,14 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 def pytest_report_header(config) -> str:
     """The versions every result of the run comes from (the kit's run.log keeps this line)."""
+    return versions()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    terminalreporter.write_line(versions())  # -q leaves the header out
+
+
+def versions() -> str:
     if GPUS == 0:
         return f"GPU suite: no CUDA device (torch {torch.__version__})"
     try:

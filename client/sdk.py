@@ -50,6 +50,7 @@ from weightsync.client.types import (
     PushResult,
     ServerOutcome,
     StoreGeneration,
+    TensorMismatch,
     TlsConfig,
     VerifyResult,
 )
@@ -416,7 +417,10 @@ class WeightSyncClient:
     # -- verify ------------------------------------------------------------------
     @_serialized
     def verify(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> VerifyResult:
-        """Compare local WS64 checksums with every server's store."""
+        """Compare local WS64 checksums with every server's store. A server started with `--tensors`
+        answers for the tensors of its subset only; one that stores none of those asked for (a
+        pattern that matches none of them) vouches for nothing, and fails the check: each is
+        reported missing there (TensorMismatch.remote None)."""
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         check_tensors(items)
         with one_intra_op_thread():
@@ -428,8 +432,11 @@ class WeightSyncClient:
             return await asyncio.gather(*(fetch_checksums(self._servers, s, request) for s in self._servers.servers))
 
         answers = self._loop.run(fetch())
-        found = [m for server, answer in zip(self._servers.servers, answers, strict=True)
-                 for m in mismatches(server, answer, local)]
+        found: list[TensorMismatch] = []
+        for server, answer in zip(self._servers.servers, answers, strict=True):
+            found.extend(mismatches(server, answer, local))
+            if local and set(local) <= set(answer.not_stored):
+                found.extend(TensorMismatch(server.address, name, value, None) for name, value in local.items())
         return VerifyResult(len(local), tuple(found))
 
     @_serialized

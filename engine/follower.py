@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from weightsync.engine.apply import apply_to_module
-from weightsync.engine.client import EngineClient, EngineError
+from weightsync.engine.client import EngineClient, EngineError, StoreSnapshot
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 READABLE = (pb.STORE_STATE_CONSISTENT, pb.STORE_STATE_UPDATING)
@@ -25,6 +25,14 @@ class ModuleFollower:
     Nothing committed yet, a store an aborted IN_PLACE update left inconsistent, or an update
     that kept the store busy past the lease wait: update() returns False, the model unchanged.
     A model that does not fit the store raises EngineError (TENSOR_MISMATCH, TENSOR_NOT_IN_MODEL).
+
+    strict=True (the default): the store and the model hold the same tensors (the model's
+    state_dict: parameters and persistent buffers; tied ones count once), as torch's
+    load_state_dict(strict=True). A store tensor the model lacks is TENSOR_NOT_IN_MODEL; a model
+    tensor the store lacks is TENSOR_NOT_IN_STORE (metadata: `count`, `tensors`, the first 20),
+    raised before anything is copied. A node started with `--tensors` holds only its part of
+    the model: follow it with strict=False, which applies the tensors both hold and leaves the
+    model's others as they were (loaded from elsewhere, or stale).
     """
 
     def __init__(self, client: EngineClient, module: torch.nn.Module, *,
@@ -49,8 +57,25 @@ class ModuleFollower:
                 return False
             raise
         with snapshot:
+            if self.strict:
+                self._require_whole_model(snapshot)
             apply_to_module(self.module, snapshot, since_generation=self.applied_generation,
                             name_map=self.name_map, strict=self.strict)
             self.applied_generation = snapshot.generation
             self.applied_version = snapshot.version.version
         return True
+
+    def _require_whole_model(self, snapshot: StoreSnapshot) -> None:
+        """strict: every tensor of the model is in the store (under its name_map name), or raise."""
+        held = {self.name_map.get(n, n) if self.name_map else n for n in snapshot.tensors}
+        state = self.module.state_dict(keep_vars=True)
+        filled = {id(t) for name, t in state.items() if name in held}  # a tied tensor is filled through any name
+        missing = sorted(name for name, t in state.items() if name not in held and id(t) not in filled)
+        if missing:
+            raise EngineError(
+                "TENSOR_NOT_IN_STORE",
+                f"{len(missing)} tensor(s) of the model are not in the node's store, e.g. {missing[0]!r}: a node "
+                "started with --tensors holds only its part (GetServerInfo.store.tensor_filter); follow it with "
+                "strict=False to apply that part and leave the rest as it is",
+                metadata={"count": str(len(missing)), "tensors": ",".join(missing[:20])},
+            )

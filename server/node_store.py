@@ -231,11 +231,28 @@ class NodeStore:
             segment_sizes=[s.size_bytes for s in self.segments], layout_version=self.layout_version,
             stores=self.stores,
         )
+        self._require_some_stored(plan, derived)
         missing_shadows = sum(align_segment(self.segments[i].size_bytes) for i in derived.shadowed_segments
                               if self.segments[i].shadow is None)
         owners = bucket_owners([r.size_bytes for r in derived.routes], workers, frozenset(derived.not_stored))
         self.update = StoreUpdate(update_id, derived, owners, workers, derived.new_segment_bytes + missing_shadows)
         return self.update
+
+    def _require_some_stored(self, plan: tensor_pb2.WeightPlan, derived: UpdatePlan) -> None:
+        """A subset node with nothing stored yet must get some of its tensors: otherwise its --tensors
+        pattern matches none of the model's names, and it would commit an EMPTY store (engines would
+        find nothing, verify nothing to compare) at every push. A node that holds tensors may sit out
+        a partial update (a plan of the other stages' tensors)."""
+        if self._filter is None or self.tensors or derived.names:
+            return
+        listed = list(dict.fromkeys(t.name for b in plan.buckets for t in b.tensors))  # a split tensor once
+        raise FailedPrecondition(
+            "TENSOR_FILTER_MATCHES_NOTHING",
+            f"this node stores only the tensors matching --tensors {self.tensor_filter!r} and holds none yet, but "
+            f"none of the plan's {len(listed)} tensors (e.g. {listed[0][:64]!r}) matches it: check the pattern "
+            "against the model's names (re.search), or send this node its tensors",
+            tensor_filter=self.tensor_filter[:256], tensors=len(listed), tensor=listed[0][:64],
+        )
 
     async def allocate(self, update: StoreUpdate) -> list[HostArena]:
         """SIZED -> ALLOCATED: the arenas the update needs (missing shadows, new segments); returns them."""

@@ -14,7 +14,7 @@ import torch
 from weightsync.client import UpdateFailed, WeightSyncClient
 from weightsync.client.planning import build_plan
 from weightsync.common.ownership import NO_OWNER, bucket_owners
-from weightsync.engine import EngineClient
+from weightsync.engine import EngineClient, EngineError, ModuleFollower
 from weightsync.server.config import config_from_args
 from weightsync.server.update_plan import derive_update_plan
 from weightsync.v1 import tensor_pb2
@@ -180,3 +180,144 @@ def test_shm_to_a_node_with_a_subset(stages):
         assert server_checksums(a) == [local_checksums(part(v2, FIRST))]
         assert received(a) == [2 * n for n in expected_received(v2, FIRST, 2)]
         assert client.verify(v2).ok
+
+
+EXTRA = r"^extra\."
+"""A node for tensors the model of these tests does not have (until a test adds them)."""
+
+
+def store_of(server) -> tuple[int, int]:
+    info = server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    return info.store_state, info.current_version.generation
+
+
+def test_a_pattern_that_matches_nothing_is_refused_at_the_first_plan_and_verify_says_so(tmp_path):
+    """A node whose --tensors matches none of the model's names would commit an EMPTY store at every
+    push, and verify would find nothing to compare there: its first plan is refused (naming the
+    pattern), verify fails naming it, and a model with its tensors then commits on every node."""
+    servers = []
+    for name, pattern in (("a", FIRST), ("c", EXTRA)):
+        (tmp_path / name).mkdir()
+        servers.append(start_server(tmp_path / name, "--tensors", pattern, workers=2))
+    a, c = servers
+    try:
+        v1 = model(1)
+        with WeightSyncClient([a.address, c.address], timeout=60) as client:
+            with pytest.raises(UpdateFailed) as refused:
+                client.push(v1, version="v1", transport="inline", bucket_size_bytes=BUCKET, allow_new_tensors=True)
+            failure = refused.value
+            assert (failure.code, failure.reason, failure.server) == (
+                grpc.StatusCode.FAILED_PRECONDITION, "TENSOR_FILTER_MATCHES_NOTHING", c.address)
+            assert f"--tensors {EXTRA!r}" in failure.cause.message
+            assert failure.cause.metadata["tensor_filter"] == EXTRA
+            assert failure.cause.metadata["tensors"] == str(len(v1)) and failure.cause.metadata["tensor"] in v1
+            assert store_of(a) == store_of(c) == (pb.STORE_STATE_EMPTY, 0)  # aborted on both, nothing committed
+            # verify: A lacks its part; C stores none of the names asked for, so it vouches for nothing.
+            checked = client.verify(v1)
+            assert not checked.ok
+            on_c = [m for m in checked.mismatches if m.server == c.address]
+            assert sorted(m.name for m in on_c) == sorted(v1) and all(m.remote is None for m in on_c)
+            # The next normal push: a model with node C's tensors commits on both, and verifies.
+            grown = dict(v1, **{"extra.w": torch.arange(8, dtype=torch.float32)})
+            client.push(grown, version="v2", transport="inline", bucket_size_bytes=BUCKET, allow_new_tensors=True)
+            assert server_checksums(a) == [local_checksums(part(grown, FIRST))]
+            assert server_checksums(c) == [local_checksums(part(grown, EXTRA))]
+            assert client.verify(grown).ok
+            # Once C holds its part, a partial update of other stages' tensors passes it by.
+            step = {"layers.0.w": grown["layers.0.w"] + 1}
+            client.push(step, version="v3", transport="inline", bucket_size_bytes=BUCKET, delta=False)
+            assert store_of(c) == (pb.STORE_STATE_CONSISTENT, 2)
+            assert client.verify(dict(grown, **step)).ok
+    finally:
+        for server in servers:
+            assert server.stop() == 0, server.log()[-2000:]
+
+
+def test_verify_fails_on_a_node_that_stores_none_of_the_tensors_asked_for(stages):
+    a, b = stages
+    v1 = model(1)
+    with WeightSyncClient([a.address, b.address], timeout=60) as client:
+        client.push(v1, version="v1", transport="inline", bucket_size_bytes=BUCKET, allow_new_tensors=True)
+        assert client.verify(v1).ok
+        second = client.verify(part(v1, SECOND))  # node A holds none of them: it cannot vouch for them
+        assert not second.ok and {m.server for m in second.mismatches} == {a.address}
+        assert sorted(m.name for m in second.mismatches) == sorted(part(v1, SECOND))
+        assert all(m.remote is None for m in second.mismatches)
+        # A mix of both stages: each node answers for its part.
+        assert client.verify({n: v1[n] for n in ("embed", "head")}).ok
+        assert not client.verify({"embed": v1["embed"], "head": v1["head"] + 1}).ok
+        v2 = model(2)  # the next normal push, and a verify of everything
+        client.push(v2, version="v2", transport="inline", bucket_size_bytes=BUCKET, delta=False)
+        assert client.verify(v2).ok
+    with WeightSyncClient(b.address, timeout=60) as client:  # a client of node B alone verifies stage 1
+        assert client.verify(part(v2, SECOND)).ok
+
+
+class Whole(torch.nn.Module):
+    """The whole model of these tests as a module: its state_dict names are model()'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        like = model(0)
+        self.embed = torch.nn.Parameter(torch.zeros_like(like["embed"]))
+        self.head = torch.nn.Parameter(torch.zeros_like(like["head"]))
+        self.layers = torch.nn.ModuleList()
+        for i in range(4):
+            layer = torch.nn.Module()
+            layer.w = torch.nn.Parameter(torch.zeros_like(like[f"layers.{i}.w"]))
+            layer.norm = torch.nn.Parameter(torch.zeros_like(like[f"layers.{i}.norm"]))
+            self.layers.append(layer)
+
+
+def test_a_strict_follower_of_a_subset_node_names_what_the_node_does_not_hold(stages):
+    a, _ = stages
+    v1 = model(1)
+    with WeightSyncClient(a.address, timeout=60) as client:
+        client.push(v1, version="v1", transport="inline", bucket_size_bytes=BUCKET, allow_new_tensors=True)
+    net = Whole()
+    before = {n: t.detach().clone() for n, t in net.state_dict().items()}
+    outside = sorted(set(v1) - set(part(v1, FIRST)))
+    with EngineClient(server=a.address, name="whole") as engine:
+        with pytest.raises(EngineError) as caught:
+            ModuleFollower(engine, net).update()  # strict by default
+        assert caught.value.reason == "TENSOR_NOT_IN_STORE"
+        assert caught.value.metadata == {"count": str(len(outside)), "tensors": ",".join(outside)}
+        assert all(torch.equal(net.state_dict()[n], t) for n, t in before.items())  # nothing was copied
+        status = {e.name: e for e in a.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).engines}["whole"]
+        assert status.state == pb.ENGINE_STATE_FAILED and "TENSOR_NOT_IN_STORE" in status.last_error
+        # strict=False: the node's part is applied, the rest stays as it was.
+        follower = ModuleFollower(engine, net, strict=False)
+        assert follower.update() is True
+        state = net.state_dict()
+        assert all(torch.equal(state[n], t) for n, t in part(v1, FIRST).items())
+        assert all(torch.equal(state[n], before[n]) for n in outside)
+        # The next normal push, a verify, and the follower takes it.
+        v2 = model(2)
+        with WeightSyncClient(a.address, timeout=60) as client:
+            client.push(v2, version="v2", transport="inline", bucket_size_bytes=BUCKET, delta=False)
+            assert client.verify(v2).ok
+        assert follower.update() is True and follower.applied_version == "v2"
+        assert all(torch.equal(net.state_dict()[n], t) for n, t in part(v2, FIRST).items())
+
+
+def test_a_strict_follower_counts_a_tied_weight_once():
+    """strict: a model tensor the store fills under another name (tied weights) is not missing."""
+    from weightsync.engine.follower import ModuleFollower as Follower
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Linear(4, 4, bias=False)
+            self.head = torch.nn.Linear(4, 4, bias=False)
+            self.head.weight = self.embed.weight
+
+    class Snapshot:
+        def __init__(self, names: list[str]) -> None:
+            self.tensors = dict.fromkeys(names, torch.zeros(4, 4))
+
+    follower = Follower(None, Tied())  # type: ignore[arg-type]
+    follower._require_whole_model(Snapshot(["embed.weight"]))  # type: ignore[arg-type]
+    follower._require_whole_model(Snapshot(["head.weight"]))  # type: ignore[arg-type]
+    with pytest.raises(EngineError) as caught:
+        follower._require_whole_model(Snapshot(["other"]))  # type: ignore[arg-type]
+    assert caught.value.metadata["tensors"] == "embed.weight,head.weight"

@@ -127,4 +127,27 @@ bench-quick: install
 	$(PY) -m bench --quick
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) tools/node_modules examples/node/node_modules build .pytest_cache $(GPU_KIT)
+	rm -rf $(VENV) $(ENGINE_VENV) $(SGLANG_VENV) tools/node_modules examples/node/node_modules build .pytest_cache $(GPU_KIT)
+
+# SGLang in its own virtualenv (tests/sglang). torch first with SGLang's exact pins (torch 2.14.1,
+# torchvision 0.29.1: on this machine both lie on local disk; the default torch build is a CUDA one
+# whose torch.cuda.is_available() is false here), then SGLang itself, then weightsync editable (its
+# SGLang loader and plugin, the [sglang] extra). What starting SGLang on a CPU needs besides lives
+# in tests/sglang, never in the package.
+SGLANG_VENV := .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+$(SGLANG_STAMP): pyproject.toml
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --disable-pip-version-check torch==2.14.1 torchvision==0.29.1
+	$(SGLANG_PY) -m pip install -q --disable-pip-version-check sglang==0.5.23
+	$(SGLANG_PY) -m pip install -q --disable-pip-version-check -e '.[dev,sglang]'
+	touch $(SGLANG_STAMP)
+
+.PHONY: sglang-install test-sglang
+sglang-install: $(SGLANG_STAMP)
+
+# A real SGLang server (CPU, TP 2) loading the node's versions through weightsync's loader
+# (tests/sglang). One ordered scenario on one SGLang (a minute to start): not shuffled.
+test-sglang: sglang-install
+	$(SGLANG_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/sglang

@@ -1,0 +1,247 @@
+"""A real SGLang server (CPU, TP 2) loads the node's versions through the weightsync loader.
+
+Real processes: a weightsync server (its store), a trainer pushing with the SDK (this process)
+and `python -m sglang.launch_server --device cpu --tp-size 2` on a tiny Qwen2 this module writes,
+started once (about a minute on two cores) with `--custom-weight-loader` naming weightsync's
+loader. The test drives SGLang's own routes as a driver would: /pause_generation,
+/begin_weight_update, /update_weights_from_tensor (which version, no weights), /end_weight_update,
+/continue_generation. After each update, SGLang's own /weights_checker checksums of both ranks
+must equal the checksums of the pushed tensors as SGLang shards them (sharding.py), and
+/model_info's weight_version the pushed label; each rank reports to weightsync under its own name
+(NAME, NAME:tp1).
+
+No generation: SGLang's CPU forward pass needs its sgl-kernel CPU build (Intel AMX kernels), which
+this machine has not; without it the first forward pass crashes (sglang_server.py). Token-level
+checks (a hot update generates what a cold start of the same weights generates) need a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import pytest
+import sglang_server
+import tiny_model
+from sharding import expected_checksums
+
+if problem := sglang_server.sglang_problem():
+    pytest.skip(problem, allow_module_level=True)
+
+import torch  # noqa: E402
+
+from weightsync.engine.sglang import LOAD_FORMAT, UpdateRequest, update_body  # noqa: E402
+from weightsync.engine.sglang.request import REQUEST_NAME  # noqa: E402
+from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
+
+from helpers import running_server, sdk_client  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+NAME = "sgl"
+RANK_NAMES = (NAME, f"{NAME}:tp1")
+TP = sglang_server.TP
+LOADED = re.compile(r"weightsync (tp\d/\d): loaded version '([^']*)' \(generation (\d+)\) since generation (-?\d+): "
+                    r"(\d+) tensors, (\d+) bytes")
+
+
+@dataclass
+class Served:
+    """What SGLang should hold: the HF state, its label and generation."""
+
+    state: dict[str, torch.Tensor]
+    label: str = "default"
+    generation: int = -1
+    history: list[str] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("sglang-node"), workers=1) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def trainer(node):
+    with sdk_client(node) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def served() -> Served:
+    return Served(tiny_model.weights(0))
+
+
+@pytest.fixture(scope="module")
+def sglang(node, served, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang")
+    model_dir = tiny_model.save(root / "base", served.state)
+    server = sglang_server.SGLang(model_dir, tiny_model.free_port(), sglang_server.environment(node.address, NAME),
+                                  root / "sglang.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def update(sglang, request: UpdateRequest, label: str, *, begin: bool = True,
+           body: dict | None = None) -> tuple[int, dict]:
+    """One update as a driver runs it: pause, begin, update, end, continue; the update's answer."""
+    assert sglang.post("/pause_generation", {"mode": "retract"})[0] == 200
+    try:
+        if begin:
+            status, answer = sglang.post("/begin_weight_update", {})
+            assert status == 200 and answer["success"], answer
+        try:
+            return sglang.post("/update_weights_from_tensor",
+                               body if body is not None else update_body(request, tp_size=TP, weight_version=label))
+        finally:
+            if begin:
+                status, answer = sglang.post("/end_weight_update", {})
+                assert status == 200 and answer["success"], answer
+    finally:
+        assert sglang.post("/continue_generation", {})[0] == 200
+
+
+def engines(node) -> dict[str, pb.EngineStatus]:
+    return {e.name: e for e in node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).engines}
+
+
+def assert_serves(sglang, node, served: Served) -> None:
+    """Both ranks hold exactly `served.state`, sharded; SGLang and weightsync say which version."""
+    assert sglang.alive(), sglang.log()[-4000:]
+    actual = sglang.checksums()
+    for rank in range(TP):
+        expected = expected_checksums(served.state, rank, TP)
+        assert actual[rank] == expected, (rank, sorted(n for n in expected if actual[rank].get(n) != expected[n]))
+    assert sglang.weight_version() == served.label
+    if served.generation > 0:
+        status = engines(node)
+        for name in RANK_NAMES:
+            assert status[name].kind == "local", status[name]
+            assert status[name].applied_version.version == served.label, status[name]
+            assert status[name].applied_version.generation == served.generation, status[name]
+
+
+def push_and_load(trainer, sglang, node, served: Served, tensors: dict[str, torch.Tensor], label: str,
+                  *, loaded: int, **push) -> dict:
+    """Push `tensors` (all or some), load them into SGLang and check it serves the result; `loaded`:
+    how many tensors each rank must have fed to load_weights (what changed since its version)."""
+    result = trainer.push(tensors, version=label, transport="inline", **push)
+    generation = result.servers[0].generation
+    status, answer = update(sglang, UpdateRequest(generation=generation, since_generation=served.generation), label)
+    assert status == 200 and answer["success"], answer
+    reports = LOADED.findall(answer["message"])
+    assert reports, answer  # rank 0's answer: SGLang returns one rank's message
+    for _rank, version, gen, since, count, _ in reports:
+        assert (version, int(gen), int(since), int(count)) == (label, generation, served.generation, loaded), answer
+    served.state = {**served.state, **tensors}
+    served.label, served.generation = label, generation
+    served.history.append(label)
+    assert_serves(sglang, node, served)
+    return {"result": result, "answer": answer}
+
+
+def nudged(state: dict[str, torch.Tensor], names: tuple[str, ...], seed: int) -> dict[str, torch.Tensor]:
+    """`state` with about 2% of the elements of `names` moved by one bf16 ulp (what patches carry)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = dict(state)
+    for name in names:
+        bits = state[name].clone().view(torch.int16)
+        mask = torch.rand(bits.shape, generator=generator) < 0.02
+        bits[mask] += 1
+        out[name] = bits.view(torch.bfloat16)
+    return out
+
+
+def test_sglang_starts_from_its_checkpoint_as_sharded_here(sglang, node, served):
+    # The checksum model (sharding.py) against SGLang's own, before weightsync moves a byte.
+    assert_serves(sglang, node, served)
+    assert not (set(engines(node)) & set(RANK_NAMES))  # the ranks attach on their first load
+
+
+def test_dense_versions_staged_and_in_place(sglang, node, trainer, served):
+    v1 = tiny_model.weights(1)
+    push_and_load(trainer, sglang, node, served, v1, "v1", loaded=len(v1), mode="staged", allow_new_tensors=True)
+    v2 = tiny_model.weights(2)
+    push_and_load(trainer, sglang, node, served, v2, "v2", loaded=len(v2), mode="in_place", delta=False)
+
+
+def test_partial_update_and_patches(sglang, node, trainer, served):
+    before = sglang.checksums()
+    layer0 = tiny_model.layer(tiny_model.weights(3), 0)
+    push_and_load(trainer, sglang, node, served, layer0, "layer0", loaded=len(layer0), mode="staged")
+    after = sglang.checksums()
+    for rank in range(TP):  # only layer 0's parameters moved
+        moved = {n for n in after[rank] if after[rank][n] != before[rank][n]}
+        assert moved and all(n.startswith("model.layers.0.") for n in moved), moved
+
+    # Patches: the trainer sends only the changed elements (IN_PLACE, then STAGED); each rank
+    # loads the tensors that changed, whole, from the store.
+    names = ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight")
+    # The SDK's first delta push has no base yet: whole, every tensor written again.
+    push_and_load(trainer, sglang, node, served, dict(served.state), "patch-base", loaded=len(served.state),
+                  mode="in_place", delta=True)
+    for step, mode in enumerate(("in_place", "staged")):
+        state = nudged(served.state, names, seed=step)
+        pushed = push_and_load(trainer, sglang, node, served, state, f"patch{step}", loaded=len(names), mode=mode,
+                               delta=True)["result"]
+        assert 0 < pushed.bytes_sent < pushed.dense_bytes / 4, (pushed.bytes_sent, pushed.dense_bytes)
+
+
+def assert_refused(sglang, node, served, answer: tuple[int, dict], reason: str) -> None:
+    """SGLang answered success: false naming `reason`, and still serves `served`, alive."""
+    status, body = answer
+    assert status == 400 and body["success"] is False, body
+    assert reason in body["message"], body
+    assert sglang.alive(), sglang.log()[-4000:]
+    assert_serves(sglang, node, served)
+
+
+def test_a_refused_version_leaves_sglang_serving_its_last_one(sglang, node, trainer, served):
+    # A version that writes a tensor the model does not take: every rank refuses before one byte
+    # moves (the changed q_proj with it); SGLang keeps serving, and says why.
+    bad = {"model.layers.0.self_attn.q_proj.weight": tiny_model.weights(8)["model.layers.0.self_attn.q_proj.weight"],
+           "model.layers.0.self_attn.extra.weight": torch.ones(4, 4, dtype=torch.bfloat16)}
+    generation = trainer.push(bad, version="bad", transport="inline", mode="staged", allow_new_tensors=True,
+                              delta=False).servers[0].generation
+    answer = update(sglang, UpdateRequest(generation=generation, since_generation=served.generation), "bad")
+    assert_refused(sglang, node, served, answer, "TENSOR_NOT_IN_MODEL")
+    assert "model.layers.0.self_attn.extra.weight" in answer[1]["message"]
+    status = engines(node)
+    assert all("TENSOR_NOT_IN_MODEL" in status[name].last_error for name in RANK_NAMES), status
+
+    # The next version loads: what changed since the served one, the refused version's q_proj
+    # included; the unknown tensor, written by an older version now, is skipped.
+    good = tiny_model.layer(tiny_model.weights(9), 1)
+    served_state = {**served.state, **{k: v for k, v in bad.items() if "extra" not in k}}
+    served.state = served_state
+    push_and_load(trainer, sglang, node, served, good, "good", loaded=len(good) + 1, mode="in_place", delta=False)
+
+    # A version the store has moved past; a malformed request; a load format SGLang does not know;
+    # an update outside begin/end. Each answered, none stops SGLang; then a normal version loads.
+    gone = UpdateRequest(generation=served.generation - 1, since_generation=-1)
+    assert_refused(sglang, node, served, update(sglang, gone, "gone"), "VERSION_GONE")
+    malformed = update_body(UpdateRequest(), tp_size=TP)
+    malformed["serialized_named_tensors"] = [_entry([(REQUEST_NAME, torch.tensor([1, 2, 3]))])] * TP
+    assert_refused(sglang, node, served, update(sglang, UpdateRequest(), "x", body=malformed), "REQUEST_MALFORMED")
+    unknown = dict(update_body(UpdateRequest(), tp_size=TP), load_format="weightsync.no.such.loader")
+    assert_refused(sglang, node, served, update(sglang, UpdateRequest(), "x", body=unknown), "LOAD_FORMAT_UNKNOWN")
+    outside = update(sglang, UpdateRequest(generation=served.generation), "outside", begin=False)
+    assert_refused(sglang, node, served, outside, "begin_weight_update")
+
+    v5 = tiny_model.weights(5)
+    push_and_load(trainer, sglang, node, served, v5, "v5", loaded=len(v5), mode="staged", delta=False)
+    assert LOAD_FORMAT in sglang.log()  # the server was started with the loader listed
+
+
+def _entry(pairs) -> str:
+    """One rank's serialized_named_tensors entry for arbitrary (name, int tensor) pairs."""
+    import base64
+    import io
+
+    from weightsync.engine.sglang.request import _Pickler
+
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=4).dump(pairs)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")

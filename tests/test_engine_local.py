@@ -60,8 +60,10 @@ def engines(node) -> dict[str, pb.EngineStatus]:
     return {e.name: e for e in node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).engines}
 
 
-def test_an_empty_store_cannot_be_acquired(node):
-    with EngineClient(server=node.address, name="early") as engine, pytest.raises(EngineError) as caught:
+def test_an_empty_store_cannot_be_acquired(tmp_path):
+    """A server of its own: the module's shared one holds whatever the tests before this one pushed."""
+    with running_server(tmp_path) as empty, EngineClient(server=empty.address, name="early") as engine, \
+            pytest.raises(EngineError) as caught:
         engine.acquire(wait=1)
     assert caught.value.reason == "STORE_EMPTY"
 

@@ -48,10 +48,14 @@ def observed(tmp_path_factory):
     assert server.stop() == 0, server.log()[-3000:]
 
 
+def grew(before: dict[str, float], after: dict[str, float], sample: str) -> float:
+    """How much a sample grew between two scrapes (absent: 0): the module's server is shared, so a
+    test counts what it did, not what the tests before it did."""
+    return after.get(sample, 0.0) - before.get(sample, 0.0)
+
+
 def test_metrics_count_a_push_and_a_failure(observed):
     before = scrape(observed)
-    assert before["weightsync_committed_generation"] == 0
-    assert before['weightsync_store_state{state="empty"}'] == 1
     model = mixed_model(1)
     with WeightSyncClient(observed.address) as client:
         result = client.push(model, version="m1", transport="inline", allow_new_tensors=True)
@@ -61,30 +65,31 @@ def test_metrics_count_a_push_and_a_failure(observed):
             client.push(bad, version="bad", mode="staged")
         after = scrape(observed)
     committed = '{mode="in_place",outcome="committed",transport="inline"}'
-    assert after[f"weightsync_update_duration_seconds_count{committed}"] == 1
-    assert after['weightsync_update_bytes_sum{mode="in_place",transport="inline"}'] == result.size_bytes
-    assert after['weightsync_buckets_applied_total{transport="inline"}'] == result.bucket_count
-    assert after['weightsync_update_failures_total{code="INVALID_ARGUMENT",reason="TENSOR_SHAPE_MISMATCH"}'] == 1
+    assert grew(before, after, f"weightsync_update_duration_seconds_count{committed}") == 1
+    assert grew(before, after, 'weightsync_update_bytes_sum{mode="in_place",transport="inline"}') == result.size_bytes
+    assert grew(before, after, 'weightsync_buckets_applied_total{transport="inline"}') == result.bucket_count
+    assert grew(before, after, 'weightsync_update_failures_total{code="INVALID_ARGUMENT",reason="TENSOR_SHAPE_MISMATCH"}') == 1
     failed = '{mode="staged",outcome="failed",transport="collective"}'
-    assert after[f"weightsync_update_duration_seconds_count{failed}"] == 1
-    assert after['weightsync_rpcs_total{code="OK",method="UpdateWeights"}'] == 1
-    assert after['weightsync_rpcs_total{code="INVALID_ARGUMENT",method="UpdateWeights"}'] == 1
-    assert after['weightsync_rpcs_total{code="OK",method="CreateTransferGroup"}'] == 1
-    assert after["weightsync_committed_generation"] == 1
+    assert grew(before, after, f"weightsync_update_duration_seconds_count{failed}") == 1
+    assert grew(before, after, 'weightsync_rpcs_total{code="OK",method="UpdateWeights"}') == 1
+    assert grew(before, after, 'weightsync_rpcs_total{code="INVALID_ARGUMENT",method="UpdateWeights"}') == 1
+    assert grew(before, after, 'weightsync_rpcs_total{code="OK",method="CreateTransferGroup"}') == 1
+    assert grew(before, after, "weightsync_committed_generation") == 1
     assert after['weightsync_store_state{state="consistent"}'] == 1
     assert after["weightsync_store_tensors"] == len(model)
     # Each bucket went to one worker of the node (its owner): together they received it once.
-    received = sum(after[f'weightsync_worker_received_bytes{{worker="{w}"}}'] for w in (0, 1))
+    received = sum(grew(before, after, f'weightsync_worker_received_bytes{{worker="{w}"}}') for w in (0, 1))
     assert received == result.size_bytes
-    assert after['weightsync_groups{state="ready"}'] == 1  # the client's group, still open then
+    assert grew(before, after, 'weightsync_groups{state="ready"}') == 1  # the client's group, still open then
 
 
 def test_metrics_show_engines_groups_and_restarts(observed):
     model = mixed_model(2)
+    before = scrape(observed)
     with WeightSyncClient(observed.address) as client:
         client.push(model, version="m2", transport="inline")
         client.create_group(timeout=30)
-        assert scrape(observed)['weightsync_groups{state="ready"}'] == 1
+        assert grew(before, scrape(observed), 'weightsync_groups{state="ready"}') == 1
     with EngineClient(server=observed.address, name="metered") as engine:
         net = torch.nn.Module()
         for name, tensor in model.items():
@@ -101,7 +106,8 @@ def test_metrics_show_engines_groups_and_restarts(observed):
     import os
 
     os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: scrape(observed).get('weightsync_worker_restarts_total{worker="1"}') == 1, timeout=30)
+    restarts = 'weightsync_worker_restarts_total{worker="1"}'
+    wait_for(lambda: grew(before, scrape(observed), restarts) == 1, timeout=30)
     wait_for(lambda: scrape(observed)['weightsync_worker_up{device="cpu",worker="1"}'] == 1, timeout=60)
 
 

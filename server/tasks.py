@@ -82,6 +82,7 @@ async def finish_despite_cancel(work: Awaitable[T]) -> T:
                 cancelled = True
                 break
             cancelled = True
+            log.info("cleanup_continues_despite_cancel")  # a cancel came mid-clean-up: seen in the log
     if cancelled:
         raise asyncio.CancelledError()
     return result

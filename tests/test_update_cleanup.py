@@ -59,6 +59,19 @@ def node(tmp_path):
     assert server.stop() == 0, server.log()[-3000:]
 
 
+def logged(server, event: str, **fields: str) -> bool:
+    """Whether the server logged `event` with these fields (its log is one JSON object a line)."""
+    for line in server.log().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line still being written
+            continue
+        if isinstance(record, dict) and record.get("event") == event and all(
+                record.get(k) == v for k, v in fields.items()):
+            return True
+    return False
+
+
 def json_lines(text: str) -> list[str]:
     """Every line that is not one JSON object."""
     bad = []
@@ -82,9 +95,11 @@ def test_abort_then_cancel_leaves_no_lock_and_a_dead_trainer_is_still_noticed(no
     slow = info(node).workers[1].pid
     os.kill(slow, signal.SIGSTOP)  # the abort now waits for this worker
     stream.send(abort=pb.AbortUpdate(reason="first the abort"))
-    time.sleep(0.5)
+    # The server took the abort: the step that logs it goes on into the clean-up, held by the stopped worker.
+    wait_for(lambda: logged(node, "update_failing", reason="ABORTED_BY_CLIENT"), timeout=30)
     stream.cancel()  # ... then the cancel, while the abort runs
-    time.sleep(1.0)
+    # The cancel reached the handler mid-clean-up (not after it): only then is the worker let go.
+    wait_for(lambda: logged(node, "cleanup_continues_despite_cancel"), timeout=30)
     os.kill(slow, signal.SIGCONT)
     wait_for(lambda: info(node).store_state == pb.STORE_STATE_CONSISTENT, timeout=30)
 
@@ -137,21 +152,24 @@ def test_a_stall_shorter_than_the_timeout_costs_only_the_stall(node):
 
 
 def test_refused_buckets_leave_every_log_line_one_json_object(tmp_path):
-    """The driver waits on bucket 0 (a worker is stopped) when the reader refuses bucket 1
-    (BUCKET_INCOMPLETE, then BUCKET_CHECKSUM_MISMATCH): the wait it drops must not surface as
-    asyncio's 'exception was never retrieved' traceback. Every log line is one JSON object."""
+    """The driver waits on bucket 0 (its owner, worker 0, is stopped) when the reader refuses bucket 1
+    (BUCKET_INCOMPLETE): the wait it drops must not surface as asyncio's 'exception was never
+    retrieved' traceback. A wrong checksum (BUCKET_CHECKSUM_MISMATCH) is refused by bucket 1's owner
+    itself, answered in bucket order, so nothing is stopped for it. Every log line is one JSON object."""
     server = start_server(tmp_path, "--local-socket", "auto")
     try:
         model = {"a": torch.arange(100_000, dtype=torch.float32), "b": torch.arange(100_000, dtype=torch.float32)}
         plan = plan_buckets(list(model.items()), 400_000)
         assert len(plan.buckets) == 2
         for refusal in ("incomplete", "checksum"):
-            slow = info(server).workers[1].pid
+            # Two equal buckets: owners 0 and 1 (docs/data-plane.md); bucket 0 waits on worker 0.
+            slow = info(server).workers[0].pid if refusal == "incomplete" else None
             stream = UpdateStream(server.stub())
             stream.send(begin=pb.BeginUpdate(version="bad", plan=plan, mode=pb.UPDATE_MODE_STAGED,
                                              transport=pb.TRANSPORT_INLINE, allow_new_tensors=True))
             assert stream.recv().WhichOneof("message") == "ready"
-            os.kill(slow, signal.SIGSTOP)
+            if slow:
+                os.kill(slow, signal.SIGSTOP)
             try:
                 first = bytes(plan.buckets[0].size_bytes)
                 stream.send(bucket_start=pb.BucketStart(sequence=0, size_bytes=len(first)))
@@ -163,11 +181,13 @@ def test_refused_buckets_leave_every_log_line_one_json_object(tmp_path):
                 if refusal == "incomplete":
                     stream.send(bucket_chunk=pb.BucketChunk(sequence=1, offset_bytes=0, data=second[:1000]))
                     stream.send(commit=pb.CommitUpdate())  # before bucket 1 is complete
+                    # Refused while bucket 0 still waits on the stopped worker: the wait the driver drops.
+                    wait_for(lambda: logged(server, "update_failing", reason="BUCKET_INCOMPLETE"), timeout=30)
                 else:
                     stream.send(bucket_chunk=pb.BucketChunk(sequence=1, offset_bytes=0, data=second))
-                time.sleep(1.0)
             finally:
-                os.kill(slow, signal.SIGCONT)
+                if slow:
+                    os.kill(slow, signal.SIGCONT)
             messages = []
             try:
                 while True:
@@ -175,6 +195,10 @@ def test_refused_buckets_leave_every_log_line_one_json_object(tmp_path):
             except Exception:  # noqa: BLE001 - the status ends the stream
                 pass
             assert "committed" not in messages
+            if refusal == "incomplete":  # said at once: bucket 0 was never applied
+                assert messages == ["aborting"], messages
+            else:
+                assert "aborting" in messages, messages
             stream.close()
             wait_for(lambda: info(server).store_state != pb.STORE_STATE_UPDATING, timeout=30)
         with WeightSyncClient(server.address, timeout=60) as client:

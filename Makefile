@@ -134,11 +134,11 @@ bench-quick: install
 clean:
 	rm -rf $(VENV) $(ENGINE_VENV) $(SGLANG_VENV) tools/node_modules examples/node/node_modules build .pytest_cache $(GPU_KIT)
 
-# SGLang in its own virtualenv (tests/sglang). torch first with SGLang's exact pins (torch 2.14.1,
+# SGLang in its own virtualenv (tests/sglang_engine). torch first with SGLang's exact pins (torch 2.14.1,
 # torchvision 0.29.1: on this machine both lie on local disk; the default torch build is a CUDA one
 # whose torch.cuda.is_available() is false here), then SGLang itself, then weightsync editable (its
 # SGLang loader and plugin, the [sglang] extra). What starting SGLang on a CPU needs besides lives
-# in tests/sglang, never in the package.
+# in tests/sglang_engine, never in the package.
 SGLANG_VENV := .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
@@ -153,6 +153,6 @@ $(SGLANG_STAMP): pyproject.toml
 sglang-install: $(SGLANG_STAMP)
 
 # A real SGLang server (CPU, TP 2) loading the node's versions through weightsync's loader
-# (tests/sglang). One ordered scenario on one SGLang (a minute to start): not shuffled.
+# (tests/sglang_engine). One ordered scenario on one SGLang (a minute to start): not shuffled.
 test-sglang: sglang-install
-	$(SGLANG_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/sglang
+	$(SGLANG_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/sglang_engine

@@ -6,7 +6,7 @@ What starting SGLang 0.5.23 on this CPU machine takes, none of it in the weights
     torch build, and with it SGLang tries to open its own NCCL communicator even with
     --device cpu; a missing library makes it skip that (the ranks talk over Gloo).
   - SGLANG_CPU_OMP_THREADS_BIND="0|1": one OpenMP thread per rank, each on its own core.
-  - PYTHONPATH starts with tests/sglang/cpu_env: a stand-in for `vllm._custom_ops`, which
+  - PYTHONPATH starts with tests/sglang_engine/cpu_env: a stand-in for `vllm._custom_ops`, which
     SGLang's rotary embedding imports while the model is built (see cpu_env/vllm/__init__.py).
   - --attention-backend torch_native: the CPU attention that needs no sgl-kernel build.
   - --skip-server-warmup: the warm-up is a generation, and generation cannot run here: SGLang's

@@ -1,4 +1,4 @@
-"""tests/sglang: weightsync into a real SGLang server (CPU, TP 2). Run in SGLang's virtualenv:
+"""tests/sglang_engine: weightsync into a real SGLang server (CPU, TP 2). Run in SGLang's virtualenv:
 
     make test-sglang        # builds .venv-sglang (make sglang-install) first
 

@@ -2,4 +2,4 @@
 
 
 def rotary_embedding(*args, **kwargs):
-    raise NotImplementedError("tests/sglang/cpu_env: no rotary kernel here (SGLang cannot generate on this CPU)")
+    raise NotImplementedError("tests/sglang_engine/cpu_env: no rotary kernel here (SGLang cannot generate on this CPU)")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from weightsync.client.delta import repeats_elements
 from weightsync.client.errors import DuplicateTensor, PlanMismatch
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.planning import PlannedBucket, check_tensors
@@ -135,19 +136,26 @@ class TensorSource:
         self._stash: dict[str, torch.Tensor] = {}
         self._pulled: set[str] = set()
         self._split: tuple[str, torch.Tensor] | None = None
-        """The tensor whose pieces are being sent, as contiguous bytes (taken once for all its pieces)."""
+        """The tensor whose pieces are being sent, as contiguous bytes (taken once for all its pieces),
+        or as it is where it repeats elements (each piece copied on its own: _elements)."""
 
     def piece(self, spec: tensor_pb2.TensorSpec) -> torch.Tensor:
         """The bytes of one piece of a split tensor (uint8, contiguous): the tensor is taken at its first
-        piece and kept, made contiguous once, until its last."""
+        piece and kept, made contiguous once, until its last. A view that reads elements more than once
+        (expand()) is never made contiguous whole: its logical size can be far beyond its storage's
+        (12 GB of views over a few bytes); only the piece's elements are copied."""
         if spec.piece.offset_bytes == 0 or self._split is None or self._split[0] != spec.name:
-            tensor = self.take(spec)
-            self._split = (spec.name, tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-        whole = self._split[1]
-        start = spec.piece.offset_bytes
-        if start + spec.size_bytes >= whole.numel():
+            tensor = self.take(spec).detach()
+            self._split = (spec.name, tensor if repeats_elements(tensor)
+                           else tensor.contiguous().reshape(-1).view(torch.uint8))
+        held = self._split[1]
+        start, itemsize = spec.piece.offset_bytes, held.element_size()
+        if start + spec.size_bytes >= held.numel() * itemsize:
             self._split = None  # the last piece: nothing of the tensor is held past it
-        return whole[start : start + spec.size_bytes]
+        if not repeats_elements(held):
+            return held[start : start + spec.size_bytes]
+        # Pieces are cut at multiples of every element size (planning.PIECE_ALIGN_BYTES).
+        return _elements(held, start // itemsize, (start + spec.size_bytes) // itemsize).view(torch.uint8)
 
     def laid_out(self, index: int, bucket: PlannedBucket) -> PlannedBucket:
         """Bucket `index` as it is sent: a deferred one waits for its comparison (client/deferred.py) and is
@@ -209,6 +217,22 @@ class TensorSource:
                 extra = pulled[0] if pulled is not None else None
             if extra is not None:
                 raise PlanMismatch(f"the iterator yields {extra!r}, which is not in the reused plan")
+
+
+def _elements(tensor: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Elements [start, end) of a tensor in row-major order, as a new contiguous 1-D tensor: only those
+    are copied (whole rows at a time, the first and last row recursively)."""
+    if tensor.dim() <= 1:
+        return tensor.reshape(-1)[start:end].contiguous()
+    inner = tensor[0].numel()
+    first, last = start // inner, (end - 1) // inner
+    if first == last:
+        return _elements(tensor[first], start - first * inner, end - first * inner)
+    parts = [_elements(tensor[first], start - first * inner, inner)]
+    if last > first + 1:
+        parts.append(tensor[first + 1 : last].reshape(-1))
+    parts.append(_elements(tensor[last], 0, end - last * inner))
+    return torch.cat(parts)
 
 
 def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source: TensorSource) -> Payload:

@@ -399,6 +399,7 @@ def test_expanded_views_cost_the_kept_copy_only_their_storage_and_land_bit_for_b
     over a few bytes got the trainer OOM-killed. The copy now holds what their storages hold: an
     unchanged view is left out, a changed one goes dense, and the servers hold every view's bytes."""
     a, _ = two_servers
+    bucket = 1 << 20  # the views go as pieces: each piece's elements copied on their own (packing._elements)
     g = torch.Generator().manual_seed(31)
     w = torch.randn(256, 256, generator=g).to(torch.bfloat16)
     row = torch.randn(1, 512, generator=g).to(torch.bfloat16)
@@ -413,25 +414,59 @@ def test_expanded_views_cost_the_kept_copy_only_their_storage_and_land_bit_for_b
 
     with WeightSyncClient(a.address, timeout=60) as client:
         current = views(1.5, w)
-        first = client.push(current, version="v0", transport="inline", allow_new_tensors=True)
+        first = client.push(current, version="v0", transport="inline", bucket_size_bytes=bucket, allow_new_tensors=True)
         assert first.dense_bytes == (1 << 21) * 4 + 2048 * 512 * 2 + w.numel() * 2
         assert client._delta.memory_bytes == 4 + 1024 + w.numel() * 2  # not 10 MiB more
         held(current)
         sparse = w.clone()
         sparse.view(-1)[::997] += 1  # ~0.1% of w
         current = views(1.5, sparse)  # new views over storages of the same bits
-        step = client.push(current, version="v1", transport="inline")
+        step = client.push(current, version="v1", transport="inline", bucket_size_bytes=bucket)
         assert step.bytes_sent < w.numel() * 2  # w's patch; the views' 10 MiB stay where they are
         held(current)
         assert client.verify(current).ok
         current = views(-1.5, sparse)  # scale's storage changed: dense, the rest left out
-        changed = client.push(current, version="v2", transport="inline")
+        changed = client.push(current, version="v2", transport="inline", bucket_size_bytes=bucket)
         assert (1 << 21) * 4 <= changed.bytes_sent < (1 << 21) * 4 + 2048 * 512 * 2
         assert client._delta.memory_bytes == 4 + 1024 + w.numel() * 2
         held(current)
         sparse = sparse.clone()
         sparse.view(-1)[5::997] -= 1
         current = views(-1.5, sparse)
-        client.push(current, version="v3", transport="inline")
+        client.push(current, version="v3", transport="inline", bucket_size_bytes=bucket)
         held(current)
         assert client.verify(current).ok
+
+
+def test_a_view_that_repeats_elements_is_sent_in_pieces_each_copied_on_its_own():
+    """A dense push made a split view contiguous whole before cutting its pieces: one view of 12 GB over
+    a few bytes needed 12 GB on the trainer even with delta=False. Each piece is now its own elements
+    (a copy of the piece's size), bit for bit the row-major bytes; other tensors are cut as before."""
+    from weightsync.client import packing
+    from weightsync.client.packing import TensorSource
+    from weightsync.client.planning import piece_ranges
+    from weightsync.v1 import tensor_pb2
+
+    g = torch.Generator().manual_seed(32)
+    views = {"row": torch.randn(1, 300, generator=g).expand(4096, 300),
+             "inner": torch.randn(3, 1, 5, generator=g).to(torch.bfloat16).expand(3, 40000, 5),
+             "flags": torch.tensor([True]).expand(1 << 20),
+             "transposed_expand": torch.randn(64, 1, generator=g).expand(64, 1000).t()}
+    for name, view in views.items():
+        source, size = TensorSource({name: view}, None), view.numel() * view.element_size()
+        pieces = []
+        for start, end in piece_ranges(size, 64 << 10):
+            spec = tensor_pb2.TensorSpec(name=name, size_bytes=end - start)
+            spec.piece.offset_bytes = start
+            piece = source.piece(spec)
+            assert piece.untyped_storage().nbytes() == end - start, name  # not the view's logical size
+            pieces.append(piece.clone())
+        assert torch.equal(torch.cat(pieces), view.contiguous().reshape(-1).view(torch.uint8)), name
+    ref = views["inner"].contiguous().reshape(-1)
+    for start, end in [(0, 1), (4, 6), (4, 5 * 40000 + 7), (5 * 40000 - 1, 3 * 5 * 40000), (17, 18)]:
+        assert torch.equal(packing._elements(views["inner"], start, end), ref[start:end])
+    a = torch.randn(512, 300, generator=g)
+    source = TensorSource({"t": a.t()}, None)  # not repeating: made contiguous once, its pieces views of that
+    spec = tensor_pb2.TensorSpec(name="t", size_bytes=64 << 10)
+    spec.piece.offset_bytes = 0
+    assert source.piece(spec).untyped_storage().nbytes() == a.numel() * 4

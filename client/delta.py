@@ -581,7 +581,8 @@ class DeltaBase:
                     self.tensors.pop(name, None)
                     self.checksums.pop(name, None)
                     fresh = self._sampled.get(name)
-                    self.samples[name] = fresh if fresh is not None else _sample(tensor.numel()).of(bits_of(tensor)).clone()
+                    sample = fresh if fresh is not None else _sample(tensor.numel()).of(bits_of(tensor)).clone()
+                    self.samples[name] = sample.to(self._home(tensor).device)  # a CUDA tensor's: on the host too
                     continue
                 self.samples.pop(name, None)
                 if name in self._advanced and name in self.tensors:

@@ -104,11 +104,12 @@ def test_delta_host_copy_false_keeps_the_copy_on_the_device():
     assert_same_bytes({**base.tensors, **base.views}, current)
 
 
-@pytest.mark.parametrize("transport", ["inline", "shm"])
-def test_default_pushes_of_cuda_tensors_keep_their_copy_on_the_host_and_land_exactly(cpu_server, transport):
+def test_default_pushes_of_cuda_tensors_keep_their_copy_on_the_host_and_land_exactly(cpu_server):
     """push()'s defaults (delta="auto", delta_host_copy=True): sparse steps go as patches compared
     against the pinned host copy, the store holds the trainer's bytes after each, the copy never on
-    the GPU."""
+    the GPU. INLINE only: the comparison does not depend on the transport, and the kit's
+    pytest budget is short."""
+    transport = "inline"
     with WeightSyncClient(cpu_server.address, timeout=120) as client:
         current = model(3)
         client.push(current, version="v0", transport=transport, allow_new_tensors=True)

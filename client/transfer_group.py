@@ -126,9 +126,9 @@ def workers_sharing_a_gpu(servers: Sequence[ServerDevices]) -> dict[str, list[tu
     two servers on one host whose workers were given the same GPUs would put two ranks of a group on it."""
     on: dict[str, list[tuple[str, int]]] = {}
     for server in servers:
-        for index, uuid in enumerate(server.worker_uuids):
-            if uuid:
-                on.setdefault(normalize_uuid(uuid), []).append((server.address, index))
+        for index, worker_uuid in enumerate(server.worker_uuids):
+            if worker_uuid:
+                on.setdefault(normalize_uuid(worker_uuid), []).append((server.address, index))
     return {gpu: where for gpu, where in on.items() if len(where) > 1}
 
 

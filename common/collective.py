@@ -34,9 +34,9 @@ from __future__ import annotations
 import datetime
 import math
 import socket
+import threading
 import time
 from collections.abc import Callable
-import threading
 from dataclasses import dataclass, field
 
 import torch

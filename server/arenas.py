@@ -27,7 +27,6 @@ import torch
 from weightsync.common.errors import ResourceExhausted
 from weightsync.common.layout import align_segment
 
-
 MAP_FLOOR_BYTES_PER_SECOND = 1 << 30
 """The slowest rate at which a worker is expected to map arenas: fault every page in, or pin it
 with cudaHostRegister (which faults pages in itself). Either runs at several GB/s on one

@@ -29,8 +29,7 @@ from weightsync.common.fd_passing import send_fds
 from weightsync.common.logging import get_logger
 from weightsync.common.shm_queue import OwnedQueue, QueueCorrupted
 from weightsync.gpu_worker.device_faults import EXIT_DEVICE_LOST
-from weightsync.server.arenas import HostArena
-from weightsync.server.arenas import map_timeout
+from weightsync.server.arenas import HostArena, map_timeout
 from weightsync.server.fleet import FanOut
 from weightsync.server.ingress import Ingress
 from weightsync.server.tasks import supervised

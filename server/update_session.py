@@ -1,12 +1,15 @@
 """One UpdateWeights stream, from Begin to Committed (or to an abort).
 
-Two tasks cooperate:
-  - the reader (update_intake.py) takes client messages and forwards each
-    bucket to its owner (and, for an NCCL broadcast, to every other worker,
-    which joins it and drops the bytes) as soon as its bytes can be received:
-    at once for a collective or an SHM slot, once its chunks are in for INLINE;
+Two kinds of task cooperate:
+  - a reader per stream that feeds the update (update_intake.py; today one,
+    the stream that began it) takes client messages and forwards each bucket
+    to its owner (and, for an NCCL broadcast, to every other worker, which
+    joins it and drops the bytes) as soon as its bytes can be received: at
+    once for a collective or an SHM slot, once its chunks are in for INLINE;
   - the driver (this module, the stream handler itself) awaits the workers'
     answers in order and writes BucketApplied, Aborting and Committed.
+The session sees a reader only as a StreamReader (read, forwarded_to,
+take_pending), and a reader sees the session only as an IntakeSession.
 
 The node's store (node_store.py) decides where every byte goes before any
 moves: the session derives the update there, admits its memory, allocates,
@@ -32,7 +35,6 @@ from google.protobuf import duration_pb2
 from weightsync.common.errors import (
     Aborted,
     DeadlineExceeded,
-    FailedPrecondition,
     Unavailable,
     WeightSyncError,
     code_number,
@@ -40,6 +42,7 @@ from weightsync.common.errors import (
 from weightsync.common.logging import get_logger
 from weightsync.common.ownership import NO_OWNER
 from weightsync.server.admission import MemoryAdmission, StagingNeed
+from weightsync.server.announcements import check_commit
 from weightsync.server.fleet import WorkerFleet
 from weightsync.server.group_registry import GroupRegistry
 from weightsync.server.ingress import Ingress
@@ -49,15 +52,16 @@ from weightsync.server.node_store import NodeStore, StoreUpdate
 from weightsync.server.publisher import Publisher
 from weightsync.server.state import GroupRecord
 from weightsync.server.tasks import finish_despite_cancel, retrieve_quietly
+from weightsync.server.transport_intakes import open_intake
 from weightsync.server.update_intake import (
     Abort,
     Bucket,
-    BucketIntake,
     Closed,
     Commit,
     Failed,
     Item,
     ShuttingDown,
+    StreamReader,
 )
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -101,7 +105,10 @@ class UpdateSession:
     plan: tensor_pb2.WeightPlan
     plan_id: str
     inbox: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
-    intake: BucketIntake | None = None
+    readers: list[StreamReader] = field(default_factory=list)
+    """The readers of the streams that feed this update, in the order they joined (today one)."""
+    reading: list[asyncio.Task[None]] = field(default_factory=list)
+    """Their tasks; cancelled when the update ends."""
     store_update: StoreUpdate | None = None
     """The node store's side of this update, once derived."""
     failure: WeightSyncError | None = None
@@ -175,19 +182,27 @@ class UpdateSession:
         assert self.store_update is not None
         return self.services.store.lay_out(self.store_update, sequence, layout)
 
+    def feed(self, requests: AsyncIterator[pb.UpdateWeightsRequest]) -> None:
+        """Read `requests` (a stream after its Begin) into this update, through its transport's intake."""
+        services = self.services
+        reader = open_intake(self, transport=self.begin.transport, fleet=services.fleet, ingress=services.ingress,
+                             max_chunk_bytes=services.max_chunk_bytes)
+        self.readers.append(reader)
+        self.reading.append(asyncio.create_task(reader.read(requests)))
+
+    def forwarded_to(self, worker_index: int) -> list[int]:
+        """The buckets any stream forwarded to this worker to receive into the store."""
+        return sorted({sequence for reader in self.readers for sequence in reader.forwarded_to(worker_index)})
+
     # -- driver ------------------------------------------------------------------
     async def run(self, requests: AsyncIterator[pb.UpdateWeightsRequest]) -> AsyncIterator[pb.UpdateWeightsResponse]:
-        reader: asyncio.Task[None] | None = None
         if self.group is not None:
             self.services.groups.update_started(self.group)
         try:
             await self._prepare()
             self.services.publisher.publish_state()  # watchers see UPDATING
             yield self._ready()
-            services = self.services
-            self.intake = BucketIntake(self, transport=self.begin.transport, fleet=services.fleet,
-                                       ingress=services.ingress, max_chunk_bytes=services.max_chunk_bytes)
-            reader = asyncio.create_task(self.intake.read(requests))
+            self.feed(requests)
             idle = self.bucket_timeout
             while True:
                 try:
@@ -228,7 +243,7 @@ class UpdateSession:
         finally:
             # To its end even if this handler is cancelled, once or again (a client that aborts
             # and then cancels): the workers' abort, the engines' leases, the group's idle mark.
-            await finish_despite_cancel(self._finish(reader))
+            await finish_despite_cancel(self._finish())
 
     def _ready(self) -> pb.UpdateWeightsResponse:
         plan = self.store_update.plan if self.store_update else None
@@ -243,10 +258,10 @@ class UpdateSession:
             ready.not_stored_buckets.extend(plan.not_stored)
         return pb.UpdateWeightsResponse(ready=ready)
 
-    async def _finish(self, reader: asyncio.Task[None] | None) -> None:
-        if reader is not None:
-            reader.cancel()
-            retrieve_quietly(reader)
+    async def _finish(self) -> None:
+        for reading in self.reading:
+            reading.cancel()
+            retrieve_quietly(reading)
         try:
             self._record()
             if not self.finished:
@@ -347,10 +362,8 @@ class UpdateSession:
                 self.touched(sequence)
 
     async def _commit(self) -> pb.UpdateWeightsResponse:
-        buckets = len(self.plan.buckets)
-        if self.applied != buckets:
-            error = FailedPrecondition("BUCKETS_MISSING", f"commit after {self.applied} of {buckets} buckets",
-                                       received=self.applied, expected=buckets)
+        error = check_commit(self.applied, len(self.plan.buckets))
+        if error is not None:
             self.fail(error)
             raise error
         services = self.services
@@ -428,7 +441,7 @@ class UpdateSession:
         # Workers that died holding an IN_PLACE bucket of theirs may have written some of it.
         for worker in fleet.workers:
             if not worker.alive:
-                for sequence in self.intake.forwarded_to(worker.index) if self.intake else ():
+                for sequence in self.forwarded_to(worker.index):
                     self.touched(sequence)
         released = self.services.store.abort(update, torn=self.torn)
         fleet.forget_arenas(released)
@@ -450,9 +463,7 @@ class UpdateSession:
         in that answer must still mark the group BROKEN, or the server would
         keep a group the workers already dropped.
         """
-        if self.intake is None:
-            return
-        pending, self.intake.pending = self.intake.pending, []
+        pending = [bucket for reader in self.readers for bucket in reader.take_pending()]
         for bucket in pending:
             settled = await self.services.fleet.settle(bucket.receives, self.bucket_timeout)
             self._note_touched(bucket, settled.answers)

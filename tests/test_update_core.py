@@ -1,4 +1,4 @@
-"""The asyncio core of an update, in-process: UpdateSession, BucketIntake, the node store, admission,
+"""The asyncio core of an update, in-process: UpdateSession, its INLINE intake, the node store, admission,
 the update gate, the group registry and the publisher, against a fake fleet of real receivers
 (tests/fake_fleet.py). Milliseconds per update; the real-process suites drive the real fleet."""
 
@@ -185,6 +185,33 @@ def test_a_dead_owner_fails_the_update_and_loses_nothing(node):
     assert caught.value.reason == "WORKER_DIED"
     assert held(services.store) == expected(v1)  # the store is the server's: nothing died with the worker
     assert services.store.state == pb.STORE_STATE_CONSISTENT
+
+
+@pytest.mark.parametrize("transport", [pb.TRANSPORT_SHM, pb.TRANSPORT_COLLECTIVE], ids=["shm", "collective"])
+def test_a_chunk_on_a_stream_whose_transport_sends_none_is_refused_and_changes_nothing(node, transport):
+    """Each transport has its own intake: only INLINE's takes BucketChunks; the others refuse one."""
+    services, fleet = node(2)
+    v1, v2 = model(1), model(2)
+    asyncio.run(push(services, v1, "v1"))
+    plan = plan_buckets(list(v2.items()), 8192)
+    begin = pb.BeginUpdate(version="chunked", mode=pb.UPDATE_MODE_IN_PLACE, transport=transport)
+    session = UpdateSession(services, "u-chunked", None, begin, plan, plan_id_of(plan))
+
+    async def requests():
+        yield pb.UpdateWeightsRequest(bucket_chunk=pb.BucketChunk(sequence=0, offset_bytes=0, data=b"z" * 64))
+
+    async def run() -> list[pb.UpdateWeightsResponse]:
+        return [response async for response in session.run(requests())]
+
+    with pytest.raises(WeightSyncError) as caught:
+        asyncio.run(run())
+    assert (caught.value.code.name, caught.value.reason) == ("INVALID_ARGUMENT", "CHUNK_UNEXPECTED")
+    assert [w.commands.count("receive_bucket") for w in fleet.workers] == [6 // 2, 6 // 2]  # v1's only
+    store = services.store
+    assert (store.state, services.publisher.version.version) == (pb.STORE_STATE_CONSISTENT, "v1")
+    assert held(store) == expected(v1)
+    asyncio.run(push(services, v2, "v2"))
+    assert held(store) == expected(v2) and services.publisher.version.generation == 2
 
 
 def test_admission_counts_the_store_once_and_host_staging(node):

@@ -13,6 +13,56 @@ from weightsync.common.limits import DEFAULT_MAX_MESSAGE_BYTES
 from weightsync.common.plan_validation import PlanLimits
 
 ENV_PREFIX = "WEIGHTSYNC_"
+ENGINE_SPEC_HELP = ("vllm-http=http://HOST:PORT or sglang-http=http://HOST:PORT"
+                    "[?pause=retract|abort|in_place][&timeout_s=SECONDS]")
+SGLANG_PAUSE_MODES = ("retract", "abort", "in_place")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One --engine: which driver, the engine's base URL and the driver's options."""
+
+    kind: str
+    """vllm-http or sglang-http."""
+    url: str
+    """http(s)://HOST:PORT[/prefix], without a trailing slash or the options."""
+    pause: str = "retract"
+    """sglang-http: /pause_generation's mode while a version loads: retract (running requests go
+    back to the queue and are recomputed on the new weights), abort (they end), in_place (they
+    stay, with their KV cache of the old weights; the cache is not flushed)."""
+    timeout_s: float = 300.0
+    """sglang-http: longest wait for any one answer of SGLang."""
+
+
+def parse_engine_spec(spec: str) -> EngineSpec:
+    """KIND=URL[?options]; ValueError saying what is accepted."""
+    kind, sep, rest = spec.partition("=")
+    url, _, query = rest.partition("?")
+    wrong = ValueError(f"--engine must be {ENGINE_SPEC_HELP}, got {spec!r}")
+    if kind not in ("vllm-http", "sglang-http") or not sep or not url.startswith(("http://", "https://")) \
+            or len(url.rstrip("/")) <= len("https://"):
+        raise wrong
+    if kind == "vllm-http":
+        if query or "?" in rest:
+            raise wrong
+        return EngineSpec(kind, url.rstrip("/"))
+    options: dict[str, str] = {}
+    for item in query.split("&") if query else ():
+        key, eq, value = item.partition("=")
+        if not eq or key in options or key not in ("pause", "timeout_s"):
+            raise ValueError(f"--engine {spec!r}: options are pause=retract|abort|in_place and timeout_s=SECONDS, "
+                             f"each at most once; got {item!r}")
+        options[key] = value
+    pause = options.get("pause", "retract")
+    if pause not in SGLANG_PAUSE_MODES:
+        raise ValueError(f"--engine {spec!r}: pause must be one of {', '.join(SGLANG_PAUSE_MODES)}, got {pause!r}")
+    try:
+        timeout_s = float(options.get("timeout_s", "300"))
+    except ValueError:
+        timeout_s = float("nan")
+    if not 0 < timeout_s <= 3600:
+        raise ValueError(f"--engine {spec!r}: timeout_s must be seconds in (0, 3600], got {options['timeout_s']!r}")
+    return EngineSpec(kind, url.rstrip("/"), pause=pause, timeout_s=timeout_s)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -52,7 +102,8 @@ class ServerConfig:
     engine_lease_timeout_seconds: float = 30.0
     """Longest an update waits for engines to finish reading the bytes it would write."""
     engines: tuple[str, ...] = ()
-    """Engines the server drives after each commit, as KIND=URL (e.g. vllm-http=http://127.0.0.1:8000)."""
+    """Engines the server drives after each commit, as KIND=URL[?options] (parse_engine_spec; e.g.
+    vllm-http=http://127.0.0.1:8000, sglang-http=http://127.0.0.1:30000?pause=abort)."""
     shutdown_grace_seconds: float = 10.0
     """SIGTERM: how long a running update may take to finish before it is aborted."""
     worker_call_timeout_seconds: float = 120.0
@@ -106,9 +157,7 @@ class ServerConfig:
             raise ValueError(f"ingress needs slot bytes >= 0 and at least 2 slots, got {self.ingress_slot_bytes} "
                              f"x {self.ingress_slot_count}")
         for spec in self.engines:
-            kind, sep, url = spec.partition("=")
-            if kind != "vllm-http" or not sep or not url.startswith(("http://", "https://")):
-                raise ValueError(f"--engine must be vllm-http=http://HOST:PORT, got {spec!r}")
+            parse_engine_spec(spec)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
@@ -152,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local-allow-uid", type=int, action="append", help="another uid the local socket serves")
     parser.add_argument("--engine-lease-timeout-seconds", type=float)
     parser.add_argument("--engine", action="append",
-                        help="an engine to drive after each commit: vllm-http=http://127.0.0.1:8000 (repeatable)")
+                        help=f"an engine to drive after each commit: {ENGINE_SPEC_HELP} (repeatable)")
     parser.add_argument("--shutdown-grace-seconds", type=float)
     parser.add_argument("--log-level")
     parser.add_argument("--token-file", help="file holding the bearer token clients must send (SIGHUP re-reads it)")

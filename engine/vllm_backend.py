@@ -52,7 +52,6 @@ could ever be applied (update_info "strict": false skips them always).
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import time
@@ -67,6 +66,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
+from weightsync.engine.checkpoint_shapes import safetensors_shapes, shape_problem
 from weightsync.engine.client import EngineClient, EngineError, StoreSnapshot
 
 # Under "vllm.": vLLM's handler formats and keeps these records in its worker processes.
@@ -228,10 +228,7 @@ class ModelNames:
         return name in (self.checkpoint or {}) or self.vllm_name(name) != ""
 
     def shape_problem(self, name: str, tensor: torch.Tensor) -> str | None:
-        expected = (self.checkpoint or {}).get(name)
-        if expected is not None and tuple(tensor.shape) != expected:
-            return f"{name!r} (model {list(expected)}, store {list(tensor.shape)})"
-        return None
+        return shape_problem(self.checkpoint, name, tensor.shape)
 
     def group(self, name: str) -> str:
         """The vLLM layer a checkpoint tensor loads into: names of one group are loaded together."""
@@ -242,10 +239,6 @@ class ModelNames:
 
 def _checkpoint_shapes(model_config) -> dict[str, tuple[int, ...]] | None:
     """name -> shape of the safetensors checkpoint vLLM loaded; None if it cannot be found."""
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        return None
     path = str(getattr(model_config, "model", "") or "")
     directory = path if os.path.isdir(path) else None
     if directory is None and path:
@@ -256,20 +249,7 @@ def _checkpoint_shapes(model_config) -> dict[str, tuple[int, ...]] | None:
                                           allow_patterns=["*.safetensors"], local_files_only=True)
         except Exception:  # noqa: BLE001 - no local copy: names only
             return None
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors"))) if directory else []
-    if not files:
-        return None
-    shapes: dict[str, tuple[int, ...]] = {}
-    try:
-        for file in files:
-            with safe_open(file, framework="pt") as handle:
-                for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    shapes.setdefault(key, tuple(handle.get_slice(key).get_shape()))
-    except Exception as error:  # noqa: BLE001 - an unreadable header: names only
-        logger.warning("weightsync: cannot read checkpoint headers in %s (%s); checking names only",
-                       directory, error)
-        return None
-    return shapes
+    return safetensors_shapes(directory or "")
 
 
 def _described(error: BaseException, text: str) -> str:

@@ -35,7 +35,6 @@ model) without SGLang.
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import time
@@ -45,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.common.logging import get_logger
+from weightsync.engine.checkpoint_shapes import safetensors_shapes, shape_problem
 from weightsync.engine.client import EngineClient, EngineError, StoreSnapshot
 from weightsync.engine.sglang.request import RequestError, UpdateRequest
 
@@ -182,29 +182,7 @@ class ModelNames:
         return ""
 
     def shape_problem(self, name: str, tensor: torch.Tensor) -> str | None:
-        expected = (self.checkpoint or {}).get(name)
-        if expected is not None and tuple(tensor.shape) != expected:
-            return f"{name!r} (model {list(expected)}, store {list(tensor.shape)})"
-        return None
-
-
-def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]] | None:
-    """name -> shape of the safetensors checkpoint in directory `path`; None if there is none."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if path and os.path.isdir(path) else []
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    try:
-        for file in files:
-            with safe_open(file, framework="pt") as handle:
-                for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    shapes.setdefault(key, tuple(handle.get_slice(key).get_shape()))
-    except Exception as error:  # noqa: BLE001 - an unreadable header: names only
-        logger.warning("checkpoint_headers_unreadable", directory=path, error=str(error))
-        return None
-    return shapes
+        return shape_problem(self.checkpoint, name, tensor.shape)
 
 
 @dataclass
@@ -266,7 +244,7 @@ class RankLoader:
     def names(self, model: torch.nn.Module) -> ModelNames:
         key = id(model)
         if key not in self._names:
-            self._names[key] = ModelNames(model, checkpoint_shapes(self.model_path))
+            self._names[key] = ModelNames(model, safetensors_shapes(self.model_path))
         return self._names[key]
 
     # -- one load ----------------------------------------------------------------------

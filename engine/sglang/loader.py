@@ -13,8 +13,10 @@ each rank then:
      request's since_generation and the rank's own record: its name must be one the model's
      load_weights takes (a parameter, a part of a fused qkv_proj / gate_up_proj, or one SGLang
      drops on purpose) and its shape the checkpoint's;
-  3. agrees with the other ranks over SGLang's own CPU group (Gloo): if any rank refused, no
-     rank loads a byte, and every rank reports why;
+  3. agrees with the other ranks over SGLang's own CPU group (Gloo): if any rank refused, or the
+     ranks acquired different versions, no rank loads a byte, and every rank's message names
+     every rank's outcome ("rank tp0/2 ready; rank tp1/2 refused: VERSION_GONE: ..."): SGLang
+     answers with rank 0's message alone;
   4. feeds the model's own `load_weights` (SGLang shards, narrows and fuses) with those tensors,
      read straight from the mapped store, and releases the lease saying whether it applied.
 
@@ -26,7 +28,8 @@ A refusal raises LoadError (reason and message); SGLang itself would let any exc
 whole server, so the weightsync plugin (plugin.py) turns it into `success: false` with the
 message. Reasons: REQUEST_MALFORMED, CONFIG_INVALID, SERVER_UNREACHABLE, the store's own
 (VERSION_GONE, STORE_EMPTY, ...), TENSOR_NOT_IN_MODEL, TENSOR_MISMATCH, RANK_REFUSED (another rank
-refused; nothing loaded) and LOAD_FAILED (load_weights raised part-way: the rank's weights are a
+refused; nothing loaded), RANK_VERSIONS_DIFFER (the ranks' entries named, or generation 0 found,
+different versions; nothing loaded) and LOAD_FAILED (load_weights raised part-way: the rank's weights are a
 mix, and its next load takes every tensor).
 
 This module imports SGLang only inside functions: it is importable (and testable with a stand-in
@@ -269,15 +272,14 @@ class RankLoader:
             refusal = error
         except Exception as error:  # noqa: BLE001 - any failure is this rank's refusal
             refusal = LoadError("LOAD_FAILED", f"{type(error).__name__}: {error}")
-        verdicts = self._agree("" if refusal is None else str(refusal))
-        refused = [(rank, verdict) for rank, verdict in verdicts if verdict]
-        if refused:
-            own = refusal or LoadError("RANK_REFUSED", "; ".join(f"rank {r} refused: {v}" for r, v in refused))
-            message = f"{self._label(snapshot)} not loaded, the engine keeps its weights: {own.detail}"
+        generation = snapshot.generation if snapshot is not None else -1
+        verdicts = self._agree("" if refusal is None else str(refusal), generation)
+        refused = self._refusal(refusal, verdicts, snapshot)
+        if refused is not None:
             if snapshot is not None:
-                self._release_failed(snapshot, f"{own.reason}: {message}")
-            logger.warning("sglang_update_refused", rank=self.place.label, reason=own.reason, message=message)
-            raise LoadError(own.reason, message)
+                self._release_failed(snapshot, str(refused))
+            logger.warning("sglang_update_refused", rank=self.place.label, reason=refused.reason, message=refused.detail)
+            raise refused
         assert snapshot is not None
         failure = ""
         load_started = time.perf_counter()
@@ -286,12 +288,11 @@ class RankLoader:
         except Exception as error:  # noqa: BLE001 - reported below, with every rank's outcome
             failure = f"{type(error).__name__}: {error}"
         stats.load_s = time.perf_counter() - load_started
-        outcomes = self._agree(failure)
-        failed = [(rank, verdict) for rank, verdict in outcomes if verdict]
-        if failed:
+        loads = self._agree(failure, snapshot.generation)
+        if any(v for _, v, _ in loads):
             self.served.pop(id(model), None)  # a mix of versions: the next load takes every tensor
             message = (f"{self._label(snapshot)} loaded in part, the weights are a mix until the next load: "
-                       + "; ".join(f"rank {r}: {v}" for r, v in failed))
+                       + outcomes(loads, ok="loaded", bad="failed"))
             self._release_failed(snapshot, f"LOAD_FAILED: {message}")
             logger.error("sglang_update_failed", rank=self.place.label, message=message)
             raise LoadError("LOAD_FAILED", message)
@@ -304,6 +305,22 @@ class RankLoader:
                     acquire_s=round(stats.acquire_s, 4), check_s=round(stats.check_s, 4),
                     load_s=round(stats.load_s, 4))
         return stats
+
+    def _refusal(self, own: LoadError | None, verdicts: list[tuple[str, str, int]],
+                 snapshot: StoreSnapshot | None) -> LoadError | None:
+        """Why no rank loads, naming every rank's outcome; None when every rank is ready to load one
+        and the same version. A rank that refused keeps its own reason; the others say RANK_REFUSED."""
+        kept = f"{self._label(snapshot)} not loaded, the engine keeps its weights: "
+        if any(verdict for _, verdict, _ in verdicts):
+            return LoadError(own.reason if own is not None else "RANK_REFUSED",
+                             kept + outcomes(verdicts, ok="ready", bad="refused"))
+        if len({generation for _, _, generation in verdicts}) > 1:
+            # Each rank reads its own entry of the request, and generation 0 (the current one) read
+            # while a commit lands names two versions: never load two versions into one model.
+            return LoadError("RANK_VERSIONS_DIFFER", kept + "the ranks acquired different versions ("
+                             + "; ".join(f"rank {r} generation {g}" for r, _, g in verdicts)
+                             + "): name the generation in the request")
+        return None
 
     def _acquire(self, request: UpdateRequest, stats: ApplyStats) -> StoreSnapshot:
         client = self._attach()
@@ -355,15 +372,19 @@ class RankLoader:
             with torch.no_grad():
                 model.load_weights(tensors())
 
-    def _agree(self, verdict: str) -> list[tuple[str, str]]:
-        """Every rank's verdict ("" = fine), in rank order, over SGLang's TP CPU group."""
+    def _agree(self, verdict: str, generation: int) -> list[tuple[str, str, int]]:
+        """Every rank's (label, verdict ("" = fine), generation it acquired (-1: none)), in rank order."""
+        return [(str(r), str(v), int(g)) for r, v, g in self._gather((self.place.label, verdict, generation))]
+
+    def _gather(self, mine: tuple[str, str, int]) -> list:
+        """`mine` and every other TP rank's, in rank order, over SGLang's TP CPU group (Gloo)."""
         if self.place.group is None:
-            return [(self.place.label, verdict)]
+            return [mine]
         import torch.distributed as dist
 
         gathered: list[object] = [None] * self.place.tp_size
-        dist.all_gather_object(gathered, (self.place.label, verdict), group=self.place.group)
-        return [(str(r), str(v)) for r, v in gathered]  # type: ignore[misc]
+        dist.all_gather_object(gathered, mine, group=self.place.group)
+        return gathered
 
     @staticmethod
     def _label(snapshot: StoreSnapshot | None) -> str:
@@ -376,6 +397,22 @@ class RankLoader:
             snapshot.release(applied=False, error=error)
         except Exception as release_error:  # noqa: BLE001 - the caller raises the real error
             logger.error("sglang_release_failed", rank=self.place.label, error=repr(release_error), after=error)
+
+
+OUTCOME_CHARS = 300
+"""At most this much of one rank's verdict in a message (SGLang answers rank 0's message alone, and a
+driver reads a bounded answer: every rank must fit)."""
+
+
+def outcomes(verdicts: list[tuple[str, str, int]], *, ok: str, bad: str) -> str:
+    """Every rank's outcome in one line, ranks with the same verdict together:
+    "rank tp0/2 ready; rank tp1/2 refused: VERSION_GONE: ..." (`ok`, `bad`: the words for a rank
+    that was fine and one that was not)."""
+    groups: dict[str, list[str]] = {}
+    for rank, verdict, _ in verdicts:
+        text = verdict if len(verdict) <= OUTCOME_CHARS else verdict[: OUTCOME_CHARS - 3] + "..."
+        groups.setdefault(text, []).append(rank)
+    return "; ".join(f"rank {', '.join(ranks)} " + (f"{bad}: {text}" if text else ok) for text, ranks in groups.items())
 
 
 _RANK: RankLoader | None = None

@@ -169,3 +169,87 @@ def test_configuration_and_requests_are_checked():
     assert RankPlace(1, 2, 1, 2).engine_name("e") == "e:pp1tp1"
     with pytest.raises(LoadError, match="REQUEST_MALFORMED"):
         RankLoader(lambda: AttachConfig(server="h:1"), RankPlace()).load(StandIn(), [("x", torch.zeros(1))])
+
+
+class RankZeroOfTwo(RankLoader):
+    """Rank 0 of TP 2, the other rank's side of each agreement scripted: (verdict, generation it
+    acquired; None: the same as rank 0's). SGLang's Gloo exchange itself runs in test_sglang_server.py."""
+
+    def __init__(self, rank: RankLoader, other: list[tuple[str, int | None]]) -> None:
+        super().__init__(rank._config_source, RankPlace(0, 2), rank.model_path)  # noqa: SLF001
+        self.other = other
+
+    def _gather(self, mine):
+        verdict, generation = self.other.pop(0)
+        return [mine, ("tp1/2", verdict, mine[2] if generation is None else generation)]
+
+
+def test_a_split_between_ranks_loads_nothing_and_names_every_ranks_outcome(node, tmp_path):
+    model = StandIn()
+    with sdk_client(node) as trainer:
+        g1 = trainer.push(version(1), version="s1", transport="inline", allow_new_tensors=True).servers[0].generation
+        rank = RankZeroOfTwo(loader_for(node, tmp_path, "split"), [("", None), ("", None)])
+        rank.load(model, entry(UpdateRequest(generation=g1)))
+        g2 = trainer.push(version(2), version="s2", transport="inline").servers[0].generation
+        kept = f"version 's2' (generation {g2}) not loaded, the engine keeps its weights: "
+
+        def refused(other: list[tuple[str, int | None]], named_tensors: list) -> LoadError:
+            rank.other = other
+            model.fed.clear()
+            with pytest.raises(LoadError) as caught:
+                rank.load(model, named_tensors)
+            assert model.fed == [] and rank.other == [] and rank.served[id(model)] == g1
+            assert all(torch.equal(model.as_checkpoint()[n], version(1)[n]) for n in NAMES)
+            return caught.value
+
+        # The other rank refused: this one, ready, loads nothing either and says both.
+        error = refused([("VERSION_GONE: generation 1 is gone", None)], entry(UpdateRequest(generation=g2)))
+        assert (error.reason, error.detail) == ("RANK_REFUSED", kept + "rank tp0/2 ready; rank tp1/2 refused: "
+                                                "VERSION_GONE: generation 1 is gone")
+        assert engines(node)["split"].last_error == "RANK_REFUSED: " + error.detail
+        # This rank refused, the other was ready: its own reason, both named.
+        error = refused([("", -1)], [("weightsync.update", torch.zeros(2, dtype=torch.int64))])
+        assert error.reason == "REQUEST_MALFORMED" and error.detail.startswith(
+            "the version not loaded, the engine keeps its weights: rank tp0/2 refused: REQUEST_MALFORMED: ")
+        assert error.detail.endswith("; rank tp1/2 ready"), error.detail
+        # Both ready, but for two versions (the other rank's entry named another, or generation 0 met a commit).
+        error = refused([("", g1)], entry(UpdateRequest(generation=g2)))
+        assert (error.reason, error.detail) == ("RANK_VERSIONS_DIFFER", kept + f"the ranks acquired different "
+                                                f"versions (rank tp0/2 generation {g2}; rank tp1/2 generation {g1}): "
+                                                "name the generation in the request")
+        # Both refused alike: one line for both ranks.
+        with pytest.raises(RequestError) as malformed:
+            UpdateRequest.from_named_tensors([])
+        same = f"REQUEST_MALFORMED: {malformed.value}"
+        error = refused([(same, -1)], [])
+        assert (error.reason, error.detail) == ("REQUEST_MALFORMED", "the version not loaded, the engine keeps its "
+                                                f"weights: rank tp0/2, tp1/2 refused: {same}")
+        # A long verdict is cut, so that every rank fits in the one message SGLang answers.
+        long = "TENSOR_MISMATCH: " + "x" * 400
+        error = refused([(long, None)], entry(UpdateRequest(generation=g2)))
+        assert (error.reason, error.detail) == ("RANK_REFUSED", kept + "rank tp0/2 ready; rank tp1/2 refused: "
+                                                + long[:297] + "...")
+
+        # The next load, both ranks ready for the same version: loads every tensor changed since.
+        rank.other = [("", None), ("", None)]
+        model.fed.clear()
+        rank.load(model, entry(UpdateRequest(generation=g2, since_generation=g1)))
+        assert sorted(model.fed) == sorted(NAMES) and rank.served[id(model)] == g2
+        assert all(torch.equal(model.as_checkpoint()[n], version(2)[n]) for n in NAMES)
+        status = engines(node)["split"]
+        assert (status.applied_version.version, status.last_error) == ("s2", "")
+
+        # The other rank's load_weights raised part-way: LOAD_FAILED naming both, and this rank's next
+        # load takes every tensor (its weights may be a mix).
+        g3 = trainer.push({"norm.weight": version(3)["norm.weight"]}, version="s3", transport="inline").servers[0].generation
+        rank.other = [("", None), ("RuntimeError: out of memory", None)]
+        with pytest.raises(LoadError) as caught:
+            rank.load(model, entry(UpdateRequest(generation=g3, since_generation=g2)))
+        assert (caught.value.reason, caught.value.detail) == ("LOAD_FAILED", f"version 's3' (generation {g3}) loaded "
+                                                              "in part, the weights are a mix until the next load: rank "
+                                                              "tp0/2 loaded; rank tp1/2 failed: RuntimeError: out of memory")
+        assert id(model) not in rank.served
+        rank.other = [("", None), ("", None)]
+        model.fed.clear()
+        rank.load(model, entry(UpdateRequest(generation=g3, since_generation=g2)))
+        assert sorted(model.fed) == sorted(NAMES)  # since -1: every tensor

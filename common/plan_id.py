@@ -47,6 +47,10 @@ def plan_id_of(plan: tensor_pb2.WeightPlan) -> str:
                 digest.update(_PATCH.pack(tensor.encoding, tensor.patch_count))
             if tensor.HasField("piece"):
                 digest.update(b"piece" + _PIECE.pack(tensor.piece.offset_bytes))
+            if tensor.HasField("box"):  # plans without one keep the ids they always had
+                box = tensor.box
+                digest.update(b"box" + _U32.pack(len(box.offsets)) + struct.pack(f"<{len(box.offsets)}q", *box.offsets)
+                              + _U32.pack(len(box.sizes)) + struct.pack(f"<{len(box.sizes)}q", *box.sizes))
         if bucket.deferred:  # plans without one keep the ids they always had
             digest.update(b"deferred")
     return digest.hexdigest()[:PLAN_ID_HEX_DIGITS]

@@ -18,6 +18,7 @@ import structlog
 from weightsync.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from weightsync.common.logging import get_logger
 from weightsync.server.node import SERVICE_NAME, Node
+from weightsync.server.parts import parts_unavailable
 from weightsync.server.request_checks import (
     check_begin,
     group_for,
@@ -145,6 +146,9 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             raise InvalidArgument("BEGIN_MISSING", "the first message must be begin")
         begin = first.begin
         check_begin(begin, self.node.transports())
+        refusal = parts_unavailable(begin)  # until the server joins parts (GetServerInfo.parts)
+        if refusal is not None:
+            raise refusal
         group = group_for(begin, self.node.groups)
         plan, plan_id, summary = plan_for(begin, self.node.plans, self.node.config.limits,
                                           self.node.ingress.slot_bytes if self.node.ingress else 0)

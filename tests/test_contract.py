@@ -21,7 +21,8 @@ from weightsync.common.layout import ALIGN_BYTES, TensorMeta, align_up, plan_buc
 from weightsync.v1 import tensor_pb2, weight_sync_service_pb2_grpc
 from weightsync.v1 import weight_sync_service_pb2 as wpb
 
-from helpers import start_server
+from helpers import UpdateStream, error_info, local_checksums, pack, server_checksums, start_server
+from helpers import plan_buckets as helper_plan_buckets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -200,5 +201,94 @@ def test_the_server_reports_its_data_plane_revision_and_a_push_follows(tmp_path)
             result = client.push(model, version="v1", transport="inline", allow_new_tensors=True)
             assert result.version == "v1"
             assert client.verify(model).ok
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+
+
+# -- parts (issue 35 item 3): appended fields, refused until the server joins parts -----------------
+def test_the_parts_fields_are_appended_and_an_old_client_s_messages_read_as_one_part():
+    """Field numbers appended after the last ones in use, nothing renumbered: a message an old client
+    writes (no part, no box) parses unchanged, as the whole update (the case of one part)."""
+    numbers = {
+        (wpb.BeginUpdate, "part"): 10, (tensor_pb2.TensorSpec, "box"): 10,
+        (wpb.GetServerInfoResponse, "parts"): 15, (wpb.UpdateWeightsResponse, "waiting"): 5,
+        (wpb.UpdatePart, "update_key"): 1, (wpb.UpdatePart, "rank"): 2, (wpb.UpdatePart, "world"): 3,
+        (wpb.UpdatePart, "whole_tensors"): 4, (wpb.UpdatePart, "boxed_tensors"): 5,
+        (wpb.UpdatePart, "join_timeout"): 6, (wpb.PartBoxes, "name"): 1, (wpb.PartBoxes, "boxes"): 2,
+        (tensor_pb2.TensorBox, "offsets"): 1, (tensor_pb2.TensorBox, "sizes"): 2,
+        (wpb.PartsWaiting, "joining"): 1, (wpb.PartsWaiting, "sending"): 2,
+        # the fields before them keep their numbers
+        (wpb.BeginUpdate, "base_store_epoch"): 9, (tensor_pb2.TensorSpec, "piece"): 9,
+        (wpb.GetServerInfoResponse, "data_plane_revision"): 14, (wpb.UpdateWeightsResponse, "committed"): 4,
+    }
+    assert {key: key[0].DESCRIPTOR.fields_by_name[key[1]].number for key in numbers} == numbers
+    spec = tensor_pb2.TensorSpec(name="w", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[4], size_bytes=16)
+    old = wpb.BeginUpdate(version="v1", plan=tensor_pb2.WeightPlan(buckets=[
+        tensor_pb2.BucketSpec(size_bytes=64, tensors=[spec])]), mode=wpb.UPDATE_MODE_STAGED,
+        transport=wpb.TRANSPORT_INLINE)
+    # What an old client sends, written byte by byte: tag (field 2, length), "v1", then the plan ...
+    wire = old.SerializeToString()
+    assert wire.startswith(b"\x12\x02v1\x1a") and wire.endswith(b"\x28\x02\x30\x03")
+    parsed = wpb.BeginUpdate.FromString(wire)
+    assert not parsed.HasField("part") and not parsed.plan.buckets[0].tensors[0].HasField("box")
+    assert parsed == old
+
+
+def _refusal(stub, begin: wpb.BeginUpdate):
+    stream = UpdateStream(stub)
+    stream.send(begin=begin)
+    with pytest.raises(grpc.RpcError) as caught:
+        stream.recv()
+    stream.close()
+    info = error_info(caught.value)
+    return caught.value.code(), info.reason, dict(info.metadata)
+
+
+def _push_whole(stub, model: dict[str, torch.Tensor], version: str) -> wpb.UpdateWeightsResponse:
+    """One whole INLINE update over the raw stream (no part): the committed response."""
+    plan = helper_plan_buckets(list(model.items()), 1 << 20)
+    stream = UpdateStream(stub)
+    stream.send(begin=wpb.BeginUpdate(version=version, plan=plan, mode=wpb.UPDATE_MODE_STAGED,
+                                      transport=wpb.TRANSPORT_INLINE, allow_new_tensors=True))
+    assert stream.recv().WhichOneof("message") == "ready"
+    for k in range(len(plan.buckets)):
+        data = pack(plan, model, k).numpy().tobytes()
+        stream.send(bucket_start=wpb.BucketStart(sequence=k, size_bytes=len(data)))
+        stream.send(bucket_chunk=wpb.BucketChunk(sequence=k, offset_bytes=0, data=data))
+        assert stream.recv().WhichOneof("message") == "bucket_applied"
+    stream.send(commit=wpb.CommitUpdate())
+    committed = stream.recv()
+    stream.close()
+    assert committed.WhichOneof("message") == "committed", committed
+    return committed
+
+
+def test_a_part_and_a_boxed_plan_are_refused_until_the_server_joins_parts(tmp_path):
+    """GetServerInfo.parts is false, and a begin with a part, or a plan sending a box, is UNIMPLEMENTED
+    PARTS_UNAVAILABLE before anything else (a box's bytes would otherwise pass for the whole tensor's):
+    nothing changes, and the next whole push commits and verifies."""
+    server = start_server(tmp_path, workers=1)
+    try:
+        stub = server.stub()
+        model = {"w": torch.arange(64, dtype=torch.float32)}
+        assert _push_whole(stub, model, "v1").committed.version.generation == 1
+        info = stub.GetServerInfo(wpb.GetServerInfoRequest(), timeout=10)
+        assert info.parts is False and info.current_version.generation == 1
+        box = tensor_pb2.TensorSpec(name="w", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[64], size_bytes=128,
+                                    box=tensor_pb2.TensorBox(offsets=[0], sizes=[32]))
+        boxed = tensor_pb2.WeightPlan(buckets=[tensor_pb2.BucketSpec(size_bytes=128, tensors=[box])])
+        part = wpb.UpdatePart(update_key="v2-3f9a", rank=1, world=2,
+                              boxed_tensors=[wpb.PartBoxes(name="w", boxes=[box.box])])
+        common = dict(version="v2", mode=wpb.UPDATE_MODE_STAGED, transport=wpb.TRANSPORT_INLINE)
+        assert _refusal(stub, wpb.BeginUpdate(plan=boxed, part=part, **common)) == (
+            grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"update_key": "v2-3f9a", "rank": "1"})
+        assert _refusal(stub, wpb.BeginUpdate(plan=boxed, **common)) == (
+            grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"bucket": "0", "tensor": "w"})
+        after = stub.GetServerInfo(wpb.GetServerInfoRequest(), timeout=10)
+        assert (after.current_version, after.store_state) == (info.current_version, info.store_state)
+        assert server_checksums(server) == [local_checksums(model)]
+        model["w"] += 1
+        assert _push_whole(stub, model, "v3").committed.version.generation == 2
+        assert server_checksums(server) == [local_checksums(model)]
     finally:
         assert server.stop() == 0, server.log()[-3000:]

@@ -24,27 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aweightsync/v1/tensor.proto\x12\rweightsync.v1\"N\n\x08\x43hecksum\x12\x33\n\talgorithm\x18\x01 \x01(\x0e\x32 .weightsync.v1.ChecksumAlgorithm\x12\r\n\x05value\x18\x02 \x01(\x06\"\x94\x02\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.weightsync.v1.Dtype\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x03\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x12)\n\x08\x63hecksum\x18\x06 \x01(\x0b\x32\x17.weightsync.v1.Checksum\x12/\n\x08\x65ncoding\x18\x07 \x01(\x0e\x32\x1d.weightsync.v1.TensorEncoding\x12\x13\n\x0bpatch_count\x18\x08 \x01(\x03\x12)\n\x05piece\x18\t \x01(\x0b\x32\x1a.weightsync.v1.TensorPiece\"#\n\x0bTensorPiece\x12\x14\n\x0coffset_bytes\x18\x01 \x01(\x03\"^\n\nBucketSpec\x12\x12\n\nsize_bytes\x18\x01 \x01(\x03\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.weightsync.v1.TensorSpec\x12\x10\n\x08\x64\x65\x66\x65rred\x18\x03 \x01(\x08\"8\n\nWeightPlan\x12*\n\x07\x62uckets\x18\x01 \x03(\x0b\x32\x19.weightsync.v1.BucketSpec*\xff\x01\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x12\x17\n\x13\x44TYPE_FLOAT8_E4M3FN\x10\x05\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x06\x12\x0e\n\nDTYPE_INT8\x10\x07\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x08\x12\x0f\n\x0b\x44TYPE_INT16\x10\t\x12\x0f\n\x0b\x44TYPE_INT32\x10\n\x12\x0f\n\x0b\x44TYPE_INT64\x10\x0b\x12\x0e\n\nDTYPE_BOOL\x10\x0c*T\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43HECKSUM_ALGORITHM_WS64\x10\x01*\xd3\x01\n\x0eTensorEncoding\x12\x1f\n\x1bTENSOR_ENCODING_UNSPECIFIED\x10\x00\x12\x19\n\x15TENSOR_ENCODING_DENSE\x10\x01\x12#\n\x1fTENSOR_ENCODING_PATCH_POSITIONS\x10\x02\x12\x1e\n\x1aTENSOR_ENCODING_PATCH_GAPS\x10\x03\x12!\n\x1dTENSOR_ENCODING_PATCH_BITMASK\x10\x04\x12\x1d\n\x19TENSOR_ENCODING_PATCH_XOR\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aweightsync/v1/tensor.proto\x12\rweightsync.v1\"N\n\x08\x43hecksum\x12\x33\n\talgorithm\x18\x01 \x01(\x0e\x32 .weightsync.v1.ChecksumAlgorithm\x12\r\n\x05value\x18\x02 \x01(\x06\"\xbb\x02\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.weightsync.v1.Dtype\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x03\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x12)\n\x08\x63hecksum\x18\x06 \x01(\x0b\x32\x17.weightsync.v1.Checksum\x12/\n\x08\x65ncoding\x18\x07 \x01(\x0e\x32\x1d.weightsync.v1.TensorEncoding\x12\x13\n\x0bpatch_count\x18\x08 \x01(\x03\x12)\n\x05piece\x18\t \x01(\x0b\x32\x1a.weightsync.v1.TensorPiece\x12%\n\x03\x62ox\x18\n \x01(\x0b\x32\x18.weightsync.v1.TensorBox\"+\n\tTensorBox\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\x12\r\n\x05sizes\x18\x02 \x03(\x03\"#\n\x0bTensorPiece\x12\x14\n\x0coffset_bytes\x18\x01 \x01(\x03\"^\n\nBucketSpec\x12\x12\n\nsize_bytes\x18\x01 \x01(\x03\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.weightsync.v1.TensorSpec\x12\x10\n\x08\x64\x65\x66\x65rred\x18\x03 \x01(\x08\"8\n\nWeightPlan\x12*\n\x07\x62uckets\x18\x01 \x03(\x0b\x32\x19.weightsync.v1.BucketSpec*\xff\x01\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x12\x17\n\x13\x44TYPE_FLOAT8_E4M3FN\x10\x05\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x06\x12\x0e\n\nDTYPE_INT8\x10\x07\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x08\x12\x0f\n\x0b\x44TYPE_INT16\x10\t\x12\x0f\n\x0b\x44TYPE_INT32\x10\n\x12\x0f\n\x0b\x44TYPE_INT64\x10\x0b\x12\x0e\n\nDTYPE_BOOL\x10\x0c*T\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43HECKSUM_ALGORITHM_WS64\x10\x01*\xd3\x01\n\x0eTensorEncoding\x12\x1f\n\x1bTENSOR_ENCODING_UNSPECIFIED\x10\x00\x12\x19\n\x15TENSOR_ENCODING_DENSE\x10\x01\x12#\n\x1fTENSOR_ENCODING_PATCH_POSITIONS\x10\x02\x12\x1e\n\x1aTENSOR_ENCODING_PATCH_GAPS\x10\x03\x12!\n\x1dTENSOR_ENCODING_PATCH_BITMASK\x10\x04\x12\x1d\n\x19TENSOR_ENCODING_PATCH_XOR\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weightsync.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=596
-  _globals['_DTYPE']._serialized_end=851
-  _globals['_CHECKSUMALGORITHM']._serialized_start=853
-  _globals['_CHECKSUMALGORITHM']._serialized_end=937
-  _globals['_TENSORENCODING']._serialized_start=940
-  _globals['_TENSORENCODING']._serialized_end=1151
+  _globals['_DTYPE']._serialized_start=680
+  _globals['_DTYPE']._serialized_end=935
+  _globals['_CHECKSUMALGORITHM']._serialized_start=937
+  _globals['_CHECKSUMALGORITHM']._serialized_end=1021
+  _globals['_TENSORENCODING']._serialized_start=1024
+  _globals['_TENSORENCODING']._serialized_end=1235
   _globals['_CHECKSUM']._serialized_start=45
   _globals['_CHECKSUM']._serialized_end=123
   _globals['_TENSORSPEC']._serialized_start=126
-  _globals['_TENSORSPEC']._serialized_end=402
-  _globals['_TENSORPIECE']._serialized_start=404
-  _globals['_TENSORPIECE']._serialized_end=439
-  _globals['_BUCKETSPEC']._serialized_start=441
-  _globals['_BUCKETSPEC']._serialized_end=535
-  _globals['_WEIGHTPLAN']._serialized_start=537
-  _globals['_WEIGHTPLAN']._serialized_end=593
+  _globals['_TENSORSPEC']._serialized_end=441
+  _globals['_TENSORBOX']._serialized_start=443
+  _globals['_TENSORBOX']._serialized_end=486
+  _globals['_TENSORPIECE']._serialized_start=488
+  _globals['_TENSORPIECE']._serialized_end=523
+  _globals['_BUCKETSPEC']._serialized_start=525
+  _globals['_BUCKETSPEC']._serialized_end=619
+  _globals['_WEIGHTPLAN']._serialized_start=621
+  _globals['_WEIGHTPLAN']._serialized_end=677
 # @@protoc_insertion_point(module_scope)

@@ -67,7 +67,7 @@ class Checksum(_message.Message):
     def __init__(self, algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., value: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset_bytes", "size_bytes", "checksum", "encoding", "patch_count", "piece")
+    __slots__ = ("name", "dtype", "shape", "offset_bytes", "size_bytes", "checksum", "encoding", "patch_count", "piece", "box")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class TensorSpec(_message.Message):
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     PATCH_COUNT_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
+    BOX_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: Dtype
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -86,7 +87,16 @@ class TensorSpec(_message.Message):
     encoding: TensorEncoding
     patch_count: int
     piece: TensorPiece
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ..., encoding: _Optional[_Union[TensorEncoding, str]] = ..., patch_count: _Optional[int] = ..., piece: _Optional[_Union[TensorPiece, _Mapping]] = ...) -> None: ...
+    box: TensorBox
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[_Union[Checksum, _Mapping]] = ..., encoding: _Optional[_Union[TensorEncoding, str]] = ..., patch_count: _Optional[int] = ..., piece: _Optional[_Union[TensorPiece, _Mapping]] = ..., box: _Optional[_Union[TensorBox, _Mapping]] = ...) -> None: ...
+
+class TensorBox(_message.Message):
+    __slots__ = ("offsets", "sizes")
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorPiece(_message.Message):
     __slots__ = ("offset_bytes",)

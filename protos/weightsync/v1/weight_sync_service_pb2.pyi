@@ -201,7 +201,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("server_version", "workers", "backends", "transports", "store_state", "current_version", "limits", "draining", "engines", "local_socket", "store", "bucket_compressions", "deferred_buckets", "data_plane_revision")
+    __slots__ = ("server_version", "workers", "backends", "transports", "store_state", "current_version", "limits", "draining", "engines", "local_socket", "store", "bucket_compressions", "deferred_buckets", "data_plane_revision", "parts")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class GetServerInfoResponse(_message.Message):
     BUCKET_COMPRESSIONS_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_REVISION_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     backends: _containers.RepeatedScalarFieldContainer[Backend]
@@ -230,7 +231,8 @@ class GetServerInfoResponse(_message.Message):
     bucket_compressions: _containers.RepeatedScalarFieldContainer[BucketCompression]
     deferred_buckets: bool
     data_plane_revision: int
-    def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., local_socket: _Optional[str] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ..., bucket_compressions: _Optional[_Iterable[_Union[BucketCompression, str]]] = ..., deferred_buckets: _Optional[bool] = ..., data_plane_revision: _Optional[int] = ...) -> None: ...
+    parts: bool
+    def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., local_socket: _Optional[str] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ..., bucket_compressions: _Optional[_Iterable[_Union[BucketCompression, str]]] = ..., deferred_buckets: _Optional[bool] = ..., data_plane_revision: _Optional[int] = ..., parts: _Optional[bool] = ...) -> None: ...
 
 class TransferGroup(_message.Message):
     __slots__ = ("group_id", "world_size", "rank_offset", "backend", "state", "timeout", "broken_reason")
@@ -295,7 +297,7 @@ class ListTransferGroupsResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[TransferGroup, _Mapping]]] = ...) -> None: ...
 
 class BeginUpdate(_message.Message):
-    __slots__ = ("group_id", "version", "plan", "plan_id", "mode", "transport", "allow_new_tensors", "base_generation", "base_store_epoch")
+    __slots__ = ("group_id", "version", "plan", "plan_id", "mode", "transport", "allow_new_tensors", "base_generation", "base_store_epoch", "part")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +307,7 @@ class BeginUpdate(_message.Message):
     ALLOW_NEW_TENSORS_FIELD_NUMBER: _ClassVar[int]
     BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     BASE_STORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     version: str
     plan: _tensor_pb2.WeightPlan
@@ -314,7 +317,32 @@ class BeginUpdate(_message.Message):
     allow_new_tensors: bool
     base_generation: int
     base_store_epoch: int
-    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., plan_id: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., allow_new_tensors: _Optional[bool] = ..., base_generation: _Optional[int] = ..., base_store_epoch: _Optional[int] = ...) -> None: ...
+    part: UpdatePart
+    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., plan_id: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., allow_new_tensors: _Optional[bool] = ..., base_generation: _Optional[int] = ..., base_store_epoch: _Optional[int] = ..., part: _Optional[_Union[UpdatePart, _Mapping]] = ...) -> None: ...
+
+class UpdatePart(_message.Message):
+    __slots__ = ("update_key", "rank", "world", "whole_tensors", "boxed_tensors", "join_timeout")
+    UPDATE_KEY_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BOXED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    update_key: str
+    rank: int
+    world: int
+    whole_tensors: _containers.RepeatedScalarFieldContainer[str]
+    boxed_tensors: _containers.RepeatedCompositeFieldContainer[PartBoxes]
+    join_timeout: _duration_pb2.Duration
+    def __init__(self, update_key: _Optional[str] = ..., rank: _Optional[int] = ..., world: _Optional[int] = ..., whole_tensors: _Optional[_Iterable[str]] = ..., boxed_tensors: _Optional[_Iterable[_Union[PartBoxes, _Mapping]]] = ..., join_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class PartBoxes(_message.Message):
+    __slots__ = ("name", "boxes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BOXES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    boxes: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorBox]
+    def __init__(self, name: _Optional[str] = ..., boxes: _Optional[_Iterable[_Union[_tensor_pb2.TensorBox, _Mapping]]] = ...) -> None: ...
 
 class BucketStart(_message.Message):
     __slots__ = ("sequence", "checksum", "size_bytes", "tail", "compression", "layout")
@@ -411,16 +439,26 @@ class UpdateCommitted(_message.Message):
     def __init__(self, version: _Optional[_Union[WeightVersion, _Mapping]] = ..., size_bytes: _Optional[int] = ..., duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("ready", "bucket_applied", "aborting", "committed")
+    __slots__ = ("ready", "bucket_applied", "aborting", "committed", "waiting")
     READY_FIELD_NUMBER: _ClassVar[int]
     BUCKET_APPLIED_FIELD_NUMBER: _ClassVar[int]
     ABORTING_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     ready: UpdateReady
     bucket_applied: BucketApplied
     aborting: UpdateAborting
     committed: UpdateCommitted
-    def __init__(self, ready: _Optional[_Union[UpdateReady, _Mapping]] = ..., bucket_applied: _Optional[_Union[BucketApplied, _Mapping]] = ..., aborting: _Optional[_Union[UpdateAborting, _Mapping]] = ..., committed: _Optional[_Union[UpdateCommitted, _Mapping]] = ...) -> None: ...
+    waiting: PartsWaiting
+    def __init__(self, ready: _Optional[_Union[UpdateReady, _Mapping]] = ..., bucket_applied: _Optional[_Union[BucketApplied, _Mapping]] = ..., aborting: _Optional[_Union[UpdateAborting, _Mapping]] = ..., committed: _Optional[_Union[UpdateCommitted, _Mapping]] = ..., waiting: _Optional[_Union[PartsWaiting, _Mapping]] = ...) -> None: ...
+
+class PartsWaiting(_message.Message):
+    __slots__ = ("joining", "sending")
+    JOINING_FIELD_NUMBER: _ClassVar[int]
+    SENDING_FIELD_NUMBER: _ClassVar[int]
+    joining: _containers.RepeatedScalarFieldContainer[int]
+    sending: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, joining: _Optional[_Iterable[int]] = ..., sending: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetTensorChecksumsRequest(_message.Message):
     __slots__ = ("names",)

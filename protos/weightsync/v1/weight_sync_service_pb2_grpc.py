@@ -144,6 +144,8 @@ class WeightSyncServiceServicer:
         """UpdateWeights runs one weight update into the node's one store:
         client: begin -> (bucket_start, then that bucket's bytes)* -> commit
         server: ready -> bucket_applied* -> committed
+        (a part of a multi-part update, BeginUpdate.part, also gets `waiting`
+        keepalives before its ready and after its commit).
         Each bucket has one owner worker on this server, which receives it,
         checks it and writes it into the store. The bytes follow each
         bucket_start according to the transport: over a COLLECTIVE group, a Gloo

@@ -187,10 +187,11 @@ def check_identity(part: pb.UpdatePart) -> Refusal | None:
     if not 0 <= part.rank < part.world:
         return InvalidArgument("PART_RANK_INVALID", f"rank {part.rank} is not 0 to {part.world - 1} (world "
                                f"{part.world})", update_key=part.update_key, rank=part.rank, world=part.world)
-    timeout = join_timeout(part)
-    if not datetime.timedelta(0) < timeout <= MAX_JOIN_TIMEOUT:
-        return InvalidArgument("PART_JOIN_TIMEOUT_INVALID", f"join_timeout must be in (0, 3600] s, got "
-                               f"{timeout.total_seconds():g}", update_key=part.update_key)
+    if part.HasField("join_timeout"):  # in nanoseconds: a timedelta would round 1 h + 1 ns down to 1 h
+        nanos = part.join_timeout.seconds * 10**9 + part.join_timeout.nanos
+        if not 0 < nanos <= MAX_JOIN_TIMEOUT // datetime.timedelta(microseconds=1) * 1000:
+            return InvalidArgument("PART_JOIN_TIMEOUT_INVALID", f"join_timeout must be in (0, 3600] s, got "
+                                   f"{nanos / 1e9:g}", update_key=part.update_key)
     return None
 
 

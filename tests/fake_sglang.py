@@ -3,8 +3,11 @@
 It answers the routes the driver calls (server/sglang_driver.py) the way SGLang 0.5.23 with
 weightsync's loader does, and really reads the node's store: /update_weights_from_tensor decodes
 the weightsync request (engine/sglang/request.py) of each TP rank's entry, acquires that
-generation over the local socket and copies every tensor written since into `weights`, releasing
-the lease as applied. Like SGLang it refuses a second /begin_weight_update, an update or an end
+generation over the local socket and copies every tensor written since into each rank's
+`rank_weights` (`weights`: rank 0's), releasing the lease as applied. Like the loader's ranks, the
+fake's agree first: a rank whose entry is malformed, or one told to refuse (`rank_refusals`, rank ->
+"REASON: ...", for the next update), makes every rank keep its weights, and the answer, rank 0's
+message as SGLang gives it, names every rank's outcome. Like SGLang it refuses a second /begin_weight_update, an update or an end
 outside one, answering 400 {"success": false, "message": ...}; /pause_generation and
 /continue_generation set `paused`. A test scripts answers per route (`script`), consumed before the
 normal ones: (status, raw body), or (status, raw body, event) to hold the answer until the event is
@@ -35,6 +38,8 @@ class FakeSglang:
         self.script: dict[str, list[Answer]] = {}
         self.requests: list[UpdateRequest] = []
         """The weightsync request of every update the fake read (rank 0's entry)."""
+        self.rank_refusals: dict[int, str] = {}
+        """Rank -> the verdict ("REASON: ...") it answers the next update with; consumed by it."""
         self.socket_path = ""
         """The node's local socket (GetServerInfo.local_socket): set it before the first commit."""
         self.restart(tp_size)
@@ -59,9 +64,14 @@ class FakeSglang:
         with self.lock:
             self.tp_size = tp_size
             self.served = "default"
-            self.weights: dict[str, torch.Tensor] = {}
+            self.rank_weights: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
             self.paused = False
             self.session = False
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0's weights (every rank holds the same unless a test says otherwise)."""
+        return self.rank_weights[0]
 
     @property
     def url(self) -> str:
@@ -140,16 +150,30 @@ class FakeSglang:
         entries = body["serialized_named_tensors"]
         if body.get("load_format") != LOAD_FORMAT or len(entries) != self.tp_size:
             return _refuse(f"load_format {body.get('load_format')!r} with {len(entries)} entries")
-        try:
-            request = UpdateRequest.from_named_tensors(pickle.loads(base64.b64decode(entries[0])))  # noqa: S301 - our own bytes
-        except RequestError as error:
-            return _refuse(f"REQUEST_MALFORMED: {error}")
+        requests: list[UpdateRequest | None] = []
+        verdicts: list[str] = []
+        for rank, raw in enumerate(entries):
+            try:
+                requests.append(UpdateRequest.from_named_tensors(pickle.loads(base64.b64decode(raw))))  # noqa: S301 - our own bytes
+                verdicts.append(self.rank_refusals.pop(rank, ""))
+            except RequestError as error:
+                requests.append(None)
+                verdicts.append(f"REQUEST_MALFORMED: {error}")
+        ranks = "; ".join(f"rank tp{r}/{self.tp_size} " + (f"refused: {v}" if v else "ready")
+                          for r, v in enumerate(verdicts))
+        request = requests[0]
+        if request is None or None in requests:
+            return _refuse(f"the version not loaded, the engine keeps its weights: {ranks}")
         self.requests.append(request)
         try:
             with EngineClient(socket_path=self.socket_path, name="", timeout=30) as client, \
                     client.acquire(generation=request.generation) as snapshot:
-                for name in snapshot.changed_since(request.since_generation):
-                    self.weights[name] = snapshot.tensors[name].clone()
+                if any(verdicts):
+                    return _refuse(f"version {snapshot.version.version!r} (generation {snapshot.generation}) not "
+                                   f"loaded, the engine keeps its weights: {ranks}")
+                for weights in self.rank_weights:
+                    for name in snapshot.changed_since(request.since_generation):
+                        weights[name] = snapshot.tensors[name].clone()
                 snapshot.applied = True
         except EngineError as error:
             return _refuse(str(error))

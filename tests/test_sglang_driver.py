@@ -218,6 +218,37 @@ def test_every_failure_is_typed_cleaned_up_and_the_next_commit_is_served(tmp_pat
     assert "Traceback" not in server.log()
 
 
+def test_one_rank_refusing_keeps_every_rank_and_the_next_commit_lands_on_both(tmp_path, fake):
+    # SGLang answers rank 0's message; the loader's names every rank's outcome (engine/sglang/loader.py).
+    # The driver keeps all of it, cleans up, and drives the next commit from the version SGLang still
+    # serves: since_generation is the last applied one, so the refused version's tensors come along.
+    server = started(tmp_path, fake)
+    try:
+        with sdk_client(server) as trainer:
+            g1 = trainer.push(weights(1), version="v1", transport="inline", allow_new_tensors=True).servers[0].generation
+            wait_for(lambda: serving(server, "v1"))
+            fake.rank_refusals = {1: "TENSOR_MISMATCH: 1 tensor(s) do not fit Qwen2ForCausalLM: 'w' (model [32, 8], "
+                                     "store [8, 32])"}
+            g2 = trainer.push(weights(2), version="v2", transport="inline").servers[0].generation
+            wait_for(lambda: driven(server).state == pb.ENGINE_STATE_FAILED, timeout=60)
+            assert driven(server).last_error == (
+                f"ENGINE_REFUSED: POST /update_weights_from_tensor: HTTP 400: version 'v2' (generation {g2}) not "
+                "loaded, the engine keeps its weights: rank tp0/2 ready; rank tp1/2 refused: TENSOR_MISMATCH: 1 "
+                "tensor(s) do not fit Qwen2ForCausalLM: 'w' (model [32, 8], store [8, 32])")
+            assert all(same(rank, weights(1)) for rank in fake.rank_weights)
+            assert (fake.served, fake.paused, fake.session, fake.rank_refusals) == ("v1", False, False, {})
+            assert driven(server).applied_version.generation == g1
+
+            g3 = trainer.push({"b": weights(3)["b"]}, version="v3", transport="inline").servers[0].generation
+            wait_for(lambda: serving(server, "v3"), timeout=60)
+            assert fake.requests[-1] == UpdateRequest(generation=g3, since_generation=g1)
+            assert all(same(rank, {"w": weights(2)["w"], "b": weights(3)["b"]}) for rank in fake.rank_weights)
+            assert (fake.served, driven(server).last_error) == ("v3", "")
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()[-3000:]
+
+
 def test_a_restarted_sglang_is_warm_started_with_every_tensor(tmp_path, fake):
     server = started(tmp_path, fake)
     try:

@@ -11,7 +11,8 @@ escapes the scheduler's request handler and the launcher stops every process of 
 an AROUND hook) so that, for weightsync's load format and for unknown ones only:
 
   - a LoadError becomes (False, "REASON: message") (every rank agreed before loading, see
-    loader.py, so all ranks answer alike and no rank holds a byte of the refused version);
+    loader.py, so no rank holds a byte of the refused version, and each rank's message names
+    every rank's outcome: SGLang answers with rank 0's alone);
   - any other exception becomes (False, "LOAD_FAILED: ...");
   - an unknown load_format becomes (False, "LOAD_FORMAT_UNKNOWN: ...") without calling SGLang;
   - a success answers with what the rank loaded (the HTTP answer joins the ranks' messages).

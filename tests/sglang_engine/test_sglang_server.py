@@ -8,7 +8,9 @@ loader. The test drives SGLang's own routes as a driver would: /pause_generation
 /continue_generation. After each update, SGLang's own /weights_checker checksums of both ranks
 must equal the checksums of the pushed tensors as SGLang shards them (sharding.py), and
 /model_info's weight_version the pushed label; each rank reports to weightsync under its own name
-(NAME, NAME:tp1).
+(NAME, NAME:tp1). Refused versions (a tensor the model lacks, a version gone, a malformed request,
+an unknown load format, no begin, and one rank refusing while the other is ready) leave both ranks
+serving their last version, and the next push lands on both.
 
 No generation: SGLang's CPU forward pass needs its sgl-kernel CPU build (Intel AMX kernels), which
 this machine has not; without it the first forward pass crashes (sglang_server.py). Token-level
@@ -31,7 +33,7 @@ if problem := sglang_server.sglang_problem():
 import torch  # noqa: E402
 
 from weightsync.engine.sglang import LOAD_FORMAT, UpdateRequest, update_body  # noqa: E402
-from weightsync.engine.sglang.request import REQUEST_NAME  # noqa: E402
+from weightsync.engine.sglang.request import REQUEST_NAME, encode  # noqa: E402
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 
 from helpers import running_server, sdk_client  # noqa: E402
@@ -233,6 +235,48 @@ def test_a_refused_version_leaves_sglang_serving_its_last_one(sglang, node, trai
     v5 = tiny_model.weights(5)
     push_and_load(trainer, sglang, node, served, v5, "v5", loaded=len(v5), mode="staged", delta=False)
     assert LOAD_FORMAT in sglang.log()  # the server was started with the loader listed
+
+
+def test_one_rank_refusing_leaves_both_ranks_serving_their_last_version(sglang, node, trainer, served):
+    # Each TP rank reads its own entry of serialized_named_tensors. Rank 1's names a generation the
+    # store has moved past (VERSION_GONE, in rank 1's scheduler alone); rank 0's names the version
+    # just pushed, which rank 0 by itself would load. The ranks agree first (Gloo): neither loads a
+    # byte, and rank 0's message, the one SGLang answers, names both ranks' outcomes.
+    v6 = tiny_model.weights(6)
+    pushed = trainer.push(v6, version="v6", transport="inline", mode="staged", delta=False).servers[0].generation
+    before = sglang.checksums()
+    body = update_body(UpdateRequest(generation=pushed, since_generation=served.generation), tp_size=TP,
+                       weight_version="v6")
+    body["serialized_named_tensors"][1] = encode(UpdateRequest(generation=served.generation))
+    answer = update(sglang, UpdateRequest(), "v6", body=body)
+    assert_refused(sglang, node, served, answer, f"version 'v6' (generation {pushed}) not loaded, the engine keeps "
+                   "its weights: rank tp0/2 ready; rank tp1/2 refused: VERSION_GONE: ")
+    assert sglang.checksums() == before
+    assert engines(node)[NAME].last_error.startswith(f"RANK_REFUSED: version 'v6' (generation {pushed}) not "
+                                                     "loaded"), engines(node)[NAME]
+
+    # The other way round: rank 0's entry is malformed, rank 1's names v6.
+    body["serialized_named_tensors"] = [_entry([(REQUEST_NAME, torch.tensor([1, 2, 3]))]),
+                                        encode(UpdateRequest(generation=pushed, since_generation=served.generation))]
+    answer = update(sglang, UpdateRequest(), "v6", body=body)
+    assert_refused(sglang, node, served, answer, "the version not loaded, the engine keeps its weights: rank tp0/2 "
+                   "refused: REQUEST_MALFORMED: ")
+    assert answer[1]["message"].endswith("; rank tp1/2 ready"), answer
+    assert sglang.checksums() == before
+    assert engines(node)[f"{NAME}:tp1"].last_error.startswith(f"RANK_REFUSED: version 'v6' (generation {pushed}) "
+                                                              "not loaded"), engines(node)[f"{NAME}:tp1"]
+
+    # The next push lands on both ranks: what changed since the served version, the refused v6's
+    # tensors included; every checksum moves to the pushed bytes', sharded, on both ranks.
+    served.state = {**served.state, **v6}
+    layer = tiny_model.layer(tiny_model.weights(7), 0)
+    push_and_load(trainer, sglang, node, served, layer, "after-split", loaded=len(v6), mode="in_place", delta=False)
+    after = sglang.checksums()
+    for rank in range(TP):
+        expected = expected_checksums(served.state, rank, TP)
+        assert {n for n in after[rank] if after[rank][n] != before[rank][n]} == {
+            n for n in expected if expected[n] != before[rank][n]}
+        assert any(after[rank][n] != before[rank][n] for n in after[rank]), rank
 
 
 def _entry(pairs) -> str:

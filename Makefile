@@ -134,7 +134,7 @@ bench-quick: install
 	$(PY) -m bench --quick
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) $(SGLANG_VENV) tools/node_modules examples/node/node_modules build .pytest_cache $(GPU_KIT)
+	rm -rf $(VENV) $(ENGINE_VENV) $(SGLANG_VENV) $(LMDEPLOY_VENV) tools/node_modules examples/node/node_modules build .pytest_cache $(GPU_KIT)
 
 # SGLang in its own virtualenv (tests/sglang_engine). torch first with SGLang's exact pins (torch 2.14.1,
 # torchvision 0.29.1: on this machine both lie on local disk; the default torch build is a CUDA one
@@ -151,10 +151,37 @@ $(SGLANG_STAMP): pyproject.toml
 	$(SGLANG_PY) -m pip install -q --disable-pip-version-check -e '.[dev,sglang]'
 	touch $(SGLANG_STAMP)
 
-.PHONY: sglang-install test-sglang
+.PHONY: sglang-install test-sglang lmdeploy-install test-lmdeploy
 sglang-install: $(SGLANG_STAMP)
 
 # A real SGLang server (CPU, TP 2) loading the node's versions through weightsync's loader
 # (tests/sglang_engine). One ordered scenario on one SGLang (a minute to start): not shuffled.
 test-sglang: sglang-install
 	$(SGLANG_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/sglang_engine
+
+# LMDeploy in its own virtualenv (tests/lmdeploy_engine): its PyTorch-engine model classes on CPU.
+# lmdeploy 0.18.0's wheel pins torch<=2.12.1 (and CUDA-only wheels: nvidia-*, tilelang): resolved,
+# it would pull a multi-GB CUDA torch. So: the CPU torch first (exact pin, as .venv), LMDeploy with
+# --no-deps, then only what importing its model classes needs (found by importing them; triton at
+# LMDeploy's own bound), then weightsync editable. pip warns that torch 2.13.0 is outside LMDeploy's
+# pin: the model classes and their load_weights run on it (tests/lmdeploy_engine); LMDeploy's
+# engine needs a GPU anyway (its pinned torch there, the [lmdeploy] extra).
+LMDEPLOY_VENV := .venv-lmdeploy
+LMDEPLOY_PY := $(LMDEPLOY_VENV)/bin/python
+LMDEPLOY_STAMP := $(LMDEPLOY_VENV)/.installed
+$(LMDEPLOY_STAMP): pyproject.toml
+	test -x $(LMDEPLOY_PY) || $(PYTHON) -m venv $(LMDEPLOY_VENV)
+	$(LMDEPLOY_PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(LMDEPLOY_PY) -m pip install -q --disable-pip-version-check --no-deps lmdeploy==0.18.0
+	$(LMDEPLOY_PY) -m pip install -q --disable-pip-version-check transformers==5.19.0 mmengine-lite==0.10.7 \
+	  triton==3.7.1 psutil==7.2.2 pillow==13.0.0 pybase64==1.5.1 pyzmq==27.3.0 requests==2.34.2
+	$(LMDEPLOY_PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(LMDEPLOY_PY) -c 'import torch, lmdeploy.pytorch.models.qwen2; assert torch.__version__ == "2.13.0+cpu", torch.__version__'
+	touch $(LMDEPLOY_STAMP)
+
+lmdeploy-install: $(LMDEPLOY_STAMP)
+
+# LMDeploy's own Qwen2 / Llama classes (CPU) loading from a real server (tests/lmdeploy_engine).
+# LMDeploy's engine refuses a CPU device: its pipeline test is tests/gpu/test_lmdeploy_engine.py.
+test-lmdeploy: lmdeploy-install
+	$(LMDEPLOY_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/lmdeploy_engine

@@ -31,6 +31,7 @@ one (see gpu_worker/bucket_checks.py).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import socket
@@ -288,9 +289,22 @@ class CollectiveGroup:
 
 def completed_failure(work: dist.Work) -> BaseException | None:
     """What a completed work failed with (None: it succeeded), read without wait(). isCompleted() is
-    true for a work whose communicator reported an error; exception() then holds it."""
+    true for a work whose communicator reported an error; exception() then holds it.
+
+    torch 2.11 binds exception() without a converter for the std::exception_ptr it returns, so every
+    call raises TypeError, and its is_success() refuses NCCL works ("WorkNCCL::isSuccess() is
+    deprecated"); both seen on an H200 (torch 2.11.0+cu130, NCCL 2.28.9); torch 2.13 returns the
+    exception or None. What is left there is wait() on the completed work: it returns at once on
+    success; on a failure torch aborts the communicator in this thread, then raises (that abort is of a
+    communicator that already failed)."""
     try:
         return work.exception()
+    except TypeError:
+        try:
+            work.wait()
+        except RuntimeError as error:
+            return error
+        return None
     except RuntimeError as error:  # the binding itself raising is a failure too
         return error
 
@@ -354,12 +368,29 @@ def open_group(
 
 def connect(group: CollectiveGroup, deadline: float) -> None:
     """Build the group's NCCL communicator now and prove every rank joined it: a 1-byte broadcast from
-    rank 0 (the unique id goes through the store, NCCL's init runs in the background, and torch waits for
-    it inside the broadcast call for at most TORCH_NCCL_NONBLOCKING_TIMEOUT, which nccl_env keeps below
-    the group's timeout), then waited for against the deadline. Every rank runs it in open_group."""
-    probe = torch.zeros(CONNECT_BYTES, dtype=torch.uint8, device=group.device)
+    rank 0, waited for against the deadline. Every rank runs it in open_group.
+
+    The unique id goes through the store and NCCL's init runs in the background; torch waits for that
+    init inside the broadcast call itself, for TORCH_NCCL_NONBLOCKING_TIMEOUT. torch reads that value
+    once per process, so a trainer whose own NCCL groups came first keeps its value (torch's default is
+    30 min), whatever nccl_env sets for ours: seen on an H200 (torch 2.11, NCCL 2.28.9), a group whose
+    second rank never came held open_group past 4x its timeout. The call therefore runs in a thread of
+    its own, waited for until the deadline; past it open_group closes the group, and the abort ends the
+    init (and the abandoned call with it)."""
+    device = group.device
+
+    def start() -> dist.Work:
+        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with on_device:  # this thread's current device and stream: the probe's
+            probe = torch.zeros(CONNECT_BYTES, dtype=torch.uint8, device=device)
+            return group.broadcast_async(probe)
+
     try:
-        group.wait(group.broadcast_async(probe), deadline)
+        work = ThreadCall(start, name=f"connect-{group.group_id}").result(max(0.0, deadline - time.monotonic()))
+        group.wait(work, deadline)
+    except CallAbandoned as error:
+        raise RendezvousTimeout(f"group {group.group_id}: the communicator was not built within "
+                                f"{group.timeout.total_seconds():g} s (not every rank connected)") from error
     except CollectiveError as error:
         if error.timed_out:
             raise RendezvousTimeout(f"group {group.group_id}: not every rank connected within "

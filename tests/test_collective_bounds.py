@@ -19,6 +19,7 @@ from weightsync.common.collective import (
     CollectiveError,
     CollectiveGroup,
     RendezvousTimeout,
+    completed_failure,
     connect,
     failure_report_bound,
     gloo_wait_seconds,
@@ -56,6 +57,34 @@ class FakeWork:
         if self.gloo_error:
             raise RuntimeError(self.gloo_error)
         return True
+
+
+class Torch211Work(FakeWork):
+    """torch 2.11's WorkNCCL: exception() cannot convert what it returns (TypeError, every call) and
+    is_success() refuses NCCL works; wait() on a completed work returns, or raises its failure."""
+
+    def __init__(self, *, success: bool) -> None:
+        super().__init__(gloo_error="" if success else "NCCL communicator encountered an error")
+
+    def exception(self) -> BaseException | None:
+        raise TypeError("Unable to convert function return value to a Python type! The signature was\n\t"
+                        "(self: torch._C._distributed_c10d.Work) -> std::__exception_ptr::exception_ptr")
+
+    def is_success(self) -> bool:
+        raise RuntimeError("WorkNCCL::isSuccess() is deprecated")
+
+
+COMPLETED = [  # a completed work -> failed?
+    (FakeWork(), False),
+    (FakeWork(error=RuntimeError("NCCL error: remote process exited")), True),
+    (Torch211Work(success=True), False),
+    (Torch211Work(success=False), True),
+]
+
+
+@pytest.mark.parametrize(("work", "failed"), COMPLETED, ids=["ok", "failed", "2.11 ok", "2.11 failed"])
+def test_a_completed_works_outcome_is_read_on_every_torch(work, failed):
+    assert (completed_failure(work) is not None) is failed
 
 
 class FakePG:
@@ -133,11 +162,31 @@ class RaisesOnInit(FakePG):
         raise RuntimeError("NCCL timeout in: ProcessGroupNCCL.cpp")  # torch's waitReady past the bound
 
 
-@pytest.mark.parametrize("pg", [NeverConnects(), RaisesOnInit()], ids=["never completes", "init times out"])
+class BlocksInTheCall(FakePG):
+    """torch waiting for a non-blocking init inside the collective call, for TORCH_NCCL_NONBLOCKING_TIMEOUT
+    (read once per process: a trainer that used NCCL first keeps torch's 30 min)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+
+    def broadcast(self, tensors, options):
+        self.go.wait(60)
+        raise RuntimeError("NCCL communicator was aborted")
+
+
+@pytest.mark.parametrize("pg", [NeverConnects(), RaisesOnInit(), BlocksInTheCall()],
+                         ids=["never completes", "init times out", "blocks in the call"])
 def test_a_group_whose_ranks_never_connect_fails_its_connect_within_the_timeout(pg):
     g = group(NCCL, timeout=0.3, pg=pg)
-    with pytest.raises(RendezvousTimeout):
-        connect(g, time.monotonic() + 0.3)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RendezvousTimeout):
+            connect(g, time.monotonic() + 0.3)
+        assert time.monotonic() - started < 5  # the deadline, not the call's own wait (60 s here)
+    finally:
+        if isinstance(pg, BlocksInTheCall):
+            pg.go.set()
 
 
 NONBLOCKING = [  # group timeout -> TORCH_NCCL_NONBLOCKING_TIMEOUT (torch fails after more than that many whole s)

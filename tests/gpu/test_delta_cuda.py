@@ -121,7 +121,10 @@ def test_default_pushes_of_cuda_tensors_keep_their_copy_on_the_host_and_land_exa
             assert result.bytes_sent < 0.5 * result.dense_bytes, f"step {step} did not go as patches"
             assert client.verify(current).ok, f"step {step}: the store holds other bytes than the trainer's"
             assert all(t.device.type == "cpu" for t in client._delta.tensors.values())
-            assert_same_bytes({**client._delta.tensors, **client._delta.views}, current)
+            # The two tensors under MIN_PATCH_ELEMENTS always go dense: after one dense push their copy
+            # becomes a sample (DENSE_RUN_DROPS_COPY); every other tensor's copy is the pushed bytes.
+            patched = {n: t for n, t in current.items() if n not in ("steps", "layer.0.b")}
+            assert_same_bytes({**client._delta.tensors, **client._delta.views}, patched)
         # The small tensors that change every step went dense: only their samples are kept, on the host.
         assert {"steps", "layer.0.b"} <= set(client._delta.samples)
         assert all(s.device.type == "cpu" for s in client._delta.samples.values())

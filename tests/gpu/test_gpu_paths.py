@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -200,31 +201,48 @@ def test_the_device_lane_takes_a_staging_buffer_again_only_after_the_copy_out_of
     allocated_before = torch.cuda.memory_allocated(0)
     receiver.maps.add(map_arena(1, os.dup(fd), size * buckets, torch.device("cuda:0")))
     assert receiver.maps.arenas[1].pinned, "the store mapping is pinned for DMA"
-    command = wpb.PrepareUpdateCommand(update_id="u", group_id="g", staged=False, largest_bucket_bytes=size)
+
+    def prepare(update_id: str) -> None:
+        command = wpb.PrepareUpdateCommand(update_id=update_id, group_id="g", staged=False,
+                                           largest_bucket_bytes=size)
+        for k in range(buckets):
+            command.buckets.add(sequence=k, size_bytes=size,
+                                receive_into=wpb.Region(arena_id=1, offset_bytes=k * size))
+        receiver.prepare(command, device_lane=True)
+
+    def receive(update_id: str, k: int) -> None:
+        value = k + 1 if update_id == "u" else k + 101  # the warm-up's bytes differ from the checked update's
+
+        def broadcast(buffer: torch.Tensor) -> None:  # what NCCL writes, queued behind a kernel
+            torch.cuda._sleep(SLEEP_CYCLES // 8)
+            buffer.fill_(value)
+
+        tail = bytes([value]) * BUCKET_TAIL_BYTES  # the bucket's last bytes, as the trainer announces them
+        receive = wpb.ReceiveBucketCommand(update_id=update_id, sequence=k, size_bytes=size, tail=tail)
+        applied = receiver.receive_collective(receive, broadcast, device_lane=True)
+        assert applied is not None and applied.fast_path
+
+    # A first update through the same path, so that no first use (a kernel's lazy loading, a first
+    # allocation) runs while slot 0's copy out is held below: the first GPU run (H200) found the hold
+    # over before bucket 1 was received.
+    prepare("warm-up")
     for k in range(buckets):
-        command.buckets.add(sequence=k, size_bytes=size, receive_into=wpb.Region(arena_id=1, offset_bytes=k * size))
-    receiver.prepare(command, device_lane=True)
+        receive("warm-up", k)
+    receiver.commit("warm-up")
+    prepare("u")
     lane = receiver.lane
     assert lane is not None
     assert torch.cuda.memory_allocated(0) - allocated_before == 2 * size  # two staging buffers, nothing else
 
-    def receive(k: int) -> None:
-        def broadcast(buffer: torch.Tensor) -> None:  # what NCCL writes, queued behind a kernel
-            torch.cuda._sleep(SLEEP_CYCLES // 8)
-            buffer.fill_(k + 1)
-
-        tail = bytes([k + 1]) * BUCKET_TAIL_BYTES  # the bucket's last bytes, as the trainer announces them
-        receive = wpb.ReceiveBucketCommand(update_id="u", sequence=k, size_bytes=size, tail=tail)
-        applied = receiver.receive_collective(receive, broadcast, device_lane=True)
-        assert applied is not None and applied.fast_path
-
     with torch.cuda.stream(lane.copy_stream):
-        torch.cuda._sleep(SLEEP_CYCLES)  # bucket 0's copy out of slot 0 queues behind this
-    receive(0)
-    receive(1)
+        torch.cuda._sleep(4 * SLEEP_CYCLES)  # bucket 0's copy out of slot 0 queues behind this (~4 s)
+    started = time.monotonic()
+    receive("u", 0)
+    receive("u", 1)
     assert lane.copied[0] is not None and not lane.copied[0].query(), \
-        "bucket 0's copy out already ran: the reuse of slot 0 below would show nothing"
-    receive(2)  # slot 0 again
+        f"bucket 0's copy out already ran ({time.monotonic() - started:.2f} s after the hold began, which should " \
+        "last ~4 s): the reuse of slot 0 below would show nothing"
+    receive("u", 2)  # slot 0 again
     receiver.commit("u")  # waits for the copy stream
     with mmap_module.mmap(fd, size * buckets, prot=mmap_module.PROT_READ) as view:
         held = torch.frombuffer(bytearray(view), dtype=torch.uint8)

@@ -6,6 +6,7 @@ ProcessGroupNCCL and CUDA runtime confirm what torch 2.11's sources say they do.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import mmap
 import os
@@ -69,12 +70,21 @@ def test_read_only_registration_is_asked_about_and_used_only_where_supported():
     fd = os.memfd_create("ws-read-only")
     try:
         os.ftruncate(fd, 1 << 20)
+        os.posix_fallocate(fd, 0, 1 << 20)  # as the server makes every arena: no holes under the mapping
         view = mmap.mmap(fd, 1 << 20, prot=mmap.PROT_READ)
         with warnings.catch_warnings():  # read-only on purpose
             warnings.simplefilter("ignore", UserWarning)
             data = torch.frombuffer(view, dtype=torch.uint8)
-        pinned = host_pinning.pin_host(data, host_pinning.READ_ONLY)
-        assert bool(pinned) is supported, (supported, pinned)
+        codes: list[int] = []
+
+        def register(pointer: int, size: int, flags: int) -> int:
+            codes.append(int(getattr(result := runtime.register(pointer, size, flags), "value", result)))
+            return result
+
+        recording = dataclasses.replace(runtime, register=register)
+        pinned = host_pinning.pin_host(data, host_pinning.READ_ONLY, runtime=recording)
+        assert bool(pinned) is supported, (f"read-only supported: {supported}, cudaHostRegister returned {codes}, "
+                                           f"libcudart found: {host_pinning._loaded_cudart() is not None}")
         host_pinning.unpin_host(pinned)
         assert float(torch.ones(4, device="cuda").sum()) == 4.0  # nothing stale either way
         del data

@@ -64,9 +64,9 @@ def polled(monkeypatch) -> list[str]:
     calls: list[str] = []
     original = CollectiveGroup._wait_polling
 
-    def spy(self: CollectiveGroup, work) -> None:
+    def spy(self: CollectiveGroup, work, deadline: float) -> None:
         calls.append(self.group_id)
-        original(self, work)
+        original(self, work, deadline)
 
     monkeypatch.setattr(CollectiveGroup, "_wait_polling", spy)
     return calls
@@ -92,7 +92,7 @@ def test_a_one_rank_nccl_group_opens_broadcasts_waits_by_polling_and_closes(poll
         assert group.backend == pb.BACKEND_NCCL and type(group._pg).__name__ == "ProcessGroupNCCL"
         broadcast_and_check(group, seed=1)
         broadcast_and_check(group, seed=2)
-        assert polled == ["solo-1", "solo-1"]
+        assert polled == ["solo-1"] * 3  # the connect's 1-byte probe, then the two broadcasts
     finally:
         started = time.monotonic()
         assert group.close(), "aborting a healthy one-rank communicator did not finish within the bound"
@@ -117,7 +117,7 @@ def test_a_broadcast_that_outlasts_the_group_timeout_fails_at_it_and_close_stays
         group.wait(work)
     waited = time.monotonic() - started
     assert failed.value.timed_out and timeout <= waited < timeout + 1, waited
-    assert polled == ["solo-late"]
+    assert polled == ["solo-late"] * 2  # the connect's probe, then this broadcast
     started = time.monotonic()
     closed = group.close()
     assert time.monotonic() - started < CLOSE_JOIN_SECONDS + 1, f"close() held its caller (finished: {closed})"

@@ -27,8 +27,8 @@
 # Environment: OUT (default /tmp/gpu-kit-out), GPU_PY (python3), GPU_KIT (.gpu-kit),
 # GPU_KIT_TOTAL_S (300: the whole run, every step's limit included), GPU_KIT_PYTEST_S (at most
 # this for pytest: 220), GPU_KIT_BENCH_S (kept for the bench: 50), GPU_KIT_BENCH_ARGS (bench.gpu's
-# arguments: "--gb 0.5 --reps 3"), GPU_KIT_PYTEST_ARGS (more pytest arguments, e.g. -k NAME for
-# a rerun of what failed), GPU_KIT_DRY_RUN=1 (info and the install plan only: installs nothing,
+# arguments: "--gb 0.5 --reps 3"), GPU_KIT_TESTS (what pytest runs: tests/gpu, or a rerun's list of
+# test ids, space-separated), GPU_KIT_PYTEST_ARGS (more pytest arguments, e.g. --timeout 60), GPU_KIT_DRY_RUN=1 (info and the install plan only: installs nothing,
 # runs nothing).
 # Exit status: 0 when every step passed, 1 otherwise.
 
@@ -193,8 +193,9 @@ EOF
 
 run_pytest() {
   # shellcheck disable=SC2086  # GPU_KIT_PYTEST_ARGS is a list of arguments
-  "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 tests/gpu --junitxml="$OUT/junit-gpu.xml" \
-    ${GPU_KIT_PYTEST_ARGS:-}
+  # shellcheck disable=SC2086  # GPU_KIT_TESTS is a list of test ids
+  "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 ${GPU_KIT_TESTS:-tests/gpu} \
+    --junitxml="$OUT/junit-gpu.xml" ${GPU_KIT_PYTEST_ARGS:-}
 }
 
 run_bench() {

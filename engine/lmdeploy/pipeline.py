@@ -2,7 +2,7 @@
 
 LMDeploy 0.18.0's PyTorch engine with one GPU and no separate engine process (tp=1, the default
 "uni" executor, `enable_mp_engine` off) keeps its model agent in the pipeline's own process:
-`load_into_pipeline(pipe, UpdateRequest(...))` loads there, inside the agent's own device and
+`load_into_pipeline(pipe, UpdateRequest(...))` (a Pipeline, or the PyTorch Engine) loads there, inside the agent's own device and
 distributed context, what changed since the agent's last version, then runs LMDeploy's own
 finalisation of an external update (`process_weights_after_loading`, a CUDA synchronise, the
 graph runner's reset). Call it between generations (the Pipeline's blocking calls have returned):
@@ -29,8 +29,9 @@ _LOADERS: dict[int, RankLoader] = {}
 
 
 def model_agent_of(pipe: object) -> object:
-    """The pipeline's in-process model agent; LoadError CONFIG_INVALID where there is none."""
-    engine = getattr(getattr(pipe, "async_engine", None), "engine", None)
+    """The in-process model agent of a Pipeline (lmdeploy.pipeline) or of LMDeploy's PyTorch Engine
+    itself (lmdeploy.pytorch.engine.Engine); LoadError CONFIG_INVALID where there is none."""
+    engine = pipe if hasattr(pipe, "executor") else getattr(getattr(pipe, "async_engine", None), "engine", None)
     agent = getattr(getattr(engine, "executor", None), "model_agent", None)
     if agent is None or not hasattr(agent, "patched_model"):
         raise LoadError("CONFIG_INVALID", "in-process loading needs LMDeploy's PyTorch engine with its single-process "

@@ -157,18 +157,22 @@ def _ranks(ranks: Iterable[int]) -> str:
 
 # -- what a part is ---------------------------------------------------------------------------------
 def parts_unavailable(begin: pb.BeginUpdate) -> Refusal | None:
-    """A server that does not join parts yet (GetServerInfo.parts false): a part, or a plan with a box, is refused."""
-    if begin.HasField("part"):
-        return Unimplemented("PARTS_UNAVAILABLE", "this server does not join the parts of an update yet "
-                             "(GetServerInfo.parts is false): send the whole update from one process",
-                             update_key=begin.part.update_key[:128], rank=begin.part.rank)
+    """A server that places no box in its store (GetServerInfo.parts false): a plan with a box is refused at begin."""
     for index, bucket in enumerate(begin.plan.buckets):
         for spec in bucket.tensors:
             if spec.HasField("box"):
-                return Unimplemented("PARTS_UNAVAILABLE", f"tensor {spec.name!r} is sent as a box, which only a "
-                                     "part of an update may send, and this server joins no parts yet "
-                                     "(GetServerInfo.parts is false)", bucket=index, tensor=spec.name[:64])
+                return Unimplemented("PARTS_UNAVAILABLE", f"tensor {spec.name!r} is sent as a box, which this "
+                                     "server cannot place in its store yet (GetServerInfo.parts is false): send "
+                                     "whole tensors", bucket=index, tensor=spec.name[:64])
     return None
+
+
+def parts_not_run(update_key: str, world: int) -> Refusal:
+    """What every part of a world > 1 gets once they all joined and their union passed, from a server that runs
+    one-part updates only (GetServerInfo.parts false). Nothing was allocated."""
+    return Unimplemented("PARTS_UNAVAILABLE", f"all {world} parts of update {update_key!r} joined and their "
+                         "declarations agree, but this server runs an update of one part only (GetServerInfo.parts "
+                         "is false): send the whole update from one process", update_key=update_key, world=world)
 
 
 def join_timeout(part: pb.UpdatePart) -> datetime.timedelta:

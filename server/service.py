@@ -15,10 +15,19 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from weightsync.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from weightsync.common import dtypes
+from weightsync.common.errors import (
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    WeightSyncError,
+)
 from weightsync.common.logging import get_logger
 from weightsync.server.node import SERVICE_NAME, Node
-from weightsync.server.parts import parts_unavailable
+from weightsync.server.part_joins import PartJoins, Ticket
+from weightsync.server.parts import TensorMeta, parts_not_run, parts_unavailable
 from weightsync.server.request_checks import (
     check_begin,
     group_for,
@@ -46,6 +55,8 @@ _reader_ids = itertools.count(-1, -1)
 class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
     def __init__(self, node: Node) -> None:
         self.node = node
+        self.joins = PartJoins()
+        """The parts of updates sent by several trainer processes, while they join (BeginUpdate.part)."""
 
     # -- RPCs ----------------------------------------------------------------------
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.GetServerInfoResponse:
@@ -146,29 +157,70 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             raise InvalidArgument("BEGIN_MISSING", "the first message must be begin")
         begin = first.begin
         check_begin(begin, self.node.transports())
-        refusal = parts_unavailable(begin)  # until the server joins parts (GetServerInfo.parts)
+        refusal = parts_unavailable(begin)  # a box: until the store places boxes (GetServerInfo.parts)
         if refusal is not None:
             raise refusal
-        group = group_for(begin, self.node.groups)
-        plan, plan_id, summary = plan_for(begin, self.node.plans, self.node.config.limits,
-                                          self.node.ingress.slot_bytes if self.node.ingress else 0)
-        self.node.require_serving()
-        publisher = self.node.publisher
-        require_base(begin, summary, publisher.version, publisher.store_state())
-        gate = self.node.gate
-        gate.require_idle()
-        update_id = uuid.uuid4().hex[:16]
-        session = UpdateSession(self.node.session_services, update_id, group, begin, plan, plan_id)
-        async with gate.running(session):
-            structlog.contextvars.bind_contextvars(update_id=update_id, group_id=group.group_id if group else "",
-                                                   transport=pb.Transport.Name(begin.transport))
-            # aclosing: the session's clean-up runs here, before the gate is released, even
-            # when this handler is cancelled while gRPC holds one of its responses.
-            async with contextlib.aclosing(session.run(requests)) as responses:
-                async for response in responses:
-                    if response.WhichOneof("message") == "committed":
-                        self.node.plans.remember(plan_id, plan, summary)
-                    yield response
+        ticket = self.joins.enter(begin) if begin.HasField("part") else None
+        try:
+            group = group_for(begin, self.node.groups)
+            plan, plan_id, summary = plan_for(begin, self.node.plans, self.node.config.limits,
+                                              self.node.ingress.slot_bytes if self.node.ingress else 0)
+            self.node.require_serving()
+            publisher = self.node.publisher
+            require_base(begin, summary, publisher.version, publisher.store_state())
+            if ticket is not None:
+                self.joins.declare(ticket, begin.part, plan, stored=self._stored, stores=self.node.store.stores)
+        except WeightSyncError as error:
+            if ticket is not None:
+                self.joins.fail(ticket, error)  # the other parts learn which part failed
+            raise
+        if ticket is not None:
+            # aclosing: a part cancelled while gRPC holds a keepalive still tells the others it left.
+            async with contextlib.aclosing(self._joined(ticket)) as keepalives:
+                async for waiting in keepalives:
+                    yield waiting
+        try:
+            gate = self.node.gate
+            gate.require_idle()
+            update_id = uuid.uuid4().hex[:16]
+            session = UpdateSession(self.node.session_services, update_id, group, begin, plan, plan_id)
+            async with gate.running(session):
+                structlog.contextvars.bind_contextvars(update_id=update_id, group_id=group.group_id if group else "",
+                                                       transport=pb.Transport.Name(begin.transport))
+                # aclosing: the session's clean-up runs here, before the gate is released, even
+                # when this handler is cancelled while gRPC holds one of its responses.
+                async with contextlib.aclosing(session.run(requests)) as responses:
+                    async for response in responses:
+                        if response.WhichOneof("message") == "committed":
+                            self.node.plans.remember(plan_id, plan, summary)
+                            if ticket is not None:
+                                self.joins.committed(begin.part.update_key, response.committed.version.generation)
+                        yield response
+        except WeightSyncError as error:
+            if ticket is not None:
+                self.joins.ended(begin.part.update_key, error)  # a later part under the key gets it
+            raise
+
+    async def _joined(self, ticket: Ticket) -> AsyncIterator[pb.UpdateWeightsResponse]:
+        """A part's keepalives until every part of its update joined and their union was checked. This server
+        runs an update of one part only: the parts of a larger world all end PARTS_UNAVAILABLE there."""
+        try:
+            async for waiting in self.joins.wait(ticket):
+                yield waiting
+        except WeightSyncError:
+            raise
+        except BaseException:  # cancelled while it waited: the other parts learn that this one left
+            self.joins.fail(ticket, Aborted("STREAM_CLOSED", "the part's stream ended while its parts joined"))
+            raise
+        key, world = ticket.rendezvous.key, ticket.rendezvous.world
+        if world > 1:
+            refusal = parts_not_run(key, world)
+            self.joins.ended(key, refusal)
+            raise refusal
+
+    def _stored(self) -> dict[str, TensorMeta]:
+        """The dtype and shape of every tensor the store holds (what a part may declare unchanged)."""
+        return {name: TensorMeta(dtypes.from_torch(t.dtype), t.shape) for name, t in self.node.store.tensors.items()}
 
 
 __all__ = ["WeightSyncServicer", "SERVICE_NAME"]

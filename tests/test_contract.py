@@ -263,10 +263,11 @@ def _push_whole(stub, model: dict[str, torch.Tensor], version: str) -> wpb.Updat
     return committed
 
 
-def test_a_part_and_a_boxed_plan_are_refused_until_the_server_joins_parts(tmp_path):
-    """GetServerInfo.parts is false, and a begin with a part, or a plan sending a box, is UNIMPLEMENTED
-    PARTS_UNAVAILABLE before anything else (a box's bytes would otherwise pass for the whole tensor's):
-    nothing changes, and the next whole push commits and verifies."""
+def test_a_boxed_plan_is_refused_until_the_store_places_boxes(tmp_path):
+    """GetServerInfo.parts is false, and a plan sending a box, with or without a part, is UNIMPLEMENTED
+    PARTS_UNAVAILABLE before anything else (a box's bytes would otherwise pass for the whole tensor's, and
+    the part would join): nothing changes, and the next whole push commits and verifies. (The join of
+    parts: test_part_joins.)"""
     server = start_server(tmp_path, workers=1)
     try:
         stub = server.stub()
@@ -280,8 +281,8 @@ def test_a_part_and_a_boxed_plan_are_refused_until_the_server_joins_parts(tmp_pa
         part = wpb.UpdatePart(update_key="v2-3f9a", rank=1, world=2,
                               boxed_tensors=[wpb.PartBoxes(name="w", boxes=[box.box])])
         common = dict(version="v2", mode=wpb.UPDATE_MODE_STAGED, transport=wpb.TRANSPORT_INLINE)
-        assert _refusal(stub, wpb.BeginUpdate(plan=boxed, part=part, **common)) == (
-            grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"update_key": "v2-3f9a", "rank": "1"})
+        assert _refusal(stub, wpb.BeginUpdate(plan=boxed, part=part, **common)) == (  # before the part joins
+            grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"bucket": "0", "tensor": "w"})
         assert _refusal(stub, wpb.BeginUpdate(plan=boxed, **common)) == (
             grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"bucket": "0", "tensor": "w"})
         after = stub.GetServerInfo(wpb.GetServerInfoRequest(), timeout=10)

@@ -1,8 +1,8 @@
 """The rules of parts (server/parts.py) by table: a part's identity, its join, the union of the parts'
 declarations and the join's outcomes, each row with the exact decision written out by hand (the owners,
 or the refusal's code, ErrorInfo reason and metadata). The union's box rules are also checked against
-a brute-force coverage mask over generated tilings with overlaps and gaps injected. The real-server
-refusal of parts (PARTS_UNAVAILABLE, then a whole push) is in test_contract."""
+a brute-force coverage mask over generated tilings with overlaps and gaps injected. The join on a real
+server is test_part_joins; a box refused at begin (PARTS_UNAVAILABLE, then a whole push) is in test_contract."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from weightsync.server.parts import (
     missing,
     part_failed,
     parts_missing,
+    parts_not_run,
     parts_unavailable,
     sent_by,
 )
@@ -93,17 +94,14 @@ def test_the_join_timeout_defaults_to_a_minute():
     (pb.BeginUpdate(version="v"), None),  # no part, no box: the whole update, as always
     (pb.BeginUpdate(version="v", plan=tensor_pb2.WeightPlan(buckets=[tensor_pb2.BucketSpec(
         size_bytes=64, tensors=[tensor_pb2.TensorSpec(name="w", shape=[4])])])), None),
-    (pb.BeginUpdate(part=part(rank=1)),
-     ("UNIMPLEMENTED", "PARTS_UNAVAILABLE", {"update_key": "step-7.a1", "rank": "1"})),
-    (pb.BeginUpdate(part=pb.UpdatePart()),  # set, even empty: it is a part
-     ("UNIMPLEMENTED", "PARTS_UNAVAILABLE", {"rank": "0"})),
+    (pb.BeginUpdate(part=part(rank=1)), None),  # a part joins (server/part_joins.py)
     (pb.BeginUpdate(plan=tensor_pb2.WeightPlan(buckets=[
         tensor_pb2.BucketSpec(size_bytes=64, tensors=[tensor_pb2.TensorSpec(name="a")]),
         tensor_pb2.BucketSpec(size_bytes=64, tensors=[tensor_pb2.TensorSpec(name="b"), tensor_pb2.TensorSpec(
             name="c", box=tensor_pb2.TensorBox())])])),  # an empty box is still a box
      ("UNIMPLEMENTED", "PARTS_UNAVAILABLE", {"bucket": "1", "tensor": "c"})),
 ])
-def test_parts_are_refused_until_the_server_joins_them(begin, expected):
+def test_a_box_is_refused_until_the_store_places_boxes(begin, expected):
     assert decided(parts_unavailable(begin)) == expected
 
 
@@ -170,6 +168,10 @@ def test_what_the_other_parts_learn_when_one_fails():
                                                            "part_reason": "BUCKET_OUT_OF_ORDER",
                                                            "part_code": "INVALID_ARGUMENT"})
     assert "part 2 of update 'k' failed (INVALID_ARGUMENT BUCKET_OUT_OF_ORDER: bucket 3 announced" in refusal.message
+
+
+def test_a_joined_world_larger_than_one_is_not_run_here():
+    assert decided(parts_not_run("k", 4)) == ("UNIMPLEMENTED", "PARTS_UNAVAILABLE", {"update_key": "k", "world": "4"})
 
 
 def test_a_late_part_gets_the_update_s_outcome():

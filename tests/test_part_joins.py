@@ -1,0 +1,189 @@
+"""The parts of an update join on a real server (server/part_joins.py, over gRPC): keepalives while they
+wait, a rank twice or other terms refused to that part alone, the union refused to every part, a part
+that never comes fails every joined part naming it (and a later one too), a part that fails or leaves
+is named to the others, and a one-part update commits. This server runs one-part updates only: a larger
+world, once joined and checked, ends UNIMPLEMENTED PARTS_UNAVAILABLE for every part. Every refusal
+leaves the store as it was, and the next whole push commits bit for bit."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from google.protobuf import duration_pb2
+
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+from helpers import (
+    UpdateStream,
+    error_info,
+    local_checksums,
+    pack,
+    plan_buckets,
+    server_checksums,
+    start_server,
+)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("parts"), workers=1)
+    yield server
+    assert server.stop() == 0, server.log()[-3000:]
+
+
+def model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(16, 4, generator=g), "b": torch.randn(8, generator=g)}
+
+
+def generation(node) -> int:
+    return node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).current_version.generation
+
+
+def send_buckets(stream: UpdateStream, plan, tensors: dict[str, torch.Tensor]) -> pb.UpdateWeightsResponse:
+    """After ready: every bucket INLINE in one chunk, then commit; the committed response."""
+    for k in range(len(plan.buckets)):
+        data = pack(plan, tensors, k).numpy().tobytes()
+        stream.send(bucket_start=pb.BucketStart(sequence=k, size_bytes=len(data)))
+        stream.send(bucket_chunk=pb.BucketChunk(sequence=k, offset_bytes=0, data=data))
+        assert stream.recv().WhichOneof("message") == "bucket_applied"
+    stream.send(commit=pb.CommitUpdate())
+    committed = stream.recv()
+    stream.close()
+    assert committed.WhichOneof("message") == "committed", committed
+    return committed
+
+
+def push_whole(node, tensors: dict[str, torch.Tensor], version: str) -> int:
+    """One whole update (no part), verified against the store's checksums: its generation."""
+    plan = plan_buckets(list(tensors.items()), 1 << 20)
+    stream = UpdateStream(node.stub())
+    stream.send(begin=pb.BeginUpdate(version=version, plan=plan, mode=pb.UPDATE_MODE_STAGED,
+                                     transport=pb.TRANSPORT_INLINE, allow_new_tensors=True))
+    assert stream.recv().WhichOneof("message") == "ready"
+    committed = send_buckets(stream, plan, tensors)
+    assert server_checksums(node) == [local_checksums(tensors)]
+    return committed.committed.version.generation
+
+
+@pytest.fixture
+def committed(node):
+    """The store holds model(1) whole; after the test it still does (the refusals changed nothing), and the
+    next whole push commits."""
+    tensors = model(1)
+    before = push_whole(node, tensors, "base")
+    yield tensors
+    assert generation(node) == before
+    assert server_checksums(node) == [local_checksums(tensors)]
+    assert push_whole(node, model(2), "after") == before + 1
+
+
+def begin_part(node, key: str, rank: int, world: int, *, whole=(), sends=None, version="v-parts",
+               join_timeout_s: int | None = None, plan_id: str = "") -> tuple[UpdateStream, object]:
+    """A part's stream: its begin sent (INLINE, STAGED, new tensors allowed), declaring `whole` and sending
+    `sends` (name -> tensor; default: nothing of its own, a plan of the declared tensors' values)."""
+    tensors = sends if sends is not None else {n: model(1)[n] for n in whole}
+    plan = plan_buckets(list(tensors.items()), 1 << 20) if tensors and not plan_id else None
+    part = pb.UpdatePart(update_key=key, rank=rank, world=world, whole_tensors=list(whole))
+    if join_timeout_s is not None:
+        part.join_timeout.CopyFrom(duration_pb2.Duration(seconds=join_timeout_s))
+    stream = UpdateStream(node.stub())
+    stream.send(begin=pb.BeginUpdate(version=version, plan=plan, plan_id=plan_id, mode=pb.UPDATE_MODE_STAGED,
+                                     transport=pb.TRANSPORT_INLINE, allow_new_tensors=True, part=part))
+    return stream, plan
+
+
+def waiting(stream: UpdateStream) -> list[int]:
+    response = stream.recv()
+    assert response.WhichOneof("message") == "waiting", response
+    return list(response.waiting.joining)
+
+
+def refused(stream: UpdateStream) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    with pytest.raises(grpc.RpcError) as caught:
+        response = stream.recv()
+        pytest.fail(f"expected the stream to end with a refusal, got {response}")
+    stream.close()
+    info = error_info(caught.value)
+    return caught.value.code(), info.reason, dict(info.metadata)
+
+
+def test_parts_wait_for_each_other_then_this_server_refuses_a_larger_world(node, committed):
+    first, _ = begin_part(node, "k-run", 0, 2, whole=["w"])
+    assert waiting(first) == [1]
+    other, _ = begin_part(node, "k-run", 1, 2, whole=["b"], version="v-other")
+    assert refused(other) == (grpc.StatusCode.INVALID_ARGUMENT, "PART_MISMATCH", {
+        "update_key": "k-run", "rank": "1", "field": "version", "expected": "v-parts", "got": "v-other"})
+    twice, _ = begin_part(node, "k-run", 0, 2, whole=["w"])
+    assert refused(twice) == (grpc.StatusCode.ALREADY_EXISTS, "PART_DUPLICATE", {"update_key": "k-run", "rank": "0"})
+    second, _ = begin_part(node, "k-run", 1, 2, whole=["b"])
+    unavailable = (grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"update_key": "k-run", "world": "2"})
+    assert refused(second) == unavailable
+    assert refused(first) == unavailable
+    late, _ = begin_part(node, "k-run", 1, 2, whole=["b"])
+    assert refused(late) == unavailable
+
+
+def test_a_part_that_never_joins_fails_every_joined_part_naming_it(node, committed):
+    first, _ = begin_part(node, "k-deadline", 0, 3, whole=["w"], join_timeout_s=3)
+    assert waiting(first) == [1, 2]
+    third, _ = begin_part(node, "k-deadline", 2, 3, whole=["b"])
+    assert waiting(third) == [1]
+    missing = (grpc.StatusCode.DEADLINE_EXCEEDED, "PARTS_MISSING", {"update_key": "k-deadline", "world": "3",
+                                                                    "missing": "1"})
+    assert refused(first) == missing
+    assert refused(third) == missing
+    late, _ = begin_part(node, "k-deadline", 1, 3)
+    assert refused(late) == missing
+
+
+def test_the_union_is_refused_to_every_part(node, committed):
+    first, _ = begin_part(node, "k-union", 0, 2, whole=["w"])
+    assert waiting(first) == [1]
+    second, _ = begin_part(node, "k-union", 1, 2, whole=["w", "b"])
+    owned_twice = (grpc.StatusCode.INVALID_ARGUMENT, "TENSOR_OWNED_TWICE", {"tensor": "w", "parts": "0,1"})
+    assert refused(second) == owned_twice
+    assert refused(first) == owned_twice
+
+
+def test_a_part_s_own_refusal_is_named_to_the_others(node, committed):
+    first, _ = begin_part(node, "k-plan", 0, 2, whole=["w"])
+    assert waiting(first) == [1]
+    second, _ = begin_part(node, "k-plan", 1, 2, whole=["b"], plan_id="0" * 32)
+    assert refused(second) == (grpc.StatusCode.NOT_FOUND, "PLAN_NOT_FOUND", {"plan_id": "0" * 32})
+    assert refused(first) == (grpc.StatusCode.ABORTED, "PART_FAILED", {
+        "update_key": "k-plan", "part": "1", "part_reason": "PLAN_NOT_FOUND", "part_code": "NOT_FOUND"})
+
+
+def test_a_part_that_leaves_while_waiting_is_named_to_the_others(node, committed):
+    first, _ = begin_part(node, "k-left", 0, 3, whole=["w"])
+    assert waiting(first) == [1, 2]
+    second, _ = begin_part(node, "k-left", 1, 3, whole=["b"])
+    assert waiting(second) == [2]
+    first.cancel()
+    assert refused(second) == (grpc.StatusCode.ABORTED, "PART_FAILED", {
+        "update_key": "k-left", "part": "0", "part_reason": "STREAM_CLOSED", "part_code": "ABORTED"})
+
+
+def test_a_part_whose_plan_sends_what_it_does_not_declare_is_refused(node, committed):
+    alone, _ = begin_part(node, "k-unowned", 0, 1, whole=["w"], sends={"w": model(3)["w"], "b": model(3)["b"]})
+    assert refused(alone) == (grpc.StatusCode.INVALID_ARGUMENT, "PART_SENDS_UNOWNED",
+                              {"tensor": "b", "part": "0", "bucket": "0"})
+
+
+def test_one_part_commits_and_its_key_is_used_once(node):
+    """A world of one declares w and b and sends only w (b unchanged): it commits; the key is spent, and the
+    next whole push commits."""
+    base = model(1)
+    before = push_whole(node, base, "base")
+    new_w = model(4)["w"]
+    alone, plan = begin_part(node, "k-one", 0, 1, whole=["w", "b"], sends={"w": new_w})
+    assert alone.recv().WhichOneof("message") == "ready"
+    assert send_buckets(alone, plan, {"w": new_w}).committed.version.generation == before + 1
+    assert server_checksums(node) == [local_checksums({"w": new_w, "b": base["b"]})]
+    again, _ = begin_part(node, "k-one", 0, 1, whole=["w"])
+    assert refused(again) == (grpc.StatusCode.FAILED_PRECONDITION, "PART_KEY_USED",
+                              {"update_key": "k-one", "generation": str(before + 1)})
+    assert generation(node) == before + 1
+    assert push_whole(node, model(5), "after") == before + 2

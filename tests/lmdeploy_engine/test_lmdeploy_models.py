@@ -35,6 +35,7 @@ from transformers import AutoConfig  # noqa: E402
 from weightsync.engine.lmdeploy import MODULE_MAP_PATH, REQUEST_NAME, UpdateRequest  # noqa: E402
 from weightsync.engine.lmdeploy import loader as lmdeploy_loader  # noqa: E402
 from weightsync.engine.lmdeploy.loader import AttachConfig, LoadError, RankLoader, RankPlace  # noqa: E402
+from weightsync.engine.lmdeploy.pipeline import model_agent_of  # noqa: E402
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 
 from helpers import running_server, sdk_client  # noqa: E402
@@ -255,6 +256,66 @@ def test_the_module_map_builds_lmdeploys_class_whose_load_weights_takes_the_requ
     assert malformed.value.reason == "REQUEST_MALFORMED"
 
 
+class RankZeroOfTwo(RankLoader):
+    """Rank 0 of TP 2, the other rank's verdicts scripted (LMDeploy's Gloo exchange needs its engine)."""
+
+    def __init__(self, rank: RankLoader, other: list[str]) -> None:
+        super().__init__(rank._config_source, RankPlace(0, 2), rank.model_path)  # noqa: SLF001
+        self.other = other
+
+    def _agree(self, verdict: str) -> list[tuple[str, str]]:
+        return [(self.place.label, verdict), ("tp1/2", self.other.pop(0))]
+
+
+def test_a_failed_load_or_a_refusing_rank_is_typed_and_the_next_load_takes_what_it_must(node, tmp_path):
+    arch = "Qwen2ForCausalLM"
+    directory = model_dir(tmp_path, arch)
+    model = build(directory)
+    failures: list[str] = []
+
+    def post_load(target: torch.nn.Module) -> None:
+        if failures:
+            raise RuntimeError(failures.pop())
+        process_weights_after_loading(target)
+
+    rank = RankLoader(lambda: AttachConfig(server=node.address, engine_name="lmdeploy-fail"), RankPlace(), str(directory),
+                      post_load=post_load)
+    with sdk_client(node) as trainer:
+        v1 = checkpoint(arch, 8)
+        g1 = trainer.push(v1, version="f1", transport="inline", allow_new_tensors=True).servers[0].generation
+        assert rank.load(model, UpdateRequest(generation=g1)).tensors == len(v1) and rank.served[id(model)] == g1
+        # LMDeploy's post-load processing raises after load_weights ran: LOAD_FAILED, the weights a mix.
+        failures.append("post-load broke")
+        up = {"model.layers.1.mlp.up_proj.weight": checkpoint(arch, 9)["model.layers.1.mlp.up_proj.weight"]}
+        g2 = trainer.push(up, version="f2", transport="inline").servers[0].generation
+        with pytest.raises(LoadError) as failed:
+            rank.load(model, UpdateRequest(generation=g2, since_generation=g1))
+        assert failed.value.reason == "LOAD_FAILED" and "RuntimeError: post-load broke" in str(failed.value)
+        status = engines(node)["lmdeploy-fail"]
+        assert "LOAD_FAILED" in status.last_error and status.applied_version.generation == g1
+        # The next version: the caller says the engine has g2, but the rank knows its weights are a
+        # mix and takes every tensor.
+        part = {"model.layers.0.mlp.gate_proj.weight": checkpoint(arch, 9)["model.layers.0.mlp.gate_proj.weight"]}
+        g3 = trainer.push(part, version="f3", transport="inline").servers[0].generation
+        stats = rank.load(model, UpdateRequest(generation=g3, since_generation=g2))
+        assert (stats.since_generation, stats.tensors) == (-1, len(v1))
+        v3 = v1 | up | part
+        assert_bytes(model, expected_params(v3, arch))
+        # Rank 1 refuses: rank 0 loads nothing and says why.
+        before = snapshot_bytes(model)
+        two = RankZeroOfTwo(rank, ["TENSOR_MISMATCH: rank 1's shard does not fit"])
+        two.served[id(model)] = g3
+        g4 = trainer.push({"model.norm.weight": checkpoint(arch, 10)["model.norm.weight"]}, version="f4",
+                          transport="inline").servers[0].generation
+        with pytest.raises(LoadError) as refused:
+            two.load(model, UpdateRequest(generation=g4, since_generation=g3))
+        assert refused.value.reason == "RANK_REFUSED" and "rank tp1/2 refused: TENSOR_MISMATCH" in str(refused.value)
+        assert snapshot_bytes(model) == before
+        two.other = ["", ""]
+        assert two.load(model, UpdateRequest(generation=g4, since_generation=g3)).tensors == 1
+        assert_bytes(model, expected_params(v3 | {"model.norm.weight": checkpoint(arch, 10)["model.norm.weight"]}, arch))
+
+
 def test_configuration_is_checked():
     with pytest.raises(LoadError, match="CONFIG_INVALID"):
         AttachConfig.from_environment({})
@@ -264,3 +325,5 @@ def test_configuration_is_checked():
     assert [RankPlace(r, 2).engine_name("e") for r in range(2)] == ["e", "e:tp1"]
     with pytest.raises(LoadError, match="CONFIG_INVALID"):
         RankPlace(2, 2)
+    with pytest.raises(LoadError, match="CONFIG_INVALID: in-process loading needs"):
+        model_agent_of(object())

@@ -2,8 +2,9 @@
 
 Runs without SGLang (make test's .venv as well as .venv-sglang): the stand-in has what the loader
 uses of an SGLang model, fused parameters (qkv_proj) and a `load_weights` that fills their parts
-(as SGLang's do), and records what it was fed. Two ranks agreeing over a real Gloo group run as two
-processes. What only SGLang itself shows is in test_sglang_server.py.
+(as SGLang's do), and records what it was fed. The ranks' agreement runs here with the other
+rank's side scripted (RankZeroOfTwo); over SGLang's real Gloo group, two scheduler processes, in
+test_sglang_server.py, with what else only SGLang itself shows.
 """
 
 from __future__ import annotations

@@ -72,8 +72,10 @@ WHAT = {
 WHAT |= {
     "populate": "a fresh memfd arena (fallocated, as the server makes it) mapped and pre-faulted "
                 "(MADV_POPULATE_WRITE, or a read per page): a CPU worker's map (the baseline)",
-    "register": "the same, pinned with cudaHostRegister instead (it faults the pages in itself): a CUDA "
-                "worker's map; GB/s here bounds a large store's map (server/arenas.py map_timeout)",
+    "register": "the same, pinned with cudaHostRegister instead (it faults the pages in itself)",
+    "populate_register": "the same, pre-faulted, then pinned with cudaHostRegister: a CUDA worker's map "
+                         "(gpu_worker/memory.map_arena); GB/s here bounds a large store's map "
+                         "(server/arenas.py map_timeout)",
 }
 LIKE = {"engine_apply_pinned": "h2d_pinned", "engine_apply_pageable": "h2d_pageable"}
 """The plain copy from the same kind of host memory each engine mode reads: its `x like`."""
@@ -284,7 +286,7 @@ def measure_map(args: argparse.Namespace, size: int) -> tuple[dict, bool]:
 
     pinned_every_time: list[bool] = []
 
-    def fresh_map(pin: bool) -> Callable[[], float]:
+    def fresh_map(pin: bool, fault_first: bool = False) -> Callable[[], float]:
         def run() -> float:
             fd = os.memfd_create("bench-map")
             try:
@@ -295,11 +297,11 @@ def measure_map(args: argparse.Namespace, size: int) -> tuple[dict, bool]:
                 os.close(fd)
             data = torch.frombuffer(mapping, dtype=torch.uint8)
             started = time.perf_counter()
+            if fault_first or not pin:
+                populate(data)
             bases = pin_host(data) if pin else []
             if pin:
                 pinned_every_time.append(bool(bases))
-            else:
-                populate(data)
             seconds = time.perf_counter() - started
             unpin_host(bases)
             del data
@@ -307,7 +309,9 @@ def measure_map(args: argparse.Namespace, size: int) -> tuple[dict, bool]:
             return seconds
         return run
 
-    times = alternate({"populate": fresh_map(False), "register": fresh_map(True)}, args.reps, "gpu map")
+    modes = {"populate": fresh_map(False), "register": fresh_map(True),
+             "populate_register": fresh_map(True, fault_first=True)}
+    times = alternate(modes, args.reps, "gpu map")
     return section("map", times, size), all(pinned_every_time)
 
 

@@ -42,6 +42,18 @@ from helpers import sdk_client  # noqa: E402
 MAX_TOKENS = 12
 
 
+def write_tokenizer(directory: str) -> None:
+    """A word-level tokenizer over the tiny model's vocabulary ("t0" ... "t1023"): LMDeploy's model
+    agent loads one from the model directory (the test itself sends token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(tiny_model.SIZES["tiny"]["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(directory)
+
+
 def start(directory: str) -> Engine:
     config = PytorchEngineConfig(custom_module_map=MODULE_MAP_PATH, eager_mode=True, cache_max_entry_count=0.05,
                                  session_len=256, max_batch_size=4, distributed_executor_backend="uni")
@@ -71,6 +83,8 @@ def cold_tokens(directory: str) -> list[list[int]]:
 def test_a_running_lmdeploy_engine_serves_what_was_pushed_like_a_cold_start(cpu_server, tmp_path):
     seeds = {seed: tiny_model.weights(seed) for seed in (0, 1, 2)}
     dirs = {seed: tiny_model.save(tmp_path / f"seed{seed}", state) for seed, state in seeds.items()}
+    for directory in dirs.values():
+        write_tokenizer(directory)
     cold = {seed: cold_tokens(dirs[seed]) for seed in (1, 2)}
     assert cold[1] != cold[2]  # the check can tell the versions apart
     config = AttachConfig(server=cpu_server.address, engine_name="lmdeploy-gpu")

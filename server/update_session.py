@@ -12,9 +12,10 @@ The session sees a reader only as a StreamReader (read, forwarded_to,
 take_pending), and a reader sees the session only as an IntakeSession.
 
 The node's store (node_store.py) decides where every byte goes before any
-moves: the session derives the update there, admits its memory, allocates,
-hands each worker its part, and at the end commits the store and publishes the
-version in one step (no lease sees one without the other), or aborts it.
+moves: the session derives the update there, admits its memory, allocates and
+hands each worker its part (update_prepare.py), and at the end commits the
+store and publishes the version in one step (no lease sees one without the
+other), or aborts it (update_abort.py).
 
 Once anything fails the session is "aborting": it tells the client, keeps
 draining what the client already announced (workers join those transfers and
@@ -41,7 +42,7 @@ from weightsync.common.errors import (
 )
 from weightsync.common.logging import get_logger
 from weightsync.common.ownership import NO_OWNER
-from weightsync.server.admission import MemoryAdmission, StagingNeed
+from weightsync.server.admission import MemoryAdmission
 from weightsync.server.announcements import check_commit
 from weightsync.server.fleet import WorkerFleet
 from weightsync.server.group_registry import GroupRegistry
@@ -53,6 +54,7 @@ from weightsync.server.publisher import Publisher
 from weightsync.server.state import GroupRecord
 from weightsync.server.tasks import finish_despite_cancel, retrieve_quietly
 from weightsync.server.transport_intakes import open_intake
+from weightsync.server.update_abort import finish
 from weightsync.server.update_intake import (
     Abort,
     Bucket,
@@ -63,6 +65,7 @@ from weightsync.server.update_intake import (
     ShuttingDown,
     StreamReader,
 )
+from weightsync.server.update_prepare import prepare
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
@@ -199,7 +202,7 @@ class UpdateSession:
         if self.group is not None:
             self.services.groups.update_started(self.group)
         try:
-            await self._prepare()
+            await prepare(self)
             self.services.publisher.publish_state()  # watchers see UPDATING
             yield self._ready()
             self.feed(requests)
@@ -243,7 +246,7 @@ class UpdateSession:
         finally:
             # To its end even if this handler is cancelled, once or again (a client that aborts
             # and then cancels): the workers' abort, the engines' leases, the group's idle mark.
-            await finish_despite_cancel(self._finish())
+            await finish_despite_cancel(finish(self))
 
     def _ready(self) -> pb.UpdateWeightsResponse:
         plan = self.store_update.plan if self.store_update else None
@@ -258,55 +261,6 @@ class UpdateSession:
             ready.not_stored_buckets.extend(plan.not_stored)
         return pb.UpdateWeightsResponse(ready=ready)
 
-    async def _finish(self) -> None:
-        for reading in self.reading:
-            reading.cancel()
-            retrieve_quietly(reading)
-        try:
-            self._record()
-            if not self.finished:
-                await self._abort_workers()
-        finally:
-            await self.services.leases.write_done()
-            if self.group is not None:
-                self.services.groups.update_ended(self.group)
-
-    async def _prepare(self) -> None:
-        services = self.services
-        fleet, store = services.fleet, services.store
-        # Engines reading the bytes this update would write finish first (see leases.py).
-        await services.leases.before_write(staged=not self.in_place, timeout=services.lease_timeout,
-                                           generation=services.publisher.version.generation)
-        update = store.prepare(update_id=self.update_id, plan=self.plan, plan_id=self.plan_id, mode=self.begin.mode,
-                               allow_new_tensors=self.begin.allow_new_tensors, workers=len(fleet.workers))
-        self.store_update = update  # from here on, abort is owed to the store and the workers
-        services.admission.check(store_bytes=update.needed_bytes, staging=self._staging_needs(update))
-        await store.allocate(update)
-        arenas = [store.arena(a) for a in store.arena_ids()]
-        timeout = services.command_timeout
-        mapped = await asyncio.gather(*(fleet.map_arenas(w, arenas, timeout) for w in fleet.workers),
-                                      return_exceptions=True)
-        for result in mapped:
-            if isinstance(result, BaseException):
-                raise result
-        group_id = self.group.group_id if self.group else ""
-        prepared = await fleet.fan_out(timeout, command_for=lambda w: {"prepare_update": store.assignment(
-            update, w.index, update_id=self.update_id, group_id=group_id)})
-        prepared.raise_first()
-
-    def _staging_needs(self, update: StoreUpdate) -> list[StagingNeed]:
-        """What each worker's staging must hold for this update (admission counts what it adds)."""
-        largest = max((r.size_bytes for r in update.plan.routes), default=0)
-        needs = []
-        for worker in self.services.fleet.workers:
-            if self.broadcast_to_all and not worker.host_memory:
-                needs.append(StagingNeed(worker, 2 * largest, on_device=True))
-                continue
-            general = max((r.size_bytes for k, r in enumerate(update.plan.routes)
-                           if update.owners[k] == worker.index and r.receive_into is None), default=0)
-            needs.append(StagingNeed(worker, general, on_device=False))
-        return needs
-
     async def _bucket_done(self, bucket: Bucket) -> pb.UpdateWeightsResponse | None:
         fleet = self.services.fleet
         waiting = asyncio.ensure_future(fleet.settle(bucket.receives, self.bucket_timeout))
@@ -320,10 +274,10 @@ class UpdateSession:
             retrieve_quietly(waiting)
             return None
         settled = waiting.result()
-        self._note_touched(bucket, settled.answers)
+        self.note_touched(bucket, settled.answers)
         errors = settled.errors
         for error in errors:
-            self._note_broken(error)
+            self.note_broken(error)
         if not errors:
             self.pieces_done += bucket.in_slot
             self.progress.set()
@@ -344,7 +298,7 @@ class UpdateSession:
             self.applied_bytes += size  # what the node received (UpdateCommitted.size_bytes)
         return pb.UpdateWeightsResponse(bucket_applied=pb.BucketApplied(sequence=bucket.sequence, size_bytes=size))
 
-    def _note_touched(self, bucket: Bucket, answers) -> None:
+    def note_touched(self, bucket: Bucket, answers) -> None:
         """The owner's answer says whether the bucket's bytes reached the store: applied, or failed after they
         could (its flag), or it died holding them (assumed). A piece of a compressed frame that does not
         complete it went to the owner's wire buffer only."""
@@ -390,12 +344,12 @@ class UpdateSession:
         duration.FromNanoseconds(int(seconds * 1e9))
         log.info("update_committed", version=self.begin.version, generation=version.generation,
                  bytes=self.applied_bytes, seconds=round(seconds, 3))
-        self._record()  # before the client can see the commit: a scrape right after it finds it counted
+        self.record()  # before the client can see the commit: a scrape right after it finds it counted
         return pb.UpdateWeightsResponse(
             committed=pb.UpdateCommitted(version=version.to_proto(), size_bytes=self.applied_bytes, duration=duration)
         )
 
-    def _record(self) -> None:
+    def record(self) -> None:
         """Metrics of this update, once, whatever its end."""
         if self.recorded:
             return
@@ -413,10 +367,10 @@ class UpdateSession:
         self.failure = error
         self.progress.set()
         self.failed.set()
-        self._note_broken(error)
+        self.note_broken(error)
         log.warning("update_failing", reason=error.reason, message=error.message)
 
-    def _note_broken(self, error: BaseException) -> None:
+    def note_broken(self, error: BaseException) -> None:
         """A worker's collective failed: the group is unusable, whatever else the update hit first."""
         if isinstance(error, WeightSyncError) and error.broken_group_id and self.group is not None:
             self.services.groups.mark_broken(self.group.group_id, f"{error.reason}: {error.message}")
@@ -426,49 +380,3 @@ class UpdateSession:
         self.aborting_sent = True
         return pb.UpdateWeightsResponse(aborting=pb.UpdateAborting(
             code=code_number(self.failure.code), reason=self.failure.reason, message=self.failure.message))
-
-    async def _abort_workers(self) -> None:
-        self.finished = True
-        update = self.store_update
-        if update is None:
-            return
-        fleet = self.services.fleet
-        settled = asyncio.ensure_future(self._settle_receives())
-        aborted = await fleet.fan_out(self.bucket_timeout, fleet.alive_workers(),
-                                      abort_update=wpb.AbortUpdateCommand(update_id=self.update_id))
-        await settled
-        aborted.log_errors("abort_failed_on_worker")
-        # Workers that died holding an IN_PLACE bucket of theirs may have written some of it.
-        for worker in fleet.workers:
-            if not worker.alive:
-                for sequence in self.forwarded_to(worker.index):
-                    self.touched(sequence)
-        released = self.services.store.abort(update, torn=self.torn)
-        fleet.forget_arenas(released)
-        if self.group is not None and self.group.state == pb.GROUP_STATE_BROKEN:
-            # Every worker leaves: a group that failed one collective is unusable for all.
-            left = await fleet.fan_out(self.services.command_timeout, fleet.alive_workers(),
-                                       leave_group=wpb.LeaveGroupCommand(group_id=self.group.group_id))
-            left.log_errors("leave_failed_on_worker")
-        log.info("update_aborted", reason=self.failure.reason if self.failure else "",
-                 store_state=pb.StoreState.Name(self.services.store.state))
-        self.services.publisher.publish_state()
-
-    async def _settle_receives(self) -> None:
-        """Await the announced buckets' results that nobody awaited.
-
-        When the stream is cancelled (the trainer died) while workers sit in a
-        transfer, the driver stops awaiting that bucket. The workers still
-        answer it (the abort is queued behind it anyway); a collective failure
-        in that answer must still mark the group BROKEN, or the server would
-        keep a group the workers already dropped.
-        """
-        pending = [bucket for reader in self.readers for bucket in reader.take_pending()]
-        for bucket in pending:
-            settled = await self.services.fleet.settle(bucket.receives, self.bucket_timeout)
-            self._note_touched(bucket, settled.answers)
-            for result in settled.errors:
-                if isinstance(result, WeightSyncError):
-                    self.fail(result)
-                    self._note_broken(result)
-

@@ -1,0 +1,57 @@
+"""The start of an update, before the client hears `ready`: the engines' leases on the bytes it
+would write, the store's update derived, its memory admitted and allocated, the arenas mapped
+in every worker, and each worker handed its part (prepare_update).
+
+Once `prepare` set `session.store_update`, an abort is owed to the store and the workers
+(update_abort.py), whatever fails after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from weightsync.server.admission import StagingNeed
+from weightsync.server.node_store import StoreUpdate
+
+if TYPE_CHECKING:
+    from weightsync.server.update_session import UpdateSession
+
+
+async def prepare(session: UpdateSession) -> None:
+    services = session.services
+    fleet, store = services.fleet, services.store
+    # Engines reading the bytes this update would write finish first (see leases.py).
+    await services.leases.before_write(staged=not session.in_place, timeout=services.lease_timeout,
+                                       generation=services.publisher.version.generation)
+    update = store.prepare(update_id=session.update_id, plan=session.plan, plan_id=session.plan_id,
+                           mode=session.begin.mode, allow_new_tensors=session.begin.allow_new_tensors,
+                           workers=len(fleet.workers))
+    session.store_update = update  # from here on, abort is owed to the store and the workers
+    services.admission.check(store_bytes=update.needed_bytes, staging=staging_needs(session, update))
+    await store.allocate(update)
+    arenas = [store.arena(a) for a in store.arena_ids()]
+    timeout = services.command_timeout
+    mapped = await asyncio.gather(*(fleet.map_arenas(w, arenas, timeout) for w in fleet.workers),
+                                  return_exceptions=True)
+    for result in mapped:
+        if isinstance(result, BaseException):
+            raise result
+    group_id = session.group.group_id if session.group else ""
+    prepared = await fleet.fan_out(timeout, command_for=lambda w: {"prepare_update": store.assignment(
+        update, w.index, update_id=session.update_id, group_id=group_id)})
+    prepared.raise_first()
+
+
+def staging_needs(session: UpdateSession, update: StoreUpdate) -> list[StagingNeed]:
+    """What each worker's staging must hold for this update (admission counts what it adds)."""
+    largest = max((r.size_bytes for r in update.plan.routes), default=0)
+    needs = []
+    for worker in session.services.fleet.workers:
+        if session.broadcast_to_all and not worker.host_memory:
+            needs.append(StagingNeed(worker, 2 * largest, on_device=True))
+            continue
+        general = max((r.size_bytes for k, r in enumerate(update.plan.routes)
+                       if update.owners[k] == worker.index and r.receive_into is None), default=0)
+        needs.append(StagingNeed(worker, general, on_device=False))
+    return needs

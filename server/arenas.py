@@ -12,6 +12,11 @@ A new arena's pages are allocated when it is created (fallocate), so admission's
 "it fits" is true when the bytes arrive, and nothing is zeroed on the hot path.
 That takes about a tenth of a second per GB and runs in a thread: the event loop
 keeps serving.
+
+No arena is larger than one cudaHostRegister call takes (host_pinning.CHUNK_BYTES, 256 GiB):
+an update's segments are packed into as many arenas as that needs (pack_segments), a segment
+never split. A larger arena would be pinned in pieces, and a copy of a segment lying across
+two registrations is not one pinned range to the driver.
 """
 
 from __future__ import annotations
@@ -20,12 +25,33 @@ import asyncio
 import mmap
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from weightsync.common.errors import ResourceExhausted
+from weightsync.common.host_pinning import CHUNK_BYTES
 from weightsync.common.layout import align_segment
+
+ARENA_MAX_BYTES = CHUNK_BYTES
+"""The largest arena the store makes for several segments (see the module docstring)."""
+
+
+def pack_segments(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """The arenas for segments of `sizes` (aligned, in their order): lists of consecutive indexes whose sizes
+    add up to at most `limit` each; a segment larger than `limit` alone in its arena."""
+    arenas: list[list[int]] = []
+    held = 0
+    for index, size in enumerate(sizes):
+        if arenas and held + size <= limit:
+            arenas[-1].append(index)
+            held += size
+        else:
+            arenas.append([index])
+            held = size
+    return arenas
+
 
 MAP_FLOOR_BYTES_PER_SECOND = 1 << 30
 """The slowest rate at which a worker is expected to map arenas: fault every page in, or pin it

@@ -30,7 +30,7 @@ from weightsync.common.checksum import ws64
 from weightsync.common.errors import FailedPrecondition, NotFound
 from weightsync.common.layout import align_segment
 from weightsync.common.ownership import bucket_owners
-from weightsync.server.arenas import ArenaTable, HostArena
+from weightsync.server.arenas import ARENA_MAX_BYTES, ArenaTable, HostArena, pack_segments
 from weightsync.server.update_plan import (
     BucketRoute,
     DerivedPlans,
@@ -83,7 +83,8 @@ class StoreUpdate:
     needed_bytes: int
     """What allocate adds to the store: new segments and missing shadows."""
     phase: Phase = Phase.SIZED
-    new_arena: int | None = None
+    new_arenas: list[int] = field(default_factory=list)
+    """The arenas of the update's new segments (released by an abort)."""
     touched: set[int] = field(default_factory=set)
     """Buckets whose bytes may have reached the store (an IN_PLACE abort marks their tensors dirty)."""
     laid_out: dict[int, BucketRoute] = field(default_factory=dict)
@@ -255,28 +256,46 @@ class NodeStore:
         )
 
     async def allocate(self, update: StoreUpdate) -> list[HostArena]:
-        """SIZED -> ALLOCATED: the arenas the update needs (missing shadows, new segments); returns them."""
+        """SIZED -> ALLOCATED: the arenas the update needs (missing shadows, new segments), none larger than
+        ARENA_MAX_BYTES unless one segment is; returns them. All are made before any is used: a refusal
+        (HOST_OUT_OF_MEMORY) releases those made and leaves the store as it was."""
         plan = update.plan
-        created: list[HostArena] = []
         missing = [i for i in plan.shadowed_segments if self.segments[i].shadow is None]
-        if missing:  # shadows stay once made: the next STAGED update reuses them
-            arena = await self.arenas.allocate(sum(align_segment(self.segments[i].size_bytes) for i in missing))
-            created.append(arena)
+        shadow_sizes = [align_segment(self.segments[i].size_bytes) for i in missing]
+        new_sizes = [align_segment(new.size_bytes) for new in plan.new_segments]
+        created: list[HostArena] = []
+        try:
+            shadow_arenas = await self._arenas_for(shadow_sizes, created)
+            new_arenas = await self._arenas_for(new_sizes, created)
+        except BaseException:
+            for arena in created:
+                self.arenas.release(arena.arena_id)
+            raise
+        for arena, indexes in shadow_arenas:  # shadows stay once made: the next STAGED update reuses them
             cursor = 0
-            for i in missing:
-                self.segments[i].shadow = Region(arena.arena_id, cursor)
-                cursor += align_segment(self.segments[i].size_bytes)
-        if plan.new_segments:
-            arena = await self.arenas.allocate(plan.new_segment_bytes)
-            created.append(arena)
-            update.new_arena = arena.arena_id
+            for k in indexes:
+                self.segments[missing[k]].shadow = Region(arena.arena_id, cursor)
+                cursor += shadow_sizes[k]
+        for arena, indexes in new_arenas:
             cursor = 0
-            for new in plan.new_segments:
+            for k in indexes:
+                new = plan.new_segments[k]
                 self.segments.append(Segment(new.size_bytes, Region(arena.arena_id, cursor), None, new.signature))
-                cursor += align_segment(new.size_bytes)
+                cursor += new_sizes[k]
+        if new_arenas:
+            update.new_arenas = [arena.arena_id for arena, _ in new_arenas]
             self.layout_version += 1
         update.phase = Phase.ALLOCATED
         return created
+
+    async def _arenas_for(self, sizes: list[int], created: list[HostArena]) -> list[tuple[HostArena, list[int]]]:
+        """One arena per pack of consecutive segments (pack_segments), each added to `created` once made."""
+        arenas: list[tuple[HostArena, list[int]]] = []
+        for indexes in pack_segments(sizes, ARENA_MAX_BYTES):
+            arena = await self.arenas.allocate(sum(sizes[k] for k in indexes))
+            created.append(arena)
+            arenas.append((arena, indexes))
+        return arenas
 
     def _place(self, update: StoreUpdate, segment: int, offset: int, *, writes: bool = True) -> wpb.Region:
         """Where bytes written at `offset` of `segment` land: its shadow for a STAGED update's shadowed
@@ -378,10 +397,11 @@ class NodeStore:
         for name in dirtied:
             self.checksums.pop(name, None)
         released = []
-        if update.new_arena is not None:
+        if update.new_arenas:
             del self.segments[update.plan.first_new_segment :]
-            self.arenas.release(update.new_arena)
-            released.append(update.new_arena)
+            for arena_id in update.new_arenas:
+                self.arenas.release(arena_id)
+            released.extend(update.new_arenas)
             self.layout_version = update.plan.layout_version  # the layout is exactly what it was
         return released
 

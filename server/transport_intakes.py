@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from weightsync.common.errors import DeadlineExceeded
 from weightsync.server.announcements import Accepted, Filling, check_chunk, drain_length, incomplete
 from weightsync.server.fleet import WorkerFleet
-from weightsync.server.ingress import Ingress
-from weightsync.server.update_intake import Failed, Intake, IntakeSession
+from weightsync.server.update_intake import Failed, IngressSlots, Intake, IntakeSession
 from weightsync.server.wire import ChunkView
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -96,7 +95,7 @@ class InlineIntake(Intake):
 
     transport = pb.TRANSPORT_INLINE
 
-    def __init__(self, session: IntakeSession, *, fleet: WorkerFleet, ingress: Ingress | None,
+    def __init__(self, session: IntakeSession, *, fleet: WorkerFleet, ingress: IngressSlots | None,
                  max_chunk_bytes: int) -> None:
         super().__init__(session, fleet=fleet, ingress=ingress, max_chunk_bytes=max_chunk_bytes)
         self.filling: _Filling | None = None
@@ -184,7 +183,7 @@ INTAKES: dict[int, type[Intake]] = {
 """The intake of each transport (Begin was checked: its transport is one of these)."""
 
 
-def open_intake(session: IntakeSession, *, transport: int, fleet: WorkerFleet, ingress: Ingress | None,
+def open_intake(session: IntakeSession, *, transport: int, fleet: WorkerFleet, ingress: IngressSlots | None,
                 max_chunk_bytes: int) -> Intake:
     """The reader of one stream of `session`, for the transport its Begin named."""
     return INTAKES[transport](session, fleet=fleet, ingress=ingress, max_chunk_bytes=max_chunk_bytes)

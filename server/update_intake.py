@@ -37,7 +37,6 @@ from weightsync.common.errors import WeightSyncError
 from weightsync.common.logging import get_logger
 from weightsync.server.announcements import Accepted, Link, check_chunk, check_start, unexpected
 from weightsync.server.fleet import FleetWorker, WorkerFleet
-from weightsync.server.ingress import Ingress
 from weightsync.server.wire import ChunkView
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -52,6 +51,7 @@ class Bucket:
     """A bucket (or a piece of one) its owner is receiving (over NCCL: every worker, the others dropping it)."""
 
     sequence: int
+    """The store's sequence (update_streams.py: a stream's bucket k is the store's first + k)."""
     receives: list[tuple[FleetWorker, asyncio.Future[wpb.WorkerEvent]]]
     discard: bool
     last: bool = True
@@ -90,12 +90,34 @@ class ShuttingDown:
 Item = Bucket | Commit | Abort | Closed | Failed | ShuttingDown
 
 
+class Inbox(Protocol):
+    """Where an intake hands the driver what its stream says (the session tags each item with the stream)."""
+
+    async def put(self, item: Item) -> None: ...
+
+    def put_nowait(self, item: Item) -> None: ...
+
+
+class IngressSlots(Protocol):
+    """The ingress slots an intake may use: the whole ingress (ingress.py), or its stream's share of them."""
+
+    slot_bytes: int
+    slot_count: int
+
+    def slot_offset(self, sequence: int) -> int: ...
+
+    def write(self, sequence: int, offset_bytes: int, data: bytes | memoryview) -> None: ...
+
+
 class IntakeSession(Protocol):
-    """What an intake needs from its update session, and all it may change there (fail it)."""
+    """What an intake needs from its update session, and all it may change there (fail it). It is its
+    stream's side of the session (update_streams.StreamSide): the stream's own plan, counters and
+    sequences (bucket k of the stream's plan); what it puts in the inbox is tagged with the stream."""
 
     update_id: str
     plan: tensor_pb2.WeightPlan
-    inbox: asyncio.Queue[Item]
+    """The stream's own plan."""
+    inbox: Inbox
 
     @property
     def failure(self) -> WeightSyncError | None: ...
@@ -115,6 +137,9 @@ class IntakeSession(Protocol):
     def owners(self) -> list[int]:
         """Per bucket: the worker that receives it."""
 
+    def store_sequence(self, sequence: int) -> int:
+        """The store's sequence of the stream's bucket `sequence` (workers receive it under that one)."""
+
     def touched(self, sequence: int) -> None:
         """Bytes of bucket `sequence` may reach the store from now on."""
 
@@ -133,7 +158,7 @@ class IntakeSession(Protocol):
         """The group is unusable: a broadcast was announced that nobody can receive."""
 
     async def wait_pieces(self, count: int) -> None:
-        """Until the workers finished `count` ingress pieces, or the update failed."""
+        """Until the workers finished `count` of this stream's ingress pieces, or the update failed."""
 
 
 class StreamReader(Protocol):
@@ -143,7 +168,8 @@ class StreamReader(Protocol):
         """Read the stream to its end, handing the session's inbox what it says."""
 
     def forwarded_to(self, worker_index: int) -> list[int]:
-        """The buckets this stream forwarded to the worker to receive into the store (not to drop)."""
+        """The buckets (the store's sequences) this stream forwarded to the worker to receive into the store
+        (not to drop)."""
 
     def take_pending(self) -> list[Bucket]:
         """Every bucket forwarded so far, handed over once (the abort path settles their receives)."""
@@ -158,7 +184,7 @@ class Intake:
     transport: ClassVar[int]
     """pb.Transport this intake reads."""
 
-    def __init__(self, session: IntakeSession, *, fleet: WorkerFleet, ingress: Ingress | None,
+    def __init__(self, session: IntakeSession, *, fleet: WorkerFleet, ingress: IngressSlots | None,
                  max_chunk_bytes: int) -> None:
         self.session = session
         self.fleet = fleet
@@ -257,7 +283,8 @@ class Intake:
         worker joins it too and drops the bytes), or copies the bucket (or one piece of it) from the ingress
         at `ingress_offset`. A worker that cannot take the command (it died) answers with its error; the
         others still get theirs, so none of them waits on a transfer the rest never joined."""
-        command = wpb.ReceiveBucketCommand(update_id=self.session.update_id, sequence=sequence, checksum=checksum,
+        stored_as = self.session.store_sequence(sequence)
+        command = wpb.ReceiveBucketCommand(update_id=self.session.update_id, sequence=stored_as, checksum=checksum,
                                            discard=discard, size_bytes=size, from_ingress=ingress_offset is not None,
                                            ingress_offset_bytes=ingress_offset or 0, piece_offset_bytes=piece_offset,
                                            piece_size_bytes=piece_size, last_piece=last, tail=tail,
@@ -282,7 +309,7 @@ class Intake:
                 dropped.CopyFrom(command)
                 dropped.discard = True
                 receives.append((worker, self.fleet.submit_or_refusal(worker, receive_bucket=dropped)))
-        bucket = Bucket(sequence, receives, discard, last, in_slot=ingress_offset is not None,
+        bucket = Bucket(stored_as, receives, discard, last, in_slot=ingress_offset is not None,
                         compressed=compression != pb.BUCKET_COMPRESSION_UNSPECIFIED)
         self.pending.append(bucket)
         return bucket

@@ -1,29 +1,38 @@
-"""One UpdateWeights stream, from Begin to Committed (or to an abort).
+"""One update, from Begin to Committed (or to an abort), fed by one stream or by one stream per part.
 
 Two kinds of task cooperate:
-  - a reader per stream that feeds the update (update_intake.py; today one,
-    the stream that began it) takes client messages and forwards each bucket
-    to its owner (and, for an NCCL broadcast, to every other worker, which
-    joins it and drops the bytes) as soon as its bytes can be received: at
-    once for a collective or an SHM slot, once its chunks are in for INLINE;
-  - the driver (this module, the stream handler itself) awaits the workers'
-    answers in order and writes BucketApplied, Aborting and Committed.
+  - a reader per stream that feeds the update (update_intake.py; one per
+    part, and a stream without a part is the whole update) takes client
+    messages and forwards each bucket to its owner (and, for an NCCL
+    broadcast, to every other worker, which joins it and drops the bytes) as
+    soon as its bytes can be received: at once for a collective or an SHM
+    slot, once its chunks are in for INLINE;
+  - the driver (this module, run by the handler of the first stream) awaits
+    the workers' answers in the order the readers put them in the inbox, each
+    tagged with its stream, and writes each stream's BucketApplied, Aborting
+    and Committed: its own stream's it yields, the others' it queues for
+    their handlers (`follow`).
 The session sees a reader only as a StreamReader (read, forwarded_to,
-take_pending), and a reader sees the session only as an IntakeSession.
+take_pending), and a reader sees the session only as its stream's side
+(update_streams.StreamSide, an IntakeSession): each stream has its own plan,
+sequences and counters (update_streams.py).
 
 The node's store (node_store.py) decides where every byte goes before any
-moves: the session derives the update there, admits its memory, allocates and
-hands each worker its part (update_prepare.py), and at the end commits the
-store and publishes the version in one step (no lease sees one without the
-other), or aborts it (update_abort.py).
+moves: the session derives the update there (one plan: the streams' plans one
+after another), admits its memory, allocates and hands each worker its part
+(update_prepare.py), and at the end commits the store and publishes the
+version in one step (no lease sees one without the other), or aborts it
+(update_abort.py). It commits once every stream asked to commit, each having
+had every bucket of its own applied: a stream that asked first waits.
 
-Once anything fails the session is "aborting": it tells the client, keeps
-draining what the client already announced (workers join those transfers and
-drop the bytes, so nobody hangs), and ends with the failure's status when the
-client sends abort or closes. Whatever happens, the workers' update is
-committed or aborted before the update gate is released.
+Once anything fails the session is "aborting": it tells every stream (the
+failing part's its own failure, the others PART_FAILED naming that part),
+keeps draining what the clients already announced (workers join those
+transfers and drop the bytes, so nobody hangs), and ends with the failure's
+status when every stream has sent abort, commit or closed. Whatever happens,
+the workers' update is committed or aborted before the update gate is
+released.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -50,6 +59,7 @@ from weightsync.server.ingress import Ingress
 from weightsync.server.leases import LeaseTable
 from weightsync.server.metrics import Metrics
 from weightsync.server.node_store import NodeStore, StoreUpdate
+from weightsync.server.parts import part_failed
 from weightsync.server.publisher import Publisher
 from weightsync.server.state import GroupRecord
 from weightsync.server.tasks import finish_despite_cancel, retrieve_quietly
@@ -66,6 +76,7 @@ from weightsync.server.update_intake import (
     StreamReader,
 )
 from weightsync.server.update_prepare import prepare
+from weightsync.server.update_streams import END, Stream, StreamSide, ingress_shares
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
@@ -106,32 +117,33 @@ class UpdateSession:
     """The transfer group (COLLECTIVE); None for INLINE and SHM."""
     begin: pb.BeginUpdate
     plan: tensor_pb2.WeightPlan
+    """The store's plan: the streams' plans one after another (one stream: its own)."""
     plan_id: str
-    inbox: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
-    readers: list[StreamReader] = field(default_factory=list)
-    """The readers of the streams that feed this update, in the order they joined (today one)."""
-    reading: list[asyncio.Task[None]] = field(default_factory=list)
-    """Their tasks; cancelled when the update ends."""
+    streams: list[Stream] = field(default_factory=list)
+    """The streams that feed this update, in rank order (update_streams.py); empty at construction: one
+    stream, rank 0, of the whole plan. The first one drives the update (its handler runs `run`)."""
+    inbox: asyncio.Queue[tuple[int | None, Item]] = field(default_factory=asyncio.Queue)
+    """What the streams' readers say, each tagged with its stream's rank (None: the server's own)."""
     store_update: StoreUpdate | None = None
     """The node store's side of this update, once derived."""
     failure: WeightSyncError | None = None
-    aborting_sent: bool = False
-    applied: int = 0
-    applied_sent: int = 0
-    """BucketApplied messages handed to the client's stream: what it can have seen (SHM slot reuse)."""
+    failed_part: int | None = None
+    """The rank of the stream whose part failed the update (None: the update itself, e.g. idle)."""
     applied_bytes: int = 0
-    pieces_done: int = 0
-    """Ingress pieces the workers finished with (their slots are free again)."""
     progress: asyncio.Event = field(default_factory=asyncio.Event)
     """Set whenever a piece or bucket was done or the update failed (frees ingress slots)."""
     failed: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set once the update failed: the driver stops waiting for buckets and tells the client."""
+    """Set once the update failed: the driver stops waiting for buckets and tells the clients."""
     finished: bool = False
     recorded: bool = False
     """The metrics of this update were recorded (once, whatever its end)."""
     torn: set[str] = field(default_factory=set)
     """Tensors a commit that failed half-way may have half-written (STAGED patches)."""
     started: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if not self.streams:
+            self.streams = [Stream(rank=0, plan=self.plan, plan_id=self.plan_id, first=0)]
 
     @property
     def bucket_timeout(self) -> float:
@@ -153,19 +165,35 @@ class UpdateSession:
         assert self.store_update is not None
         return self.store_update.owners
 
+    @property
+    def driving(self) -> Stream:
+        """The stream whose handler runs the update (`run` yields its responses)."""
+        return self.streams[0]
+
+    @property
+    def readers(self) -> list[StreamReader]:
+        """The readers of the streams that feed this update."""
+        return [stream.reader for stream in self.streams if stream.reader is not None]
+
+    @property
+    def reading(self) -> list[asyncio.Task[None]]:
+        """Their tasks; cancelled when the update ends."""
+        return [stream.reading for stream in self.streams if stream.reading is not None]
+
+    @property
+    def applied(self) -> int:
+        return sum(stream.applied for stream in self.streams)
+
+    def stream(self, rank: int) -> Stream:
+        return next(stream for stream in self.streams if stream.rank == rank)
+
     def break_group(self, why: str) -> None:
         if self.group is not None:
             self.services.groups.mark_broken(self.group.group_id, why)
 
     def request_shutdown(self) -> None:
         """Server is draining and the grace period ran out."""
-        self.inbox.put_nowait(ShuttingDown())
-
-    async def wait_pieces(self, count: int) -> None:
-        """Until the workers finished `count` ingress pieces, or the update failed."""
-        while self.pieces_done < count and self.failure is None:
-            self.progress.clear()
-            await self.progress.wait()
+        self.inbox.put_nowait((None, ShuttingDown()))
 
     def route_is_direct(self, sequence: int) -> bool:
         """Bucket `sequence` is received straight into the store (no staging)."""
@@ -185,83 +213,170 @@ class UpdateSession:
         assert self.store_update is not None
         return self.services.store.lay_out(self.store_update, sequence, layout)
 
-    def feed(self, requests: AsyncIterator[pb.UpdateWeightsRequest]) -> None:
+    def feed(self, stream: Stream, requests: AsyncIterator[pb.UpdateWeightsRequest]) -> None:
         """Read `requests` (a stream after its Begin) into this update, through its transport's intake."""
         services = self.services
-        reader = open_intake(self, transport=self.begin.transport, fleet=services.fleet, ingress=services.ingress,
-                             max_chunk_bytes=services.max_chunk_bytes)
-        self.readers.append(reader)
-        self.reading.append(asyncio.create_task(reader.read(requests)))
+        ingress = services.ingress
+        if ingress is not None and len(self.streams) > 1:
+            ingress = ingress_shares(ingress, len(self.streams))[self.streams.index(stream)]
+        stream.reader = open_intake(StreamSide(self, stream), transport=self.begin.transport, fleet=services.fleet,
+                                    ingress=ingress, max_chunk_bytes=services.max_chunk_bytes)
+        stream.reading = asyncio.create_task(stream.reader.read(requests))
 
     def forwarded_to(self, worker_index: int) -> list[int]:
         """The buckets any stream forwarded to this worker to receive into the store."""
         return sorted({sequence for reader in self.readers for sequence in reader.forwarded_to(worker_index)})
 
+    # -- the streams that follow -----------------------------------------------------
+    async def follow(self, rank: int) -> AsyncIterator[pb.UpdateWeightsResponse]:
+        """The responses of stream `rank` (not the driving one): what the driver hands it, to the update's
+        end (the driver always ends with END); then, unless the update committed, its failure as this part
+        sees it. A stream that goes away early (its handler cancelled) fails the update as closed."""
+        stream = self.stream(rank)
+        committed = False
+        try:
+            while (message := await stream.responses.get()) is not END:
+                if message.HasField("bucket_applied"):
+                    stream.applied_sent += 1  # counted when handed to gRPC, as the driver counts its own
+                committed = committed or message.HasField("committed")
+                yield message
+        finally:
+            if not stream.ended and not self.finished:
+                self.inbox.put_nowait((rank, Closed()))
+        if not committed:
+            if self.failure is None:  # the driver's handler went away before anything failed
+                raise Aborted("ABORTED", "the update did not commit")
+            raise self.failure_for(stream)
+
+    def failure_for(self, stream: Stream) -> WeightSyncError:
+        """The update's failure as stream `stream` learns it: its own, or which other part failed."""
+        assert self.failure is not None
+        if self.failed_part is None or self.failed_part == stream.rank or not self.begin.HasField("part"):
+            return self.failure
+        return part_failed(self.begin.part.update_key, self.failed_part, self.failure)
+
+    def _hand(self, stream: Stream, message: pb.UpdateWeightsResponse) -> bool:
+        """True when the driver yields `message` itself (the driving stream's); else it is queued."""
+        if stream is self.driving:
+            return True
+        stream.responses.put_nowait(message)
+        return False
+
     # -- driver ------------------------------------------------------------------
-    async def run(self, requests: AsyncIterator[pb.UpdateWeightsRequest]) -> AsyncIterator[pb.UpdateWeightsResponse]:
+    async def run(self, requests: AsyncIterator[pb.UpdateWeightsRequest],
+                  following: dict[int, AsyncIterator[pb.UpdateWeightsRequest]] | None = None,
+                  ) -> AsyncIterator[pb.UpdateWeightsResponse]:
+        """Drive the update: `requests` is the driving stream's, `following` the others' by rank (their
+        responses come from `follow`). Yields the driving stream's responses."""
         if self.group is not None:
             self.services.groups.update_started(self.group)
         try:
             await prepare(self)
             self.services.publisher.publish_state()  # watchers see UPDATING
-            yield self._ready()
-            self.feed(requests)
+            log.info("update_ready", buckets=len(self.plan.buckets), fast_path=self._fast(None),
+                     version=self.begin.version)
+            for stream in self.streams[1:]:
+                self._hand(stream, self._ready(stream))
+            yield self._ready(self.driving)
+            self.feed(self.driving, requests)
+            for rank, followed in (following or {}).items():
+                self.feed(self.stream(rank), followed)
             idle = self.bucket_timeout
             while True:
                 try:
-                    item = await asyncio.wait_for(self.inbox.get(), idle)
+                    rank, item = await asyncio.wait_for(self.inbox.get(), idle)
                 except TimeoutError:
                     self.fail(DeadlineExceeded("CLIENT_IDLE", f"no message from the client for {idle:g} s"))
                     break
+                stream = self.stream(rank) if rank is not None else self.driving
                 if isinstance(item, Bucket):
-                    message = await self._bucket_done(item)
-                    if message is not None:
+                    message = await self._bucket_done(stream, item)
+                    if message is not None and self._hand(stream, message):
                         # Counted when handed to gRPC: the client may act on it before we resume.
-                        self.applied_sent += 1
+                        stream.applied_sent += 1
                         yield message
                 elif isinstance(item, Commit):
+                    stream.ended = True
                     if self.failure is None:
-                        yield await self._commit()
-                        return
-                    break
+                        self._commit_asked(stream)
+                        if all(s.commit_asked for s in self.streams):  # the barrier: every part asked
+                            committed = await self._commit()
+                            for other in self.streams[1:]:
+                                self._hand(other, committed)
+                            yield committed
+                            return
+                        continue
+                    if self._all_ended():
+                        break
                 elif isinstance(item, Abort):
-                    self.fail(Aborted("ABORTED_BY_CLIENT", f"the client aborted the update: {item.reason or 'no reason given'}"))
-                    break
+                    stream.ended = True
+                    self.fail(Aborted("ABORTED_BY_CLIENT", f"the client aborted the update: {item.reason or 'no reason given'}"),
+                              part=stream.rank)
+                    if self._all_ended():
+                        break
                 elif isinstance(item, Closed):
-                    self.fail(Aborted("STREAM_CLOSED", "the client closed the stream before commit"))
-                    break
+                    stream.ended = True
+                    self.fail(Aborted("STREAM_CLOSED", "the client closed the stream before commit"), part=stream.rank)
+                    if self._all_ended():
+                        break
                 elif isinstance(item, Failed):
-                    self.fail(item.error)
+                    self.fail(item.error, part=stream.rank)
                 elif isinstance(item, ShuttingDown):
                     self.fail(Unavailable("SERVER_SHUTTING_DOWN", "the server is shutting down"))
-                    yield self._aborting_message()
+                    for other in self.streams[1:]:
+                        self._hand(other, self._aborting_message(other))
+                    yield self._aborting_message(self.driving)
                     break
-                if self.failure is not None and not self.aborting_sent:
-                    yield self._aborting_message()
+                if self.failure is not None:
+                    for other in self.streams[1:]:
+                        if not other.aborting_sent:
+                            self._hand(other, self._aborting_message(other))
+                    if not self.driving.aborting_sent:
+                        yield self._aborting_message(self.driving)
             assert self.failure is not None
-            raise self.failure
+            raise self.failure_for(self.driving)
         except WeightSyncError as error:  # refused in prepare or commit: recorded as what it was
             self.fail(error)
             raise
         finally:
+            for stream in self.streams[1:]:
+                stream.responses.put_nowait(END)
             # To its end even if this handler is cancelled, once or again (a client that aborts
             # and then cancels): the workers' abort, the engines' leases, the group's idle mark.
             await finish_despite_cancel(finish(self))
 
-    def _ready(self) -> pb.UpdateWeightsResponse:
+    def _all_ended(self) -> bool:
+        return all(stream.ended for stream in self.streams)
+
+    def _commit_asked(self, stream: Stream) -> None:
+        """Stream `stream` asks to commit: every bucket of its own must have been applied."""
+        error = check_commit(stream.applied, stream.count)
+        if error is not None:
+            self.fail(error, part=stream.rank)
+            raise self.failure_for(self.driving)
+        stream.commit_asked = True
+
+    def _fast(self, stream: Stream | None) -> int:
+        """Buckets received straight into the store (of one stream, or of the whole update)."""
         plan = self.store_update.plan if self.store_update else None
-        fast = plan.fast_path_count if plan else 0
-        log.info("update_ready", buckets=len(self.plan.buckets), fast_path=fast, version=self.begin.version)
-        ready = pb.UpdateReady(update_id=self.update_id, plan_id=self.plan_id, bucket_count=len(self.plan.buckets),
-                               fast_path_bucket_count=fast)
+        if plan is None:
+            return 0
+        if stream is None or len(self.streams) == 1:
+            return plan.fast_path_count
+        return sum(1 for r in plan.routes[stream.first : stream.first + stream.count] if r.direct)
+
+    def _ready(self, stream: Stream) -> pb.UpdateWeightsResponse:
+        plan = self.store_update.plan if self.store_update else None
+        ready = pb.UpdateReady(update_id=self.update_id, plan_id=stream.plan_id, bucket_count=stream.count,
+                               fast_path_bucket_count=self._fast(stream))
         if self.group is not None:
             ready.bucket_owner_ranks.extend(NO_OWNER if owner == NO_OWNER else self.group.rank_offset + owner
-                                            for owner in self.owners)
+                                            for owner in self.owners[stream.first : stream.first + stream.count])
         if plan is not None:
-            ready.not_stored_buckets.extend(plan.not_stored)
+            ready.not_stored_buckets.extend(k - stream.first for k in plan.not_stored if stream.owns(k))
         return pb.UpdateWeightsResponse(ready=ready)
 
-    async def _bucket_done(self, bucket: Bucket) -> pb.UpdateWeightsResponse | None:
+    async def _bucket_done(self, stream: Stream, bucket: Bucket) -> pb.UpdateWeightsResponse | None:
         fleet = self.services.fleet
         waiting = asyncio.ensure_future(fleet.settle(bucket.receives, self.bucket_timeout))
         failing = asyncio.ensure_future(self.failed.wait())
@@ -269,7 +384,7 @@ class UpdateSession:
         failing.cancel()
         if not waiting.done():
             # The update failed meanwhile (the reader refused a message): say so now; the abort
-            # path settles this bucket's receives (_settle_receives).
+            # path settles this bucket's receives (update_abort.settle_receives).
             waiting.cancel()
             retrieve_quietly(waiting)
             return None
@@ -279,7 +394,7 @@ class UpdateSession:
         for error in errors:
             self.note_broken(error)
         if not errors:
-            self.pieces_done += bucket.in_slot
+            stream.pieces_done += bucket.in_slot
             self.progress.set()
         if bucket.discard or self.failure is not None:
             return None
@@ -288,15 +403,16 @@ class UpdateSession:
             error = next((e for e in errors if isinstance(e, WeightSyncError) and not e.broken_group_id), errors[0])
             if not isinstance(error, WeightSyncError):
                 raise error
-            self.fail(error)
+            self.fail(error, part=stream.rank)
             return None
         if not bucket.last:
             return None
-        self.applied += 1
+        stream.applied += 1
         size = self.store_update.route(bucket.sequence).size_bytes if self.store_update else 0  # a deferred one's layout
         if self.stored_here(bucket.sequence):
             self.applied_bytes += size  # what the node received (UpdateCommitted.size_bytes)
-        return pb.UpdateWeightsResponse(bucket_applied=pb.BucketApplied(sequence=bucket.sequence, size_bytes=size))
+        return pb.UpdateWeightsResponse(bucket_applied=pb.BucketApplied(sequence=bucket.sequence - stream.first,
+                                                                        size_bytes=size))
 
     def note_touched(self, bucket: Bucket, answers) -> None:
         """The owner's answer says whether the bucket's bytes reached the store: applied, or failed after they
@@ -316,10 +432,6 @@ class UpdateSession:
                 self.touched(sequence)
 
     async def _commit(self) -> pb.UpdateWeightsResponse:
-        error = check_commit(self.applied, len(self.plan.buckets))
-        if error is not None:
-            self.fail(error)
-            raise error
         services = self.services
         store, update = services.store, self.store_update
         assert update is not None
@@ -361,10 +473,13 @@ class UpdateSession:
             buckets=self.applied, size_bytes=self.applied_bytes,
             failure=None if error is None else (error.reason, error.code.name))
 
-    def fail(self, error: WeightSyncError) -> None:
+    def fail(self, error: WeightSyncError, part: int | None = None) -> None:
+        """The update fails with `error`: the first failure holds. `part`: the rank of the stream whose part
+        failed (the other streams learn PART_FAILED naming it); None when no one part did (idle, shutdown)."""
         if self.failure is not None:
             return
         self.failure = error
+        self.failed_part = part
         self.progress.set()
         self.failed.set()
         self.note_broken(error)
@@ -375,8 +490,8 @@ class UpdateSession:
         if isinstance(error, WeightSyncError) and error.broken_group_id and self.group is not None:
             self.services.groups.mark_broken(self.group.group_id, f"{error.reason}: {error.message}")
 
-    def _aborting_message(self) -> pb.UpdateWeightsResponse:
-        assert self.failure is not None
-        self.aborting_sent = True
+    def _aborting_message(self, stream: Stream) -> pb.UpdateWeightsResponse:
+        failure = self.failure_for(stream)
+        stream.aborting_sent = True
         return pb.UpdateWeightsResponse(aborting=pb.UpdateAborting(
-            code=code_number(self.failure.code), reason=self.failure.reason, message=self.failure.message))
+            code=code_number(failure.code), reason=failure.reason, message=failure.message))

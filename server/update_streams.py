@@ -1,0 +1,183 @@
+"""The streams that feed one update: each one's own state, and what its reader sees of the update.
+
+An update is fed by one stream per part (BeginUpdate.part; a stream without a part is the whole
+update, a world of 1). Each stream has its own plan, and its buckets are a run of the update's:
+the node store sees one plan, the concatenation of the parts' plans in rank order, so stream
+`rank`'s bucket k is the store's bucket `first + k`. What is the stream's own is kept here, per
+stream: its reader, the buckets applied and the BucketApplied messages handed to it, the ingress
+pieces its workers finished, whether it asked to commit and was told the update is aborting, and
+(for every stream but the one whose handler drives the update) the queue of its responses.
+
+A reader sees its update only through its stream's side (StreamSide, an IntakeSession): the
+stream's own plan, counters and sequences, every message it puts in the inbox tagged with the
+stream, and a failure it reports attributed to its part. INLINE streams share the ingress slots:
+each stream gets its own run of them (IngressShare), so one part never writes into another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from weightsync.common.errors import WeightSyncError
+from weightsync.server.ingress import Ingress
+from weightsync.server.update_intake import Item, StreamReader
+from weightsync.v1 import tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
+from weightsync.worker.v1 import worker_pb2 as wpb
+
+if TYPE_CHECKING:
+    from weightsync.server.update_session import UpdateSession
+
+END = None
+"""Put in a following stream's response queue after its last response."""
+
+
+@dataclass(slots=True)
+class Stream:
+    """One stream of an update: its part's rank (0 for a world of 1), plan and state."""
+
+    rank: int
+    plan: tensor_pb2.WeightPlan
+    plan_id: str
+    first: int
+    """The store's sequence of this stream's bucket 0."""
+    reader: StreamReader | None = None
+    reading: asyncio.Task[None] | None = None
+    applied: int = 0
+    """This stream's buckets its owners applied."""
+    applied_sent: int = 0
+    """BucketApplied messages handed to this stream: what its client can have seen (SHM slot reuse)."""
+    pieces_done: int = 0
+    """This stream's ingress pieces the workers finished with (their slots are free again)."""
+    commit_asked: bool = False
+    ended: bool = False
+    """The stream said its last word: commit, abort, or it closed."""
+    aborting_sent: bool = False
+    responses: asyncio.Queue[pb.UpdateWeightsResponse | None] = field(default_factory=asyncio.Queue)
+    """A following stream's responses (the driving stream's are yielded by the driver itself)."""
+
+    @property
+    def count(self) -> int:
+        return len(self.plan.buckets)
+
+    def owns(self, sequence: int) -> bool:
+        """The store's bucket `sequence` is one of this stream's."""
+        return self.first <= sequence < self.first + self.count
+
+
+class IngressShare:
+    """A stream's run of the ingress slots: `count` of them from slot `start` (the whole ingress for one
+    stream). Offsets are the ingress's own, so workers copy from them unchanged."""
+
+    def __init__(self, ingress: Ingress, start: int, count: int) -> None:
+        self.ingress = ingress
+        self.start = start
+        self.slot_count = count
+        self.slot_bytes = ingress.slot_bytes
+
+    def slot_offset(self, sequence: int) -> int:
+        return (self.start + sequence % self.slot_count) * self.slot_bytes
+
+    def write(self, sequence: int, offset_bytes: int, data: bytes | memoryview) -> None:
+        start = self.slot_offset(sequence) + offset_bytes
+        self.ingress.view[start : start + len(data)] = data
+
+
+def ingress_shares(ingress: Ingress, streams: int) -> list[IngressShare]:
+    """The slots split evenly between the streams, in order (the first ones get a remainder's slot)."""
+    base, extra = divmod(ingress.slot_count, streams)
+    shares, start = [], 0
+    for index in range(streams):
+        count = base + (1 if index < extra else 0)
+        shares.append(IngressShare(ingress, start, count))
+        start += count
+    return shares
+
+
+class StreamSide:
+    """What the reader of one stream sees of its update (update_intake.IntakeSession): its own plan,
+    counters and sequences; every inbox message tagged with the stream; failures attributed to it."""
+
+    def __init__(self, session: UpdateSession, stream: Stream) -> None:
+        self._session = session
+        self._stream = stream
+        self.stream = stream.rank
+        self.update_id = session.update_id
+        self.plan = stream.plan
+        self.inbox = _TaggedInbox(session.inbox, stream.rank)
+
+    @property
+    def failure(self) -> WeightSyncError | None:
+        return self._session.failure
+
+    @property
+    def applied_sent(self) -> int:
+        return self._stream.applied_sent
+
+    @property
+    def bucket_timeout(self) -> float:
+        return self._session.bucket_timeout
+
+    @property
+    def broadcast_to_all(self) -> bool:
+        return self._session.broadcast_to_all
+
+    @property
+    def owners(self) -> list[int]:
+        first = self._stream.first
+        return self._session.owners[first : first + self._stream.count]
+
+    def store_sequence(self, sequence: int) -> int:
+        return self._stream.first + sequence
+
+    def touched(self, sequence: int) -> None:
+        self._session.touched(self.store_sequence(sequence))
+
+    def route_is_direct(self, sequence: int) -> bool:
+        return 0 <= sequence < self._stream.count and self._session.route_is_direct(self.store_sequence(sequence))
+
+    def stored_here(self, sequence: int) -> bool:
+        return not 0 <= sequence < self._stream.count or self._session.stored_here(self.store_sequence(sequence))
+
+    def lay_out(self, sequence: int, layout: tensor_pb2.BucketSpec) -> wpb.OwnedBucket:
+        return self._session.lay_out(self.store_sequence(sequence), layout)
+
+    def fail(self, error: WeightSyncError) -> None:
+        self._session.fail(error, part=self._stream.rank)
+
+    def break_group(self, why: str) -> None:
+        self._session.break_group(why)
+
+    async def wait_pieces(self, count: int) -> None:
+        """Until the workers finished `count` of this stream's ingress pieces, or the update failed."""
+        session, stream = self._session, self._stream
+        while stream.pieces_done < count and session.failure is None:
+            session.progress.clear()
+            await session.progress.wait()
+
+
+class _TaggedInbox:
+    """The update's inbox as one stream's reader puts into it: each item tagged with the stream."""
+
+    def __init__(self, inbox: asyncio.Queue[tuple[int, Item]], stream: int) -> None:
+        self._inbox = inbox
+        self._stream = stream
+
+    async def put(self, item: Item) -> None:
+        await self._inbox.put((self._stream, item))
+
+    def put_nowait(self, item: Item) -> None:
+        self._inbox.put_nowait((self._stream, item))
+
+
+def store_plan(parts: list[tuple[int, tensor_pb2.WeightPlan, str]]) -> tuple[tensor_pb2.WeightPlan, list[Stream]]:
+    """The store's plan of an update fed by these parts (rank, plan, plan id), in rank order: their
+    buckets one after another, each part's stream starting where the previous one's buckets end."""
+    plan = tensor_pb2.WeightPlan()
+    streams = []
+    for rank, part_plan, part_plan_id in sorted(parts, key=lambda part: part[0]):
+        streams.append(Stream(rank=rank, plan=part_plan, plan_id=part_plan_id, first=len(plan.buckets)))
+        plan.buckets.extend(part_plan.buckets)
+    return plan, streams

@@ -134,7 +134,7 @@ bench-quick: install
 	$(PY) -m bench --quick
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) $(SGLANG_VENV) $(LMDEPLOY_VENV) tools/node_modules examples/node/node_modules build .pytest_cache $(GPU_KIT)
+	rm -rf $(VENV) $(ENGINE_VENV) $(SGLANG_VENV) $(LMDEPLOY_VENV) $(VERL_VENV) tools/node_modules examples/node/node_modules build .pytest_cache $(GPU_KIT)
 
 # SGLang in its own virtualenv (tests/sglang_engine). torch first with SGLang's exact pins (torch 2.14.1,
 # torchvision 0.29.1: on this machine both lie on local disk; the default torch build is a CUDA one
@@ -151,7 +151,7 @@ $(SGLANG_STAMP): pyproject.toml
 	$(SGLANG_PY) -m pip install -q --disable-pip-version-check -e '.[dev,sglang]'
 	touch $(SGLANG_STAMP)
 
-.PHONY: sglang-install test-sglang lmdeploy-install test-lmdeploy
+.PHONY: sglang-install test-sglang lmdeploy-install test-lmdeploy verl-install test-verl
 sglang-install: $(SGLANG_STAMP)
 
 # A real SGLang server (CPU, TP 2) loading the node's versions through weightsync's loader
@@ -185,3 +185,31 @@ lmdeploy-install: $(LMDEPLOY_STAMP)
 # LMDeploy's engine refuses a CPU device: its pipeline test is tests/gpu/test_lmdeploy_engine.py.
 test-lmdeploy: lmdeploy-install
 	$(LMDEPLOY_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/lmdeploy_engine
+
+# verl in its own virtualenv (tests/verl): weightsync as verl's "weightsync" checkpoint engine.
+# verl 0.9.1's wheel declares ray[default], wandb, datasets, transformers<5.11 and more; its cpu/vllm
+# extras pin torch 2.11 and vLLM. So: the CPU torch first (exact pin, as .venv), verl with --no-deps,
+# then only what importing verl.checkpoint_engine needs (found by importing it; tensordict and
+# transformers at verl's own bounds; uvicorn, which verl imports without declaring it), then
+# weightsync editable. pip warns about verl's undeclared-here requirements: the checkpoint-engine
+# lifecycle runs without them (tests/verl).
+VERL_VENV := .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.installed
+$(VERL_STAMP): pyproject.toml
+	test -x $(VERL_PY) || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(VERL_PY) -m pip install -q --disable-pip-version-check --no-deps verl==0.9.1
+	$(VERL_PY) -m pip install -q --disable-pip-version-check packaging==25.0 numpy==2.4.6 ray==2.60.0 \
+	  tensordict==0.10.0 omegaconf==2.4.0 transformers==5.10.4 codetiming==1.4.0 orjson==3.13.0 \
+	  fastapi==0.165.0 uvicorn==0.54.0
+	$(VERL_PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(VERL_PY) -c 'import torch, verl.checkpoint_engine; assert torch.__version__ == "2.13.0+cpu", torch.__version__'
+	touch $(VERL_STAMP)
+
+verl-install: $(VERL_STAMP)
+
+# verl's own registry and checkpoint-engine lifecycle over a real weightsync server (tests/verl):
+# one ordered scenario, not shuffled.
+test-verl: verl-install
+	$(VERL_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/verl

@@ -1,0 +1,23 @@
+"""weightsync.integrations.verl: weightsync as a verl (0.9.x) checkpoint engine.
+
+    pip install 'weightsync[verl]'
+
+Two lines of verl's config choose it; verl imports this module in every worker, which registers
+the backend "weightsync" with verl's CheckpointEngineRegistry:
+
+    rollout.checkpoint_engine.backend=weightsync
+    rollout.checkpoint_engine.custom_backend_module=weightsync.integrations.verl
+    +rollout.checkpoint_engine.engine_kwargs.weightsync.servers='[node-a:50051,node-b:50051]'
+
+Other engine_kwargs.weightsync keys: transport, token, mode, delta, timeout_s, node_server,
+outcome_host (config.py). Each sync's version label is verl's global_steps. The config and error
+modules import without verl; importing this package imports verl.
+"""
+
+from __future__ import annotations
+
+from weightsync.integrations.verl.config import VerlSyncConfig
+from weightsync.integrations.verl.engine import BACKEND, WeightSyncCheckpointEngine
+from weightsync.integrations.verl.errors import WeightSyncVerlError
+
+__all__ = ["BACKEND", "VerlSyncConfig", "WeightSyncCheckpointEngine", "WeightSyncVerlError"]

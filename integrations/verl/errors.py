@@ -1,0 +1,29 @@
+"""The one error the verl integration raises during a sync: a reason to branch on, the rank it names."""
+
+from __future__ import annotations
+
+
+class WeightSyncVerlError(RuntimeError):
+    """A weight sync of one step did not complete; the rollout keeps the last version it loaded.
+
+    `reason` is machine-readable:
+      CONFIG_INVALID         an engine_kwargs entry verl passed is wrong (`message` names it)
+      NOT_INITIALIZED        send/receive before verl's init_process_group gave this worker its role
+      STEP_MISSING           send/receive without global_steps (the version label)
+      PUSH_FAILED            the sending actor rank's push failed (`cause_reason`: the server's
+                             ErrorInfo reason, or the SDK error's type); raised on every actor rank
+      SENDER_LOST            the sending rank's outcome never reached this actor rank within the
+                             timeout (it died or hung)
+      VERSION_NOT_COMMITTED  the rollout's node did not commit the asked version within the timeout
+      VERSION_GONE           the rollout's node already holds a later step than the one asked for
+    `rank` is the actor rank at fault (the sender) for PUSH_FAILED and SENDER_LOST, else -1;
+    `version` is the label asked for ("" when none).
+    """
+
+    def __init__(self, reason: str, message: str, *, rank: int = -1, version: str = "",
+                 cause_reason: str = "") -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.rank = rank
+        self.version = version
+        self.cause_reason = cause_reason

@@ -1,0 +1,166 @@
+"""verl 0.9.1 drives weightsync's checkpoint engine: its registry finds "weightsync" (through the
+custom_backend_module its workers import), and each sync runs verl's lifecycle as its
+CheckpointEngineManager.update_weights does (prepare on every worker, the class's build_topology on
+their answers, init_process_group with each one's part, send_weights on every actor rank beside
+receive_weights on the rollout worker, finalize), across processes: two actor ranks (rank 0 is
+verl's is_master, the sender), one rollout worker, a real weightsync server. The test process plays
+the manager (verl's own manager needs Ray worker groups; the calls and their order are its).
+
+Several steps, bit-exact against the actor's full tensors; a refused push fails every actor rank
+with PUSH_FAILED naming rank 0 while the rollout times out and the node keeps the last version;
+the next step and a verify then pass; a sender that dies is SENDER_LOST on the other rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("verl.checkpoint_engine", reason="verl is not installed here: run make test-verl")
+
+import torch  # noqa: E402
+from verl.checkpoint_engine import CheckpointEngineRegistry  # noqa: E402
+from verl.utils.import_utils import import_external_libs  # noqa: E402
+from verl_workers import serve, weights_for  # noqa: E402
+
+from weightsync.client import WeightSyncClient  # noqa: E402
+from weightsync.engine import EngineClient  # noqa: E402
+
+from helpers import running_server  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+ANSWER_S = 60.0
+"""Bound on each answer from a worker process."""
+
+
+class Worker:
+    def __init__(self, role: str, is_master: bool, engine_kwargs: dict) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(child, role, is_master, engine_kwargs), daemon=True)
+        self.process.start()
+        child.close()
+
+    def ready(self) -> str:
+        return self.answer()
+
+    def call(self, method: str, **args) -> None:
+        self.conn.send((method, args))
+
+    def answer(self):
+        if not self.conn.poll(ANSWER_S):
+            raise AssertionError(f"worker {self.process.pid} did not answer within {ANSWER_S} s")
+        kind, value = self.conn.recv()
+        return value if kind in ("ok", "ready") else ("error", value)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(("stop", {}))
+                self.conn.poll(10)
+            except (BrokenPipeError, OSError):
+                pass
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+
+
+def sync(actors: list[Worker], rollouts: list[Worker], step: int, *, bad_shape: bool = False):
+    """One update_weights, in CheckpointEngineManager's order (its steps 4 to 6)."""
+    backend_cls = CheckpointEngineRegistry.get("weightsync")
+    workers = actors + rollouts
+    for w in workers:
+        w.call("prepare")
+    metadata = [w.answer() for w in workers]
+    actor_kwargs, rollout_kwargs = backend_cls.build_topology(len(actors), len(rollouts), metadata)
+    for kwargs, group in ((actor_kwargs, actors), (rollout_kwargs, rollouts)):
+        assert all(len(v) == len(group) for v in kwargs.values())
+        for i, w in enumerate(group):
+            w.call("init_process_group", **{k: v[i] for k, v in kwargs.items()})
+    assert [w.answer() for w in workers] == [None] * len(workers)
+    for w in actors:
+        w.call("update_weights", step=step, bad_shape=bad_shape)
+    for w in rollouts:
+        w.call("update_weights", step=step)
+    results = [w.answer() for w in workers]
+    for w in workers:
+        w.call("finalize")
+    assert [w.answer() for w in workers] == [None] * len(workers)
+    return results[: len(actors)], results[len(actors):]
+
+
+def assert_bit_exact(received: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(received) == sorted(expected)
+    for name, tensor in expected.items():
+        got = received[name]
+        assert (got.dtype, got.shape) == (tensor.dtype, tensor.shape), name
+        assert torch.equal(got.view(-1).view(torch.uint8), tensor.contiguous().view(-1).view(torch.uint8)), name
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator:
+    with running_server(tmp_path_factory.mktemp("verl")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def fleet(server) -> Iterator[tuple[list[Worker], list[Worker]]]:
+    kwargs = {"servers": [server.address], "transport": "inline", "timeout_s": 8}
+    actors = [Worker("actor", True, kwargs), Worker("actor", False, kwargs)]
+    rollouts = [Worker("rollout", False, kwargs)]
+    try:
+        assert [w.ready() for w in actors + rollouts] == ["WeightSyncCheckpointEngine"] * 3
+        yield actors, rollouts
+    finally:
+        for w in actors + rollouts:
+            w.stop()
+
+
+def test_verl_registry_finds_weightsync() -> None:
+    import_external_libs("weightsync.integrations.verl")
+    from weightsync.integrations.verl import WeightSyncCheckpointEngine
+
+    assert CheckpointEngineRegistry.get("weightsync") is WeightSyncCheckpointEngine
+
+
+def test_steps_bit_exact_a_refused_push_fails_every_actor_rank_then_next_step(fleet, server) -> None:
+    actors, rollouts = fleet
+    for step in (1, 2, 3):
+        actor_results, (received,) = sync(actors, rollouts, step)
+        assert_bit_exact(received, weights_for(step))
+        for metrics in actor_results:
+            assert set(metrics) == {"weightsync/push_s", "weightsync/bytes_sent", "weightsync/dense_bytes"}
+    assert actor_results[0]["weightsync/bytes_sent"] < actor_results[0]["weightsync/dense_bytes"]  # delta
+
+    # Step 4: the sender's push is refused (a tensor of another shape): every actor rank raises
+    # PUSH_FAILED naming rank 0; the rollout finds no version 4 within its bound; the node keeps 3.
+    actor_results, (rollout_result,) = sync(actors, rollouts, 4, bad_shape=True)
+    for kind, error in actor_results:
+        assert kind == "error"
+        assert (error["type"], error["reason"], error["rank"], error["version"]) == (
+            "WeightSyncVerlError", "PUSH_FAILED", 0, "4")
+        assert error["cause_reason"] == "TENSOR_SHAPE_MISMATCH", error
+    kind, error = rollout_result
+    assert (kind, error["reason"], error["version"]) == ("error", "VERSION_NOT_COMMITTED", "4")
+    with EngineClient(server=server.address, name="test") as engine:
+        assert engine.status().version.version == "3"
+
+    # The next step commits, bit-exact, and the server's store verifies against the actor's tensors.
+    _, (received,) = sync(actors, rollouts, 5)
+    assert_bit_exact(received, weights_for(5))
+    with WeightSyncClient(server.address) as client:
+        assert client.verify(weights_for(5)).ok
+
+
+def test_a_dead_sender_is_sender_lost_on_the_other_actor_rank(fleet) -> None:
+    actors, _ = fleet
+    sender, other = actors
+    sender.process.kill()
+    sender.process.join(10)
+    other.call("update_weights", step=6)
+    kind, error = other.answer()
+    assert (kind, error["reason"], error["rank"], error["version"]) == ("error", "SENDER_LOST", 0, "6")

@@ -25,8 +25,10 @@ from weightsync.common.errors import (
     WeightSyncError,
 )
 from weightsync.common.logging import get_logger
+from weightsync.common.plan_id import plan_id_of
 from weightsync.server.node import SERVICE_NAME, Node
 from weightsync.server.part_joins import PartJoins, Ticket
+from weightsync.server.part_updates import PartFeed, PartUpdates
 from weightsync.server.parts import TensorMeta, parts_not_run, parts_unavailable
 from weightsync.server.request_checks import (
     check_begin,
@@ -36,6 +38,7 @@ from weightsync.server.request_checks import (
     require_base,
 )
 from weightsync.server.update_session import UpdateSession
+from weightsync.server.update_streams import store_plan
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 from weightsync.worker.v1 import worker_pb2 as wpb
@@ -57,6 +60,8 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         self.node = node
         self.joins = PartJoins()
         """The parts of updates sent by several trainer processes, while they join (BeginUpdate.part)."""
+        self.part_updates = PartUpdates()
+        """The joined parts' streams, until part 0's handler starts their update."""
 
     # -- RPCs ----------------------------------------------------------------------
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context) -> pb.GetServerInfoResponse:
@@ -179,27 +184,86 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             async with contextlib.aclosing(self._joined(ticket)) as keepalives:
                 async for waiting in keepalives:
                     yield waiting
+        if ticket is not None and ticket.rendezvous.world > 1:
+            responses = self._part_update(ticket, group, begin, plan, plan_id, summary, requests)
+        else:
+            responses = self._update(group, begin, plan, plan_id, summary, requests)
         try:
-            gate = self.node.gate
-            gate.require_idle()
-            update_id = uuid.uuid4().hex[:16]
-            session = UpdateSession(self.node.session_services, update_id, group, begin, plan, plan_id)
-            async with gate.running(session):
-                structlog.contextvars.bind_contextvars(update_id=update_id, group_id=group.group_id if group else "",
-                                                       transport=pb.Transport.Name(begin.transport))
-                # aclosing: the session's clean-up runs here, before the gate is released, even
-                # when this handler is cancelled while gRPC holds one of its responses.
-                async with contextlib.aclosing(session.run(requests)) as responses:
-                    async for response in responses:
-                        if response.WhichOneof("message") == "committed":
-                            self.node.plans.remember(plan_id, plan, summary)
-                            if ticket is not None:
-                                self.joins.committed(begin.part.update_key, response.committed.version.generation)
-                        yield response
+            # aclosing: the session's clean-up runs here, before the gate is released, even
+            # when this handler is cancelled while gRPC holds one of its responses.
+            async with contextlib.aclosing(responses) as updating:
+                async for response in updating:
+                    if ticket is not None and response.WhichOneof("message") == "committed":
+                        self.joins.committed(begin.part.update_key, response.committed.version.generation)
+                    yield response
         except WeightSyncError as error:
             if ticket is not None:
                 self.joins.ended(begin.part.update_key, error)  # a later part under the key gets it
             raise
+
+    async def _update(self, group, begin: pb.BeginUpdate, plan, plan_id: str, summary,
+                      requests: AsyncIterator[pb.UpdateWeightsRequest]) -> AsyncIterator[pb.UpdateWeightsResponse]:
+        """An update fed by this stream alone (no part, or a world of 1)."""
+        gate = self.node.gate
+        gate.require_idle()
+        update_id = uuid.uuid4().hex[:16]
+        session = UpdateSession(self.node.session_services, update_id, group, begin, plan, plan_id)
+        async with gate.running(session):
+            self._bind(update_id, group, begin)
+            async with contextlib.aclosing(session.run(requests)) as responses:
+                async for response in responses:
+                    if response.WhichOneof("message") == "committed":
+                        self.node.plans.remember(plan_id, plan, summary)
+                    yield response
+
+    async def _part_update(self, ticket: Ticket, group, begin: pb.BeginUpdate, plan, plan_id: str, summary,
+                           requests: AsyncIterator[pb.UpdateWeightsRequest]) -> AsyncIterator[pb.UpdateWeightsResponse]:
+        """One part's stream of an update of several (part_updates.py): part 0's handler runs the update fed
+        by every part's stream, the others relay their own responses."""
+        key, world, rank = ticket.rendezvous.key, ticket.rendezvous.world, ticket.rank
+        gathering = self.part_updates.hand_in(key, world, rank, PartFeed(plan, plan_id, requests))
+        if rank != 0:
+            session = await self.part_updates.session(gathering)
+            responses = session.follow(rank)
+        else:
+            started = False
+            try:
+                feeds = await self.part_updates.gathered(gathering)
+                gate = self.node.gate
+                gate.require_idle()
+                whole, streams = store_plan([(r, feed.plan, feed.plan_id) for r, feed in feeds.items()])
+                session = UpdateSession(self.node.session_services, uuid.uuid4().hex[:16], group, begin, whole,
+                                        plan_id_of(whole), streams=streams)
+                self.part_updates.started(gathering, session)
+                started = True
+            except WeightSyncError as error:
+                self.part_updates.failed(gathering, error)
+                raise
+            finally:
+                if not started:
+                    self.part_updates.left(gathering)
+            responses = self._drive(session, gate, group, begin, feeds[0].requests,
+                                    {r: f.requests for r, f in feeds.items() if r})
+        async with contextlib.aclosing(responses) as relayed:
+            async for response in relayed:
+                if response.WhichOneof("message") == "committed":
+                    self.node.plans.remember(plan_id, plan, summary)
+                yield response
+
+    async def _drive(self, session: UpdateSession, gate, group, begin: pb.BeginUpdate,
+                     requests: AsyncIterator[pb.UpdateWeightsRequest],
+                     following: dict[int, AsyncIterator[pb.UpdateWeightsRequest]],
+                     ) -> AsyncIterator[pb.UpdateWeightsResponse]:
+        """Part 0: the update of every part's stream, under the gate (its responses are part 0's)."""
+        async with gate.running(session):
+            self._bind(session.update_id, group, begin)
+            async with contextlib.aclosing(session.run(requests, following)) as responses:
+                async for response in responses:
+                    yield response
+
+    def _bind(self, update_id: str, group, begin: pb.BeginUpdate) -> None:
+        structlog.contextvars.bind_contextvars(update_id=update_id, group_id=group.group_id if group else "",
+                                               transport=pb.Transport.Name(begin.transport))
 
     async def _joined(self, ticket: Ticket) -> AsyncIterator[pb.UpdateWeightsResponse]:
         """A part's keepalives until every part of its update joined and their union was checked. This server
@@ -213,10 +277,16 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             self.joins.fail(ticket, Aborted("STREAM_CLOSED", "the part's stream ended while its parts joined"))
             raise
         key, world = ticket.rendezvous.key, ticket.rendezvous.world
-        if world > 1:
+        if world > 1 and not self._runs_parts(ticket.rendezvous.first.transport, world):
             refusal = parts_not_run(key, world)
             self.joins.ended(key, refusal)
             raise refusal
+
+    def _runs_parts(self, transport: int, world: int) -> bool:
+        """This server runs an update of `world` parts over `transport`: INLINE, each part with an ingress
+        slot of its own at least (boxes are refused at begin: parts_unavailable)."""
+        ingress = self.node.ingress
+        return transport == pb.TRANSPORT_INLINE and ingress is not None and world <= ingress.slot_count
 
     def _stored(self) -> dict[str, TensorMeta]:
         """The dtype and shape of every tensor the store holds (what a part may declare unchanged)."""

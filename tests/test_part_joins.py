@@ -1,8 +1,9 @@
 """The parts of an update join on a real server (server/part_joins.py, over gRPC): keepalives while they
 wait, a rank twice or other terms refused to that part alone, the union refused to every part, a part
 that never comes fails every joined part naming it (and a later one too), a part that fails or leaves
-is named to the others, and a one-part update commits. This server runs one-part updates only: a larger
-world, once joined and checked, ends UNIMPLEMENTED PARTS_UNAVAILABLE for every part. Every refusal
+is named to the others, and a one-part update commits. This server runs parts over INLINE with an ingress
+slot each: more parts than slots, once joined and checked, end UNIMPLEMENTED PARTS_UNAVAILABLE for every
+part (test_part_updates.py runs two parts). Every refusal
 leaves the store as it was, and the next whole push commits bit for bit."""
 
 from __future__ import annotations
@@ -109,19 +110,24 @@ def refused(stream: UpdateStream) -> tuple[grpc.StatusCode, str, dict[str, str]]
     return caught.value.code(), info.reason, dict(info.metadata)
 
 
-def test_parts_wait_for_each_other_then_this_server_refuses_a_larger_world(node, committed):
-    first, _ = begin_part(node, "k-run", 0, 2, whole=["w"])
-    assert waiting(first) == [1]
-    other, _ = begin_part(node, "k-run", 1, 2, whole=["b"], version="v-other")
+def test_parts_wait_for_each_other_then_this_server_refuses_more_parts_than_ingress_slots(node, committed):
+    """This server runs INLINE parts with an ingress slot each: 2 slots (the default), so a world of 3 is
+    refused once joined and checked (test_part_updates.py runs a world of 2)."""
+    first, _ = begin_part(node, "k-run", 0, 3, whole=["w"])
+    assert waiting(first) == [1, 2]
+    other, _ = begin_part(node, "k-run", 1, 3, whole=["b"], version="v-other")
     assert refused(other) == (grpc.StatusCode.INVALID_ARGUMENT, "PART_MISMATCH", {
         "update_key": "k-run", "rank": "1", "field": "version", "expected": "v-parts", "got": "v-other"})
-    twice, _ = begin_part(node, "k-run", 0, 2, whole=["w"])
+    twice, _ = begin_part(node, "k-run", 0, 3, whole=["w"])
     assert refused(twice) == (grpc.StatusCode.ALREADY_EXISTS, "PART_DUPLICATE", {"update_key": "k-run", "rank": "0"})
-    second, _ = begin_part(node, "k-run", 1, 2, whole=["b"])
-    unavailable = (grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"update_key": "k-run", "world": "2"})
+    second, _ = begin_part(node, "k-run", 1, 3, whole=["b"])
+    assert waiting(second) == [2]
+    third, _ = begin_part(node, "k-run", 2, 3, whole=["x"], sends={"x": torch.ones(4)})
+    unavailable = (grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"update_key": "k-run", "world": "3"})
+    assert refused(third) == unavailable
     assert refused(second) == unavailable
     assert refused(first) == unavailable
-    late, _ = begin_part(node, "k-run", 1, 2, whole=["b"])
+    late, _ = begin_part(node, "k-run", 1, 3, whole=["b"])
     assert refused(late) == unavailable
 
 

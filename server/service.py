@@ -2,7 +2,8 @@
 
 Each method checks its request (request_checks.py), asks the node's parts, and answers; the
 node builds and holds everything. An update stream is run by an UpdateSession
-(update_session.py) under the node's update gate (update_gate.py).
+(update_session.py) under the node's update gate (update_gate.py); the streams of an update's parts,
+once joined (part_joins.py), by one session that part 0's handler runs (part_updates.py).
 """
 
 from __future__ import annotations
@@ -266,8 +267,8 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
                                                transport=pb.Transport.Name(begin.transport))
 
     async def _joined(self, ticket: Ticket) -> AsyncIterator[pb.UpdateWeightsResponse]:
-        """A part's keepalives until every part of its update joined and their union was checked. This server
-        runs an update of one part only: the parts of a larger world all end PARTS_UNAVAILABLE there."""
+        """A part's keepalives until every part of its update joined and their union was checked. A world this
+        server does not run (_runs_parts) ends PARTS_UNAVAILABLE for every part there."""
         try:
             async for waiting in self.joins.wait(ticket):
                 yield waiting

@@ -29,80 +29,49 @@ STORE_EMPTY, ...), TENSOR_NOT_IN_MODEL, TENSOR_MISMATCH, RANK_REFUSED (another r
 nothing loaded) and LOAD_FAILED (load_weights or the post-load processing raised part-way: the
 rank's weights are a mix, and its next load takes every tensor).
 
+What every engine's rank does alike (attaching, acquiring, the checks, the agreement, the
+release) is engine/rank_load.py's RankLoader; this module is LMDeploy's side of it: its model
+names (rename_weight, the fused parameters, the whole-parameter shapes with one rank), its
+messages, and its load_weights followed by the post-load processing.
+
 Importing this module does not import LMDeploy; the model only needs `named_parameters` and
 `load_weights` (LMDeploy's classes, or a stand-in).
 """
 
 from __future__ import annotations
 
-import os
-import re
-import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from weightsync.common.logging import get_logger
+from weightsync.engine import rank_load
 from weightsync.engine.checkpoint_shapes import CheckpointShapes, safetensors_shapes, shape_problem
-from weightsync.engine.client import EngineClient, EngineError, StoreSnapshot
+from weightsync.engine.client import StoreSnapshot
+from weightsync.engine.rank_load import (
+    DEFAULT_PACKED,
+    DROPPED_SUFFIXES,
+    ApplyStats,
+    LoadError,
+    counted,
+)
 from weightsync.engine.sglang.request import RequestError, UpdateRequest
 
 logger = get_logger("weightsync.engine.lmdeploy")
 
-ENGINE_NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
-# The fused parameters of LMDeploy's dense models and the checkpoint tensors each is made of (the
-# stacked_params_mapping of their load_weights); a model's own `packed_modules_mapping` wins.
-DEFAULT_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# Checkpoint tensors LMDeploy's load_weights drops on purpose.
-DROPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-class LoadError(RuntimeError):
-    """A version this rank did not load; `reason` is machine-readable."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.detail = message
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AttachConfig:
-    """Where a rank finds the node's store (read once from the environment)."""
+class AttachConfig(rank_load.AttachConfig):
+    """Where an LMDeploy rank finds the node's store (read once from the environment)."""
 
-    server: str = ""
-    """The weightsync server's gRPC host:port (its local socket is looked up); or local_socket."""
-    local_socket: str = ""
-    """The server's unix socket (GetServerInfo.local_socket)."""
+    ENGINE = "LMDeploy"
     engine_name: str = "lmdeploy"
-    """Rank 0's name in GetServerInfo.engines; rank R of tensor parallelism is NAME:tpR."""
-    token: str = ""
-    """The server's bearer token, if it has one."""
-    timeout_s: float = 60.0
-    """Connect/request timeout towards the server."""
 
     def __post_init__(self) -> None:
-        if bool(self.server) == bool(self.local_socket):
-            raise LoadError("CONFIG_INVALID", "set exactly one of WEIGHTSYNC_SERVER (host:port) and "
-                            "WEIGHTSYNC_LOCAL_SOCKET (the server's unix socket) for LMDeploy's processes")
-        if self.server and not ADDRESS.match(self.server):
-            raise LoadError("CONFIG_INVALID", f"WEIGHTSYNC_SERVER must be host:port, got {self.server!r}")
-        if self.local_socket and not os.path.isabs(self.local_socket):
-            raise LoadError("CONFIG_INVALID", f"WEIGHTSYNC_LOCAL_SOCKET must be an absolute path, "
-                            f"got {self.local_socket!r}")
-        if not ENGINE_NAME.match(self.engine_name):
-            raise LoadError("CONFIG_INVALID", "WEIGHTSYNC_ENGINE_NAME must be 1 to 128 characters of "
-                            f"[A-Za-z0-9._:-], got {self.engine_name!r}")
+        rank_load.AttachConfig.__post_init__(self)
         if not 0 < self.timeout_s <= 3600:
             raise LoadError("CONFIG_INVALID", f"the attach timeout must be in (0, 3600] s, got {self.timeout_s!r}")
-
-    @classmethod
-    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> AttachConfig:
-        return cls(server=environ.get("WEIGHTSYNC_SERVER", ""), local_socket=environ.get("WEIGHTSYNC_LOCAL_SOCKET", ""),
-                   engine_name=environ.get("WEIGHTSYNC_ENGINE_NAME", "") or "lmdeploy",
-                   token=environ.get("WEIGHTSYNC_TOKEN", ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,203 +150,81 @@ class ModelNames:
         return candidate if candidate in self.params else ""
 
     def shape_problem(self, name: str, tensor: torch.Tensor) -> str | None:
+        target = self.target(name)
+        if not target:  # dropped on purpose (or not the model's): LMDeploy never reads its shape
+            return None
         problem = shape_problem(self.checkpoint, name, tensor.shape)
         if problem is not None:
             return problem
-        target = self.target(name)
         # One rank holds whole parameters: an unfused one must have the stored tensor's shape.
-        if self.whole and target and target == self.rename(name) and tuple(self.params[target].shape) != tuple(tensor.shape):
+        if self.whole and target == self.rename(name) and tuple(self.params[target].shape) != tuple(tensor.shape):
             return f"{name!r} (model {list(self.params[target].shape)}, store {list(tensor.shape)})"
         return None
 
 
-@dataclass
-class ApplyStats:
-    """What one load did on this rank."""
-
-    rank: str = ""
-    version: str = ""
-    generation: int = 0
-    since_generation: int = -1
-    tensors: int = 0
-    bytes: int = 0
-    skipped: list[str] = field(default_factory=list)
-    acquire_s: float = 0.0
-    check_s: float = 0.0
-    load_s: float = 0.0
-
-
-class RankLoader:
+class RankLoader(rank_load.RankLoader):
     """One LMDeploy rank's connection to the node's store and what its model holds."""
+
+    ENGINE = "lmdeploy"
+    logger = logger
 
     def __init__(self, config: Callable[[], AttachConfig], place: RankPlace, model_path: str = "",
                  post_load: Callable[[torch.nn.Module], None] = lmdeploy_post_load) -> None:
-        self._config_source = config
-        self.config: AttachConfig | None = None
-        self.place = place
-        self.model_path = model_path
+        super().__init__(config, place, model_path)
         self.post_load = post_load
-        self.client: EngineClient | None = None
-        self.served: dict[int, int] = {}
-        """id(model) -> the generation it holds as loaded from the store (absent: unknown)."""
-        self._names: dict[int, ModelNames] = {}
-        self.last: ApplyStats | None = None
-
-    def _attach(self, model: torch.nn.Module) -> EngineClient:
-        if self.client is None:
-            if self.config is None:
-                self.config = self._config_source()  # raises LoadError CONFIG_INVALID
-            name = self.place.engine_name(self.config.engine_name)
-            if len(name) > 128:
-                raise LoadError("CONFIG_INVALID", f"rank {self.place.label}'s name {name!r} is over 128 characters")
-            device = next((p.device for p in model.parameters()), torch.device("cpu"))
-            try:
-                self.client = EngineClient(server=self.config.server or None, socket_path=self.config.local_socket or None,
-                                           name=name, device=str(device), token=self.config.token or None,
-                                           timeout=self.config.timeout_s)
-            except EngineError as error:
-                raise LoadError(error.reason, f"cannot attach to the weightsync store: {error}") from None
-            except OSError as error:
-                where = self.config.local_socket or self.config.server
-                raise LoadError("SERVER_UNREACHABLE", f"cannot reach weightsync at {where}: {error}") from None
-            logger.info("lmdeploy_rank_attached", rank=self.place.label, name=name, socket=self.client.socket_path,
-                        device=str(device), pid=os.getpid())
-        return self.client
-
-    def names(self, model: torch.nn.Module) -> ModelNames:
-        key = id(model)
-        if key not in self._names:
-            self._names[key] = ModelNames(model, safetensors_shapes(self.model_path), self.place.tp_size)
-        return self._names[key]
 
     def load(self, model: torch.nn.Module, request: UpdateRequest, *, post_load: bool = True) -> ApplyStats:
         """Load the version `request` names into `model`, or raise LoadError having loaded nothing
         (every rank agrees first) or, for LOAD_FAILED, part of it. post_load=False leaves LMDeploy's
         post-load processing to the caller (LMDeploy's own update routes run it once at the end)."""
-        stats = ApplyStats(rank=self.place.label)
-        snapshot: StoreSnapshot | None = None
-        selected: list[str] = []
-        refusal: LoadError | None = None
-        started = time.perf_counter()
-        try:  # everything before the ranks agree: no exception may skip the agreement
-            if not isinstance(request, UpdateRequest):
-                raise LoadError("REQUEST_MALFORMED", f"expected an UpdateRequest, got {type(request).__name__}")
-            snapshot = self._acquire(model, request, stats)
-            stats.acquire_s = time.perf_counter() - started
-            selected = self._select(model, snapshot, request, stats)
-            stats.check_s = time.perf_counter() - started - stats.acquire_s
-        except LoadError as error:
-            refusal = error
-        except Exception as error:  # noqa: BLE001 - any failure is this rank's refusal
-            refusal = LoadError("LOAD_FAILED", f"{type(error).__name__}: {error}")
-        refused = [(rank, verdict) for rank, verdict in self._agree("" if refusal is None else str(refusal)) if verdict]
-        if refused:
-            own = refusal or LoadError("RANK_REFUSED", "; ".join(f"rank {r} refused: {v}" for r, v in refused))
-            message = f"{self._label(snapshot)} not loaded, the engine keeps its weights: {own.detail}"
-            if snapshot is not None:
-                self._release_failed(snapshot, f"{own.reason}: {message}")
-            logger.warning("lmdeploy_update_refused", rank=self.place.label, reason=own.reason, message=message)
-            raise LoadError(own.reason, message)
-        assert snapshot is not None
-        failure = ""
-        load_started = time.perf_counter()
-        try:
+
+        def feed(model: torch.nn.Module, snapshot: StoreSnapshot, selected: list[str], stats: ApplyStats) -> None:
             self._feed(model, snapshot, selected, stats)
             if post_load and selected:
                 with torch.inference_mode():
                     self.post_load(model)
-        except Exception as error:  # noqa: BLE001 - reported below, with every rank's outcome
-            failure = f"{type(error).__name__}: {error}"
-        stats.load_s = time.perf_counter() - load_started
-        failed = [(rank, verdict) for rank, verdict in self._agree(failure) if verdict]
-        if failed:
-            self.served.pop(id(model), None)  # a mix of versions: the next load takes every tensor
-            message = (f"{self._label(snapshot)} loaded in part, the weights are a mix until the next load: "
-                       + "; ".join(f"rank {r}: {v}" for r, v in failed))
-            self._release_failed(snapshot, f"LOAD_FAILED: {message}")
-            logger.error("lmdeploy_update_failed", rank=self.place.label, message=message)
-            raise LoadError("LOAD_FAILED", message)
-        snapshot.applied = True
-        snapshot.release(applied=True)
-        self.served[id(model)] = snapshot.generation
-        self.last = stats
-        logger.info("lmdeploy_update_loaded", rank=self.place.label, version=stats.version, generation=stats.generation,
-                    since_generation=stats.since_generation, tensors=stats.tensors, bytes=stats.bytes,
-                    acquire_s=round(stats.acquire_s, 4), check_s=round(stats.check_s, 4), load_s=round(stats.load_s, 4))
-        return stats
 
-    def _acquire(self, model: torch.nn.Module, request: UpdateRequest, stats: ApplyStats) -> StoreSnapshot:
-        client = self._attach(model)
-        try:
-            snapshot = client.acquire(generation=request.generation, wait=request.wait_s)
-        except EngineError as error:
-            raise LoadError(error.reason, str(error).partition(": ")[2] or str(error)) from None
-        stats.version, stats.generation = snapshot.version.version, snapshot.generation
-        return snapshot
+        return self._load(model, request, feed)
 
-    def _select(self, model: torch.nn.Module, snapshot: StoreSnapshot, request: UpdateRequest,
-                stats: ApplyStats) -> list[str]:
-        """The store tensors to load, checked against the model; raises before anything is touched."""
-        since = min(request.since_generation, self.served.get(id(model), -1))
-        stats.since_generation = since
-        names = self.names(model)
-        changed = snapshot.changed_since(since)
-        unknown = [n for n in changed if names.target(n) == ""]
-        mismatched = [(n, p) for n in changed if names.target(n)
-                      and (p := names.shape_problem(n, snapshot.tensors[n])) is not None]
-        bad = set(unknown) | {n for n, _ in mismatched}
-        if request.strict:
-            # Only the version that wrote them is refused for them: the store keeps every name it
-            # ever received, so refusing an older one would block every later version.
-            fresh_mismatched = [p for n, p in mismatched if snapshot.written[n] == snapshot.generation]
-            fresh_unknown = [n for n in unknown if snapshot.written[n] == snapshot.generation]
-            if fresh_mismatched:
-                raise LoadError("TENSOR_MISMATCH", f"{len(fresh_mismatched)} tensor(s) do not fit "
-                                f"{names.model_class}: " + "; ".join(fresh_mismatched[:5]))
-            if fresh_unknown:
-                raise LoadError("TENSOR_NOT_IN_MODEL", f"{len(fresh_unknown)} tensor(s) are not weights of "
-                                f"{names.model_class}: " + ", ".join(repr(n) for n in fresh_unknown[:5])
-                                + (" ..." if len(fresh_unknown) > 5 else ""))
-        stats.skipped = sorted(bad)
-        if bad:
-            logger.warning("lmdeploy_tensors_skipped", rank=self.place.label, count=len(bad), names=sorted(bad)[:5])
-        return [n for n in changed if n not in bad and names.target(n) is not None]
+    def _request(self, raw: object) -> UpdateRequest:
+        if not isinstance(raw, UpdateRequest):
+            raise LoadError("REQUEST_MALFORMED", f"expected an UpdateRequest, got {type(raw).__name__}")
+        return raw
+
+    def _model_names(self, model: torch.nn.Module) -> ModelNames:
+        return ModelNames(model, safetensors_shapes(self.model_path), self.place.tp_size)
+
+    def _attach_options(self, model: torch.nn.Module) -> dict[str, str]:
+        """A CUDA model's rank pins the mapped store."""
+        return {"device": str(next((p.device for p in model.parameters()), torch.device("cpu")))}
+
+    def _verdicts(self, verdict: str, generation: int) -> list[tuple[str, str]]:
+        return self._agree(verdict)  # LMDeploy's ranks compare verdicts alone
+
+    def _refusal(self, own: LoadError | None, verdicts: Sequence[tuple],
+                 snapshot: StoreSnapshot | None) -> LoadError | None:
+        """Why no rank loads: this rank's own refusal, or RANK_REFUSED naming the ranks that refused."""
+        refused = [(rank, verdict) for rank, verdict in verdicts if verdict]
+        if not refused:
+            return None
+        own = own or LoadError("RANK_REFUSED", "; ".join(f"rank {r} refused: {v}" for r, v in refused))
+        return LoadError(own.reason, f"{self._label(snapshot)} not loaded, the engine keeps its weights: {own.detail}")
+
+    def _failure(self, loads: Sequence[tuple], snapshot: StoreSnapshot) -> str | None:
+        failed = [(rank, verdict) for rank, verdict in loads if verdict]
+        if not failed:
+            return None
+        return (f"{self._label(snapshot)} loaded in part, the weights are a mix until the next load: "
+                + "; ".join(f"rank {r}: {v}" for r, v in failed))
 
     def _feed(self, model: torch.nn.Module, snapshot: StoreSnapshot, selected: list[str], stats: ApplyStats) -> None:
-        rename = self.names(model).rename
-
-        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for name in selected:
-                tensor = snapshot.tensors[name]
-                stats.tensors += 1
-                stats.bytes += tensor.numel() * tensor.element_size()
-                yield rename(name), tensor
-
         if selected:
             with torch.inference_mode():
-                model.load_weights(tensors())
+                model.load_weights(counted(snapshot, selected, stats, self.names(model).rename))
 
     def _agree(self, verdict: str) -> list[tuple[str, str]]:
         """Every rank's verdict ("" = fine), in rank order, over LMDeploy's TP CPU group."""
-        if self.place.group is None:
-            return [(self.place.label, verdict)]
-        import torch.distributed as dist
-
-        gathered: list[object] = [None] * self.place.tp_size
-        dist.all_gather_object(gathered, (self.place.label, verdict), group=self.place.group)
-        return [(str(r), str(v)) for r, v in gathered]  # type: ignore[misc]
-
-    @staticmethod
-    def _label(snapshot: StoreSnapshot | None) -> str:
-        if snapshot is None:
-            return "the version"
-        return f"version {snapshot.version.version!r} (generation {snapshot.generation})"
-
-    def _release_failed(self, snapshot: StoreSnapshot, error: str) -> None:
-        try:
-            snapshot.release(applied=False, error=error)
-        except Exception as release_error:  # noqa: BLE001 - the caller raises the real error
-            logger.error("lmdeploy_release_failed", rank=self.place.label, error=repr(release_error), after=error)
+        return [(str(r), str(v)) for r, v in self._gather((self.place.label, verdict))]
 
 
 _RANK: RankLoader | None = None

@@ -32,78 +32,43 @@ refused; nothing loaded), RANK_VERSIONS_DIFFER (the ranks' entries named, or gen
 different versions; nothing loaded) and LOAD_FAILED (load_weights raised part-way: the rank's weights are a
 mix, and its next load takes every tensor).
 
+What every engine's rank does alike (attaching, acquiring, the checks, the agreement, the
+release) is engine/rank_load.py's RankLoader; this module is SGLang's side of it: the request in
+SGLang's named tensors, SGLang's model names, the every-rank message and SGLang's load_weights.
+
 This module imports SGLang only inside functions: it is importable (and testable with a stand-in
 model) without SGLang.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from weightsync.common.logging import get_logger
+from weightsync.engine import rank_load
 from weightsync.engine.checkpoint_shapes import safetensors_shapes, shape_problem
-from weightsync.engine.client import EngineClient, EngineError, StoreSnapshot
+from weightsync.engine.client import StoreSnapshot
+from weightsync.engine.rank_load import (
+    DEFAULT_PACKED,
+    DROPPED_SUFFIXES,
+    ApplyStats,
+    LoadError,
+    counted,
+)
 from weightsync.engine.sglang.request import RequestError, UpdateRequest
 
 logger = get_logger("weightsync.engine.sglang")
 
-ENGINE_NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
-# Fused parameters of SGLang's dense models and the checkpoint tensors they are made of, where a
-# model class does not say (its own `packed_modules_mapping` wins).
-DEFAULT_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# Checkpoint tensors SGLang's loaders drop on purpose.
-DROPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-class LoadError(RuntimeError):
-    """A version this rank did not load; `reason` is machine-readable."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.detail = message
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AttachConfig:
-    """Where a rank finds the node's store (read once from the environment)."""
+class AttachConfig(rank_load.AttachConfig):
+    """Where an SGLang rank finds the node's store (read once from the environment)."""
 
-    server: str = ""
-    """The weightsync server's gRPC host:port (its local socket is looked up); or local_socket."""
-    local_socket: str = ""
-    """The server's unix socket (GetServerInfo.local_socket)."""
+    ENGINE = "SGLang"
     engine_name: str = "sglang"
-    """Rank 0's name in GetServerInfo.engines; rank R of tensor parallelism is NAME:tpR."""
-    token: str = ""
-    """The server's bearer token, if it has one."""
-    timeout_s: float = 60.0
-    """Connect/request timeout towards the server."""
-
-    def __post_init__(self) -> None:
-        if bool(self.server) == bool(self.local_socket):
-            raise LoadError("CONFIG_INVALID", "set exactly one of WEIGHTSYNC_SERVER (host:port) and "
-                            "WEIGHTSYNC_LOCAL_SOCKET (the server's unix socket) for SGLang's processes")
-        if self.server and not ADDRESS.match(self.server):
-            raise LoadError("CONFIG_INVALID", f"WEIGHTSYNC_SERVER must be host:port, got {self.server!r}")
-        if self.local_socket and not os.path.isabs(self.local_socket):
-            raise LoadError("CONFIG_INVALID", f"WEIGHTSYNC_LOCAL_SOCKET must be an absolute path, "
-                            f"got {self.local_socket!r}")
-        if not ENGINE_NAME.match(self.engine_name):
-            raise LoadError("CONFIG_INVALID", "WEIGHTSYNC_ENGINE_NAME must be 1 to 128 characters of "
-                            f"[A-Za-z0-9._:-], got {self.engine_name!r}")
-
-    @classmethod
-    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> AttachConfig:
-        return cls(server=environ.get("WEIGHTSYNC_SERVER", ""), local_socket=environ.get("WEIGHTSYNC_LOCAL_SOCKET", ""),
-                   engine_name=environ.get("WEIGHTSYNC_ENGINE_NAME", "") or "sglang",
-                   token=environ.get("WEIGHTSYNC_TOKEN", ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,125 +153,30 @@ class ModelNames:
         return shape_problem(self.checkpoint, name, tensor.shape)
 
 
-@dataclass
-class ApplyStats:
-    """What one load did on this rank."""
-
-    rank: str = ""
-    version: str = ""
-    generation: int = 0
-    since_generation: int = -1
-    tensors: int = 0
-    bytes: int = 0
-    skipped: list[str] = field(default_factory=list)
-    acquire_s: float = 0.0
-    check_s: float = 0.0
-    load_s: float = 0.0
-
-    def summary(self) -> str:
-        skipped = f", skipped {len(self.skipped)} stale unknown tensor(s)" if self.skipped else ""
-        return (f"weightsync {self.rank}: loaded version {self.version!r} (generation {self.generation}) since "
-                f"generation {self.since_generation}: {self.tensors} tensors, {self.bytes} bytes in "
-                f"{self.acquire_s + self.check_s + self.load_s:.3f} s{skipped}")
-
-
-class RankLoader:
+class RankLoader(rank_load.RankLoader):
     """One SGLang rank's side of weightsync: its connection and what its model holds."""
 
-    def __init__(self, config: Callable[[], AttachConfig], place: RankPlace, model_path: str = "") -> None:
-        self._config_source = config
-        self.config: AttachConfig | None = None
-        self.place = place
-        self.model_path = model_path
-        self.client: EngineClient | None = None
-        self.served: dict[int, int] = {}
-        """id(model) -> the generation it holds as loaded from the store (absent: unknown)."""
-        self._names: dict[int, ModelNames] = {}
-        self.last: ApplyStats | None = None
+    ENGINE = "sglang"
+    logger = logger
 
-    def _attach(self) -> EngineClient:
-        if self.client is None:
-            if self.config is None:
-                self.config = self._config_source()  # raises LoadError CONFIG_INVALID
-            name = self.place.engine_name(self.config.engine_name)
-            if len(name) > 128:
-                raise LoadError("CONFIG_INVALID", f"rank {self.place.label}'s name {name!r} is over 128 characters")
-            try:
-                self.client = EngineClient(server=self.config.server or None,
-                                           socket_path=self.config.local_socket or None, name=name,
-                                           token=self.config.token or None, timeout=self.config.timeout_s)
-            except EngineError as error:
-                raise LoadError(error.reason, f"cannot attach to the weightsync store: {error}") from None
-            except OSError as error:
-                where = self.config.local_socket or self.config.server
-                raise LoadError("SERVER_UNREACHABLE", f"cannot reach weightsync at {where}: {error}") from None
-            logger.info("sglang_rank_attached", rank=self.place.label, name=name, socket=self.client.socket_path,
-                        pid=os.getpid())
-        return self.client
-
-    def names(self, model: torch.nn.Module) -> ModelNames:
-        key = id(model)
-        if key not in self._names:
-            self._names[key] = ModelNames(model, safetensors_shapes(self.model_path))
-        return self._names[key]
-
-    # -- one load ----------------------------------------------------------------------
     def load(self, model: torch.nn.Module, named_tensors: list) -> ApplyStats:
         """Load the version `named_tensors` names (request.py) into `model`, or raise LoadError having
         loaded nothing (every rank agrees first) or, for LOAD_FAILED, part of it."""
-        stats = ApplyStats(rank=self.place.label)
-        snapshot: StoreSnapshot | None = None
-        selected: list[str] = []
-        refusal: LoadError | None = None
-        started = time.perf_counter()
-        try:  # everything before the ranks agree: no exception may skip the agreement
-            try:
-                request = UpdateRequest.from_named_tensors(named_tensors)
-            except RequestError as error:
-                raise LoadError(error.reason, str(error)) from None
-            snapshot = self._acquire(request, stats)
-            stats.acquire_s = time.perf_counter() - started
-            selected = self._select(model, snapshot, request, stats)
-            stats.check_s = time.perf_counter() - started - stats.acquire_s
-        except LoadError as error:
-            refusal = error
-        except Exception as error:  # noqa: BLE001 - any failure is this rank's refusal
-            refusal = LoadError("LOAD_FAILED", f"{type(error).__name__}: {error}")
-        generation = snapshot.generation if snapshot is not None else -1
-        verdicts = self._agree("" if refusal is None else str(refusal), generation)
-        refused = self._refusal(refusal, verdicts, snapshot)
-        if refused is not None:
-            if snapshot is not None:
-                self._release_failed(snapshot, str(refused))
-            logger.warning("sglang_update_refused", rank=self.place.label, reason=refused.reason, message=refused.detail)
-            raise refused
-        assert snapshot is not None
-        failure = ""
-        load_started = time.perf_counter()
-        try:
-            self._feed(model, snapshot, selected, stats)
-        except Exception as error:  # noqa: BLE001 - reported below, with every rank's outcome
-            failure = f"{type(error).__name__}: {error}"
-        stats.load_s = time.perf_counter() - load_started
-        loads = self._agree(failure, snapshot.generation)
-        if any(v for _, v, _ in loads):
-            self.served.pop(id(model), None)  # a mix of versions: the next load takes every tensor
-            message = (f"{self._label(snapshot)} loaded in part, the weights are a mix until the next load: "
-                       + outcomes(loads, ok="loaded", bad="failed"))
-            self._release_failed(snapshot, f"LOAD_FAILED: {message}")
-            logger.error("sglang_update_failed", rank=self.place.label, message=message)
-            raise LoadError("LOAD_FAILED", message)
-        snapshot.applied = True
-        snapshot.release(applied=True)
-        self.served[id(model)] = snapshot.generation
-        self.last = stats
-        logger.info("sglang_update_loaded", rank=self.place.label, version=stats.version, generation=stats.generation,
-                    since_generation=stats.since_generation, tensors=stats.tensors, bytes=stats.bytes,
-                    acquire_s=round(stats.acquire_s, 4), check_s=round(stats.check_s, 4),
-                    load_s=round(stats.load_s, 4))
-        return stats
+        return self._load(model, named_tensors, self._feed)
 
-    def _refusal(self, own: LoadError | None, verdicts: list[tuple[str, str, int]],
+    def _request(self, raw: object) -> UpdateRequest:
+        try:
+            return UpdateRequest.from_named_tensors(raw)  # type: ignore[arg-type]
+        except RequestError as error:
+            raise LoadError(error.reason, str(error)) from None
+
+    def _model_names(self, model: torch.nn.Module) -> ModelNames:
+        return ModelNames(model, safetensors_shapes(self.model_path))
+
+    def _verdicts(self, verdict: str, generation: int) -> list[tuple[str, str, int]]:
+        return self._agree(verdict, generation)
+
+    def _refusal(self, own: LoadError | None, verdicts: Sequence[tuple],
                  snapshot: StoreSnapshot | None) -> LoadError | None:
         """Why no rank loads, naming every rank's outcome; None when every rank is ready to load one
         and the same version. A rank that refused keeps its own reason; the others say RANK_REFUSED."""
@@ -322,81 +192,20 @@ class RankLoader:
                              + "): name the generation in the request")
         return None
 
-    def _acquire(self, request: UpdateRequest, stats: ApplyStats) -> StoreSnapshot:
-        client = self._attach()
-        try:
-            snapshot = client.acquire(generation=request.generation, wait=request.wait_s)
-        except EngineError as error:
-            raise LoadError(error.reason, str(error).partition(": ")[2] or str(error)) from None
-        stats.version, stats.generation = snapshot.version.version, snapshot.generation
-        return snapshot
-
-    def _select(self, model: torch.nn.Module, snapshot: StoreSnapshot, request: UpdateRequest,
-                stats: ApplyStats) -> list[str]:
-        """The store tensors to load, checked against the model; raises before anything is touched."""
-        own = self.served.get(id(model), -1)
-        since = min(request.since_generation, own)
-        stats.since_generation = since
-        names = self.names(model)
-        changed = snapshot.changed_since(since)
-        unknown = [n for n in changed if names.target(n) == ""]
-        mismatched = [(n, p) for n in changed if names.target(n) != ""
-                      and (p := names.shape_problem(n, snapshot.tensors[n])) is not None]
-        bad = set(unknown) | {n for n, _ in mismatched}
-        if request.strict:
-            # Only the version that wrote them can be refused for them: the store keeps every name it
-            # ever received, so refusing an older one would block every later version.
-            fresh_mismatched = [p for n, p in mismatched if snapshot.written[n] == snapshot.generation]
-            fresh_unknown = [n for n in unknown if snapshot.written[n] == snapshot.generation]
-            if fresh_mismatched:
-                raise LoadError("TENSOR_MISMATCH", f"{len(fresh_mismatched)} tensor(s) do not fit "
-                                f"{names.model_class}: " + "; ".join(fresh_mismatched[:5]))
-            if fresh_unknown:
-                raise LoadError("TENSOR_NOT_IN_MODEL", f"{len(fresh_unknown)} tensor(s) are not weights of "
-                                f"{names.model_class}: " + ", ".join(repr(n) for n in fresh_unknown[:5])
-                                + (" ..." if len(fresh_unknown) > 5 else ""))
-        stats.skipped = sorted(bad)
-        if bad:
-            logger.warning("sglang_tensors_skipped", rank=self.place.label, count=len(bad), names=sorted(bad)[:5])
-        return [n for n in changed if n not in bad and names.target(n) is not None]
+    def _failure(self, loads: Sequence[tuple], snapshot: StoreSnapshot) -> str | None:
+        if not any(v for _, v, _ in loads):
+            return None
+        return (f"{self._label(snapshot)} loaded in part, the weights are a mix until the next load: "
+                + outcomes(loads, ok="loaded", bad="failed"))
 
     def _feed(self, model: torch.nn.Module, snapshot: StoreSnapshot, selected: list[str], stats: ApplyStats) -> None:
-        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for name in selected:
-                tensor = snapshot.tensors[name]
-                stats.tensors += 1
-                stats.bytes += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
         if selected:
             with torch.no_grad():
-                model.load_weights(tensors())
+                model.load_weights(counted(snapshot, selected, stats))
 
     def _agree(self, verdict: str, generation: int) -> list[tuple[str, str, int]]:
         """Every rank's (label, verdict ("" = fine), generation it acquired (-1: none)), in rank order."""
         return [(str(r), str(v), int(g)) for r, v, g in self._gather((self.place.label, verdict, generation))]
-
-    def _gather(self, mine: tuple[str, str, int]) -> list:
-        """`mine` and every other TP rank's, in rank order, over SGLang's TP CPU group (Gloo)."""
-        if self.place.group is None:
-            return [mine]
-        import torch.distributed as dist
-
-        gathered: list[object] = [None] * self.place.tp_size
-        dist.all_gather_object(gathered, mine, group=self.place.group)
-        return gathered
-
-    @staticmethod
-    def _label(snapshot: StoreSnapshot | None) -> str:
-        if snapshot is None:
-            return "the version"
-        return f"version {snapshot.version.version!r} (generation {snapshot.generation})"
-
-    def _release_failed(self, snapshot: StoreSnapshot, error: str) -> None:
-        try:
-            snapshot.release(applied=False, error=error)
-        except Exception as release_error:  # noqa: BLE001 - the caller raises the real error
-            logger.error("sglang_release_failed", rank=self.place.label, error=repr(release_error), after=error)
 
 
 OUTCOME_CHARS = 300
@@ -404,7 +213,7 @@ OUTCOME_CHARS = 300
 driver reads a bounded answer: every rank must fit)."""
 
 
-def outcomes(verdicts: list[tuple[str, str, int]], *, ok: str, bad: str) -> str:
+def outcomes(verdicts: Sequence[tuple], *, ok: str, bad: str) -> str:
     """Every rank's outcome in one line, ranks with the same verdict together:
     "rank tp0/2 ready; rank tp1/2 refused: VERSION_GONE: ..." (`ok`, `bad`: the words for a rank
     that was fine and one that was not)."""

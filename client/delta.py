@@ -21,29 +21,36 @@ Each patch carries the WS64 of the whole new tensor: the copy's WS64 plus the ch
 A kept host tensor is brought up to date by the comparison itself (the kernel writes each changed
 element into the copy as it finds it: no pass of its own); the others are refreshed while a push's
 bytes move. Once compared, the copy is no server's base until every server committed (it claims
-their generations then): a push that fails after the comparison leaves a copy that claims
-nothing, and the next push goes dense.
+that commit then: `claims`; the generation each server committed it at is in that server's
+record, client/server_state.py): a push that fails after the comparison leaves a copy that
+claims nothing, and the next push goes dense. What one push sends per tensor (DeltaChoice,
+TensorPatch) is in client/delta_choice.py; the link's measured throughput, that auto's thresholds
+follow, in client/link_timings.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from weightsync.client.delta_choice import (
+    DeltaChoice,
+    TensorPatch,
+    read_span,
+    read_storage,
+    repeats_elements,
+)
 from weightsync.client.delta_policy import (
-    ASSUMED_BYTES_PER_SECOND,
     EVERY_SMALLER,
     LOOPBACK_BYTES_PER_SECOND,
     Worth,
     auto_dense_above,
     auto_worth,
-    host_crossover,
     kept_copy,
 )
 from weightsync.client.intra_op import one_intra_op_thread
-from weightsync.client.types import StoreGeneration
 from weightsync.common import patch_kernels
 from weightsync.common.checksum import ws64
 from weightsync.common.logging import get_logger
@@ -76,25 +83,6 @@ def _on_host(base: torch.Tensor, new: torch.Tensor) -> bool:
     return base.device.type == "cpu" and new.device.type == "cpu" and base.is_contiguous()
 
 
-def read_span(tensor: torch.Tensor) -> int:
-    """The elements of its storage a tensor reads, from its first to its last (torch strides are never
-    negative): fewer than its numel only when it reads some more than once (expand(), a stride of 0)."""
-    if not tensor.numel():
-        return 0
-    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-
-
-def repeats_elements(tensor: torch.Tensor) -> bool:
-    """Whether the tensor is a view whose storage is smaller than its logical size (its copy keeps
-    only that storage: delta_policy.kept_copy)."""
-    return read_span(tensor) < tensor.numel()
-
-
-def _read_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """The storage a tensor reads, first element to last, as flat raw bits (a view: no copy)."""
-    return bits_of(tensor.detach().as_strided((read_span(tensor),), (1,), tensor.storage_offset()))
-
-
 HOST_COMPARE_CHUNK_BYTES = 64 << 20
 """A CUDA tensor whose copy lives in host memory is compared against it this many bytes at a time,
 each piece copied to the device into one staging buffer: the comparison costs that much device
@@ -113,13 +101,6 @@ REKEEP_BELOW = 0.5
 """A tensor kept only as a sample is copied whole again when its sample predicts a patch below
 this fraction of compare_below: near the crossover it would be copied, compared, found not worth
 it and dropped again, push after push (0.65-0.8x dense in the fine-tune bench)."""
-DENSE_TIMING_MIN_BYTES = 64 << 20
-"""Smaller dense pushes are timed by their fixed costs, not the link."""
-DENSE_TIMINGS_KEPT = 8
-LINK_TIMING_MIN_BYTES = 1 << 20
-LINK_BOUND_FRACTION = 0.3
-SLOWER_LINK_BELOW = 0.5
-
 SAMPLE_ELEMENTS = 4096
 """Elements compared before the full comparison (in runs spread over the tensor:
 common.patches.sample_layout); a tensor whose sample says 'dense' skips it."""
@@ -131,45 +112,6 @@ def _sample(numel: int) -> SampleLayout:
 
 MIN_PATCH_ELEMENTS = 1024
 """Smaller tensors always go dense: their patch saves less than its bookkeeping costs."""
-
-
-@dataclass(frozen=True, slots=True)
-class TensorPatch:
-    """One tensor's patch, encoded as it goes into a bucket."""
-
-    data: torch.Tensor
-    """uint8, the patch's bytes (tensor.proto, TensorEncoding)."""
-    encoding: int
-    count: int
-    checksum: int
-    """WS64 of the whole tensor after the patch."""
-    positions: torch.Tensor | None
-    """The changed positions of an overwriting patch (None for PATCH_XOR: its bytes are enough)."""
-
-
-@dataclass(slots=True)
-class DeltaChoice:
-    """What one push sends: patches by name, unchanged tensors left out, everything else dense."""
-
-    patches: dict[str, TensorPatch] = field(default_factory=dict)
-    unchanged: set[str] = field(default_factory=set)
-    """Bit for bit what the base holds: not sent at all (their generation on the node stays)."""
-    deferred: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    """Kept host tensors whose samples predict a patch, compared only while the push's first
-    buckets travel (client/deferred.py): (name, the new tensor, contiguous), in push order."""
-    patch_below: dict[str, float] = field(default_factory=dict)
-    """Per deferred tensor, its Worth.patch_below (what its deferred bucket makes room for)."""
-
-    def keep_patches_within(self, bucket_size_bytes: int) -> None:
-        """A patch larger than a bucket goes dense (split into pieces): a patch is never split."""
-        for name in [n for n, p in self.patches.items() if p.data.numel() > bucket_size_bytes]:
-            del self.patches[name]
-
-    def sent_bytes(self, items: list[tuple[str, torch.Tensor]]) -> int:
-        """What this choice moves: the patches, and the changed tensors whole (the deferred ones, whose
-        samples predict small patches, are not counted)."""
-        return sum(self.patches[n].data.numel() if n in self.patches else t.numel() * t.element_size()
-                   for n, t in items if n not in self.unchanged and n not in self.patch_below)
 
 
 def _changes_across(base: torch.Tensor, new: torch.Tensor) -> Changes:
@@ -232,18 +174,14 @@ class DeltaBase:
         strides over a copy of only the storage it reads."""
         self.checksums: dict[str, int] = {}
         """WS64 of a kept tensor, once a patch of it needed it (kept across patches)."""
-        self.generations: dict[str, StoreGeneration] = {}
-        """Server address -> the generation (of its store epoch) it committed these tensors at."""
+        self.claims = False
+        """The copy is, bit for bit, what the servers last committed: a push may send patches against
+        it to each server whose record names that commit's generation (ServerState.generation)."""
         self.layout: tuple = ()
         self.dense_runs: dict[str, int] = {}
         """delta="auto": per tensor, the pushes in a row it went dense."""
         self.samples: dict[str, torch.Tensor] = {}
         """The sampled raw bits of a tensor no longer kept whole (DENSE_RUN_DROPS_COPY)."""
-        self.transport = "collective"
-        """The transport of the push being chosen: its dense throughput sets auto's thresholds."""
-        self.dense_throughputs: dict[str, list[float]] = {}
-        """Per transport, bytes per second of this client's recent dense pushes (of at least
-        DENSE_TIMING_MIN_BYTES, into stores that existed)."""
         self._rekeep: dict[str, bool] = {}
         """This push's verdicts on the tensors in `samples`: clearly sparse again (REKEEP_BELOW)."""
         self._sampled: dict[str, torch.Tensor] = {}
@@ -252,48 +190,6 @@ class DeltaBase:
         self._advanced: set[str] = set()
         """Kept tensors this push's comparison already made equal to the pushed ones (host tensors:
         the compare kernel writes the changes into the copy); the refresh leaves them as they are."""
-
-    def dense_push_timed(self, transport: str, size_bytes: int, seconds: float) -> None:
-        """A dense push's bytes and seconds: what the link and the servers take, for auto's thresholds."""
-        if size_bytes >= DENSE_TIMING_MIN_BYTES and seconds > 0:
-            recent = self.dense_throughputs.get(transport, [])
-            self.dense_throughputs[transport] = [*recent[-(DENSE_TIMINGS_KEPT - 1):], size_bytes / seconds]
-
-    def link_timed(self, transport: str, size_bytes: int, wire_seconds: float, seconds: float) -> None:
-        """A push that sent patches but spent a good part of its time waiting on the transport: its
-        bytes over that wait, kept only when well below the rate assumed for the transport (a link
-        clearly slower than the benchmark machine's loopback; there a wait says more about a busy
-        host than about the link). Without it a client on a slow link that never timed a dense push kept
-        the loopback's thresholds: at 3% changed over 1 Gbit/s its INLINE pushes mixed ever more dense
-        tensors, 7%, 28%, 46%, 51%, then 100% of the bytes (each timed by nothing), instead of patches."""
-        if size_bytes >= LINK_TIMING_MIN_BYTES and seconds > 0 and wire_seconds >= LINK_BOUND_FRACTION * seconds:
-            rate = size_bytes / wire_seconds
-            if rate < SLOWER_LINK_BELOW * ASSUMED_BYTES_PER_SECOND.get(transport, LOOPBACK_BYTES_PER_SECOND):
-                recent = self.dense_throughputs.get(transport, [])
-                self.dense_throughputs[transport] = [*recent[-(DENSE_TIMINGS_KEPT - 1):], rate]
-
-    @property
-    def dense_bytes_per_second(self) -> float:
-        """The best of the recent dense pushes over this transport: the link's capacity, not a push
-        slowed by a busy host. Optimistic on purpose: a faster link makes auto compare less, so a
-        wrong guess costs patches, not a push slower than dense. Assumed until timed."""
-        timed = self.dense_throughputs.get(self.transport)
-        assumed = ASSUMED_BYTES_PER_SECOND.get(self.transport, LOOPBACK_BYTES_PER_SECOND)
-        if self.transport == "shm":
-            # Memory, not a network: a slow first push (the ingress slots' first touch) says nothing.
-            return max([assumed, *(timed or [])])
-        return max(timed) if timed else assumed
-
-    def cannot_pay(self, named: list[tuple[str, torch.Tensor]]) -> bool:
-        """delta="auto" with host tensors only, over SHM or at a dense throughput where no patch pays:
-        not even sampled, and no copy kept. Over SHM patches pay only below ~1.4% changed on the
-        benchmark machine (1.49x at 0.1%, 1.28x at 0.5%), and keeping them in reach cost more at
-        the densities RL steps have: at 1-5% changed auto ran 0.89-0.95x dense (the samples, the
-        copies taken again, comparisons near the crossover against a 0.17 s dense push), and the
-        AdamW fine-tune at lr 1e-6 and 3e-6 0.88x and 0.84x (bench --only delta). delta=True
-        still patches over SHM."""
-        on_host = all(not t.is_cuda for _, t in named)
-        return on_host and (self.transport == "shm" or host_crossover(self.dense_bytes_per_second) == 0.0)
 
     def went_dense(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """The push chose patches and then went whole-dense (they would move too much): every tensor
@@ -312,7 +208,8 @@ class DeltaBase:
         self._settle()
         return bool(self.tensors or self.samples or self.views) and _layout(named) == self.layout
 
-    def choose(self, named: list[tuple[str, torch.Tensor]], *, auto: bool = True, defer: bool = False) -> DeltaChoice:
+    def choose(self, named: list[tuple[str, torch.Tensor]], *, link: float = LOOPBACK_BYTES_PER_SECOND,
+               auto: bool = True, defer: bool = False) -> DeltaChoice:
         """Per tensor, unchanged, patch or dense: where the patch pays (auto) or wherever it is
         smaller than the tensor. Auto samples every tensor first: when the samples already say
         the update goes dense (AUTO_DENSE_ABOVE), no tensor is compared in full. defer: the kept
@@ -327,7 +224,6 @@ class DeltaBase:
         # A view that reads some elements more than once: its storage unchanged, or dense.
         views = {name: self._same_view(name, t) for name, t in named if repeats_elements(t)}
         named = [(name, t) for name, t in named if name not in views]
-        link = self.dense_bytes_per_second
         worths = {name: auto_worth(tensor, link) if auto else EVERY_SMALLER
                   for name, tensor in named}
         # The kernels read flat host memory: a strided host tensor (a slice, a transpose) is copied once.
@@ -347,7 +243,7 @@ class DeltaBase:
         if on_host:
             # The comparison writes the new bits into the copy: from here on it is no server's base
             # (the caller holds the bases this push's patches apply to) until committed() claims them.
-            self.generations = {}
+            self.claims = False
         if defer:
             choice.deferred = [(n, t) for n, t in on_host if t.numel() >= MIN_PATCH_ELEMENTS]
             choice.patch_below = {n: worths[n].patch_below for n, _ in choice.deferred}
@@ -395,10 +291,10 @@ class DeltaBase:
         kept = self.views.get(name)
         if kept is None or kept.dtype != new.dtype or kept.shape != new.shape or kept.stride() != new.stride():
             return False
-        now = _read_storage(new)
+        now = read_storage(new)
         if now.device != kept.device:
             now = now.to(kept.device)  # the storage it reads: as small as its kept copy
-        return torch.equal(_read_storage(kept), now)
+        return torch.equal(read_storage(kept), now)
 
     def _worth_comparing(self, name: str, new: torch.Tensor, worth: Worth) -> bool:
         """Whether a sample of the tensor's elements predicts a patch under worth.compare_below
@@ -517,7 +413,7 @@ class DeltaBase:
         of the model: done after the push it added ~10% to it on the benchmark machine). The
         copy claims no server's generation until committed() (caches change on success only)."""
         self._settle()
-        self.generations = {}
+        self.claims = False
         # The thread's copies run on its own current streams: they first wait for what the
         # caller's current streams had queued (the writes that made these tensors).
         written = {}
@@ -527,15 +423,17 @@ class DeltaBase:
         self._taking = ThreadCall(lambda: self._take(named, choice, written), name="weightsync-delta-copy")
 
     def committed(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None,
-                  generations: dict[str, StoreGeneration]) -> None:
+                  _unused: object = None) -> None:
         """Every server committed: the copy holds what they hold (taken now unless a background
-        take of this push is under way) and claims their generations."""
+        take of this push is under way) and claims that commit (`claims`; each server's record
+        keeps the generation it committed at). The third argument is ignored (it once carried the
+        generations, which the server records keep now)."""
         if self._taking is None:
-            self.generations = {}
+            self.claims = False
             self._take(named, choice)
         elif not self._settle():
             return  # the copy failed: nothing is claimed, the next push goes dense
-        self.generations = dict(generations)
+        self.claims = True
 
     def _settle(self) -> bool:
         """Wait for a background take; False (and an empty copy) if it failed."""
@@ -547,7 +445,7 @@ class DeltaBase:
             return True
         except Exception as error:  # noqa: BLE001 - the push itself succeeded; only the copy is lost
             log.warning("delta_copy_failed", error=repr(error))
-            self.tensors, self.checksums, self.layout, self.generations = {}, {}, (), {}
+            self.tensors, self.checksums, self.layout, self.claims = {}, {}, (), False
             self.views = {}
             return False
 
@@ -634,17 +532,21 @@ class DeltaBase:
     def drop(self) -> None:
         """No copy at all (delta=False, or an iterator that is never held whole): its memory is freed."""
         self._settle()
-        self.tensors, self.checksums, self.layout, self.generations = {}, {}, (), {}
+        self.tensors, self.checksums, self.layout, self.claims = {}, {}, (), False
         self.views = {}
         self.dense_runs, self.samples, self._sampled, self._rekeep = {}, {}, {}, {}
         self._advanced = set()
 
-    def forget(self, address: str | None = None) -> None:
-        """A server's generation is unknown (it refused our base): next time it gets dense."""
+    def forget(self) -> None:
+        """A push failed: whatever the servers hold now, the copy claims none of it (the next push
+        goes dense and establishes it again)."""
         self._settle()
         self._sampled = {}
-        if address is None:
-            self._advanced = set()
-            self.generations = {}
-        else:
-            self.generations.pop(address, None)
+        self._advanced = set()
+        self.claims = False
+
+    def base_refused(self) -> None:
+        """A server refused this push's base at Begin (its record forgets its generation): the copy
+        still claims the others', but this push's fresh samples are not kept."""
+        self._settle()
+        self._sampled = {}

@@ -54,7 +54,7 @@ ASSUMED_BYTES_PER_SECOND = {"collective": LOOPBACK_BYTES_PER_SECOND, "inline": 1
 """Per transport, the dense throughput assumed until this client timed a dense push of its own
 over it (the benchmark machine's: INLINE 0.4x COLLECTIVE, SHM 1.2x). Where the host's passes over
 memory cost more than the bytes (a dense push above ~6.5 GB/s), no patch pays: auto sends
-dense (as over SHM, DeltaBase.cannot_pay)."""
+dense (as over SHM, LinkTimings.cannot_pay)."""
 
 
 def host_worth(dense_bytes_per_second: float | None) -> Worth:

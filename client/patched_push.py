@@ -14,7 +14,6 @@ server refuses the base or the patches do not fit.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +28,9 @@ from weightsync.client.delta import Delta, DeltaBase, DeltaChoice
 from weightsync.client.delta_policy import auto_dense_above, defers_comparison
 from weightsync.client.errors import UpdateFailed
 from weightsync.client.plan_choice import PlanChoice, patched_plan
-from weightsync.client.push import PushRun
-from weightsync.client.servers import Server
-from weightsync.client.types import ServerOutcome, StoreGeneration
+from weightsync.client.push_job import PushJob, Ran
+from weightsync.client.server_state import ServerState
+from weightsync.client.types import StoreGeneration
 from weightsync.common.logging import get_logger
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -40,9 +39,6 @@ log = get_logger("weightsync.client")
 MAX_PATCH_BUCKETS = 16
 """Patches are cut into at most this many buckets to share them out among a node's workers."""
 
-PushOnce = Callable[[list[Server], dict[str, StoreGeneration], Callable[[], None]], tuple[PushRun, list[ServerOutcome]]]
-"""Runs the patched plan to these servers, with these bases, calling the callback once all are ready."""
-
 
 @dataclass(slots=True)
 class PatchedPlan:
@@ -50,7 +46,7 @@ class PatchedPlan:
 
     choice: PlanChoice
     delta: DeltaChoice
-    targets: list[Server]
+    targets: list[ServerState]
     bases: dict[str, StoreGeneration]
     """Server address -> the committed generation its patches apply to (read before the comparison
     advanced the kept copy)."""
@@ -62,30 +58,31 @@ class PatchedPlan:
             self.compare.stop()
 
 
-def plan_patches(delta: DeltaBase, items: list[tuple[str, torch.Tensor]], mode: Delta, *, servers: list[Server],
-                 infos: dict[str, pb.GetServerInfoResponse], collective: bool, bucket_size_bytes: int,
-                 zero_copy_min_bytes: int) -> PatchedPlan | None:
+def plan_patches(delta: DeltaBase, items: list[tuple[str, torch.Tensor]], mode: Delta, *, servers: list[ServerState],
+                 link: float, collective: bool, bucket_size_bytes: int, zero_copy_min_bytes: int) -> PatchedPlan | None:
     """The patched plan, or None: all dense (no server holds our last commit, a new layout, nothing
     or too much changed). COLLECTIVE sends one plan to the whole group: patches only if every
-    server can take them. The deferred comparison, if any, is started here."""
-    targets = [s for s in servers if s.address in delta.generations]
-    if not targets or (collective and len(targets) != len(servers)):
+    server can take them. link: the transport's dense bytes per second (LinkTimings). The deferred
+    comparison, if any, is started here."""
+    targets = patch_targets(servers, claims=delta.claims, collective=collective)
+    if not targets:
         return None
     if not delta.same_layout(items):
         return None
-    bases = {s.address: delta.generations[s.address] for s in targets}  # choose() may advance the copy
-    defer = defers_comparison(delta.dense_bytes_per_second) and all(infos[s.address].deferred_buckets for s in targets)
-    choice = delta.choose(items, auto=mode == "auto", defer=defer)
+    # Read before choose(): the comparison may advance the copy, which then claims nothing until committed.
+    bases = {s.address: s.generation for s in targets if s.generation is not None}
+    defer = defers_comparison(link) and all(_info(s).deferred_buckets for s in targets)
+    choice = delta.choose(items, link=link, auto=mode == "auto", defer=defer)
     choice.keep_patches_within(bucket_size_bytes)
     if not choice.patches and not choice.deferred and (not choice.unchanged or len(choice.unchanged) == len(items)):
         # Every tensor changed too much, or nothing changed at all: the plain dense push, whose
         # plan may be reused (a version re-pushed as it is).
         return None
-    dense_above = auto_dense_above(delta.dense_bytes_per_second)
+    dense_above = auto_dense_above(link)
     if mode == "auto" and choice.sent_bytes(items) > dense_above * sum(t.numel() * t.element_size() for _, t in items):
         delta.went_dense(items)
         return None  # patches would not pay
-    workers = workers_per_node(targets, infos)
+    workers = workers_per_node(targets)
     compare = None
     if choice.deferred:
         groups = deferred_groups(choice, groups=max(DEFERRED_GROUPS, workers), bucket_size_bytes=bucket_size_bytes)
@@ -97,32 +94,44 @@ def plan_patches(delta: DeltaBase, items: list[tuple[str, torch.Tensor]], mode: 
     return PatchedPlan(plan, choice, targets, bases, compare)
 
 
-def workers_per_node(servers: list[Server], infos: dict[str, pb.GetServerInfoResponse]) -> int:
+def patch_targets(servers: list[ServerState], *, claims: bool, collective: bool) -> list[ServerState]:
+    """The servers that may take patches: those whose store is where this client's last commit left
+    it, while the kept copy is that commit (claims); COLLECTIVE sends one plan to the whole group,
+    so all of them or none."""
+    targets = [s for s in servers if claims and s.generation is not None]
+    return [] if collective and len(targets) != len(servers) else targets
+
+
+def workers_per_node(servers: list[ServerState]) -> int:
     """How many buckets give every worker of every one of these servers an equal share: the least
     common multiple of their worker counts (their largest, past MAX_PATCH_BUCKETS)."""
-    counts = {max(1, len(infos[s.address].workers)) for s in servers}
+    counts = {max(1, len(_info(s).workers)) for s in servers}
     common = math.lcm(*counts)
     return common if common <= MAX_PATCH_BUCKETS else max(counts)
 
 
-def send_patches(patched: PatchedPlan, delta: DeltaBase, items: list[tuple[str, torch.Tensor]], push_once: PushOnce,
-                 *, collective: bool) -> tuple[list[tuple[PlanChoice, PushRun, list[ServerOutcome]]], list[Server]]:
+def _info(server: ServerState) -> pb.GetServerInfoResponse:
+    assert server.info is not None, "push() asks every server for its info before it plans"
+    return server.info
+
+
+def send_patches(patched: PatchedPlan, delta: DeltaBase, items: list[tuple[str, torch.Tensor]], job: PushJob,
+                 *, collective: bool) -> tuple[list[Ran], list[ServerState]]:
     """Run the patched plan; returns the runs and the servers that took the patches (the others get
     the update dense)."""
     targets = list(patched.targets)
     while targets:
         # Once no server refused the base, the copy takes the rest of the push while it moves and the
-        # servers check and apply it (it claims no generation until committed(); a failure from
+        # servers check and apply it (it claims nothing until committed(); a failure from
         # here on makes the next push dense).
         taking: list[bool] = []
 
-        def begun(taking: list[bool] = taking) -> None:
+        def on_ready(taking: list[bool] = taking) -> None:
             taking.append(True)
             delta.take_in_background(items, patched.delta)
 
         try:
-            run, outcomes = push_once(targets, patched.bases, begun)
-            return [(patched.choice, run, outcomes)], targets
+            return [job.run(patched.choice, targets, bases=patched.bases, on_ready=on_ready)], targets
         except PatchesOverflow as error:
             log.info("patches_overflow_sending_dense", error=str(error))
             return [], []
@@ -134,7 +143,10 @@ def send_patches(patched: PatchedPlan, delta: DeltaBase, items: list[tuple[str, 
             # tensors already). COLLECTIVE sends one plan to the whole group: all of it dense.
             # (Only Begin refuses a base, so the copy has taken nothing from the servers' answers.)
             log.info("base_mismatch_sending_dense", server=error.server)
-            delta.forget(error.server)
+            delta.base_refused()
+            for server in targets:
+                if server.address == error.server:
+                    server.base_refused()
             refused = collective or bool(taking)
             targets = [] if refused else [s for s in targets if s.address != error.server]
     return [], []

@@ -9,7 +9,7 @@ of up to tens of MB. Both are skipped while the tensors' layout repeats:
     storages lie is not in it: a trainer that casts its weights afresh every
     step (new tensors, the same layout) plans once;
   - the plan is sent by its content id (weightsync.common.plan_id) to servers
-    that committed it before.
+    that committed it before (each server's record keeps the ids: server_state.py).
 
 The cache changes on commit only. A push that fails leaves it as it was, so
 the next push can neither reuse a layout the servers never committed nor name
@@ -19,7 +19,7 @@ a plan by an id the servers do not hold under that content.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -88,26 +88,12 @@ class CachedPlan:
 
 @dataclass(slots=True)
 class PlanCache:
-    """The last committed plan, and which servers hold which plan ids."""
+    """The last committed plan (which servers hold which plan ids: server_state.ServerState.plan_ids)."""
 
     last: CachedPlan | None = None
-    held: dict[str, set[str]] = field(default_factory=dict)
-    """server address -> plan ids it committed."""
 
     def lookup(self, key: tuple) -> CachedPlan | None:
         return self.last if self.last is not None and self.last.fingerprint == key else None
 
-    def all_hold(self, servers: Sequence[str], plan_id: str) -> bool:
-        return all(plan_id in self.held.get(s, ()) for s in servers)
-
-    def committed(self, plan: CachedPlan, servers: Sequence[str]) -> None:
+    def committed(self, plan: CachedPlan) -> None:
         self.last = plan
-        for server in servers:
-            ids = self.held.setdefault(server, set())
-            if len(ids) >= 8:  # servers keep a few plans; older ones may be gone anyway
-                ids.clear()
-            ids.add(plan.plan_id)
-
-    def forget(self, server: str, plan_id: str) -> None:
-        """The server said PLAN_NOT_FOUND (it restarted, or evicted the plan)."""
-        self.held.get(server, set()).discard(plan_id)

@@ -92,7 +92,7 @@ def patched_plan(items: list[tuple[str, torch.Tensor]], delta: DeltaChoice, *, b
     1% changed a model's patches fit one bucket many times over, and one worker applied all of
     them while the others waited. Exactly one per worker, not more: a worker receives its next
     bucket only once it applied the one before, and a sender that waits on that apply takes it for
-    a slow link (DeltaBase.link_timed).
+    a slow link (LinkTimings.link_timed).
 
     `deferred`: the tensors DeltaChoice.deferred lists go last, in its deferred buckets, each
     laid out once compared (client/deferred.py; the source hands out their layouts)."""

@@ -26,10 +26,9 @@ from weightsync.client._loop import LoopThread
 from weightsync.client.errors import PlanMismatch, UpdateFailed, WeightSyncRpcError
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.packing import TensorSource
-from weightsync.client.plan_cache import PlanCache
 from weightsync.client.planning import PlannedBucket
 from weightsync.client.read_order import wants_checksum
-from weightsync.client.servers import Server
+from weightsync.client.server_state import ServerState
 from weightsync.client.sinks import Sink
 from weightsync.client.streams import UpdateStream, first_failure, update_failed
 from weightsync.client.types import PushProgress, ServerOutcome, StoreGeneration
@@ -57,10 +56,14 @@ being aborted; its workers' heartbeats look stale until it reads them again."""
 
 @dataclass(slots=True)
 class PushRun:
-    """Everything one push needs; `run()` does it once."""
+    """Everything one run of one plan needs; `run()` does it once.
+
+    What the run learns of its servers goes to their records at once: settled() when every one took
+    Begin, gave_up() for one whose stream it gave up on (or lost), plan_forgotten() for a
+    PLAN_NOT_FOUND. The rest (committed, base refused, went stale) is the caller's to record."""
 
     loop: LoopThread
-    servers: Sequence[Server]
+    servers: Sequence[ServerState]
     metadata: tuple
     rpc_timeout: float
     """Bounds Ready, and every message a server must take (a server that stops reading fails the push)."""
@@ -68,7 +71,6 @@ class PushRun:
     group_id: str
     """The transfer group (COLLECTIVE); empty for INLINE and SHM."""
     sink: Sink
-    plans: PlanCache
     planned: list[PlannedBucket]
     plan: tensor_pb2.WeightPlan
     plan_id: str
@@ -83,7 +85,7 @@ class PushRun:
     started: float
     bases: dict[str, StoreGeneration] = field(default_factory=dict)
     """Server address -> the committed generation this push's patches apply to (none: dense plan)."""
-    begun: Callable[[], None] | None = None
+    on_ready: Callable[[], None] | None = None
     """Called once every server is ready (none refused the update at Begin), before any byte moves."""
     plan_reused: bool = False
     zero_copy_buckets: int = 0
@@ -102,8 +104,8 @@ class PushRun:
         watcher = (asyncio.run_coroutine_threadsafe(self._abort_at_first_failure(streams), self.loop.loop)
                    if self.group_id else None)
         try:
-            if self.begun is not None:
-                self.begun()
+            if self.on_ready is not None:
+                self.on_ready()
             failure = self._send_buckets(streams)
         except BaseException:
             # Our own code (or the caller's progress callback) raised: the servers must not
@@ -175,7 +177,7 @@ class PushRun:
     def _open_streams(self, by_id: bool) -> list[UpdateStream]:
         streams = []
         for server in self.servers:
-            stream = UpdateStream(server.address, server.update_weights, self.metadata, self.rpc_timeout)
+            stream = UpdateStream(server.address, server.server.update_weights, self.metadata, self.rpc_timeout)
             base = self.bases.get(server.address)
             begin = pb.BeginUpdate(group_id=self.group_id, version=self.version, mode=self.mode,
                                    transport=self.sink.transport, allow_new_tensors=self.allow_new_tensors,
@@ -191,7 +193,7 @@ class PushRun:
 
     async def _begin(self) -> list[UpdateStream]:
         """Begin on every server: the plan by id where every server committed it, else in full."""
-        by_id = self.plans.all_hold([s.address for s in self.servers], self.plan_id)
+        by_id = all(s.holds(self.plan_id) for s in self.servers)
         deadline = time.monotonic() + self.rpc_timeout
         while True:
             streams = self._open_streams(by_id)
@@ -202,15 +204,16 @@ class PushRun:
             if not failures:
                 self.plan_reused = by_id
                 for server in self.servers:
-                    server.unsettled = False
+                    server.settled()
                 return streams
             await self._abort(streams, "begin failed")
             stream, error = failures[0]
             reasons = {getattr(e, "reason", "") for _, e in failures}
             if by_id and "PLAN_NOT_FOUND" in reasons:
-                for s, e in failures:  # a server forgot the plan (restart): send it in full
-                    if getattr(e, "reason", "") == "PLAN_NOT_FOUND":
-                        self.plans.forget(s.server, self.plan_id)
+                forgot = {s.server for s, e in failures if getattr(e, "reason", "") == "PLAN_NOT_FOUND"}
+                for server in self.servers:  # a server forgot the plan (restart): send it in full
+                    if server.address in forgot:
+                        server.plan_forgotten(self.plan_id)
                 by_id = False
                 continue
             if reasons <= _SETTLING and self._all_unsettled(failures) and time.monotonic() < deadline:
@@ -230,12 +233,12 @@ class PushRun:
 
     def _note_unsettled(self, streams: list[UpdateStream]) -> None:
         """Remember the servers whose stream we gave up on, or lost with its connection (a cut link: the
-        server learns of it only by its own timeouts): see Server.unsettled."""
+        server learns of it only by its own timeouts): see ServerState.gave_up."""
         silent = {s.server for s in streams if s.unresponsive or (
             s.failure is not None and s.failure.code == grpc.StatusCode.UNAVAILABLE)}
         for server in self.servers:
             if server.address in silent:
-                server.unsettled = True
+                server.gave_up()
 
     async def _abort_at_first_failure(self, streams: list[UpdateStream]) -> None:
         """COLLECTIVE: abort the update on every server as soon as one reports a failure (its `aborting`).

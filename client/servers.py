@@ -34,16 +34,13 @@ def channel_options(max_message_bytes: int, timeout: float) -> list[tuple[str, i
 
 @dataclass(slots=True)
 class Server:
+    """One server's channel and stubs (what the SDK knows of it: server_state.ServerState)."""
+
     address: str
     channel: grpc.aio.Channel
     stub: pb_grpc.WeightSyncServiceStub
     update_weights: grpc.aio.StreamStreamMultiCallable
     """UpdateWeights taking pre-encoded chunks too (wire.py)."""
-    workers: int = 0
-    rank_offset: int = 0
-    unsettled: bool = False
-    """A push gave up on this server's stream (it stopped answering): it may still be winding that update
-    down when it answers again, so the next Begin waits out its UPDATE_IN_PROGRESS (push.py)."""
 
 
 class ServerSet:

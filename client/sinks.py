@@ -43,9 +43,20 @@ from weightsync.v1 import weight_sync_service_pb2 as pb
 
 
 class Sink(Protocol):
+    """What a push (push.py, push_job.py, sdk.py) uses of a transport's sink: nothing else."""
+
     transport: int
     """The BeginUpdate.transport this sink speaks."""
     buffers: PackBuffers
+    """Where buckets are packed (SHM: the server's ingress slots)."""
+
+    @property
+    def frames(self) -> Frames | None:
+        """Buckets of patches as zstd frames (COLLECTIVE over Gloo, INLINE); None: this transport sends none."""
+
+    @property
+    def broken(self) -> bool:
+        """A transfer of ours failed or timed out and left the transfer group unusable (COLLECTIVE only)."""
 
     def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
         """Bucket `index`'s bytes, in a place this transport can send from."""
@@ -164,6 +175,8 @@ class InlineSink:
     """Send each bucket inside the UpdateWeights streams, in chunks."""
 
     transport = pb.TRANSPORT_INLINE
+    broken = False
+    """Nothing of a group to break."""
 
     def __init__(self, loop: LoopThread, buffers: PackBuffers, max_chunk_bytes: int) -> None:
         self._loop = loop
@@ -203,6 +216,10 @@ class ShmSink:
     """Write each bucket into the server's ingress (same host), then announce it."""
 
     transport = pb.TRANSPORT_SHM
+    broken = False
+    """Nothing of a group to break."""
+    frames = None
+    """Buckets go into the server's memory whole: nothing to compress."""
 
     def __init__(self, loop: LoopThread, fd: int, slot_bytes: int, slot_count: int, timeout: float) -> None:
         self._loop = loop

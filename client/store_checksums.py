@@ -15,12 +15,13 @@ import time
 
 from weightsync.client.errors import WeightSyncRpcError
 from weightsync.client.push import UNSETTLED_RETRY_SECONDS
-from weightsync.client.servers import Server, ServerSet
+from weightsync.client.server_state import ServerState
+from weightsync.client.servers import ServerSet
 from weightsync.client.types import TensorMismatch
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 
-async def fetch_checksums(servers: ServerSet, server: Server,
+async def fetch_checksums(servers: ServerSet, server: ServerState,
                           request: pb.GetTensorChecksumsRequest) -> pb.GetTensorChecksumsResponse:
     """The server's checksums of the named tensors (see the module docstring)."""
     try:
@@ -39,7 +40,7 @@ async def fetch_checksums(servers: ServerSet, server: Server,
     return answer
 
 
-def mismatches(server: Server, answer: pb.GetTensorChecksumsResponse, local: dict[str, int]) -> list[TensorMismatch]:
+def mismatches(server: ServerState, answer: pb.GetTensorChecksumsResponse, local: dict[str, int]) -> list[TensorMismatch]:
     remote = {t.name: t.checksum.value for t in answer.tensors}
     not_stored = set(answer.not_stored)
     return [TensorMismatch(server.address, name, value, remote.get(name))
@@ -55,26 +56,26 @@ def holds(answer: pb.GetTensorChecksumsResponse, local: dict[str, int]) -> bool:
         name: value for name, value in local.items() if name not in not_stored}
 
 
-async def _outside_subset(servers: ServerSet, server: Server, absent: list[str]) -> list[str]:
+async def _outside_subset(servers: ServerSet, server: ServerState, absent: list[str]) -> list[str]:
     """Which of these names (none in the server's store) are outside its --tensors subset."""
-    info = await servers.unary(server, "GetServerInfo", pb.GetServerInfoRequest(), servers.timeout)
+    info = await servers.unary(server.server, "GetServerInfo", pb.GetServerInfoRequest(), servers.timeout)
     if not info.store.tensor_filter:
         return []
     subset = re.compile(info.store.tensor_filter)
     return sorted(n for n in absent if subset.search(n) is None)
 
 
-async def _settled(servers: ServerSet, server: Server,
+async def _settled(servers: ServerSet, server: ServerState,
                    request: pb.GetTensorChecksumsRequest) -> pb.GetTensorChecksumsResponse:
     timeout = max(servers.timeout, 300)
     deadline = time.monotonic() + servers.timeout
     while True:
         try:
-            answer = await servers.unary(server, "GetTensorChecksums", request, timeout)
+            answer = await servers.unary(server.server, "GetTensorChecksums", request, timeout)
         except WeightSyncRpcError as error:
             if error.reason != "STORE_UPDATING" or not server.unsettled or time.monotonic() > deadline:
                 raise
             await asyncio.sleep(UNSETTLED_RETRY_SECONDS)
             continue
-        server.unsettled = False  # it answered a read with no update running: nothing of ours is left there
+        server.settled()  # it answered a read with no update running: nothing of ours is left there
         return answer

@@ -41,6 +41,8 @@ class TransferGroup:
     collective: CollectiveGroup
     store: object
     """The rendezvous TCPStore: kept listening for the group's life (servers probe it)."""
+    rank_offsets: dict[str, int]
+    """Server address -> the group rank of its worker 0 (its worker w is rank offset + w; rank_offsets)."""
     broken: bool = False
 
 
@@ -132,6 +134,16 @@ def workers_sharing_a_gpu(servers: Sequence[ServerDevices]) -> dict[str, list[tu
     return {gpu: where for gpu, where in on.items() if len(where) > 1}
 
 
+def rank_offsets(worker_counts: Sequence[int]) -> list[int]:
+    """Each server's first rank in a group of this trainer (rank 0) and these servers' workers, in
+    order: the servers' workers follow one another."""
+    offsets, offset = [], 1
+    for count in worker_counts:
+        offsets.append(offset)
+        offset += count
+    return offsets
+
+
 # -- create and delete --------------------------------------------------------------------------
 def create(servers: ServerSet, *, backend: str, timeout: float, group_id: str | None, store_host: str | None,
            store_port: int) -> TransferGroup:
@@ -141,13 +153,9 @@ def create(servers: ServerSet, *, backend: str, timeout: float, group_id: str | 
     trainer_gpu = gpu_uuid(trainer_device) if trainer_device is not None else None
     chosen = choose_backend(backend, trainer_gpu_uuid=trainer_gpu,
                             servers=[ServerDevices.of(s.address, i) for s, i in zip(servers.servers, infos, strict=True)])
-    for server, info in zip(servers.servers, infos, strict=True):
-        server.workers = len(info.workers)
-    offset = 1
-    for server in servers.servers:
-        server.rank_offset = offset
-        offset += server.workers
-    world_size = offset
+    offsets = rank_offsets([len(info.workers) for info in infos])
+    world_size = 1 + sum(len(info.workers) for info in infos)
+    by_address = dict(zip(servers.addresses, offsets, strict=True))
     group_id = group_id or f"ws-{uuid.uuid4().hex[:12]}"
     first = parse_address(servers.servers[0].address)
     host = store_host or local_address_towards(first.host, first.port)
@@ -157,7 +165,8 @@ def create(servers: ServerSet, *, backend: str, timeout: float, group_id: str | 
     log.info("group_creating", group_id=group_id, world_size=world_size, backend=pb.Backend.Name(chosen))
     rendezvous = Rendezvous(group_id=group_id, backend=chosen, store=store, world_size=world_size,
                             timeout=delta, device=device, local_address=host)
-    created, failure = servers.loop.run(_create_everywhere(servers, group_id, host, store.port, world_size, chosen, delta))
+    created, failure = servers.loop.run(_create_everywhere(servers, group_id, host, store.port, world_size, chosen, delta,
+                                                           by_address))
     if failure is None:
         try:
             collective = rendezvous.result(timeout + 10)
@@ -169,11 +178,12 @@ def create(servers: ServerSet, *, backend: str, timeout: float, group_id: str | 
         _clean_up(servers, created, group_id)
         raise failure
     log.info("group_ready", group_id=group_id)
-    return TransferGroup(group_id, chosen, world_size, delta, device, collective, store)
+    return TransferGroup(group_id, chosen, world_size, delta, device, collective, store, by_address)
 
 
 async def _create_everywhere(
-    servers: ServerSet, group_id: str, host: str, port: int, world_size: int, backend: int, timeout: datetime.timedelta
+    servers: ServerSet, group_id: str, host: str, port: int, world_size: int, backend: int, timeout: datetime.timedelta,
+    offsets: dict[str, int],
 ) -> tuple[list[Server], BaseException | None]:
     """CreateTransferGroup on every server at once; returns at the first refusal, without
     waiting for the others' rendezvous (they fail at its deadline, and are cleaned up then)."""
@@ -181,7 +191,7 @@ async def _create_everywhere(
     def request(server: Server) -> pb.CreateTransferGroupRequest:
         message = pb.CreateTransferGroupRequest(
             group_id=group_id, store_host=host, store_port=port, world_size=world_size,
-            rank_offset=server.rank_offset, backend=backend,
+            rank_offset=offsets[server.address], backend=backend,
         )
         message.timeout.FromTimedelta(timeout)
         return message

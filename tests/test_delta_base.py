@@ -9,6 +9,7 @@ import torch
 from weightsync.client import delta as delta_module
 from weightsync.client import delta_policy
 from weightsync.client.delta import DeltaBase
+from weightsync.client.link_timings import LinkTimings
 from weightsync.common import patch_format
 from weightsync.common.checksum import ws64
 from weightsync.common.patches import XOR
@@ -33,7 +34,7 @@ def changed(named: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[
 
 def kept_base(named: dict[str, torch.Tensor]) -> DeltaBase:
     base = DeltaBase()
-    base.committed(list(named.items()), None, {"s": 1})
+    base.committed(list(named.items()), None)
     return base
 
 
@@ -72,7 +73,7 @@ def test_auto_keeps_only_a_sample_of_a_tensor_that_goes_dense_push_after_push_un
         named = list(current.items())
         choice = base.choose(named)
         assert not choice.patches
-        base.committed(named, choice, {"s": push + 1})
+        base.committed(named, choice)
         kept_after.append(sorted(base.tensors))
     assert kept_after == [[], [], [], [], []]  # dense on push 1: not copied, from then on
     assert base.memory_bytes == 0 and sorted(base.samples) == ["a", "b"]
@@ -82,7 +83,7 @@ def test_auto_keeps_only_a_sample_of_a_tensor_that_goes_dense_push_after_push_un
     sparse = changed(current, 0.002, seed=98)  # the samples say sparse: dense this time, kept after
     choice = base.choose(list(sparse.items()))
     assert not choice.patches and not choice.unchanged
-    base.committed(list(sparse.items()), choice, {"s": 10})
+    base.committed(list(sparse.items()), choice)
     assert sorted(base.tensors) == ["a", "b"] and base.samples == {}
     assert all(torch.equal(base.tensors[n].view(torch.int16), sparse[n].view(torch.int16)) for n in sparse)
 
@@ -90,7 +91,7 @@ def test_auto_keeps_only_a_sample_of_a_tensor_that_goes_dense_push_after_push_un
     choice = base.choose(list(again.items()))
     assert set(choice.patches) == {"a", "b"}
     assert all(p.checksum == ws64(again[n]) for n, p in choice.patches.items())
-    base.committed(list(again.items()), choice, {"s": 11})
+    base.committed(list(again.items()), choice)
     assert all(torch.equal(base.tensors[n].view(torch.int16), again[n].view(torch.int16)) for n in again)
     assert base.dense_runs == {"a": 0, "b": 0}
 
@@ -99,7 +100,7 @@ def test_auto_keeps_only_a_sample_of_a_tensor_that_goes_dense_push_after_push_un
     for push in range(1, 4):
         current = changed(current, 0.3, seed=push)
         named = list(current.items())
-        forced.committed(named, forced.choose(named, auto=False), {"s": push + 1})
+        forced.committed(named, forced.choose(named, auto=False))
         assert sorted(forced.tensors) == ["a", "b"]
 
 
@@ -111,14 +112,14 @@ def test_a_patch_carries_the_whole_new_tensors_ws64():
     assert {n: p.checksum for n, p in choice.patches.items()} == {n: ws64(t) for n, t in after.items()}
 
 
-def test_a_background_take_claims_the_generations_only_once_committed():
+def test_a_background_take_claims_the_commit_only_once_committed():
     before = weights()
     base = kept_base(before)
     after = changed(before, 0.3, seed=4)
     base.take_in_background(list(after.items()), None)
-    assert base.generations == {}  # while the copy changes it claims no server's generation
-    base.committed(list(after.items()), None, {"s": 2})
-    assert base.generations == {"s": 2}
+    assert not base.claims  # while the copy changes it claims no commit
+    base.committed(list(after.items()), None)
+    assert base.claims
     assert all(torch.equal(base.tensors[n].view(torch.int16), t.view(torch.int16)) for n, t in after.items())
 
 
@@ -127,10 +128,10 @@ def test_a_push_that_fails_during_a_background_take_leaves_no_claim_and_the_next
     base = kept_base(before)
     base.take_in_background(list(changed(before, 0.3, seed=5).items()), None)
     base.forget()  # what push() does when a run fails: wait for the copy, claim nothing
-    assert base.generations == {}
+    assert not base.claims
     after = changed(before, 0.3, seed=6)
-    base.committed(list(after.items()), None, {"s": 3})
-    assert base.generations == {"s": 3}
+    base.committed(list(after.items()), None)
+    assert base.claims
     nxt = changed(after, 0.002, seed=7)
     choice = base.choose(list(nxt.items()))
     assert {n: p.checksum for n, p in choice.patches.items()} == {n: ws64(t) for n, t in nxt.items()}
@@ -146,11 +147,11 @@ def test_a_failed_background_copy_is_dropped_and_the_next_push_starts_over(monke
     with monkeypatch.context() as patched:
         patched.setattr(base, "_take", broken)
         base.take_in_background(list(before.items()), None)
-        base.committed(list(before.items()), None, {"s": 2})
-    assert base.generations == {} and base.tensors == {}  # nothing claimed: the next push goes dense
+        base.committed(list(before.items()), None)
+    assert not base.claims and base.tensors == {}  # nothing claimed: the next push goes dense
     assert not base.same_layout(list(before.items()))
-    base.committed(list(before.items()), None, {"s": 3})  # that dense push, committed
-    assert base.generations == {"s": 3} and base.same_layout(list(before.items()))
+    base.committed(list(before.items()), None)  # that dense push, committed
+    assert base.claims and base.same_layout(list(before.items()))
     nxt = changed(before, 0.002, seed=8)
     assert set(base.choose(list(nxt.items())).patches) == {"a", "b"}
 
@@ -198,7 +199,7 @@ def test_host_tensors_go_as_patch_xor_byte_for_byte_the_reference():
         assert bytes(patch.data.numpy()) == reference
         assert patch.checksum == ws64(after[name])
         assert patch.data.numel() < 2.4 * count
-    base.committed(named, choice, {"s": 2})
+    base.committed(named, choice)
     assert all(torch.equal(base.tensors[n].view(torch.int16), after[n].view(torch.int16)) for n in after)
 
 
@@ -207,7 +208,7 @@ def test_auto_compares_more_on_a_slower_link_and_never_below_the_loopback_thresh
     this machine's loopback (~3.4 GB/s) patches pay below ~2.3% changed, at 1 Gbit/s below ~50%: a
     4% step is dense on the first and patched on the second. Until a transport is timed its
     benchmark-machine figure is assumed; where dense moves faster than ~6.5 GB/s no host patch
-    pays, and over SHM auto does not try (DeltaBase.cannot_pay). A dense push smaller than
+    pays, and over SHM auto does not try (LinkTimings.cannot_pay). A dense push smaller than
     DENSE_TIMING_MIN_BYTES times nothing."""
     assert delta_policy.host_worth(None) == delta_policy.host_worth(3.4e9)
     assert 0.021 < delta_policy.host_crossover(None) < 0.024
@@ -216,26 +217,23 @@ def test_auto_compares_more_on_a_slower_link_and_never_below_the_loopback_thresh
     assert delta_policy.host_crossover(6.5e9) == 0.0
     before = weights()
     step = changed(before, 0.04, seed=21)
+    base, links = kept_base(before), LinkTimings()
+    assert links.bytes_per_second("collective") == 3.4e9
+    links.dense_push_timed("collective", 1 << 20, 1.0)  # too small to time the link
+    assert links.bytes_per_second("collective") == 3.4e9
+    assert not base.choose(list(step.items()), link=links.bytes_per_second("collective")).patches  # loopback: dense
     base = kept_base(before)
-    assert base.dense_bytes_per_second == 3.4e9
-    base.dense_push_timed("collective", 1 << 20, 1.0)  # too small to time the link
-    assert base.dense_bytes_per_second == 3.4e9
-    assert not base.choose(list(step.items())).patches  # loopback thresholds: dense
-    base = kept_base(before)
-    base.dense_push_timed("collective", 1 << 30, 8.6)  # 1 GiB in 8.6 s: a 1 Gbit/s link
-    assert set(base.choose(list(step.items())).patches) == {"a", "b"}
-    base.transport = "shm"  # another transport: its own figure, never below the assumed one
-    base.dense_push_timed("shm", 1 << 30, 2.0)
-    assert base.dense_bytes_per_second == 4.2e9
-    assert not base.choose(list(step.items())).patches
-    assert base.cannot_pay(list(step.items()))  # over SHM push() neither samples nor keeps a copy
-    base.transport = "inline"
-    assert not base.cannot_pay(list(step.items()))
-    base.dense_push_timed("inline", 1 << 30, 0.125)  # 8.6 GB/s: faster than the host's passes over memory
-    assert base.cannot_pay(list(step.items()))
-    base.transport = "collective"
-    base.dense_push_timed("collective", 1 << 30, 0.3)  # then a fast one: the best of the recent pushes counts
-    assert not base.choose(list(step.items())).patches
+    links.dense_push_timed("collective", 1 << 30, 8.6)  # 1 GiB in 8.6 s: a 1 Gbit/s link
+    assert set(base.choose(list(step.items()), link=links.bytes_per_second("collective")).patches) == {"a", "b"}
+    links.dense_push_timed("shm", 1 << 30, 2.0)  # another transport: its own figure, never below the assumed one
+    assert links.bytes_per_second("shm") == 4.2e9
+    assert not base.choose(list(step.items()), link=links.bytes_per_second("shm")).patches
+    assert links.cannot_pay(list(step.items()), "shm")  # over SHM push() neither samples nor keeps a copy
+    assert not links.cannot_pay(list(step.items()), "inline")
+    links.dense_push_timed("inline", 1 << 30, 0.125)  # 8.6 GB/s: faster than the host's passes over memory
+    assert links.cannot_pay(list(step.items()), "inline")
+    links.dense_push_timed("collective", 1 << 30, 0.3)  # then a fast one: the best of the recent pushes counts
+    assert not base.choose(list(step.items()), link=links.bytes_per_second("collective")).patches
 
 
 def test_a_patched_push_that_waited_on_a_slow_link_times_it():
@@ -244,17 +242,18 @@ def test_a_patched_push_that_waited_on_a_slow_link_times_it():
     transport's assumed one (a busy host on loopback) time nothing."""
     before = weights()
     step = changed(before, 0.04, seed=21)
-    base = kept_base(before)
-    base.link_timed("collective", 12 << 20, 0.02, 0.2)  # waited 10% of the push: says nothing
-    base.link_timed("collective", 512 << 10, 0.1, 0.2)  # too small
-    base.link_timed("collective", 64 << 20, 0.035, 0.07)  # 1.9 GB/s: not clearly slower than loopback
-    assert base.dense_bytes_per_second == 3.4e9
-    assert not base.choose(list(step.items())).patches
-    base.link_timed("collective", 12 << 20, 0.1, 0.15)  # 126 MB/s, most of the push: a 1 Gbit/s link
-    assert base.dense_bytes_per_second == (12 << 20) / 0.1
-    assert set(base.choose(list(step.items())).patches) == {"a", "b"}
-    base.link_timed("inline", 12 << 20, 0.1, 0.15)  # another transport's figure is its own
-    assert base.dense_bytes_per_second == (12 << 20) / 0.1 and base.dense_throughputs["inline"] == [(12 << 20) / 0.1]
+    base, links = kept_base(before), LinkTimings()
+    links.link_timed("collective", 12 << 20, 0.02, 0.2)  # waited 10% of the push: says nothing
+    links.link_timed("collective", 512 << 10, 0.1, 0.2)  # too small
+    links.link_timed("collective", 64 << 20, 0.035, 0.07)  # 1.9 GB/s: not clearly slower than loopback
+    assert links.bytes_per_second("collective") == 3.4e9
+    assert not base.choose(list(step.items()), link=links.bytes_per_second("collective")).patches
+    links.link_timed("collective", 12 << 20, 0.1, 0.15)  # 126 MB/s, most of the push: a 1 Gbit/s link
+    assert links.bytes_per_second("collective") == (12 << 20) / 0.1
+    assert set(base.choose(list(step.items()), link=links.bytes_per_second("collective")).patches) == {"a", "b"}
+    links.link_timed("inline", 12 << 20, 0.1, 0.15)  # another transport's figure is its own
+    assert links.bytes_per_second("collective") == (12 << 20) / 0.1
+    assert links.dense_throughputs["inline"] == [(12 << 20) / 0.1]
 
 
 def test_a_tensor_kept_as_a_sample_is_copied_again_only_once_clearly_sparse():
@@ -263,14 +262,14 @@ def test_a_tensor_kept_as_a_sample_is_copied_again_only_once_clearly_sparse():
     current = weights()
     base = kept_base(current)
     current = changed(current, 0.3, seed=1)
-    base.committed(list(current.items()), base.choose(list(current.items())), {"s": 2})
+    base.committed(list(current.items()), base.choose(list(current.items())))
     assert base.tensors == {} and sorted(base.samples) == ["a", "b"]
     near = changed(current, 0.012, seed=2)  # sampled ~1.8% of the bytes: under compare_below, not under half
     choice = base.choose(list(near.items()))
-    base.committed(list(near.items()), choice, {"s": 3})
+    base.committed(list(near.items()), choice)
     assert base.tensors == {} and base.dense_runs == {"a": 2, "b": 2}
     sparse = changed(near, 0.002, seed=3)
-    base.committed(list(sparse.items()), base.choose(list(sparse.items())), {"s": 4})
+    base.committed(list(sparse.items()), base.choose(list(sparse.items())))
     assert sorted(base.tensors) == ["a", "b"] and base.dense_runs == {"a": 0, "b": 0}
 
 
@@ -347,17 +346,17 @@ def test_an_expanded_view_keeps_only_the_storage_it_reads_and_goes_unchanged_or_
               "w": changed({"w": w}, 0.002, seed=22)["w"]}
     choice = base.choose(list(second.items()))
     assert choice.unchanged == {"bias", "row"} and set(choice.patches) == {"w"}
-    base.committed(list(second.items()), choice, {"s": 2})
+    base.committed(list(second.items()), choice)
 
     # -0.0 against 0.0 (raw bits), and the same value over a storage read with other strides: dense.
     zero = {"bias": torch.tensor([0.0]).expand(1 << 22), "row": big[7:8].expand(4096, 300), "w": second["w"]}
-    base.committed(list(zero.items()), None, {"s": 3})
+    base.committed(list(zero.items()), None)
     third = {"bias": torch.tensor([-0.0]).expand(1 << 22),
              "row": big[7].clone().expand(4096, 300),  # the same bits, strides (0, 1) as before: unchanged
              "w": second["w"]}
     choice = base.choose(list(third.items()), auto=False)
     assert choice.unchanged == {"row", "w"} and not choice.patches  # bias goes dense
-    base.committed(list(third.items()), choice, {"s": 4})
+    base.committed(list(third.items()), choice)
     assert torch.equal(base.views["bias"].view(torch.int32), third["bias"].view(torch.int32))
     assert base.views["bias"].untyped_storage().nbytes() == 4
 
@@ -365,19 +364,19 @@ def test_an_expanded_view_keeps_only_the_storage_it_reads_and_goes_unchanged_or_
     fourth = dict(third, row=torch.full((300,), float(big[7, 0])).as_strided((4096, 300), (0, 0)))
     choice = base.choose(list(fourth.items()), auto=False)
     assert choice.unchanged == {"bias", "w"}
-    base.committed(list(fourth.items()), choice, {"s": 5})
+    base.committed(list(fourth.items()), choice)
     assert base.views["row"].stride() == (0, 0) and base.views["row"].untyped_storage().nbytes() == 4
     assert base.memory_bytes == 4 + 4 + w.numel() * 2
     assert torch.equal(base.views["row"], fourth["row"])
 
     # A view that becomes a whole tensor of the same layout (and back): kept as what it is now.
     fifth = dict(fourth, bias=torch.full((1 << 22,), -0.0))
-    base.committed(list(fifth.items()), base.choose(list(fifth.items()), auto=False), {"s": 6})
+    base.committed(list(fifth.items()), base.choose(list(fifth.items()), auto=False))
     assert "bias" in base.tensors and "bias" not in base.views
     assert base.memory_bytes == (1 << 22) * 4 + 4 + w.numel() * 2
     choice = base.choose(list(fourth.items()), auto=False)
     assert "bias" not in choice.unchanged and "bias" not in choice.patches  # dense, though the bits match
-    base.committed(list(fourth.items()), choice, {"s": 7})
+    base.committed(list(fourth.items()), choice)
     assert "bias" in base.views and "bias" not in base.tensors and base.memory_bytes == 4 + 4 + w.numel() * 2
 
 

@@ -337,7 +337,7 @@ def test_the_default_push_keeps_a_copy_and_sends_a_sparse_step_as_patches(two_se
         current = sparse_step(current, seed=22)
         off = client.push(current, version="v2", transport="inline", delta=False)
         assert off.bytes_sent >= off.dense_bytes
-        assert client._delta.generations == {} and client._delta.memory_bytes == 0  # the copy is freed
+        assert not client._delta.claims and client._delta.memory_bytes == 0  # the copy is freed
         current = sparse_step(current, seed=23)
         again = client.push(current, version="v3", transport="inline")
         assert again.bytes_sent >= again.dense_bytes
@@ -358,9 +358,9 @@ def test_the_comparison_updates_the_copy_which_claims_the_base_only_once_committ
 
     def take(self, named, choice):
         events.append("take patches" if choice is not None and choice.patches else "take whole")
-        events.append(f"claims {sorted(self.generations)}")
+        events.append(f"claims {self.claims}")
         real_take(self, named, choice)
-        events.append(f"then claims {sorted(self.generations)}")
+        events.append(f"then claims {self.claims}")
 
     async def commit(self, streams):
         events.append("commit")
@@ -378,17 +378,19 @@ def test_the_comparison_updates_the_copy_which_claims_the_base_only_once_committ
     with WeightSyncClient([a.address, b.address], timeout=60) as client:
         current = model()
         client.push(current, version="v0", transport="inline", allow_new_tensors=True)
-        assert events == ["take whole", "claims []", "then claims []", "commit"]
+        assert events == ["take whole", "claims False", "then claims False", "commit"]
         events.clear()
         for step in range(3):
             current = sparse_step(current, seed=40 + step)
             result = client.push(current, version=f"v{step + 1}", transport="inline")
             assert result.bytes_sent < 0.1 * result.dense_bytes
             servers = sorted([a.address, b.address])
-            assert events == ["take patches", "claims []", "then claims []", "commit"]
+            assert events == ["take patches", "claims False", "then claims False", "commit"]
             kept = client._delta.tensors
             assert len(kept) >= 2 and all(torch.equal(kept[n], current[n]) for n in kept)
-            assert sorted(client._delta.generations) == servers  # claimed again once committed
+            assert client._delta.claims  # claimed again once committed, at each server's generation
+            assert {s.address: s.generation for s in client._fleet.states} == {
+                o.server: o.committed for o in result.servers} and sorted(o.server for o in result.servers) == servers
             events.clear()
             assert_held(two_servers, current)
         assert client.verify(current).ok

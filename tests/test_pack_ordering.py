@@ -17,7 +17,6 @@ import torch
 
 from weightsync.client import packing, push
 from weightsync.client.packing import PackBuffers, TensorSource
-from weightsync.client.plan_cache import PlanCache
 from weightsync.client.planning import build_plan, plan_proto
 from weightsync.client.push import PushRun
 from weightsync.client.read_order import BufferFence, ReadOrder, Wait, read_order, wants_checksum
@@ -248,7 +247,7 @@ def test_every_reader_waits_for_the_copies_from_cuda(monkeypatch, transport, che
             stream.on_chunk = lambda chunk: readers.check("inline chunk",
                                                           (len(stream.announced) - 1) % len(buffers.slots))
         run = PushRun(loop=FakeLoop(), servers=[], metadata=(), rpc_timeout=5, commit_timeout=5, group_id="",
-                      sink=sink, plans=PlanCache(), planned=planned, plan=plan_proto(planned), plan_id="p",
+                      sink=sink, planned=planned, plan=plan_proto(planned), plan_id="p",
                       source=TensorSource(model, None), version="v", mode=pb.UPDATE_MODE_STAGED,
                       allow_new_tensors=False, checksums=checksums, progress=None, bar=None, started=0.0)
         assert run._send_buckets([stream]) is None
@@ -279,7 +278,7 @@ def test_cpu_tensors_over_gloo_record_nothing_and_skip_checksums(monkeypatch):
     stream = FakeStream(lambda start: None)
     monkeypatch.setattr(FakeCollective, "broadcast_async", lambda self, tensor: object())
     run = PushRun(loop=FakeLoop(), servers=[], metadata=(), rpc_timeout=5, commit_timeout=5, group_id="",
-                  sink=sink, plans=PlanCache(), planned=planned, plan=plan_proto(planned), plan_id="p",
+                  sink=sink, planned=planned, plan=plan_proto(planned), plan_id="p",
                   source=TensorSource(model, None), version="v", mode=pb.UPDATE_MODE_STAGED,
                   allow_new_tensors=False, checksums=None, progress=None, bar=None, started=0.0)
     assert run._send_buckets([stream]) is None
@@ -329,7 +328,7 @@ def test_bucket_k_starts_before_k_minus_1_is_waited_and_no_pack_buffer_is_refill
     buffers.ensure(max(b.spec.size_bytes for b in planned))
     stream = FakeStream(lambda start: None)
     run = PushRun(loop=FakeLoop(), servers=[], metadata=(), rpc_timeout=5, commit_timeout=5, group_id="",
-                  sink=sink, plans=PlanCache(), planned=planned, plan=plan_proto(planned), plan_id="p",
+                  sink=sink, planned=planned, plan=plan_proto(planned), plan_id="p",
                   source=TensorSource(model, None), version="v", mode=pb.UPDATE_MODE_STAGED,
                   allow_new_tensors=False, checksums=False, progress=None, bar=None, started=0.0)
     assert run._send_buckets([stream]) is None

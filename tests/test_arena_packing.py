@@ -42,7 +42,7 @@ def arena_sizes(store: node_store.NodeStore) -> list[int]:
     return [store.arena(a).size_bytes for a in store.arena_ids()]
 
 
-def test_an_update_makes_arenas_of_at_most_the_limit_and_an_abort_gives_them_back(node, monkeypatch):
+def test_an_update_makes_arenas_of_at_most_the_limit_and_an_abort_gives_them_back(node, monkeypatch):  # noqa: F811
     monkeypatch.setattr(node_store, "ARENA_MAX_BYTES", 16384)
     services, _fleet = node(2)
     store = services.store

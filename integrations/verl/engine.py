@@ -11,7 +11,9 @@ worker, then `finalize`. What each does here:
   drains its generator (FSDP gathers run on every rank) and waits for that outcome, so a failed
   push raises WeightSyncVerlError(PUSH_FAILED, rank=0) on every actor rank, and a sender that died
   SENDER_LOST (rank=0) on the others, each within timeout_s.
-- a rollout worker waits (bounded) until its node's server has committed that version, leases it
+- a rollout worker waits (bounded) until its node's server has committed that version, or until
+  the sender's outcome says the push failed (PUSH_FAILED, rank=0, at once) or the sender is gone
+  (SENDER_LOST); it then leases the committed version
   through the EngineClient (the node's one store, mapped read-only, no copy), checks that the
   leased version is the one asked for, and yields its tensors to verl's server adapter; the lease
   is released (applied) when the adapter has taken them all.
@@ -73,8 +75,9 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         self.config = VerlSyncConfig.from_engine_kwargs(**engine_kwargs)
         self.role: str | None = None
         self.rank = -1
-        self.sends = 0
-        """Syncs this actor rank took part in: every actor rank counts alike, naming the outcome."""
+        self.syncs = 0
+        """Syncs this worker took part in: every worker counts alike (verl calls each once a sync),
+        which names the sync's outcome in the sender's store."""
         self._client: WeightSyncClient | None = None
         self._engine_client: EngineClient | None = None
         self._outcomes: TCPStore | None = None
@@ -99,12 +102,12 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                  "outcome_store": [store] * actor_wg_world_size}
         rollout = {"role": ["rollout"] * rollout_world_size, "rank": list(range(rollout_world_size)),
                    "world_size": [rollout_world_size] * rollout_world_size,
-                   "outcome_store": [""] * rollout_world_size}
+                   "outcome_store": [store] * rollout_world_size}
         return actor, rollout
 
     def init_process_group(self, *, role: str, rank: int, world_size: int, outcome_store: str) -> None:
         """Connects what this worker's role needs, once: the SDK client (sender), the outcome store
-        (other actor ranks), the node's EngineClient (rollout)."""
+        (every other worker), the node's EngineClient (rollout)."""
         self.role, self.rank = role, rank
         if role == "actor" and rank == SENDER_RANK:
             if not self.is_master:
@@ -112,16 +115,16 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             if self._client is None:
                 self._client = WeightSyncClient(list(self.config.servers), token=self.config.token,
                                                 timeout=self.config.timeout_s)
-        elif role == "actor":
+        else:
             if self._outcomes is None:
                 host, _, port = outcome_store.rpartition(":")
                 try:
                     self._outcomes = TCPStore(host, int(port), is_master=False,
                                               timeout=datetime.timedelta(seconds=self.config.timeout_s))
                 except (RuntimeError, ValueError) as error:
-                    raise WeightSyncVerlError("SENDER_LOST", f"actor rank {rank} cannot reach the sending rank's "
+                    raise WeightSyncVerlError("SENDER_LOST", f"{role} {rank} cannot reach the sending rank's "
                                               f"outcome store {outcome_store!r}: {error}", rank=SENDER_RANK) from None
-        elif self._engine_client is None:
+        if role == "rollout" and self._engine_client is None:
             self._engine_client = EngineClient(server=self.config.node_server or self.config.servers[0],
                                                name=f"verl-rollout-{rank}", token=self.config.token,
                                                timeout=self.config.timeout_s)
@@ -141,8 +144,8 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         if self.role != "actor":
             raise WeightSyncVerlError("NOT_INITIALIZED", "send_weights before init_process_group made this an actor rank")
         version = version_label(global_steps)
-        self.sends += 1
-        key = f"weightsync/outcome/{self.sends}"
+        self.syncs += 1
+        key = f"weightsync/outcome/{self.syncs}"
         if self.rank != SENDER_RANK:
             await _drain(weights)  # the gathers of a sharded model run on every rank
             return await asyncio.to_thread(self._await_outcome, key, version)
@@ -205,7 +208,8 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         if self.role != "rollout" or self._engine_client is None:
             raise WeightSyncVerlError("NOT_INITIALIZED", "receive_weights before init_process_group made this a rollout worker")
         version = version_label(global_steps)
-        snapshot = await asyncio.to_thread(self._lease, version)
+        self.syncs += 1
+        snapshot = await asyncio.to_thread(self._lease, version, f"weightsync/outcome/{self.syncs}")
         try:
             for name in sorted(snapshot.tensors):
                 yield name, snapshot.tensors[name]
@@ -214,7 +218,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             raise
         snapshot.release(applied=True)
 
-    def _lease(self, version: str):
+    def _lease(self, version: str, key: str):
         client = self._engine_client
         assert client is not None
         deadline = time.monotonic() + self.config.timeout_s
@@ -233,7 +237,9 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                     if snapshot.version.version == version:
                         return snapshot
                     snapshot.release(applied=False, error=f"leased {snapshot.version.version!r}, not {version!r}")
-            elif _later(held, version):
+            else:
+                self._sender_failed(key, version)
+            if _later(held, version):
                 raise WeightSyncVerlError("VERSION_GONE", f"rollout worker {self.rank}: the node holds version "
                                           f"{held!r}, later than {version!r}", version=version)
             if time.monotonic() >= deadline:
@@ -241,6 +247,20 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                                           f"not committed on its node within {self.config.timeout_s} s (it holds "
                                           f"{held!r})", version=version)
             time.sleep(STATUS_POLL_S)
+
+    def _sender_failed(self, key: str, version: str) -> None:
+        """Raises at once what the sender published for this sync, if it failed (or is gone)."""
+        assert self._outcomes is not None
+        try:
+            if not self._outcomes.check([key]):
+                return
+            outcome = json.loads(self._outcomes.get(key))
+        except RuntimeError as error:
+            raise WeightSyncVerlError("SENDER_LOST", f"rollout worker {self.rank}: the sending rank's outcome store "
+                                      f"is gone while waiting for version {version}: {error}",
+                                      rank=SENDER_RANK, version=version) from None
+        if not outcome["ok"]:
+            self._metrics(outcome, version)  # raises PUSH_FAILED naming the sender
 
 
 def _later(held: str, wanted: str) -> bool:

@@ -12,8 +12,9 @@ class WeightSyncVerlError(RuntimeError):
       STEP_MISSING           send/receive without global_steps (the version label)
       PUSH_FAILED            the sending actor rank's push failed (`cause_reason`: the server's
                              ErrorInfo reason, or the SDK error's type); raised on every actor rank
-      SENDER_LOST            the sending rank's outcome never reached this actor rank within the
-                             timeout (it died or hung)
+                             and on every rollout worker waiting for that version
+      SENDER_LOST            the sending rank's outcome never reached this worker within the
+                             timeout, or its outcome store went away (it died)
       VERSION_NOT_COMMITTED  the rollout's node did not commit the asked version within the timeout
       VERSION_GONE           the rollout's node already holds a later step than the one asked for
     `rank` is the actor rank at fault (the sender) for PUSH_FAILED and SENDER_LOST, else -1;

@@ -7,13 +7,14 @@ verl's is_master, the sender), one rollout worker, a real weightsync server. The
 the manager (verl's own manager needs Ray worker groups; the calls and their order are its).
 
 Several steps, bit-exact against the actor's full tensors; a refused push fails every actor rank
-with PUSH_FAILED naming rank 0 while the rollout times out and the node keeps the last version;
+and the rollout with PUSH_FAILED naming rank 0 at once, and the node keeps the last version;
 the next step and a verify then pass; a sender that dies is SENDER_LOST on the other rank.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -30,10 +31,13 @@ from weightsync.engine import EngineClient  # noqa: E402
 
 from helpers import running_server  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(900)
 
-ANSWER_S = 60.0
-"""Bound on each answer from a worker process."""
+ANSWER_S = 240.0
+"""Bound on each answer from a worker process (the first delta push compiles the SDK's numba
+kernels: over a minute on a loaded 2-core machine)."""
+READY_S = 240.0
+"""Bound on a worker's start: importing verl (Ray, transformers) takes a minute on a loaded 2-core machine."""
 
 
 class Worker:
@@ -45,14 +49,14 @@ class Worker:
         child.close()
 
     def ready(self) -> str:
-        return self.answer()
+        return self.answer(READY_S)
 
     def call(self, method: str, **args) -> None:
         self.conn.send((method, args))
 
-    def answer(self):
-        if not self.conn.poll(ANSWER_S):
-            raise AssertionError(f"worker {self.process.pid} did not answer within {ANSWER_S} s")
+    def answer(self, bound: float = ANSWER_S):
+        if not self.conn.poll(bound):
+            raise AssertionError(f"worker {self.process.pid} did not answer within {bound} s")
         kind, value = self.conn.recv()
         return value if kind in ("ok", "ready") else ("error", value)
 
@@ -70,7 +74,9 @@ class Worker:
 
 
 def sync(actors: list[Worker], rollouts: list[Worker], step: int, *, bad_shape: bool = False):
-    """One update_weights, in CheckpointEngineManager's order (its steps 4 to 6)."""
+    """One update_weights, in CheckpointEngineManager's order (its steps 4 to 6); the backend class
+    found as its __init__ finds it (the custom module imported, then the registry)."""
+    import_external_libs("weightsync.integrations.verl")
     backend_cls = CheckpointEngineRegistry.get("weightsync")
     workers = actors + rollouts
     for w in workers:
@@ -94,6 +100,7 @@ def sync(actors: list[Worker], rollouts: list[Worker], step: int, *, bad_shape: 
 
 
 def assert_bit_exact(received: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert isinstance(received, dict), received  # else ("error", what the rollout worker raised)
     assert sorted(received) == sorted(expected)
     for name, tensor in expected.items():
         got = received[name]
@@ -109,7 +116,7 @@ def server(tmp_path_factory) -> Iterator:
 
 @pytest.fixture(scope="module")
 def fleet(server) -> Iterator[tuple[list[Worker], list[Worker]]]:
-    kwargs = {"servers": [server.address], "transport": "inline", "timeout_s": 8}
+    kwargs = {"servers": [server.address], "transport": "inline", "timeout_s": 200}
     actors = [Worker("actor", True, kwargs), Worker("actor", False, kwargs)]
     rollouts = [Worker("rollout", False, kwargs)]
     try:
@@ -136,16 +143,17 @@ def test_steps_bit_exact_a_refused_push_fails_every_actor_rank_then_next_step(fl
             assert set(metrics) == {"weightsync/push_s", "weightsync/bytes_sent", "weightsync/dense_bytes"}
     assert actor_results[0]["weightsync/bytes_sent"] < actor_results[0]["weightsync/dense_bytes"]  # delta
 
-    # Step 4: the sender's push is refused (a tensor of another shape): every actor rank raises
-    # PUSH_FAILED naming rank 0; the rollout finds no version 4 within its bound; the node keeps 3.
+    # Step 4: the sender's push is refused (a tensor of another shape): every actor rank and the
+    # rollout worker raise PUSH_FAILED naming rank 0, at once (not at their 200 s bound); the node
+    # keeps step 3.
+    started = time.monotonic()
     actor_results, (rollout_result,) = sync(actors, rollouts, 4, bad_shape=True)
-    for kind, error in actor_results:
+    assert time.monotonic() - started < 60
+    for kind, error in [*actor_results, rollout_result]:
         assert kind == "error"
         assert (error["type"], error["reason"], error["rank"], error["version"]) == (
             "WeightSyncVerlError", "PUSH_FAILED", 0, "4")
         assert error["cause_reason"] == "TENSOR_SHAPE_MISMATCH", error
-    kind, error = rollout_result
-    assert (kind, error["reason"], error["version"]) == ("error", "VERSION_NOT_COMMITTED", "4")
     with EngineClient(server=server.address, name="test") as engine:
         assert engine.status().version.version == "3"
 

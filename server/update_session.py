@@ -83,6 +83,9 @@ from weightsync.worker.v1 import worker_pb2 as wpb
 
 log = get_logger("weightsync.update")
 
+KEEPALIVE_SECONDS = 10.0
+"""A part that asked to commit hears PartsWaiting{sending} at once and at least this often until the others
+have (as a joining part does: part_joins.KEEPALIVE_SECONDS)."""
 BUCKET_MARGIN_SECONDS = 2.0
 """Slack on top of the group timeout for a worker to report a bucket (it reports a collective
 timeout itself at the group timeout; a worker that stays silent longer is killed)."""
@@ -134,6 +137,8 @@ class UpdateSession:
     """Set whenever a piece or bucket was done or the update failed (frees ingress slots)."""
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once the update failed: the driver stops waiting for buckets and tells the clients."""
+    ready_sent: bool = False
+    """Every stream was handed its UpdateReady (from then on a failure is told with UpdateAborting)."""
     finished: bool = False
     recorded: bool = False
     """The metrics of this update were recorded (once, whatever its end)."""
@@ -277,17 +282,31 @@ class UpdateSession:
                      version=self.begin.version)
             for stream in self.streams[1:]:
                 self._hand(stream, self._ready(stream))
+            self.ready_sent = True
             yield self._ready(self.driving)
             self.feed(self.driving, requests)
             for rank, followed in (following or {}).items():
                 self.feed(self.stream(rank), followed)
             idle = self.bucket_timeout
+            loop = asyncio.get_running_loop()
+            quiet_until: float | None = None
             while True:
+                if quiet_until is None:  # the idle bound counts from here, after the last message was handled
+                    quiet_until = loop.time() + idle
+                waiting = [s for s in self.streams if s.commit_asked] if self.failure is None else []
+                wait = quiet_until - loop.time()
                 try:
-                    rank, item = await asyncio.wait_for(self.inbox.get(), idle)
+                    rank, item = await asyncio.wait_for(self.inbox.get(),
+                                                        min(wait, KEEPALIVE_SECONDS) if waiting else wait)
                 except TimeoutError:
+                    if loop.time() < quiet_until:  # parts that asked to commit hear that the others still send
+                        for stream in waiting:
+                            if self._hand(stream, self._sending()):
+                                yield self._sending()
+                        continue
                     self.fail(DeadlineExceeded("CLIENT_IDLE", f"no message from the client for {idle:g} s"))
                     break
+                quiet_until = None
                 stream = self.stream(rank) if rank is not None else self.driving
                 if isinstance(item, Bucket):
                     message = await self._bucket_done(stream, item)
@@ -305,6 +324,8 @@ class UpdateSession:
                                 self._hand(other, committed)
                             yield committed
                             return
+                        if self._hand(stream, self._sending()):  # it waits for the others
+                            yield self._sending()
                         continue
                     if self._all_ended():
                         break
@@ -339,11 +360,21 @@ class UpdateSession:
             self.fail(error)
             raise
         finally:
+            if len(self.streams) > 1 and self.failure is None and not self.finished:
+                # The driving stream's handler went away (its client died): the others learn which part left.
+                self.fail(Aborted("STREAM_CLOSED", "the part's stream ended before commit"), part=self.driving.rank)
             for stream in self.streams[1:]:
+                if self.ready_sent and self.failure is not None and not stream.aborting_sent:
+                    stream.responses.put_nowait(self._aborting_message(stream))  # told, as in any abort
                 stream.responses.put_nowait(END)
             # To its end even if this handler is cancelled, once or again (a client that aborts
             # and then cancels): the workers' abort, the engines' leases, the group's idle mark.
             await finish_despite_cancel(finish(self))
+
+    def _sending(self) -> pb.UpdateWeightsResponse:
+        """The keepalive of a part that asked to commit: the ranks that have not yet (PartsWaiting.sending)."""
+        return pb.UpdateWeightsResponse(waiting=pb.PartsWaiting(
+            sending=[s.rank for s in self.streams if not s.commit_asked]))
 
     def _all_ended(self) -> bool:
         return all(stream.ended for stream in self.streams)

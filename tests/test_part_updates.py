@@ -115,6 +115,8 @@ def push_parts(node, tensors: dict[str, torch.Tensor], version: str, key: str) -
     (zero, plan0, own0), (one, plan1, own1) = begin_parts(node, key, tensors, version)
     assert send_buckets(zero, plan0, own0) == ["bucket_applied"] * len(plan0.buckets)
     zero.send(commit=pb.CommitUpdate())
+    keepalive = zero.recv()  # part 0 waits for part 1, and hears so
+    assert keepalive.WhichOneof("message") == "waiting" and list(keepalive.waiting.sending) == [1], keepalive
     assert len(plan1.buckets) == 2
     assert send_buckets(one, plan1, own1) == ["bucket_applied"] * 2
     one.send(commit=pb.CommitUpdate())
@@ -152,3 +154,27 @@ def test_a_part_failing_mid_way_aborts_both_and_the_store_is_unchanged(node):
     assert server_checksums(node) == [local_checksums(base)]  # bit for bit: nothing of v4
     assert push_parts(node, model(5), "v5", "k-after-failure") == before + 1
     assert push_whole(node, model(6), "after") == before + 2
+
+
+@pytest.mark.parametrize("leaving", [0, 1])
+def test_a_part_whose_stream_ends_mid_way_is_named_to_the_other(node, leaving):
+    """A part's client goes away (its stream cancelled) after one of its buckets was applied: the other part's
+    stream ends PART_FAILED naming it (STREAM_CLOSED), nothing is published, and the next pushes commit."""
+    base = model(1)
+    before = push_whole(node, base, "base")
+    (zero, plan0, own0), (one, plan1, own1) = begin_parts(node, f"k-leaves-{leaving}", model(7), "v7")
+    streams, plans, owns = (zero, one), (plan0, plan1), (own0, own1)
+    staying = 1 - leaving
+    first_only = {n: t for n, t in owns[leaving].items() if n in {s.name for s in plans[leaving].buckets[0].tensors}}
+    single = plan_buckets(list(first_only.items()), 8192)
+    assert send_buckets(streams[leaving], single, first_only) == ["bucket_applied"]
+    streams[leaving].cancel()
+    told = streams[staying].recv()
+    assert told.WhichOneof("message") == "aborting" and told.aborting.reason == "PART_FAILED", told
+    streams[staying].send(abort=pb.AbortUpdate(reason="the other part left"))  # (part 0 leaving ended it already)
+    assert refused(streams[staying]) == (grpc.StatusCode.ABORTED, "PART_FAILED", {
+        "update_key": f"k-leaves-{leaving}", "part": str(leaving), "part_reason": "STREAM_CLOSED",
+        "part_code": "ABORTED"})
+    assert generation(node) == before
+    assert server_checksums(node) == [local_checksums(base)]
+    assert push_parts(node, model(8), "v8", f"k-after-leaving-{leaving}") == before + 1

@@ -132,9 +132,13 @@ def test_two_parts_commit_once_with_one_generation_after_both_asked(services):
     v1 = model(1)
     (zero, one), plans = asyncio.run(push_parts(services, v1, "v1"))
     assert (zero[1], one[1]) == (None, None)
+    # Part 0 asked first: it hears that part 1 still sends, then both commit.
+    assert kinds(zero[0]) == ["ready"] + ["bucket_applied"] * len(plans[0].buckets) + ["waiting", "committed"]
+    assert list(zero[0][-2].waiting.sending) == [1]
+    assert kinds(one[0]) == ["ready"] + ["bucket_applied"] * len(plans[1].buckets) + ["committed"]
+    zero = (zero[0][:-2] + zero[0][-1:], zero[1])
     for (responses, _), plan in zip((zero, one), plans, strict=True):
         count = len(plan.buckets)
-        assert kinds(responses) == ["ready"] + ["bucket_applied"] * count + ["committed"]
         assert responses[0].ready.bucket_count == count
         assert responses[0].ready.plan_id == plan_id_of(plan)
         # Each part's own sequences, and each bucket's own size.

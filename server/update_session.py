@@ -21,8 +21,8 @@ The node's store (node_store.py) decides where every byte goes before any
 moves: the session derives the update there (one plan: the streams' plans one
 after another), admits its memory, allocates and hands each worker its part
 (update_prepare.py), and at the end commits the store and publishes the
-version in one step (no lease sees one without the other), or aborts it
-(update_abort.py). It commits once every stream asked to commit, each having
+version in one step (no lease sees one without the other; update_commit.py),
+or aborts it (update_abort.py). It commits once every stream asked to commit, each having
 had every bucket of its own applied: a stream that asked first waits.
 
 Once anything fails the session is "aborting": it tells every stream (the
@@ -39,8 +39,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-
-from google.protobuf import duration_pb2
 
 from weightsync.common.errors import (
     Aborted,
@@ -65,6 +63,7 @@ from weightsync.server.state import GroupRecord
 from weightsync.server.tasks import finish_despite_cancel, retrieve_quietly
 from weightsync.server.transport_intakes import open_intake
 from weightsync.server.update_abort import finish
+from weightsync.server.update_commit import commit
 from weightsync.server.update_intake import (
     Abort,
     Bucket,
@@ -319,7 +318,7 @@ class UpdateSession:
                     if self.failure is None:
                         self._commit_asked(stream)
                         if all(s.commit_asked for s in self.streams):  # the barrier: every part asked
-                            committed = await self._commit()
+                            committed = await commit(self)
                             for other in self.streams[1:]:
                                 self._hand(other, committed)
                             yield committed
@@ -461,36 +460,6 @@ class UpdateSession:
                     self.touched(sequence)
             elif bucket.last or not bucket.compressed:
                 self.touched(sequence)
-
-    async def _commit(self) -> pb.UpdateWeightsResponse:
-        services = self.services
-        store, update = services.store, self.store_update
-        assert update is not None
-        patched = store.patched_names(update)
-        if store.live_writes_at_commit(update):
-            # A STAGED patch is scattered into the live bytes at commit: engines reading the
-            # committed version finish first, and none starts until the commit is done.
-            await services.leases.before_write(staged=False, timeout=services.lease_timeout,
-                                               generation=services.publisher.version.generation)
-        async with services.leases.publishing_commit():
-            committed = await services.fleet.fan_out(services.command_timeout,
-                                                     commit_update=wpb.CommitUpdateCommand(update_id=self.update_id))
-            if committed.errors:
-                self.torn = patched if not self.in_place else set()  # some owners may have scattered theirs
-                raise committed.errors[0]
-            self.finished = True
-            # One step: the store's new layout and the new version, with nothing in between.
-            store.commit(update, services.publisher.next_generation)
-            version = services.publisher.publish_version(self.begin.version)
-        seconds = time.monotonic() - self.started
-        duration = duration_pb2.Duration()
-        duration.FromNanoseconds(int(seconds * 1e9))
-        log.info("update_committed", version=self.begin.version, generation=version.generation,
-                 bytes=self.applied_bytes, seconds=round(seconds, 3))
-        self.record()  # before the client can see the commit: a scrape right after it finds it counted
-        return pb.UpdateWeightsResponse(
-            committed=pb.UpdateCommitted(version=version.to_proto(), size_bytes=self.applied_bytes, duration=duration)
-        )
 
     def record(self) -> None:
         """Metrics of this update, once, whatever its end."""

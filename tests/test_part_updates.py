@@ -78,6 +78,14 @@ def send_buckets(stream: UpdateStream, plan, tensors, *, corrupt: int | None = N
     return answers
 
 
+def past_keepalives(stream: UpdateStream) -> pb.UpdateWeightsResponse:
+    """The next answer that is not a keepalive: a part still waiting hears one again every 10 s, which a
+    loaded machine can reach between two steps of a test."""
+    while (answer := stream.recv()).WhichOneof("message") == "waiting":
+        pass
+    return answer
+
+
 def begin_parts(node, key: str, tensors: dict[str, torch.Tensor], version: str):
     """Both parts' streams begun and joined: each part's (stream, plan, its tensors), both past ready."""
     parts = []
@@ -94,7 +102,7 @@ def begin_parts(node, key: str, tensors: dict[str, torch.Tensor], version: str):
             first = stream.recv()
             assert first.WhichOneof("message") == "waiting" and list(first.waiting.joining) == [1], first
     for stream, plan, _ in parts:
-        ready = stream.recv()
+        ready = past_keepalives(stream)
         assert ready.WhichOneof("message") == "ready", ready
         assert ready.ready.bucket_count == len(plan.buckets)
     return parts
@@ -120,7 +128,7 @@ def push_parts(node, tensors: dict[str, torch.Tensor], version: str, key: str) -
     assert len(plan1.buckets) == 2
     assert send_buckets(one, plan1, own1) == ["bucket_applied"] * 2
     one.send(commit=pb.CommitUpdate())
-    answers = [zero.recv(), one.recv()]
+    answers = [past_keepalives(zero), past_keepalives(one)]
     zero.close()
     one.close()
     assert [a.WhichOneof("message") for a in answers] == ["committed", "committed"], answers
@@ -169,7 +177,7 @@ def test_a_part_whose_stream_ends_mid_way_is_named_to_the_other(node, leaving):
     single = plan_buckets(list(first_only.items()), 8192)
     assert send_buckets(streams[leaving], single, first_only) == ["bucket_applied"]
     streams[leaving].cancel()
-    told = streams[staying].recv()
+    told = past_keepalives(streams[staying])
     assert told.WhichOneof("message") == "aborting" and told.aborting.reason == "PART_FAILED", told
     streams[staying].send(abort=pb.AbortUpdate(reason="the other part left"))  # (part 0 leaving ended it already)
     assert refused(streams[staying]) == (grpc.StatusCode.ABORTED, "PART_FAILED", {

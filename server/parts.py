@@ -168,11 +168,13 @@ def parts_unavailable(begin: pb.BeginUpdate) -> Refusal | None:
 
 
 def parts_not_run(update_key: str, world: int) -> Refusal:
-    """What every part of a world > 1 gets once they all joined and their union passed, from a server that runs
-    one-part updates only (GetServerInfo.parts false). Nothing was allocated."""
+    """What every part of a world > 1 gets once they all joined and their union passed, where this server does
+    not run such a world (a transport other than INLINE, or more parts than ingress slots). Nothing was
+    allocated."""
     return Unimplemented("PARTS_UNAVAILABLE", f"all {world} parts of update {update_key!r} joined and their "
-                         "declarations agree, but this server runs an update of one part only (GetServerInfo.parts "
-                         "is false): send the whole update from one process", update_key=update_key, world=world)
+                         "declarations agree, but this server runs parts only over INLINE, of whole tensors, at most "
+                         "as many as its ingress slots (GetServerInfo.parts is false): send the whole update from one "
+                         "process", update_key=update_key, world=world)
 
 
 def join_timeout(part: pb.UpdatePart) -> datetime.timedelta:

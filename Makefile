@@ -186,13 +186,13 @@ lmdeploy-install: $(LMDEPLOY_STAMP)
 test-lmdeploy: lmdeploy-install
 	$(LMDEPLOY_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/lmdeploy_engine
 
-# verl in its own virtualenv (tests/verl): weightsync as verl's "weightsync" checkpoint engine.
+# verl in its own virtualenv (tests/verl_engine): weightsync as verl's "weightsync" checkpoint engine.
 # verl 0.9.1's wheel declares ray[default], wandb, datasets, transformers<5.11 and more; its cpu/vllm
 # extras pin torch 2.11 and vLLM. So: the CPU torch first (exact pin, as .venv), verl with --no-deps,
 # then only what importing verl.checkpoint_engine needs (found by importing it; tensordict and
 # transformers at verl's own bounds; uvicorn, which verl imports without declaring it), then
 # weightsync editable. pip warns about verl's undeclared-here requirements: the checkpoint-engine
-# lifecycle runs without them (tests/verl).
+# lifecycle runs without them (tests/verl_engine).
 VERL_VENV := .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.installed
@@ -209,7 +209,7 @@ $(VERL_STAMP): pyproject.toml
 
 verl-install: $(VERL_STAMP)
 
-# verl's own registry and checkpoint-engine lifecycle over a real weightsync server (tests/verl):
+# verl's own registry and checkpoint-engine lifecycle over a real weightsync server (tests/verl_engine):
 # one ordered scenario, not shuffled.
 test-verl: verl-install
-	$(VERL_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/verl
+	$(VERL_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/verl_engine

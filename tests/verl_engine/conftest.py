@@ -1,4 +1,4 @@
-"""tests/verl: weightsync as verl's checkpoint engine, with verl 0.9.1 itself. Run in verl's virtualenv:
+"""tests/verl_engine: weightsync as verl's checkpoint engine, with verl 0.9.1 itself. Run in verl's virtualenv:
 
     make test-verl        # builds .venv-verl (make verl-install) first
 

@@ -12,18 +12,11 @@ import grpc
 import pytest
 import torch
 from google.protobuf import duration_pb2
+from raw_updates import commit_buckets, generation, push_whole, refused
 
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-from helpers import (
-    UpdateStream,
-    error_info,
-    local_checksums,
-    pack,
-    plan_buckets,
-    server_checksums,
-    start_server,
-)
+from helpers import UpdateStream, local_checksums, plan_buckets, server_checksums, start_server
 
 
 @pytest.fixture(scope="module")
@@ -36,36 +29,6 @@ def node(tmp_path_factory):
 def model(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(16, 4, generator=g), "b": torch.randn(8, generator=g)}
-
-
-def generation(node) -> int:
-    return node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).current_version.generation
-
-
-def send_buckets(stream: UpdateStream, plan, tensors: dict[str, torch.Tensor]) -> pb.UpdateWeightsResponse:
-    """After ready: every bucket INLINE in one chunk, then commit; the committed response."""
-    for k in range(len(plan.buckets)):
-        data = pack(plan, tensors, k).numpy().tobytes()
-        stream.send(bucket_start=pb.BucketStart(sequence=k, size_bytes=len(data)))
-        stream.send(bucket_chunk=pb.BucketChunk(sequence=k, offset_bytes=0, data=data))
-        assert stream.recv().WhichOneof("message") == "bucket_applied"
-    stream.send(commit=pb.CommitUpdate())
-    committed = stream.recv()
-    stream.close()
-    assert committed.WhichOneof("message") == "committed", committed
-    return committed
-
-
-def push_whole(node, tensors: dict[str, torch.Tensor], version: str) -> int:
-    """One whole update (no part), verified against the store's checksums: its generation."""
-    plan = plan_buckets(list(tensors.items()), 1 << 20)
-    stream = UpdateStream(node.stub())
-    stream.send(begin=pb.BeginUpdate(version=version, plan=plan, mode=pb.UPDATE_MODE_STAGED,
-                                     transport=pb.TRANSPORT_INLINE, allow_new_tensors=True))
-    assert stream.recv().WhichOneof("message") == "ready"
-    committed = send_buckets(stream, plan, tensors)
-    assert server_checksums(node) == [local_checksums(tensors)]
-    return committed.committed.version.generation
 
 
 @pytest.fixture
@@ -99,15 +62,6 @@ def waiting(stream: UpdateStream) -> list[int]:
     response = stream.recv()
     assert response.WhichOneof("message") == "waiting", response
     return list(response.waiting.joining)
-
-
-def refused(stream: UpdateStream) -> tuple[grpc.StatusCode, str, dict[str, str]]:
-    with pytest.raises(grpc.RpcError) as caught:
-        response = stream.recv()
-        pytest.fail(f"expected the stream to end with a refusal, got {response}")
-    stream.close()
-    info = error_info(caught.value)
-    return caught.value.code(), info.reason, dict(info.metadata)
 
 
 def test_parts_wait_for_each_other_then_this_server_refuses_more_parts_than_ingress_slots(node, committed):
@@ -186,7 +140,7 @@ def test_one_part_commits_and_its_key_is_used_once(node):
     new_w = model(4)["w"]
     alone, plan = begin_part(node, "k-one", 0, 1, whole=["w", "b"], sends={"w": new_w})
     assert alone.recv().WhichOneof("message") == "ready"
-    assert send_buckets(alone, plan, {"w": new_w}).committed.version.generation == before + 1
+    assert commit_buckets(alone, plan, {"w": new_w}).committed.version.generation == before + 1
     assert server_checksums(node) == [local_checksums({"w": new_w, "b": base["b"]})]
     again, _ = begin_part(node, "k-one", 0, 1, whole=["w"])
     assert refused(again) == (grpc.StatusCode.FAILED_PRECONDITION, "PART_KEY_USED",

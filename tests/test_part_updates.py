@@ -8,13 +8,13 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+from raw_updates import generation, push_whole, refused
 
 from weightsync.common.checksum import tensor_checksum
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import (
     UpdateStream,
-    error_info,
     local_checksums,
     pack,
     plan_buckets,
@@ -40,25 +40,6 @@ def model(seed: int) -> dict[str, torch.Tensor]:
 
 OWNS = (["w"], ["b", "u"])
 """Part 0 owns w, part 1 owns b and u."""
-
-
-def generation(node) -> int:
-    return node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).current_version.generation
-
-
-def push_whole(node, tensors: dict[str, torch.Tensor], version: str) -> int:
-    plan = plan_buckets(list(tensors.items()), 1 << 20)
-    stream = UpdateStream(node.stub())
-    stream.send(begin=pb.BeginUpdate(version=version, plan=plan, mode=pb.UPDATE_MODE_STAGED,
-                                     transport=pb.TRANSPORT_INLINE, allow_new_tensors=True))
-    assert stream.recv().WhichOneof("message") == "ready"
-    send_buckets(stream, plan, tensors)
-    stream.send(commit=pb.CommitUpdate())
-    committed = stream.recv()
-    stream.close()
-    assert committed.WhichOneof("message") == "committed", committed
-    assert server_checksums(node) == [local_checksums(tensors)]
-    return committed.committed.version.generation
 
 
 def send_buckets(stream: UpdateStream, plan, tensors, *, corrupt: int | None = None) -> list[str]:
@@ -106,15 +87,6 @@ def begin_parts(node, key: str, tensors: dict[str, torch.Tensor], version: str):
         assert ready.WhichOneof("message") == "ready", ready
         assert ready.ready.bucket_count == len(plan.buckets)
     return parts
-
-
-def refused(stream: UpdateStream) -> tuple[grpc.StatusCode, str, dict[str, str]]:
-    with pytest.raises(grpc.RpcError) as caught:
-        response = stream.recv()
-        pytest.fail(f"expected the stream to end with a refusal, got {response}")
-    stream.close()
-    info = error_info(caught.value)
-    return caught.value.code(), info.reason, dict(info.metadata)
 
 
 def push_parts(node, tensors: dict[str, torch.Tensor], version: str, key: str) -> int:

@@ -31,14 +31,19 @@ Two settings are read once per process, not per group, so they cannot be scoped:
                                      warning, nccl_interface_pinned, when it sets it).
 
 A trainer sets these from the thread that starts the rendezvous, before the rendezvous thread
-exists, and restores them there once the rendezvous ended (setenv from one thread while others may
-read is the risk; never from the rendezvous thread). A worker process sets them once, at start,
-for its whole life: it builds no other groups.
+exists, and puts them back only once that rendezvous's join no longer reads them (setenv from one
+thread while another reads is the risk): from the caller's thread when the join had ended by the
+time the caller let go of it, else from the join's thread as it ends (client/rendezvous.py).
+Rendezvous may overlap (an abandoned join still running when the next group is created): the
+settings are held, not set and reset per rendezvous; what the environment held before the first
+holder is remembered once and comes back when the last holder lets go (hold_trainer_settings).
+A worker process sets them once, at start, for its whole life: it builds no other groups.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterator, Mapping, MutableMapping
 
@@ -103,37 +108,85 @@ def ifname_setting(current: str | None, interface: str | None) -> str | None:
     return f"={interface}"
 
 
-@contextlib.contextmanager
-def trainer_group_environment(interface: str | None, environ: MutableMapping[str, str] | None = None, *,
-                              group_timeout: float | None = None) -> Iterator[dict[str, str]]:
-    """Our group's settings while it is built (see the module docstring); afterwards every variable
-    is what it was (absent stays absent), but TORCH_NCCL_NONBLOCKING_TIMEOUT. Yields what was set."""
+@dataclasses.dataclass(slots=True)
+class _Held:
+    """The settings weightsync holds in one environment, for as many rendezvous as still need them."""
+
+    environ: MutableMapping[str, str]
+    originals: dict[str, str | None]
+    """Each variable we set, as it was before the first holder set it (None: absent)."""
+    holders: int
+
+
+_held: dict[int, _Held] = {}
+"""By id() of the environment mapping (os.environ, or a test's dict), under _lock."""
+
+
+class TrainerSettings:
+    """Our settings held in an environment for one rendezvous; `release` (once, idempotent) lets go."""
+
+    def __init__(self, environ: MutableMapping[str, str], settings: dict[str, str]) -> None:
+        self.settings = settings
+        """What this holder set (a variable an earlier holder already set is not repeated)."""
+        self._environ = environ
+        self._released = False
+
+    def release(self) -> None:
+        """Let go; the last holder puts back every variable as it was before the first (absent stays absent),
+        but TORCH_NCCL_NONBLOCKING_TIMEOUT (read once per process: left lowered)."""
+        with _lock:
+            if self._released:
+                return
+            self._released = True
+            held = _held[id(self._environ)]
+            held.holders -= 1
+            if held.holders:
+                return
+            del _held[id(self._environ)]
+            for key, value in held.originals.items():
+                if value is None:
+                    self._environ.pop(key, None)
+                else:
+                    self._environ[key] = value
+
+
+def hold_trainer_settings(interface: str | None, environ: MutableMapping[str, str] | None = None, *,
+                          group_timeout: float | None = None) -> TrainerSettings:
+    """Our group's settings (see the module docstring), held until the returned holder's release()."""
     import os
 
     env = os.environ if environ is None else environ
-    settings = dict(OUR_GROUPS)
-    ifname = ifname_setting(env.get(SOCKET_IFNAME), interface)
+    with _lock:
+        settings = dict(OUR_GROUPS)
+        # A value an earlier holder pinned is ours, not the operator's: ifname_setting leaves it, as NCCL would.
+        ifname = ifname_setting(env.get(SOCKET_IFNAME), interface)
+        if ifname is not None:
+            settings[SOCKET_IFNAME] = ifname
+        current = env.get(NONBLOCKING_TIMEOUT)
+        if not current or group_timeout is not None:
+            env[NONBLOCKING_TIMEOUT] = lowered_nonblocking_timeout(current, group_timeout)
+        held = _held.setdefault(id(env), _Held(environ=env, originals={}, holders=0))
+        for key in settings:
+            held.originals.setdefault(key, env.get(key))
+        held.holders += 1
+        env.update(settings)
     if ifname is not None:
-        settings[SOCKET_IFNAME] = ifname
         log.warning("nccl_interface_pinned", interface=ifname,
                     why="NCCL keeps the first NCCL_SOCKET_IFNAME it reads: if this group is this process's first "
                         "NCCL communicator, the trainer's own later ones use this interface too; set "
                         "NCCL_SOCKET_IFNAME yourself, or create your NCCL groups first, to choose otherwise")
-    with _lock:
-        current = env.get(NONBLOCKING_TIMEOUT)
-        if not current or group_timeout is not None:
-            env[NONBLOCKING_TIMEOUT] = lowered_nonblocking_timeout(current, group_timeout)
-        before = {key: env.get(key) for key in settings}
-        env.update(settings)
+    return TrainerSettings(env, settings)
+
+
+@contextlib.contextmanager
+def trainer_group_environment(interface: str | None, environ: MutableMapping[str, str] | None = None, *,
+                              group_timeout: float | None = None) -> Iterator[dict[str, str]]:
+    """Our group's settings while the block runs (hold_trainer_settings); yields what was set."""
+    holder = hold_trainer_settings(interface, environ, group_timeout=group_timeout)
     try:
-        yield settings
+        yield holder.settings
     finally:
-        with _lock:
-            for key, value in before.items():
-                if value is None:
-                    env.pop(key, None)
-                else:
-                    env[key] = value
+        holder.release()
 
 
 def pin_worker_interface(interface: str | None, environ: MutableMapping[str, str] | None = None) -> str | None:

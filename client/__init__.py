@@ -1,11 +1,15 @@
 """weightsync.client: the trainer SDK (see weightsync.client.sdk)."""
 
 from weightsync.client.errors import (
+    PartInputsRefused,
+    PartsUnavailable,
+    PartUpdateFailed,
     PlanMismatch,
     UpdateFailed,
     WeightSyncClientError,
     WeightSyncRpcError,
 )
+from weightsync.client.parts import Part
 from weightsync.client.sdk import WeightSyncClient
 from weightsync.client.types import (
     PushProgress,
@@ -17,6 +21,10 @@ from weightsync.client.types import (
 )
 
 __all__ = [
+    "Part",
+    "PartInputsRefused",
+    "PartUpdateFailed",
+    "PartsUnavailable",
     "PlanMismatch",
     "PushProgress",
     "PushResult",

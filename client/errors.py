@@ -72,3 +72,39 @@ class DuplicateTensor(PlanMismatch):
 
     code = grpc.StatusCode.INVALID_ARGUMENT
     reason = "TENSOR_NAME_DUPLICATE"
+
+
+class PartsUnavailable(WeightSyncClientError):
+    """A push with a part (WeightSyncClient(part=...)) that cannot run: a transport other than INLINE
+    (servers run parts over INLINE only, for now), or a server whose GetServerInfo.parts is false.
+    Raised before any byte moves."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+    reason = "PARTS_UNAVAILABLE"
+
+
+class PartInputsRefused(WeightSyncClientError):
+    """The parts of a push checked their inputs together (Part.group) and at least one refused its own:
+    raised on every rank, before Begin, nothing sent. `ranks`: the failing ranks, ascending; `messages`:
+    rank -> what it said (shortened); `__cause__` on a failing rank: its own TypeError/ValueError/...."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...], messages: dict[int, str]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.messages = messages
+
+
+class PartUpdateFailed(UpdateFailed):
+    """A push with a part failed: UpdateFailed (code, reason, server, cause) and which part.
+
+    rank, world, update_key: this part. failed_part: the rank a server named when another part failed
+    (PART_FAILED), else None. missing: the ranks that never joined (PARTS_MISSING), else ()."""
+
+    def __init__(self, message: str, cause: UpdateFailed, *, rank: int, world: int, update_key: str,
+                 failed_part: int | None, missing: tuple[int, ...]) -> None:
+        super().__init__(message, cause.cause, cause.server, code=cause.code, reason=cause.reason)
+        self.rank = rank
+        self.world = world
+        self.update_key = update_key
+        self.failed_part = failed_part
+        self.missing = missing

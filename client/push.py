@@ -87,6 +87,10 @@ class PushRun:
     """Server address -> the committed generation this push's patches apply to (none: dense plan)."""
     on_ready: Callable[[], None] | None = None
     """Called once every server is ready (none refused the update at Begin), before any byte moves."""
+    part: pb.UpdatePart | None = None
+    """BeginUpdate.part: this push is one part of an update several trainer processes send (part_push.py)."""
+    ready_timeout: float = 0.0
+    """Bounds Ready when set (a part: the servers answer once every part joined); else rpc_timeout does."""
     plan_reused: bool = False
     zero_copy_buckets: int = 0
     wire_seconds: float = 0.0
@@ -183,6 +187,8 @@ class PushRun:
                                    transport=self.sink.transport, allow_new_tensors=self.allow_new_tensors,
                                    base_generation=base.generation if base else 0,
                                    base_store_epoch=base.store_epoch if base else 0)
+            if self.part is not None:
+                begin.part.CopyFrom(self.part)
             if by_id:
                 begin.plan_id = self.plan_id
             else:
@@ -195,10 +201,11 @@ class PushRun:
         """Begin on every server: the plan by id where every server committed it, else in full."""
         by_id = all(s.holds(self.plan_id) for s in self.servers)
         deadline = time.monotonic() + self.rpc_timeout
+        ready_timeout = self.ready_timeout or self.rpc_timeout
         while True:
             streams = self._open_streams(by_id)
             results = await asyncio.gather(
-                *(asyncio.wait_for(asyncio.shield(s.ready), self.rpc_timeout) for s in streams), return_exceptions=True
+                *(asyncio.wait_for(asyncio.shield(s.ready), ready_timeout) for s in streams), return_exceptions=True
             )
             failures = [(s, r) for s, r in zip(streams, results, strict=True) if isinstance(r, BaseException)]
             if not failures:
@@ -223,7 +230,7 @@ class PushRun:
                 continue
             if isinstance(error, TimeoutError):
                 error = WeightSyncRpcError(stream.server, grpc.StatusCode.DEADLINE_EXCEEDED, "READY_TIMEOUT",
-                                           f"no Ready within {self.rpc_timeout:g} s", {})
+                                           f"no Ready within {ready_timeout:g} s", {})
             self._note_unsettled(streams)
             raise UpdateFailed(f"update {self.version!r} refused by {stream.server}: {error}", error, stream.server)
 

@@ -69,9 +69,11 @@ class PushJob:
     """time.perf_counter() when push() was called."""
 
     def run(self, choice: PlanChoice, targets: list[ServerState], *, bases: dict[str, StoreGeneration] | None = None,
-            on_ready: Callable[[], None] | None = None) -> Ran:
+            on_ready: Callable[[], None] | None = None, part: pb.UpdatePart | None = None,
+            ready_timeout: float = 0.0) -> Ran:
         """Run `choice` to `targets` (bases: server address -> the generation its patches apply to;
-        on_ready: called once every target took Begin). Raises UpdateFailed as PushRun.run does,
+        on_ready: called once every target took Begin; part: BeginUpdate.part, with ready_timeout
+        bounding Ready and adding to the commit's bound: the other parts may join and send later). Raises UpdateFailed as PushRun.run does,
         once the failure is learnt (module docstring)."""
         _prepare_buffers(self.sink, choice)
         if self.sink.frames is not None:
@@ -80,11 +82,13 @@ class PushJob:
         group = self.group
         run = PushRun(
             loop=self.loop, servers=targets, metadata=self.servers.metadata, rpc_timeout=self.servers.timeout,
-            commit_timeout=(group.timeout.total_seconds() if group else self.servers.timeout) + COMMIT_GRACE_SECONDS,
+            commit_timeout=(group.timeout.total_seconds() if group else self.servers.timeout) + COMMIT_GRACE_SECONDS
+            + ready_timeout,
             group_id=group.group_id if group else "", sink=self.sink, planned=choice.planned,
             plan=choice.cached.plan, plan_id=choice.cached.plan_id, source=choice.source, version=self.version,
             mode=self.mode, allow_new_tensors=self.allow_new_tensors, checksums=self.checksums,
             progress=self.progress, bar=bar, started=self.started, bases=bases or {}, on_ready=on_ready,
+            part=part, ready_timeout=ready_timeout,
         )
         try:
             outcomes = run.run()

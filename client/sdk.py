@@ -35,6 +35,9 @@ from weightsync.client.fleet import Fleet
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.link_timings import LinkTimings
 from weightsync.client.packing import PackBuffers
+from weightsync.client.part_agreement import check_group
+from weightsync.client.part_push import push_part
+from weightsync.client.parts import Part
 from weightsync.client.patched_push import PatchedPlan, plan_patches, send_patches
 from weightsync.client.plan_cache import PlanCache
 from weightsync.client.plan_choice import PlanChoice, choose_plan
@@ -94,18 +97,25 @@ class WeightSyncClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         metadata: Sequence[tuple[str, str]] = (),
         delta_host_copy: bool = True,
+        part: Part | None = None,
     ) -> None:
         """metadata: extra gRPC metadata on every call, e.g. a W3C ("traceparent", ...) the server
         logs with the update.
         delta_host_copy: keep the copy of the last committed tensors (what push(delta=...)
         compares against: as much memory as the model) in host memory (default; pinned for CUDA
         tensors, whose comparison then reads it across the bus); False: on the tensors' device
-        (a second copy of the model in GPU memory)."""
+        (a second copy of the model in GPU memory).
+        part: this process is one of several trainer processes that push each version together, each
+        its own tensors (client/parts.py: Part; every push is then dense, over INLINE). Construct the
+        client with its Part on every rank."""
         addresses = [servers] if isinstance(servers, str) else list(servers)
         if not addresses:
             raise ValueError("at least one server address is required")
         for address in addresses:
             parse_address(address, what="server address")
+        if part is not None:
+            check_group(part)
+        self._part = part
         self._lock = threading.RLock()
         self._loop = LoopThread()
         self._servers = ServerSet(
@@ -188,7 +198,7 @@ class WeightSyncClient:
         *,
         version: str,
         mode: Mode = "in_place",
-        transport: Transport = "collective",
+        transport: Transport | None = None,
         bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
         allow_new_tensors: bool = False,
         checksums: bool | None = None,
@@ -197,6 +207,7 @@ class WeightSyncClient:
         show_progress: bool | None = None,
         delta: Delta = "auto",
         compress: bool | None = None,
+        part_key: str | None = None,
     ) -> PushResult:
         """Send one version to every server and commit it.
 
@@ -225,7 +236,8 @@ class WeightSyncClient:
             transport: "collective" (a broadcast to the group from create_group), "inline" (bytes
                 inside the gRPC stream: no group, passes any proxy), or "shm" (one server on this
                 host: buckets written into its shared memory; no group, no network; buckets at
-                most its ingress slot).
+                most its ingress slot). None (default): "collective", or "inline" with a part (the
+                only transport a part is pushed over, for now).
             bucket_size_bytes: the most bytes one bucket holds (SHM: at most the server's slot).
             allow_new_tensors: accept tensors the servers' stores do not hold yet (they grow);
                 False: such a tensor fails the push at Begin.
@@ -256,7 +268,20 @@ class WeightSyncClient:
                 zstd frame (its owners decompress it). None (default): when this client's dense
                 pushes measured the link slower than ~3 Gbit/s (client/compression.py); False:
                 never; True: whenever it shrinks.
+            part_key: with a part (WeightSyncClient(part=...)): the update key every rank passes for
+                this push, new each push (1 to 128 of [A-Za-z0-9._-]). Required when the Part has no
+                group; with a group, rank 0's (or a key it draws: the version and a random suffix)
+                is shared with every rank.
 
+        With a part (WeightSyncClient(part=...)), push() on every rank sends that rank's tensors of
+        one version to every server, one INLINE stream each (client/part_push.py): plain tensors
+        whole, DTensors as their local shards' boxes (client/parts.py), always dense (delta and
+        compress do not apply, no copy is kept, the plan is sent in full). With Part.group the ranks
+        share the key and check their inputs together first: one rank's bad input fails every rank
+        at once (PartInputsRefused); the one collective is bounded by the group's timeout. Inside
+        the push the ranks do not wait for each other except through the servers, which commit
+        once every part asked to: every rank gets the same generation from each server. Call no
+        collective between the parts while a push runs.
         Returns:
             PushResult: each server's outcome (version, generation, store epoch), the bytes sent
             and what a dense push would have sent (bytes_sent, dense_bytes: what delta saved), the
@@ -272,9 +297,25 @@ class WeightSyncClient:
             UpdateFailed: a server refused or failed the update, or a transfer failed; it carries
                 a status code and an ErrorInfo reason, and the update is aborted on every server.
             WeightSyncRpcError: a server could not be asked for its info before the first push.
+            PartsUnavailable: with a part, a transport other than INLINE, or a server whose
+                GetServerInfo.parts is false; before any byte moves.
+            PartInputsRefused: with a part and its group, any rank's inputs failed its checks (a
+                TypeError, a Partial DTensor, ...): raised on every rank, naming the failing ranks,
+                before Begin; nothing sent.
+            PartUpdateFailed: with a part, an UpdateFailed naming this part (rank, update_key) and
+                the part a server blamed (PART_FAILED: failed_part) or the ranks that never joined
+                (PARTS_MISSING: missing). The client stays usable: the next push (a new key) runs.
         """
         if mode not in _MODES:
             raise ValueError(f"mode must be 'in_place' or 'staged', got {mode!r}")
+        if self._part is not None:
+            return push_part(self, self._part, named_tensors, version=version, mode=_MODES[mode],
+                             transport=transport or "inline", part_key=part_key, bucket_size_bytes=bucket_size_bytes,
+                             allow_new_tensors=allow_new_tensors, checksums=checksums,
+                             zero_copy_min_bytes=zero_copy_min_bytes, progress=progress, show_progress=show_progress)
+        transport = transport or "collective"
+        if part_key is not None:
+            raise ValueError("part_key is for a client with a part (WeightSyncClient(part=...))")
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be 'collective', 'inline' or 'shm', got {transport!r}")
         started = time.perf_counter()

@@ -53,6 +53,14 @@ POLL_SECONDS = 5.0
 REQUEST_TIMEOUT_SECONDS = 300.0
 MAX_ANSWER_BYTES = 1 << 20
 """The weight-update routes answer a few bytes of JSON; more than this is not such an answer."""
+ERROR_ANSWER_MAX_BYTES = 64 * 1024
+"""An error status's body is read up to this: a large tensor-parallel engine's refusal names each rank's
+outcome (a few hundred bytes each, engine/sglang/loader.py), which fits many times over; a longer body is
+cut here, saying so. All of it read is kept (EngineCallFailed.answer: VERSION_GONE is looked for there)."""
+ERROR_DETAIL_MAX_CHARS = 1500
+"""How much of an error status's body goes into the failure's message (last_error, which GetServerInfo
+keeps to 2000 characters, and the log's `error`): its head, then how many characters were cut; the log's
+`answer` then has all of it that was read."""
 RETRY_SECONDS = (5.0, 10.0, 30.0, 60.0, 300.0)
 """A version the engine refused is tried again after these delays (then every 300 s), or at once when
 it restarts; a new commit is tried at once."""
@@ -65,6 +73,8 @@ class EngineCallFailed(Exception):
     """One call to the engine did not give a usable answer; `reason` is machine-readable."""
 
     reason = "ENGINE_CALL_FAILED"
+    answer = ""
+    """An error status's whole body as read (up to ERROR_ANSWER_MAX_BYTES), when the message shows less."""
 
     def __str__(self) -> str:
         return f"{self.reason}: {self.args[0] if self.args else ''}"
@@ -100,6 +110,27 @@ def parse_answer(method: str, path: str, text: bytes) -> dict:
         raise EngineAnswerMalformed(f"{method} {path}: expected a JSON object, got {type(answer).__name__}: "
                                     f"{text[:200]!r}")
     return answer
+
+
+def read_error_answer(error: urllib.error.HTTPError) -> str:
+    """An error status's body, up to ERROR_ANSWER_MAX_BYTES (then a note of how much there was)."""
+    try:
+        raw = error.read(ERROR_ANSWER_MAX_BYTES + 1)
+    except Exception as failure:  # noqa: BLE001 - reset while reading, http.client's IncompleteRead and the like
+        return f"(the answer could not be read: {type(failure).__name__}: {failure})"
+    text = raw[:ERROR_ANSWER_MAX_BYTES].decode(errors="replace")
+    if len(raw) <= ERROR_ANSWER_MAX_BYTES:
+        return text
+    length = error.headers.get("Content-Length") if error.headers is not None else None
+    of = f"of {length} bytes" if length and length.isdigit() else "bytes, and more followed"
+    return f"{text} [answer cut at {ERROR_ANSWER_MAX_BYTES} {of}]"
+
+
+def readable_detail(detail: str) -> str:
+    """`detail` for a message: whole up to ERROR_DETAIL_MAX_CHARS, else its head and how much was cut."""
+    if len(detail) <= ERROR_DETAIL_MAX_CHARS:
+        return detail
+    return f"{detail[:ERROR_DETAIL_MAX_CHARS]} [{len(detail) - ERROR_DETAIL_MAX_CHARS} more characters cut]"
 
 
 def _with_notes(error: BaseException) -> str:
@@ -226,7 +257,7 @@ class HttpEngineDriver:
             self.engines.unreachable(self.name, _with_notes(error))
             return version.generation
         except EngineCallFailed as error:
-            if "VERSION_GONE" in str(error):
+            if "VERSION_GONE" in str(error) or "VERSION_GONE" in error.answer:
                 # A newer commit replaced it while the engine read: the node's generation is past the
                 # one returned, so the wait returns at once and the next pass converges to the newer one.
                 return version.generation
@@ -237,7 +268,8 @@ class HttpEngineDriver:
             text = _with_notes(error)  # a failed cleanup (/resume, /continue_generation), too
             self.engines.failed(self.name, text)
             log.warning("engine_apply_failed", engine=self.name, version=version.version,
-                        generation=version.generation, reason=error.reason, error=text, retry_seconds=delay)
+                        generation=version.generation, reason=error.reason, error=text, retry_seconds=delay,
+                        **({"answer": error.answer} if error.answer else {}))
             return version.generation
         self._applied_generation, self._applied_label = version.generation, version.version
         self._failed, self._failures = None, 0
@@ -274,8 +306,11 @@ class HttpEngineDriver:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310 - operator's URL
                 text = response.read(MAX_ANSWER_BYTES + 1)
         except urllib.error.HTTPError as error:
-            detail = self._error_detail(error.read(1000).decode(errors="replace"))
-            raise EngineRefused(f"{method} {path}: HTTP {error.code}: {detail}") from None
+            detail = self._error_detail(read_error_answer(error))
+            refused = EngineRefused(f"{method} {path}: HTTP {error.code}: {readable_detail(detail)}")
+            if len(detail) > ERROR_DETAIL_MAX_CHARS:
+                refused.answer = detail
+            raise refused from None
         except (urllib.error.URLError, OSError) as error:
             raise EngineUnreachable(f"{method} {path}: {error}") from None
         except Exception as error:  # noqa: BLE001 - http.client's HTTPException (not HTTP at all) and the like

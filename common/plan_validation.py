@@ -5,7 +5,8 @@ against the weight store (existing names, dtypes, shapes) happen where the
 store's layout is known. Every failure is an InvalidArgument naming the
 offending bucket and tensor in its metadata. A deferred bucket (BucketSpec.deferred)
 lists candidates at Begin; its layout, given at its BucketStart, is checked there
-(validate_layout) by the same rules as a plan's bucket.
+(validate_layout) by the same rules as a plan's bucket. A spec with a box (TensorSpec.box) is
+checked as the box: inside the tensor's shape, its elements' size, its pieces covering it.
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ def _validate_pieces(index: int, bucket: tensor_pb2.BucketSpec, pieces: _OpenPie
             raise InvalidArgument("PIECE_OUT_OF_ORDER", f"tensor {name!r}: its first piece starts at byte {start}, "
                                   "not 0", bucket=index, tensor=name, piece_offset_bytes=start)
         itemsize = dtypes.itemsize(piece.dtype, tensor=name)
-        pieces = _OpenPieces(piece, 0, math.prod(piece.shape) * itemsize)
-    elif (name, piece.dtype, list(piece.shape)) != (pieces.spec.name, pieces.spec.dtype, list(pieces.spec.shape)):
+        pieces = _OpenPieces(piece, 0, _numel(piece) * itemsize)  # a box's pieces cover the box
+    elif (name, piece.dtype, list(piece.shape), _box_key(piece)) != (
+            pieces.spec.name, pieces.spec.dtype, list(pieces.spec.shape), _box_key(pieces.spec)):
         raise _incomplete(index, pieces)
     elif start != pieces.next_offset:
         raise InvalidArgument("PIECE_OUT_OF_ORDER", f"tensor {name!r}: a piece at byte {start}, expected "
@@ -138,6 +140,17 @@ def _validate_pieces(index: int, bucket: tensor_pb2.BucketSpec, pieces: _OpenPie
                               bucket=index, tensor=name, size_bytes=piece.size_bytes, piece_offset_bytes=start)
     pieces.next_offset = end
     return None if end == pieces.size_bytes else pieces
+
+
+def _box_key(spec: tensor_pb2.TensorSpec) -> str:
+    """'' for a whole tensor; the box (TensorSpec.box) it carries otherwise: two boxes of one tensor are two
+    entries of a plan, a box twice is a duplicate."""
+    return f"{list(spec.box.offsets)}{list(spec.box.sizes)}" if spec.HasField("box") else ""
+
+
+def _numel(spec: tensor_pb2.TensorSpec) -> int:
+    """Elements the spec carries: its box's, or the whole tensor's."""
+    return math.prod(spec.box.sizes) if spec.HasField("box") else math.prod(spec.shape)
 
 
 def _validate_bucket(
@@ -290,11 +303,12 @@ def _validate_name_and_shape(index: int, spec: tensor_pb2.TensorSpec, names: set
             bucket=index,
             tensor=name[:64],
         )
-    if name in names and not continued:
+    key = name + ("\0box" + _box_key(spec) if spec.HasField("box") else "")
+    if key in names and not continued:
         raise InvalidArgument(
             "TENSOR_NAME_DUPLICATE", f"tensor {name!r} appears twice in the plan", bucket=index, tensor=name
         )
-    names.add(name)
+    names.add(key)
     try:
         itemsize = dtypes.itemsize(spec.dtype, tensor=name)
     except InvalidArgument as error:  # DTYPE_UNSPECIFIED / DTYPE_UNKNOWN: name the bucket too
@@ -317,6 +331,17 @@ def _validate_name_and_shape(index: int, spec: tensor_pb2.TensorSpec, names: set
             bucket=index,
             tensor=name,
         )
+    if spec.HasField("box"):  # what it carries is the box: its elements, its size
+        box = spec.box
+        if (len(box.offsets) != len(spec.shape) or len(box.sizes) != len(spec.shape) or any(
+                o < 0 or z < 1 or o + z > d for o, z, d in zip(box.offsets, box.sizes, spec.shape, strict=True))):
+            raise InvalidArgument("BOX_OUT_OF_SHAPE", f"tensor {name!r}: box offsets {list(box.offsets)} sizes "
+                                  f"{list(box.sizes)} does not lie inside its shape {list(spec.shape)} (one offset and "
+                                  "one size >= 1 per dimension)", bucket=index, tensor=name[:64],
+                                  box=("[" + ", ".join(f"{o}:{o + z}" for o, z in zip(box.offsets, box.sizes,
+                                                                                     strict=False)) + "]")[:128],
+                                  shape=str(list(spec.shape)))
+        numel = math.prod(box.sizes)
     return itemsize, numel
 
 

@@ -9,7 +9,9 @@
 
 The server decided everything before a byte moved (server/node_store.py): which buckets this
 worker owns, and for each the places in the store its bytes go (straight into a segment or a
-split tensor's place, or into staging and then one copy per tensor), the checks and patches.
+split tensor's place, or into staging and then one copy per tensor, and one strided copy per
+sub-box of a box: a view of the whole tensor in the store, narrowed to the sub-box), the checks and
+patches.
 This module only moves and checks bytes. Two lanes:
 
   host     a Gloo receive, or the ingress (INLINE, SHM): bytes land in host memory, the store
@@ -445,7 +447,21 @@ class Receiver:
         for copy in owned.copies:
             self.maps.bytes_at(copy.dst, copy.size_bytes).copy_(
                 received[copy.src_offset_bytes : copy.src_offset_bytes + copy.size_bytes])
+        for box in owned.box_copies:
+            destination, source = self._box_pair(box, received)
+            destination.copy_(source)
         return self._done(update, owned)
+
+    def _box_pair(self, box: wpb.BoxCopy, received: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Its place in the store: a strided view of the whole tensor, the sub-box's elements in the bucket
+        viewed as the sub-box) of one BoxCopy."""
+        whole = self.maps.tensor_at(box.tensor, box.dtype, box.shape, box.name)
+        destination = whole
+        for dim, (offset, size) in enumerate(zip(box.offsets, box.sizes, strict=True)):
+            destination = destination.narrow(dim, offset, size)
+        size_bytes = destination.numel() * whole.element_size()  # inside the bucket: the plan was validated
+        source = received[box.src_offset_bytes : box.src_offset_bytes + size_bytes].view(whole.dtype)
+        return destination, source.view(tuple(box.sizes))
 
     def _apply_from_device(self, update: ReceiveUpdate, owned: wpb.OwnedBucket, slot: int, received: torch.Tensor,
                            bucket_checksum: tensor_pb2.Checksum) -> Applied:
@@ -460,7 +476,9 @@ class Receiver:
         else:
             pairs = [(received[c.src_offset_bytes : c.src_offset_bytes + c.size_bytes],
                       self.maps.bytes_at(c.dst, c.size_bytes)) for c in owned.copies]
-        self.lane.copy_out(slot, pairs)
+            pairs += [(source, destination) for destination, source in
+                      (self._box_pair(b, received) for b in owned.box_copies)]
+        self.lane.copy_out(slot, pairs)  # on the copy stream, after the receive into staging
         return self._done(update, owned)
 
     def _done(self, update: ReceiveUpdate, owned: wpb.OwnedBucket) -> Applied:

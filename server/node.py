@@ -219,6 +219,7 @@ class Node:
             transports=self.transports(),
             bucket_compressions=[pb.BUCKET_COMPRESSION_ZSTD],  # every worker decompresses (gpu_worker/frames.py)
             deferred_buckets=True,
+            parts=self.ingress is not None,  # parts run over INLINE, whole tensors and boxes (service.py)
             data_plane_revision=DATA_PLANE_REVISION,
             store_state=store.state,
             current_version=self.publisher.version.to_proto(),

@@ -339,6 +339,11 @@ class NodeStore:
         for copy in route.copies:
             owned.copies.add(src_offset_bytes=copy.src_offset, size_bytes=copy.size_bytes,
                              dst=self._place(update, copy.segment, copy.dst_offset))
+        for box in route.box_copies:
+            owned.box_copies.add(name=box.name, src_offset_bytes=box.src_offset,
+                                 tensor=self._place(update, box.segment, box.tensor_offset),
+                                 dtype=dtypes.from_torch(box.dtype), shape=list(box.shape), offsets=list(box.offsets),
+                                 sizes=list(box.sizes))
         for check in route.checks:
             owned.checks.add(name=check.name, offset_bytes=check.offset_bytes, size_bytes=check.size_bytes,
                              expected=check.expected)

@@ -19,10 +19,11 @@ The rules, in the order they are checked:
     names (TENSOR_OWNED_TWICE, TENSOR_WHOLE_AND_BOXED), what each plan sends
     (PART_SENDS_UNOWNED), dtypes and shapes (PART_TENSOR_MISMATCH, PART_TENSOR_UNKNOWN), and the
     boxes of each tensor: inside it, disjoint, covering it (BOX_OUT_OF_SHAPE, BOXES_OVERLAP,
-    BOXES_INCOMPLETE);
+    BOXES_INCOMPLETE), and every box sent of a tensor new to the store (BOX_NOT_SENT);
   - the join's end: the parts still missing at the deadline (PARTS_MISSING), and what the
     other parts learn when one fails (PART_FAILED).
-A stream without a part is the whole update (the case of one part): none of this applies to it.
+A stream without a part is the whole update (the case of one part): none of this applies to it, and it
+sends no box (boxes_refused, at begin, with the transports and encodings a box may not use).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from weightsync.common.errors import (
     Unimplemented,
     WeightSyncError,
 )
+from weightsync.common import patches
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -156,14 +158,29 @@ def _ranks(ranks: Iterable[int]) -> str:
 
 
 # -- what a part is ---------------------------------------------------------------------------------
-def parts_unavailable(begin: pb.BeginUpdate) -> Refusal | None:
-    """A server that places no box in its store (GetServerInfo.parts false): a plan with a box is refused at begin."""
-    for index, bucket in enumerate(begin.plan.buckets):
+def boxes_refused(begin: pb.BeginUpdate, plan: tensor_pb2.WeightPlan) -> Refusal | None:
+    """A plan with a box (TensorSpec.box), at begin: a box travels only in the plan of a part
+    (BOX_WITHOUT_PART), over INLINE, the one transport this server runs parts over (PARTS_UNAVAILABLE),
+    and dense: a patch of a box, or a box among a deferred bucket's candidates, is not placed
+    (BOX_PATCH_UNAVAILABLE). None for a plan without a box, or with boxes this server places. `plan`: the
+    begin's plan, or the one its plan_id names."""
+    for index, bucket in enumerate(plan.buckets):
         for spec in bucket.tensors:
-            if spec.HasField("box"):
-                return Unimplemented("PARTS_UNAVAILABLE", f"tensor {spec.name!r} is sent as a box, which this "
-                                     "server cannot place in its store yet (GetServerInfo.parts is false): send "
-                                     "whole tensors", bucket=index, tensor=spec.name[:64])
+            if not spec.HasField("box"):
+                continue
+            name = spec.name[:64]
+            if not begin.HasField("part"):
+                return InvalidArgument("BOX_WITHOUT_PART", f"tensor {spec.name!r} is sent as a box, but the stream "
+                                       "is no part of an update (BeginUpdate.part unset): a box travels only in a "
+                                       "part's plan, which declares it", bucket=index, tensor=name)
+            if begin.transport != pb.TRANSPORT_INLINE:
+                return Unimplemented("PARTS_UNAVAILABLE", f"tensor {spec.name!r} is sent as a box over "
+                                     f"{pb.Transport.Name(begin.transport)}: this server places boxes sent over "
+                                     "INLINE only", bucket=index, tensor=name)
+            if bucket.deferred or patches.is_patch(spec.encoding):
+                return Unimplemented("BOX_PATCH_UNAVAILABLE", f"tensor {spec.name!r} is sent as a patch of a box "
+                                     "(or a deferred bucket's candidate): this server places dense boxes only; send "
+                                     "the box dense", bucket=index, tensor=name)
     return None
 
 
@@ -172,9 +189,9 @@ def parts_not_run(update_key: str, world: int) -> Refusal:
     not run such a world (a transport other than INLINE, or more parts than ingress slots). Nothing was
     allocated."""
     return Unimplemented("PARTS_UNAVAILABLE", f"all {world} parts of update {update_key!r} joined and their "
-                         "declarations agree, but this server runs parts only over INLINE, of whole tensors, at most "
-                         "as many as its ingress slots (GetServerInfo.parts is false): send the whole update from one "
-                         "process", update_key=update_key, world=world)
+                         "declarations agree, but this server runs parts only over INLINE, at most as many as its "
+                         "ingress slots: send the update over INLINE, or from fewer processes",
+                         update_key=update_key, world=world)
 
 
 def join_timeout(part: pb.UpdatePart) -> datetime.timedelta:
@@ -303,7 +320,25 @@ def check_union(declarations: Sequence[Declaration], sent: Mapping[int, Sequence
             refusal = check_tiling(name, metas[name].shape, owners)
             if refusal is not None:
                 return refusal
+    refusal = _check_new_boxes_sent(boxed, sent, stored, stores)
+    if refusal is not None:
+        return refusal
     return Owners(whole, {name: tuple(sorted(owners)) for name, owners in boxed.items()})
+
+
+def _check_new_boxes_sent(boxed: Mapping[str, Sequence[tuple[int, Box]]], sent: Mapping[int, Sequence[Sent]],
+                          stored: Mapping[str, TensorMeta], stores: Callable[[str], bool]) -> Refusal | None:
+    """A boxed tensor the store does not hold arrives whole: every box of it is sent, by its part."""
+    sent_boxes = {(rank, item.name, item.box) for rank, items in sent.items() for item in items}
+    for name, owners in boxed.items():
+        if name in stored or not stores(name):
+            continue
+        for rank, box in owners:
+            if (rank, name, box) not in sent_boxes:
+                return InvalidArgument("BOX_NOT_SENT", f"tensor {name!r} is new to the store, but part {rank} does "
+                                       f"not send its box {box}: a tensor new to the store arrives whole, every box "
+                                       "of it sent", tensor=name[:64], part=rank, box=str(box)[:128])
+    return None
 
 
 def _owned_twice(name: str, first: int, second: int) -> Refusal:

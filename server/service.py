@@ -30,7 +30,7 @@ from weightsync.common.plan_id import plan_id_of
 from weightsync.server.node import SERVICE_NAME, Node
 from weightsync.server.part_joins import PartJoins, Ticket
 from weightsync.server.part_updates import PartFeed, PartUpdates
-from weightsync.server.parts import TensorMeta, parts_not_run, parts_unavailable
+from weightsync.server.parts import TensorMeta, boxes_refused, parts_not_run
 from weightsync.server.request_checks import (
     check_begin,
     group_for,
@@ -163,7 +163,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             raise InvalidArgument("BEGIN_MISSING", "the first message must be begin")
         begin = first.begin
         check_begin(begin, self.node.transports())
-        refusal = parts_unavailable(begin)  # a box: until the store places boxes (GetServerInfo.parts)
+        refusal = boxes_refused(begin, begin.plan)  # a box outside a part, off INLINE, or as a patch
         if refusal is not None:
             raise refusal
         ticket = self.joins.enter(begin) if begin.HasField("part") else None
@@ -171,6 +171,8 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             group = group_for(begin, self.node.groups)
             plan, plan_id, summary = plan_for(begin, self.node.plans, self.node.config.limits,
                                               self.node.ingress.slot_bytes if self.node.ingress else 0)
+            if not begin.HasField("plan") and (refusal := boxes_refused(begin, plan)) is not None:
+                raise refusal  # a plan_id naming a plan with a box
             self.node.require_serving()
             publisher = self.node.publisher
             require_base(begin, summary, publisher.version, publisher.store_state())
@@ -285,7 +287,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
 
     def _runs_parts(self, transport: int, world: int) -> bool:
         """This server runs an update of `world` parts over `transport`: INLINE, each part with an ingress
-        slot of its own at least (boxes are refused at begin: parts_unavailable)."""
+        slot of its own at least (a box over another transport is refused at begin: boxes_refused)."""
         ingress = self.node.ingress
         return transport == pb.TRANSPORT_INLINE and ingress is not None and world <= ingress.slot_count
 

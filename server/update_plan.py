@@ -9,6 +9,10 @@ decides, for each bucket, where its bytes go:
   - straight into its place in the tensor, for a piece of a split tensor (a
     new split tensor gets a segment of its own at its first piece);
   - into the staging buffer, then one copy per tensor (the general path);
+  - into the staging buffer, then one strided copy per sub-box, for a box of a tensor (TensorSpec.box,
+    sent by a part): the box's elements (or a piece's range of them) land at their place in the whole
+    stored tensor (box_geometry.py); a boxed tensor new to the store gets a segment of its own at its
+    first box, which the other boxes (every one of them sent: parts.check_union) fill;
   - nowhere, when the node stores none of its tensors (a server started with
     `--tensors REGEX` holds a subset): the bucket has no owner on this node. A
     bucket with some of the node's tensors takes the general path for those;
@@ -16,7 +20,8 @@ decides, for each bucket, where its bytes go:
     checked against the store now, and its patches routed once its layout is
     announced (deferred_route), before its bytes move.
 STAGED: a shadowed segment this update does not rewrite whole starts as a copy
-of its live bytes.
+of its live bytes (a box counts the bytes it writes: boxes are disjoint, so a segment
+counts as rewritten whole only when every byte of it is).
 
 It allocates nothing and reads nothing but the store's layout, so the result
 depends only on (plan id, layout version, mode): the node store keeps it in its
@@ -37,6 +42,7 @@ import torch
 from weightsync.common import dtypes, patches
 from weightsync.common.errors import InvalidArgument
 from weightsync.common.layout import align_segment, align_up
+from weightsync.server.box_geometry import sub_boxes
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -71,6 +77,23 @@ class TensorCopy:
     size_bytes: int
     segment: int
     dst_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class BoxCopy:
+    """A box (TensorSpec.box), from staging: bucket bytes [src_offset, +size_bytes) are the row-major
+    elements of the sub-box (offsets, sizes) of tensor `name`, whose whole bytes (dtype, shape) start at
+    segment bytes tensor_offset (box_geometry.sub_boxes cut the box, or a piece of it, into such)."""
+
+    name: str
+    src_offset: int
+    size_bytes: int
+    segment: int
+    tensor_offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +133,8 @@ class BucketRoute:
     """Tensors of this bucket sent as patches: never copied whole, never shadowed."""
     stored: bool = True
     """False: none of the bucket's tensors belongs to this node's subset; nobody receives it here."""
+    box_copies: tuple[BoxCopy, ...] = ()
+    """Boxes of tensors (and pieces of boxes), from staging: one strided copy per sub-box."""
 
     @property
     def direct(self) -> bool:
@@ -245,6 +270,9 @@ class _Derivation:
         for spec in specs:
             self.names.add(spec.name)
         checks = _checks(specs)
+        if any(s.HasField("box") for s in specs):
+            self.routes.append(self._boxed(index, bucket, specs, checks))
+            return
         if specs and specs[0].HasField("piece"):
             self.routes.append(self._piece(index, specs[0], checks))
             return
@@ -339,6 +367,47 @@ class _Derivation:
                 self._write(stored.segment, spec.size_bytes)
         overwrites = (*existing, *(p.name for p in patched))
         return BucketRoute(size_bytes, None, tuple(copies), checks, overwrites, patched)
+
+    def _boxed(self, index: int, bucket: tensor_pb2.BucketSpec, specs: list[tensor_pb2.TensorSpec],
+               checks: tuple[TensorCheck, ...]) -> BucketRoute:
+        """A bucket with boxes (or one piece of a box): never received straight into the store. Its whole
+        tensors go as the general path's; each box (its piece's range of elements) as strided copies of
+        sub-boxes into its place in the whole tensor."""
+        whole = [s for s in specs if not s.HasField("box")]
+        existing, patched = self._existing_and_patched(index, whole)
+        general = self._general(bucket.size_bytes, whole, checks, existing, tuple(patched))
+        box_copies: list[BoxCopy] = []
+        overwrites = list(general.overwrites)
+        for spec in specs:
+            if not spec.HasField("box"):
+                continue
+            target, fresh = self._box_target(index, spec)
+            if not fresh:
+                self._write(target.segment, spec.size_bytes)
+                overwrites.append(spec.name)
+            itemsize = target.dtype.itemsize
+            first = spec.piece.offset_bytes // itemsize if spec.HasField("piece") else 0
+            for cut in sub_boxes(tuple(spec.box.offsets), tuple(spec.box.sizes), first, spec.size_bytes // itemsize):
+                box_copies.append(BoxCopy(spec.name, spec.offset_bytes + cut.start * itemsize, cut.numel * itemsize,
+                                          target.segment, target.offset_bytes, target.dtype, target.shape,
+                                          cut.offsets, cut.sizes))
+        return BucketRoute(bucket.size_bytes, None, general.copies, checks, tuple(dict.fromkeys(overwrites)),
+                           general.patches, box_copies=tuple(box_copies))
+
+    def _box_target(self, index: int, spec: tensor_pb2.TensorSpec) -> tuple[StoredTensor, bool]:
+        """The whole tensor a box lands in, and whether it is new to the store (its first box gives it a
+        segment of its own; nothing of it is live, so nothing to overwrite or shadow)."""
+        stored = self.tensors.get(spec.name)
+        if stored is not None:
+            _check_against_store(index, spec, stored)
+            return stored, False
+        new = self.new_tensors.get(spec.name)
+        if new is None:
+            self._require_new_allowed(index, spec)
+            new = _new_tensor(spec, self.first_new + len(self.new_segments), 0)
+            self._new_segment(new.size_bytes, b"")
+            self.new_tensors[spec.name] = new
+        return new, True
 
     def result(self, plan_id: str, layout_version: int) -> UpdatePlan:
         shadowed = tuple(sorted(self.touched)) if self.staged else ()

@@ -263,28 +263,30 @@ def _push_whole(stub, model: dict[str, torch.Tensor], version: str) -> wpb.Updat
     return committed
 
 
-def test_a_boxed_plan_is_refused_until_the_store_places_boxes(tmp_path):
-    """GetServerInfo.parts is false, and a plan sending a box, with or without a part, is UNIMPLEMENTED
-    PARTS_UNAVAILABLE before anything else (a box's bytes would otherwise pass for the whole tensor's, and
-    the part would join): nothing changes, and the next whole push commits and verifies. (The join of
-    parts: test_part_joins.)"""
+def test_a_boxed_plan_is_refused_where_the_store_does_not_place_boxes(tmp_path):
+    """GetServerInfo.parts is true (parts over INLINE, whole tensors and boxes), and a plan sending a box is
+    refused before the part joins where the server does not place it: without a part (INVALID_ARGUMENT
+    BOX_WITHOUT_PART: a box's bytes would otherwise pass for the whole tensor's) and over COLLECTIVE
+    (UNIMPLEMENTED PARTS_UNAVAILABLE): nothing changes, and the next whole push commits and verifies.
+    (Boxes placed: test_box_parts; the join of parts: test_part_joins.)"""
     server = start_server(tmp_path, workers=1)
     try:
         stub = server.stub()
         model = {"w": torch.arange(64, dtype=torch.float32)}
         assert _push_whole(stub, model, "v1").committed.version.generation == 1
         info = stub.GetServerInfo(wpb.GetServerInfoRequest(), timeout=10)
-        assert info.parts is False and info.current_version.generation == 1
+        assert info.parts is True and info.current_version.generation == 1
         box = tensor_pb2.TensorSpec(name="w", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[64], size_bytes=128,
                                     box=tensor_pb2.TensorBox(offsets=[0], sizes=[32]))
         boxed = tensor_pb2.WeightPlan(buckets=[tensor_pb2.BucketSpec(size_bytes=128, tensors=[box])])
         part = wpb.UpdatePart(update_key="v2-3f9a", rank=1, world=2,
                               boxed_tensors=[wpb.PartBoxes(name="w", boxes=[box.box])])
-        common = dict(version="v2", mode=wpb.UPDATE_MODE_STAGED, transport=wpb.TRANSPORT_INLINE)
-        assert _refusal(stub, wpb.BeginUpdate(plan=boxed, part=part, **common)) == (  # before the part joins
+        common = dict(version="v2", mode=wpb.UPDATE_MODE_STAGED)
+        assert _refusal(stub, wpb.BeginUpdate(plan=boxed, part=part, transport=wpb.TRANSPORT_COLLECTIVE,
+                                              **common)) == (  # before the part joins
             grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"bucket": "0", "tensor": "w"})
-        assert _refusal(stub, wpb.BeginUpdate(plan=boxed, **common)) == (
-            grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"bucket": "0", "tensor": "w"})
+        assert _refusal(stub, wpb.BeginUpdate(plan=boxed, transport=wpb.TRANSPORT_INLINE, **common)) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "BOX_WITHOUT_PART", {"bucket": "0", "tensor": "w"})
         after = stub.GetServerInfo(wpb.GetServerInfoRequest(), timeout=10)
         assert (after.current_version, after.store_state) == (info.current_version, info.store_state)
         assert server_checksums(server) == [local_checksums(model)]

@@ -34,7 +34,7 @@ from weightsync.server.parts import (
     part_failed,
     parts_missing,
     parts_not_run,
-    parts_unavailable,
+    boxes_refused,
     sent_by,
 )
 from weightsync.v1 import tensor_pb2
@@ -90,19 +90,38 @@ def test_the_join_timeout_defaults_to_a_minute():
     assert join_timeout(part(join_timeout=duration_pb2.Duration(seconds=5))) == datetime.timedelta(seconds=5)
 
 
+def _boxed_plan(**spec) -> tensor_pb2.WeightPlan:
+    return tensor_pb2.WeightPlan(buckets=[
+        tensor_pb2.BucketSpec(size_bytes=64, tensors=[tensor_pb2.TensorSpec(name="a")]),
+        tensor_pb2.BucketSpec(size_bytes=64, tensors=[tensor_pb2.TensorSpec(name="b"), tensor_pb2.TensorSpec(
+            name="c", box=tensor_pb2.TensorBox(), **spec)])])  # an empty box is still a box
+
+
+INLINE = pb.TRANSPORT_INLINE
+
+
 @pytest.mark.parametrize(("begin", "expected"), [
     (pb.BeginUpdate(version="v"), None),  # no part, no box: the whole update, as always
     (pb.BeginUpdate(version="v", plan=tensor_pb2.WeightPlan(buckets=[tensor_pb2.BucketSpec(
         size_bytes=64, tensors=[tensor_pb2.TensorSpec(name="w", shape=[4])])])), None),
     (pb.BeginUpdate(part=part(rank=1)), None),  # a part joins (server/part_joins.py)
-    (pb.BeginUpdate(plan=tensor_pb2.WeightPlan(buckets=[
-        tensor_pb2.BucketSpec(size_bytes=64, tensors=[tensor_pb2.TensorSpec(name="a")]),
-        tensor_pb2.BucketSpec(size_bytes=64, tensors=[tensor_pb2.TensorSpec(name="b"), tensor_pb2.TensorSpec(
-            name="c", box=tensor_pb2.TensorBox())])])),  # an empty box is still a box
+    (pb.BeginUpdate(part=part(rank=1), transport=INLINE, plan=_boxed_plan()), None),  # a part's box over INLINE
+    (pb.BeginUpdate(transport=INLINE, plan=_boxed_plan()),
+     ("INVALID_ARGUMENT", "BOX_WITHOUT_PART", {"bucket": "1", "tensor": "c"})),
+    (pb.BeginUpdate(part=part(rank=1), transport=pb.TRANSPORT_SHM, plan=_boxed_plan()),
      ("UNIMPLEMENTED", "PARTS_UNAVAILABLE", {"bucket": "1", "tensor": "c"})),
+    (pb.BeginUpdate(part=part(rank=1), transport=pb.TRANSPORT_COLLECTIVE, plan=_boxed_plan()),
+     ("UNIMPLEMENTED", "PARTS_UNAVAILABLE", {"bucket": "1", "tensor": "c"})),
+    (pb.BeginUpdate(part=part(rank=1), transport=INLINE,
+                    plan=_boxed_plan(encoding=tensor_pb2.TENSOR_ENCODING_PATCH_XOR)),
+     ("UNIMPLEMENTED", "BOX_PATCH_UNAVAILABLE", {"bucket": "1", "tensor": "c"})),
+    (pb.BeginUpdate(part=part(rank=1), transport=INLINE,
+                    plan=tensor_pb2.WeightPlan(buckets=[tensor_pb2.BucketSpec(deferred=True, tensors=[
+                        tensor_pb2.TensorSpec(name="c", box=tensor_pb2.TensorBox())])])),
+     ("UNIMPLEMENTED", "BOX_PATCH_UNAVAILABLE", {"bucket": "0", "tensor": "c"})),
 ])
-def test_a_box_is_refused_until_the_store_places_boxes(begin, expected):
-    assert decided(parts_unavailable(begin)) == expected
+def test_a_box_is_placed_only_from_a_part_over_inline_and_dense(begin, expected):
+    assert decided(boxes_refused(begin, begin.plan)) == expected
 
 
 # -- the join ---------------------------------------------------------------------------------------
@@ -278,6 +297,13 @@ def sends(rank: int, name: str, b: Box | None = None, meta: TensorMeta = W, buck
      ("INVALID_ARGUMENT", "BOXES_INCOMPLETE", {"tensor": "w", "covered": "16", "numel": "32"})),
     ([Declaration(0, (), (("w", (ROWS[0], box((4, 8), (0, 3)))),))], {},
      ("INVALID_ARGUMENT", "BOXES_INCOMPLETE", {"tensor": "w", "covered": "28", "numel": "32"})),
+    # a boxed tensor new to the store arrives whole: every box of it sent, by its part
+    ([Declaration(0, (), (("nw", (ROWS[0],)),)), Declaration(1, ("b",), (("nw", (ROWS[1],)),))],
+     {0: [sends(0, "nw", ROWS[0])], 1: [sends(1, "b", None, STORED["b"])]},
+     ("INVALID_ARGUMENT", "BOX_NOT_SENT", {"tensor": "nw", "part": "1", "box": "[4:8, 0:4]"})),
+    ([Declaration(0, (), (("nw", (ROWS[0],)),)), Declaration(1, (), (("nw", (ROWS[1],)),))],
+     {0: [sends(0, "nw", ROWS[0])], 1: [sends(1, "nw", ROWS[1])]},
+     Owners({}, {"nw": ((0, ROWS[0]), (1, ROWS[1]))})),
     # a plan's shape wins over the store's for the tiling (the store check refuses the difference later)
     ([Declaration(0, (), (("w", (box((0, 2), (0, 4)),)),))], {0: [sends(0, "w", box((0, 2), (0, 4)), TensorMeta(F32, (2, 4)))]},
      Owners({}, {"w": ((0, box((0, 2), (0, 4))),)})),

@@ -95,6 +95,24 @@ class TensorCopy(_message.Message):
     dst: Region
     def __init__(self, src_offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., dst: _Optional[_Union[Region, _Mapping]] = ...) -> None: ...
 
+class BoxCopy(_message.Message):
+    __slots__ = ("name", "src_offset_bytes", "tensor", "dtype", "shape", "offsets", "sizes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SRC_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    src_offset_bytes: int
+    tensor: Region
+    dtype: _tensor_pb2.Dtype
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., src_offset_bytes: _Optional[int] = ..., tensor: _Optional[_Union[Region, _Mapping]] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class TensorCheck(_message.Message):
     __slots__ = ("name", "offset_bytes", "size_bytes", "expected")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -136,20 +154,22 @@ class PatchTarget(_message.Message):
     def __init__(self, name: _Optional[str] = ..., src_offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., encoding: _Optional[_Union[_tensor_pb2.TensorEncoding, str]] = ..., count: _Optional[int] = ..., expected: _Optional[int] = ..., live: _Optional[_Union[Region, _Mapping]] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., live_checksum: _Optional[int] = ..., destination: _Optional[_Union[Region, _Mapping]] = ..., scatter_at_commit: _Optional[bool] = ...) -> None: ...
 
 class OwnedBucket(_message.Message):
-    __slots__ = ("sequence", "size_bytes", "receive_into", "copies", "checks", "patches")
+    __slots__ = ("sequence", "size_bytes", "receive_into", "copies", "checks", "patches", "box_copies")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_INTO_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     CHECKS_FIELD_NUMBER: _ClassVar[int]
     PATCHES_FIELD_NUMBER: _ClassVar[int]
+    BOX_COPIES_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     size_bytes: int
     receive_into: Region
     copies: _containers.RepeatedCompositeFieldContainer[TensorCopy]
     checks: _containers.RepeatedCompositeFieldContainer[TensorCheck]
     patches: _containers.RepeatedCompositeFieldContainer[PatchTarget]
-    def __init__(self, sequence: _Optional[int] = ..., size_bytes: _Optional[int] = ..., receive_into: _Optional[_Union[Region, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[TensorCopy, _Mapping]]] = ..., checks: _Optional[_Iterable[_Union[TensorCheck, _Mapping]]] = ..., patches: _Optional[_Iterable[_Union[PatchTarget, _Mapping]]] = ...) -> None: ...
+    box_copies: _containers.RepeatedCompositeFieldContainer[BoxCopy]
+    def __init__(self, sequence: _Optional[int] = ..., size_bytes: _Optional[int] = ..., receive_into: _Optional[_Union[Region, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[TensorCopy, _Mapping]]] = ..., checks: _Optional[_Iterable[_Union[TensorCheck, _Mapping]]] = ..., patches: _Optional[_Iterable[_Union[PatchTarget, _Mapping]]] = ..., box_copies: _Optional[_Iterable[_Union[BoxCopy, _Mapping]]] = ...) -> None: ...
 
 class ShadowCopy(_message.Message):
     __slots__ = ("source", "destination", "size_bytes")

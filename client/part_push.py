@@ -100,10 +100,15 @@ def _checked(client: WeightSyncClient, named_tensors, transport: str) -> tuple[l
     check_tensors([(d.name, d.tensor) for d in declared])
     client._fleet.ask_again_if_stale()
     for address, info in zip(client._servers.addresses, client._fleet.infos(), strict=True):
-        if not info.parts:
+        if not runs_parts(info):
             raise PartsUnavailable(f"{address} does not run updates sent in parts (GetServerInfo.parts is false): "
                                    "upgrade it, or push the whole update from one process")
     return declared, client._sink("inline")[1]
+
+
+def runs_parts(info) -> bool:
+    """Whether a server runs updates sent in parts (GetServerInfo.parts)."""
+    return info.parts
 
 
 def _plan(declared: list[Declared], bucket_size_bytes: int, zero_copy_min_bytes: int) -> PlanChoice:

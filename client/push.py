@@ -30,7 +30,7 @@ from weightsync.client.planning import PlannedBucket
 from weightsync.client.read_order import wants_checksum
 from weightsync.client.server_state import ServerState
 from weightsync.client.sinks import Sink
-from weightsync.client.streams import UpdateStream, first_failure, update_failed
+from weightsync.client.streams import UpdateStream, as_ended, first_failure, update_failed
 from weightsync.client.types import PushProgress, ServerOutcome, StoreGeneration
 from weightsync.common.checksum import tensor_checksum
 from weightsync.common.collective import CollectiveError
@@ -123,7 +123,7 @@ class PushRun:
             failure = first_failure(streams)
         if failure is not None:
             self.loop.run(self._abort(streams, str(failure)))
-            raise update_failed(failure, streams)
+            raise update_failed(as_ended(failure, streams), streams)
         try:
             return self.loop.run(self._commit(streams))
         finally:

@@ -158,6 +158,17 @@ class UpdateStream:
     def cancel(self) -> None:
         self._call.cancel()
 
+def as_ended(failure: BaseException, streams: list[UpdateStream]) -> BaseException:
+    """A failure read from a server's `aborting` (no metadata), as that server's stream ended with it (the
+    same reason, with its ErrorInfo metadata: PART_FAILED's part, PARTS_MISSING's ranks); else as it is.
+    Call once the streams ended."""
+    if not isinstance(failure, WeightSyncRpcError) or failure.metadata:
+        return failure
+    ended = next((s.failure for s in streams if s.server == failure.server and s.failure is not None
+                  and s.failure.reason == failure.reason and s.failure.metadata), None)
+    return ended or failure
+
+
 def first_failure(streams: list[UpdateStream]) -> WeightSyncRpcError | None:
     """The first server-reported error among the streams, if any (cheap: checked per bucket)."""
     for stream in streams:

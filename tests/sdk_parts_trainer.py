@@ -1,0 +1,142 @@
+"""One trainer rank of tests/test_sdk_parts.py: a real process in a Gloo group, pushing its part with the SDK.
+
+    python sdk_parts_trainer.py RANK WORLD PORT SERVERS(comma-separated) OUT_DIR SCENARIO
+
+Writes OUT_DIR/rank{RANK}.json: what each step of the scenario gave (generations per server, the typed
+errors' fields, verify's mismatches). Exits 0 when the scenario ran to its end, whatever it recorded.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+GLOO_TIMEOUT = datetime.timedelta(seconds=90)
+"""Bounds the parts' one collective per push (their agreement)."""
+OWNS = (["a", "c"], ["b", "d", "e"])
+"""Rank 0 pushes a and c whole, rank 1 b, d and e."""
+BUCKETS = (65536, 8192)
+"""Rank 0's plan is one bucket of 37 KiB; rank 1's are b, d and e in two pieces (22 KiB in all). The server
+gives rank 0's bucket to one worker and every bucket of rank 1 to the other (owners by bytes): a worker
+today takes its buckets in the store plan's order, so one owning buckets of both parts could see them
+interleaved (BUCKET_NOT_EXPECTED) however the parts' streams race."""
+
+
+def model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(128, 64, generator=g), "b": torch.randn(1000, generator=g),
+            "c": torch.randn(300, 8, generator=g).to(torch.bfloat16), "d": torch.arange(777) * seed,
+            "e": torch.randn(3000, generator=g)}
+
+
+def dtensor_model(seed: int) -> dict[str, torch.Tensor]:
+    """The full tensors of the DTensor scenario: rows and columns that do not divide evenly by 2."""
+    g = torch.Generator().manual_seed(seed)
+    return {"rows": torch.randn(9, 5, generator=g), "cols": torch.randn(6, 9, generator=g).to(torch.bfloat16),
+            "norm": torch.randn(5, generator=g), "plain0": torch.randn(33, generator=g)}
+
+
+def own(rank: int, seed: int) -> dict[str, torch.Tensor]:
+    tensors = model(seed)
+    return {name: tensors[name] for name in OWNS[rank]}
+
+
+def generations(result) -> dict[str, int]:
+    return {o.server: o.generation for o in result.servers}
+
+
+def current(client) -> list[int]:
+    return [info.current_version.generation for info in client.server_info()]
+
+
+def mismatches(client, tensors) -> list[str]:
+    return [f"{m.server}:{m.name}" for m in client.verify(tensors).mismatches]
+
+
+def whole(client, rank: int) -> dict:
+    """Halves of two versions, a bad input on rank 1 in between, and a rank 1 that fails mid-way."""
+    from weightsync.client import PartInputsRefused, PartUpdateFailed
+
+    out: dict = {}
+    push = dict(mode="staged", transport="inline", allow_new_tensors=True, bucket_size_bytes=BUCKETS[rank])
+    out["v1"] = generations(client.push(own(rank, 1), version="v1", **push))
+    out["v1_mismatches"] = mismatches(client, own(rank, 1))
+
+    bad: dict = own(rank, 2)
+    if rank == 1:
+        bad["b"] = "not a tensor"
+    try:
+        client.push(bad, version="v-bad", **push)
+        out["bad"] = "pushed"
+    except PartInputsRefused as error:
+        out["bad"] = {"ranks": list(error.ranks), "messages": {str(r): m for r, m in error.messages.items()},
+                      "cause": type(error.__cause__).__name__ if error.__cause__ is not None else None}
+    out["after_bad"] = current(client)
+    out["after_bad_mismatches"] = mismatches(client, own(rank, 1))
+
+    def stop_after_first_bucket(progress) -> None:
+        raise RuntimeError("rank 1 stops after its first bucket")
+
+    try:
+        client.push(own(rank, 3), version="v-midway", progress=stop_after_first_bucket if rank == 1 else None, **push)
+        out["midway"] = "pushed"
+    except PartUpdateFailed as error:
+        out["midway"] = {"type": "PartUpdateFailed", "reason": error.reason, "code": error.code.name,
+                         "failed_part": error.failed_part, "rank": error.rank, "server": error.server}
+    except RuntimeError as error:
+        out["midway"] = {"type": type(error).__name__, "message": str(error)}
+    out["after_midway"] = current(client)
+    out["after_midway_mismatches"] = mismatches(client, own(rank, 1))
+
+    out["v2"] = generations(client.push(own(rank, 4), version="v2", **push))
+    out["v2_mismatches"] = mismatches(client, own(rank, 4))
+    return out
+
+
+def dtensors(client, rank: int, world: int) -> dict:
+    """A 1-D mesh on CPU: Shard(0) and Shard(1) params (uneven), a replicated one, a plain tensor on rank 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict = {}
+    for step, seed in (("v1", 11), ("v2", 12)):
+        full = dtensor_model(seed)
+        tensors = {"rows": distribute_tensor(full["rows"], mesh, [Shard(0)]),
+                   "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),
+                   "norm": distribute_tensor(full["norm"], mesh, [Replicate()])}
+        out[f"{step}_full_equal"] = all(torch.equal(tensors[n].full_tensor(), full[n]) for n in tensors)
+        if rank == 0:
+            tensors["plain0"] = full["plain0"]
+        # Rank 0's one bucket (312 bytes) outweighs all of rank 1's (see BUCKETS); rank 1's rows box (4x5
+        # floats, 80 bytes) travels as two pieces of a 64-byte bucket.
+        result = client.push(tensors, version=step, mode="staged", transport="inline", allow_new_tensors=True,
+                             bucket_size_bytes=4096 if rank == 0 else 64)
+        out[step] = generations(result)
+        out[f"{step}_mismatches"] = mismatches(client, full)
+    return out
+
+
+def main() -> None:
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    servers, out_dir, scenario = sys.argv[4].split(","), Path(sys.argv[5]), sys.argv[6]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=GLOO_TIMEOUT)
+    from weightsync.client import Part, WeightSyncClient, part_push
+
+    if os.environ.get("WS_TEST_ASSUME_PARTS_FLAG") == "1":
+        part_push.runs_parts = lambda info: True  # until the servers say GetServerInfo.parts (see the test)
+    with WeightSyncClient(servers, part=Part(rank=rank, world=world, group=dist.group.WORLD, join_timeout=60)) as client:
+        result = whole(client, rank) if scenario == "whole" else dtensors(client, rank, world)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

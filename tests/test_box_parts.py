@@ -17,6 +17,7 @@ from test_part_updates import past_keepalives
 
 from weightsync.common.checksum import as_bytes, tensor_checksum, to_proto, ws64
 from weightsync.common.dtypes import from_torch
+from weightsync.common.plan_id import plan_id_of
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -251,8 +252,8 @@ def _refusal(node, begin_: pb.BeginUpdate) -> tuple[grpc.StatusCode, str, dict[s
 
 
 def test_boxes_the_server_does_not_place_are_refused_at_begin(node):
-    """A box without a part, over a transport other than INLINE, or as a patch: refused at begin, nothing
-    changes, and the next push commits."""
+    """A box without a part (sent, or in a plan named by its plan_id), over a transport other than INLINE, or
+    as a patch: refused at begin, nothing changes, and the next push commits."""
     base = model(10)
     before = push_boxes(node, base, "base", "k-refusals-base", "r.")
     box = OWNS[0]["w"][0]
@@ -270,6 +271,10 @@ def test_boxes_the_server_does_not_place_are_refused_at_begin(node):
     assert _refusal(node, pb.BeginUpdate(version="v", plan=patch, mode=pb.UPDATE_MODE_STAGED, base_generation=before,
                                          transport=pb.TRANSPORT_INLINE, part=part)) == (
         grpc.StatusCode.UNIMPLEMENTED, "BOX_PATCH_UNAVAILABLE", {"bucket": "0", "tensor": "r.w"})
+    held = plan_id_of(part_plan(items_of(OWNS[0], base, "r."))[0])  # part 0's plan, held since its commit
+    assert _refusal(node, pb.BeginUpdate(version="v", plan_id=held, mode=pb.UPDATE_MODE_STAGED,
+                                         transport=pb.TRANSPORT_INLINE)) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "BOX_WITHOUT_PART", {"bucket": "0", "tensor": "r.w"})
     assert generation(node) == before
     assert stored(node, named(base, "r."))
     after = model(11)

@@ -1,11 +1,15 @@
 """server/update_plan.py routes a box (TensorSpec.box) through staging into strided copies of its sub-boxes:
 never straight into the store; a boxed tensor new to the store gets a segment of its own at its first box;
-STAGED shadows count the bytes a box writes; IN_PLACE overwrites name it; a subset node routes only its own."""
+STAGED shadows count the bytes a box writes; IN_PLACE overwrites name it; a subset node routes only its own.
+Plan validation (common/plan_validation.py) checks a spec with a box as the box."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from weightsync.common.errors import InvalidArgument
+from weightsync.common.plan_validation import PlanLimits, validate_plan
 from weightsync.server.update_plan import BoxCopy, StoredTensor, derive_update_plan
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -101,3 +105,41 @@ def test_a_subset_node_routes_the_boxes_of_its_tensors_only():
     derived = derive(plan, {"w": W}, [96], stores=lambda name: name == "w")
     assert [c.name for c in derived.routes[0].box_copies] == ["w"]
     assert derived.not_stored == (1,)
+
+
+# -- plan validation: a spec with a box is checked as the box ------------------------------------------
+LIMITS = PlanLimits(max_tensors=10, max_plan_bytes=1 << 20, max_bucket_bytes=1 << 20)
+
+
+def refusal(plan) -> tuple[str, dict[str, str]]:
+    with pytest.raises(InvalidArgument) as caught:
+        validate_plan(plan, LIMITS)
+    return caught.value.reason, caught.value.metadata
+
+
+def test_a_box_is_validated_as_the_box():
+    # two boxes of one tensor in one plan; the box's size is its elements'
+    summary = validate_plan(plan_of([spec("w", [4, 6], [0, 0], [2, 6]), spec("w", [4, 6], [2, 0], [2, 6],
+                                                                            offset_bytes=64)]), LIMITS)
+    assert (summary.tensor_count, summary.total_bytes) == (2, 112)
+    assert refusal(plan_of([spec("w", [4, 6], [0, 0], [2, 6], size_bytes=96)]))[0] == "TENSOR_SIZE_MISMATCH"
+    assert refusal(plan_of([spec("w", [4, 6], [0, 0], [2, 6]), spec("w", [4, 6], [0, 0], [2, 6], offset_bytes=64)])
+                   ) == ("TENSOR_NAME_DUPLICATE", {"bucket": "0", "tensor": "w"})
+    assert refusal(plan_of([spec("w", [4, 6], [3, 0], [2, 6])])) == (
+        "BOX_OUT_OF_SHAPE", {"bucket": "0", "tensor": "w", "box": "[3:5, 0:6]", "shape": "[4, 6]"})
+    assert refusal(plan_of([spec("w", [4, 6], [0], [4], size_bytes=16)]))[0] == "BOX_OUT_OF_SHAPE"  # another rank
+
+
+def test_a_box_s_pieces_cover_the_box():
+    whole = plan_of([spec("w", [4, 6], [0, 1], [4, 5], piece=0, size_bytes=28)],
+                    [spec("w", [4, 6], [0, 1], [4, 5], piece=28, size_bytes=52)])
+    assert validate_plan(whole, LIMITS).tensor_count == 1
+    short = plan_of([spec("w", [4, 6], [0, 1], [4, 5], piece=0, size_bytes=28)])
+    assert refusal(short) == ("PIECES_INCOMPLETE", {"bucket": "1", "tensor": "w", "received_bytes": "28",
+                                                    "size_bytes": "80"})
+    past = plan_of([spec("w", [4, 6], [0, 1], [4, 5], piece=0, size_bytes=28)],
+                   [spec("w", [4, 6], [0, 1], [4, 5], piece=28, size_bytes=68)])  # the whole tensor's end
+    assert refusal(past)[0] == "PIECE_INVALID"
+    other = plan_of([spec("w", [4, 6], [0, 1], [4, 5], piece=0, size_bytes=28)],
+                    [spec("w", [4, 6], [0, 0], [4, 5], piece=28, size_bytes=52)])  # another box's piece
+    assert refusal(other)[0] == "PIECES_INCOMPLETE"

@@ -34,6 +34,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from weightsync.common import patches
 from weightsync.common.errors import (
     Aborted,
     AlreadyExists,
@@ -43,7 +44,6 @@ from weightsync.common.errors import (
     Unimplemented,
     WeightSyncError,
 )
-from weightsync.common import patches
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 

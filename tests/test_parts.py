@@ -24,6 +24,7 @@ from weightsync.server.parts import (
     Sent,
     TensorMeta,
     Terms,
+    boxes_refused,
     check_identity,
     check_join,
     check_tiling,
@@ -34,7 +35,6 @@ from weightsync.server.parts import (
     part_failed,
     parts_missing,
     parts_not_run,
-    boxes_refused,
     sent_by,
 )
 from weightsync.v1 import tensor_pb2

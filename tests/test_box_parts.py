@@ -2,8 +2,8 @@
 SDK), send boxes of tensors (TensorSpec.box): row ranges (dim 0), column boxes (dim 1), a rank-3 box, boxes
 larger than a bucket (pieces that end mid-row), beside a whole tensor. Each box lands at its place in the
 stored whole tensor: the store's checksums equal the whole tensors' bit for bit, for a first push (every
-boxed tensor new to the store), STAGED and IN_PLACE pushes, and a partial one (a shadow that starts as a
-copy of live). A part whose box fails its checksum aborts both, the store stays bit for bit, and the next
+boxed tensor new to the store), STAGED and IN_PLACE pushes (one with no checksum, whose boxes the worker
+copies straight from the ingress), and a partial one (a shadow that starts as a copy of live). A part whose box fails its checksum aborts both, the store stays bit for bit, and the next
 push commits. A node holding a subset (--tensors) stores the boxes of its tensors only. Boxes where the
 server does not place them are refused at begin with their reason, and the next push commits."""
 
@@ -64,11 +64,11 @@ def _cut(tensor: torch.Tensor, box: Box | None) -> torch.Tensor:
     return tensor[tuple(slice(o, o + s) for o, s in zip(*box, strict=True))]
 
 
-def part_plan(items: list[tuple[str, torch.Tensor, Box | None]], *, corrupt: str = ""
+def part_plan(items: list[tuple[str, torch.Tensor, Box | None]], *, corrupt: str = "", checked: bool = True
               ) -> tuple[tensor_pb2.WeightPlan, list[torch.Tensor]]:
     """A part's plan and its buckets' bytes: each item (a whole tensor, or one box of it, with the WS64 of
-    its bytes) packed at 64-byte offsets; one larger than a bucket alone, as pieces. `corrupt`: that item's
-    checksum is of other bytes."""
+    its bytes unless not `checked`) packed at 64-byte offsets; one larger than a bucket alone, as pieces.
+    `corrupt`: that item's checksum is of other bytes."""
     plan, datas = tensor_pb2.WeightPlan(), []
     current: list[tuple[tensor_pb2.TensorSpec, torch.Tensor]] = []
 
@@ -93,7 +93,8 @@ def part_plan(items: list[tuple[str, torch.Tensor, Box | None]], *, corrupt: str
                 piece = raw[start : start + BUCKET_BYTES].clone()
                 spec.size_bytes = piece.numel()
                 spec.piece.offset_bytes = start
-                spec.checksum.CopyFrom(to_proto(ws64(piece if name != corrupt else piece + 1)))
+                if checked:
+                    spec.checksum.CopyFrom(to_proto(ws64(piece if name != corrupt else piece + 1)))
                 plan.buckets.add(size_bytes=piece.numel(), tensors=[spec])
                 datas.append(piece)
             continue
@@ -102,7 +103,8 @@ def part_plan(items: list[tuple[str, torch.Tensor, Box | None]], *, corrupt: str
             flush()
             offset = 0
         spec.offset_bytes, spec.size_bytes = offset, raw.numel()
-        spec.checksum.CopyFrom(to_proto(ws64(raw if name != corrupt else raw + 1)))
+        if checked:
+            spec.checksum.CopyFrom(to_proto(ws64(raw if name != corrupt else raw + 1)))
         current.append((spec, raw))
     flush()
     return plan, datas
@@ -123,12 +125,15 @@ def items_of(owns: dict[str, list[Box] | None], tensors: dict[str, torch.Tensor]
             for box in (boxes if boxes is not None else [None])]
 
 
-def send(stream: UpdateStream, datas: list[torch.Tensor], not_stored: frozenset[int] = frozenset()) -> list[str]:
-    """Every bucket INLINE in one chunk (none for one in UpdateReady.not_stored_buckets), with its WS64; each
-    answer's kind, up to the first that is not applied."""
+def send(stream: UpdateStream, datas: list[torch.Tensor], not_stored: frozenset[int] = frozenset(), *,
+         checked: bool = True) -> list[str]:
+    """Every bucket INLINE in one chunk (none for one in UpdateReady.not_stored_buckets), with its WS64 unless
+    not `checked` (then the worker copies the boxes straight from the ingress); each answer's kind, up to the
+    first that is not applied."""
     answers = []
     for k, data in enumerate(datas):
-        stream.send(bucket_start=pb.BucketStart(sequence=k, size_bytes=data.numel(), checksum=tensor_checksum(data)))
+        checksum = tensor_checksum(data) if checked else None
+        stream.send(bucket_start=pb.BucketStart(sequence=k, size_bytes=data.numel(), checksum=checksum))
         if k not in not_stored:
             stream.send(bucket_chunk=pb.BucketChunk(sequence=k, offset_bytes=0, data=data.numpy().tobytes()))
         answers.append(past_keepalives(stream).WhichOneof("message"))
@@ -158,14 +163,14 @@ def begin(node, key: str, version: str, mode: int, plans: list[tensor_pb2.Weight
 
 def push_boxes(node, tensors: dict[str, torch.Tensor], version: str, key: str, prefix: str, *,
                mode: int = pb.UPDATE_MODE_STAGED, only: tuple[set[str] | None, set[str] | None] = (None, None),
-               owns=OWNS) -> int:
-    """Both parts send their boxes of `tensors` (each only the names in `only[rank]`, when given) and commit
-    once: the generation."""
+               owns=OWNS, checked: bool = True) -> int:
+    """Both parts send their boxes of `tensors` (each only the names in `only[rank]`, when given; with no
+    checksum at all unless `checked`) and commit once: the generation."""
     before = generation(node)
-    built = [part_plan(items_of(owns[rank], tensors, prefix, only[rank])) for rank in range(2)]
+    built = [part_plan(items_of(owns[rank], tensors, prefix, only[rank]), checked=checked) for rank in range(2)]
     begun = begin(node, key, version, mode, [plan for plan, _ in built], prefix, owns)
     for (stream, not_stored), (_, datas) in zip(begun, built, strict=True):
-        assert send(stream, datas, not_stored) == ["bucket_applied"] * len(datas)
+        assert send(stream, datas, not_stored, checked=checked) == ["bucket_applied"] * len(datas)
         stream.send(commit=pb.CommitUpdate())
     answers = [past_keepalives(s) for s, _ in begun]
     for stream, _ in begun:
@@ -189,7 +194,7 @@ def test_boxes_from_two_parts_land_at_their_place_in_the_store(node):
     push_boxes(node, second, "v2", "k-staged", "a.")
     assert stored(node, named(second, "a."))
     third = model(3)
-    push_boxes(node, third, "v3", "k-in-place", "a.", mode=pb.UPDATE_MODE_IN_PLACE)
+    push_boxes(node, third, "v3", "k-in-place", "a.", mode=pb.UPDATE_MODE_IN_PLACE, checked=False)
     assert stored(node, named(third, "a."))
     # STAGED, partial: part 0 sends its boxes of w and big, part 1 only b; the rest keeps v3's bytes (the
     # shadows of the segments these boxes write start as copies of live)

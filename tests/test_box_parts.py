@@ -313,3 +313,27 @@ def test_a_new_boxed_tensor_whose_box_is_not_sent_is_refused(node):
         pb.GetTensorChecksumsRequest(), timeout=60).tensors}
     push_boxes(node, tensors, "v12", "k-all-sent", "n.", owns=owns)
     assert stored(node, {"n.w": tensors["w"], "n.b": tensors["b"]})
+
+
+def test_a_first_push_of_boxed_tensors_that_fails_leaves_none_of_them(node):
+    """Every boxed tensor new to the store, and part 0's box of big fails its checksum (its second piece):
+    the update aborts, the store holds none of them (their segments released), and the same push then commits."""
+    before = generation(node)
+    tensors = model(13)
+    plan0, datas0 = part_plan(items_of(OWNS[0], tensors, "g."), corrupt="g.big")
+    plan1, _ = part_plan(items_of(OWNS[1], tensors, "g."))
+    (zero, _), (one, _) = begin(node, "k-first-fails", "v13", pb.UPDATE_MODE_STAGED, [plan0, plan1], "g.")
+    answers = send(zero, datas0)
+    assert answers[-1] == "aborting" and set(answers[:-1]) <= {"bucket_applied"}, answers
+    told = past_keepalives(one)
+    assert told.WhichOneof("message") == "aborting" and told.aborting.reason == "PART_FAILED", told
+    zero.send(abort=pb.AbortUpdate(reason="bucket refused"))
+    one.send(abort=pb.AbortUpdate(reason="the other part failed"))
+    code, reason, metadata = refused(zero)
+    assert (code, reason, metadata["tensor"]) == (grpc.StatusCode.DATA_LOSS, "TENSOR_CHECKSUM_MISMATCH", "g.big")
+    assert refused(one)[:2] == (grpc.StatusCode.ABORTED, "PART_FAILED")
+    assert generation(node) == before
+    held = {t.name for t in node.stub().GetTensorChecksums(pb.GetTensorChecksumsRequest(), timeout=60).tensors}
+    assert not {n for n in held if n.startswith("g.")}
+    assert push_boxes(node, tensors, "v13", "k-first-again", "g.") == before + 1
+    assert stored(node, named(tensors, "g."))

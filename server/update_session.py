@@ -75,7 +75,7 @@ from weightsync.server.update_intake import (
     StreamReader,
 )
 from weightsync.server.update_prepare import prepare
-from weightsync.server.update_streams import END, Stream, StreamSide, ingress_shares
+from weightsync.server.update_streams import END, Stream, StreamSide, attributed, ingress_shares
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
@@ -356,7 +356,9 @@ class UpdateSession:
             assert self.failure is not None
             raise self.failure_for(self.driving)
         except WeightSyncError as error:  # refused in prepare or commit: recorded as what it was
-            self.fail(error)
+            if self.failure is None:
+                self.fail(*attributed(error, self.streams))
+                raise self.failure_for(self.driving) from None
             raise
         finally:
             if len(self.streams) > 1 and self.failure is None and not self.finished:

@@ -16,7 +16,9 @@ from weightsync.integrations.verl.errors import WeightSyncVerlError
 
 Transport = Literal["collective", "inline", "shm"]
 Mode = Literal["staged", "in_place"]
+Senders = Literal["auto", "all", "one"]
 TRANSPORTS = ("collective", "inline", "shm")
+SENDERS = ("auto", "all", "one")
 MODES = ("staged", "in_place")
 DELTAS = {"auto": "auto", True: True, False: False, "on": True, "off": False}
 
@@ -47,12 +49,22 @@ class VerlSyncConfig:
     outcome_host: str = "127.0.0.1"
     """Where the sending actor rank's outcome store listens for the other actor ranks: an
     address of its host they can reach (set it when the actor spans hosts)."""
+    senders: Senders = "auto"
+    """"all": every actor rank pushes a share of each step (its own part of one version, through
+    its own NIC; weightsync.client.Part), dense; "one": actor rank 0 pushes everything, with delta.
+    "auto" (default): "all" over "inline" (the one transport the servers run parts over, for
+    now), else "one"."""
+
+    @property
+    def all_send(self) -> bool:
+        """Every actor rank pushes its share (senders "all", or "auto" over "inline")."""
+        return self.senders == "all" or (self.senders == "auto" and self.transport == "inline")
 
     @staticmethod
     def from_engine_kwargs(*, servers: Sequence[str] | str | None = None, transport: str = "collective",
                            token: str | None = None, mode: str = "staged", delta: bool | str = "auto",
                            timeout_s: float = 120.0, node_server: str | None = None,
-                           outcome_host: str = "127.0.0.1") -> VerlSyncConfig:
+                           outcome_host: str = "127.0.0.1", senders: str = "auto") -> VerlSyncConfig:
         """Checked: a wrong value raises WeightSyncVerlError(CONFIG_INVALID) naming it."""
         if servers is None or (not isinstance(servers, str) and not list(servers)):
             raise WeightSyncVerlError("CONFIG_INVALID", "engine_kwargs.weightsync.servers is required "
@@ -71,8 +83,13 @@ class VerlSyncConfig:
             delta = delta.lower()
         if delta not in DELTAS:
             raise WeightSyncVerlError("CONFIG_INVALID", f"delta must be auto, on/true or off/false, got {delta!r}")
+        if senders not in SENDERS:
+            raise WeightSyncVerlError("CONFIG_INVALID", f"senders must be one of {SENDERS}, got {senders!r}")
+        if senders == "all" and transport != "inline":
+            raise WeightSyncVerlError("CONFIG_INVALID", f"senders 'all' needs transport 'inline' (the servers run an "
+                                      f"update sent by several ranks only over INLINE for now), got {transport!r}")
         if not float(timeout_s) > 0:
             raise WeightSyncVerlError("CONFIG_INVALID", f"timeout_s must be positive, got {timeout_s!r}")
         return VerlSyncConfig(servers=addresses, transport=transport, token=token or None, mode=mode,  # type: ignore[arg-type]
                               delta=DELTAS[delta], timeout_s=float(timeout_s), node_server=node_server,
-                              outcome_host=outcome_host)
+                              outcome_host=outcome_host, senders=senders)  # type: ignore[arg-type]

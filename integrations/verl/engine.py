@@ -5,21 +5,26 @@ rollout worker, the class's `build_topology` on their answers, `init_process_gro
 part of it, then `send_weights` on every actor rank beside `receive_weights` on every rollout
 worker, then `finalize`. What each does here:
 
-- actor rank 0 (verl's `is_master`) pushes the step's full tensors with the SDK (one
-  WeightSyncClient kept across steps, so delta compares against the last commit) as the version
-  str(global_steps), and publishes the outcome in a small TCPStore it hosts; every other actor rank
-  drains its generator (FSDP gathers run on every rank) and waits for that outcome, so a failed
-  push raises WeightSyncVerlError(PUSH_FAILED, rank=0) on every actor rank, and a sender that died
-  SENDER_LOST (rank=0) on the others, each within timeout_s.
+- the actor ranks push the step as the version str(global_steps), with the SDK (one
+  WeightSyncClient per rank, kept across steps). Two ways, by `senders` (config.py):
+  "all" (the default over INLINE): every actor rank pushes a share of the step, its own part of one
+  version (weightsync.client.Part), so every actor NIC sends and the servers commit once, one
+  generation for all: DTensors go as each rank's local shards (boxes), plain tensors (verl's
+  generators gather: every rank holds them all) are shared out between the ranks by size
+  (integrations/shares.py); rank 0 draws the update key and puts it in its outcome store. Parts are
+  pushed dense.
+  "one": actor rank 0 (verl's `is_master`) pushes everything, with delta against the last commit;
+  every other actor rank drains its generator (the gathers run on every rank) and waits.
+  Each sending rank publishes its outcome in the small TCPStore rank 0 hosts, and every actor rank
+  waits for every sender's: a failed push raises WeightSyncVerlError(PUSH_FAILED, rank=the rank at
+  fault) on every actor rank, a sender that died SENDER_LOST (its rank) on the others, each within
+  timeout_s.
 - a rollout worker waits (bounded) until its node's server has committed that version, or until
-  the sender's outcome says the push failed (PUSH_FAILED, rank=0, at once) or the sender is gone
+  a sender's outcome says the push failed (PUSH_FAILED, at once) or the store is gone
   (SENDER_LOST); it then leases the committed version
   through the EngineClient (the node's one store, mapped read-only, no copy), checks that the
   leased version is the one asked for, and yields its tensors to verl's server adapter; the lease
   is released (applied) when the adapter has taken them all.
-
-The shape leaves room for several senders (one part of a version per actor rank): only the
-sending rank's push changes; the outcome exchange already runs between every actor rank.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -36,8 +42,15 @@ import torch
 from torch.distributed import TCPStore
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from weightsync.client import UpdateFailed, WeightSyncClient, WeightSyncClientError
+from weightsync.client import (
+    Part,
+    PartUpdateFailed,
+    UpdateFailed,
+    WeightSyncClient,
+    WeightSyncClientError,
+)
 from weightsync.engine import EngineClient, EngineError
+from weightsync.integrations.shares import share_out
 from weightsync.integrations.verl.config import VerlSyncConfig
 from weightsync.integrations.verl.errors import WeightSyncVerlError
 
@@ -45,7 +58,8 @@ log = structlog.get_logger("weightsync.integrations.verl")
 
 BACKEND = "weightsync"
 SENDER_RANK = 0
-"""The actor rank that pushes (verl's is_master: the rank whose generator holds full tensors)."""
+"""The actor rank that hosts the outcome store and draws each sync's update key (verl's is_master);
+with senders "one", the only rank that pushes."""
 STATUS_POLL_S = 0.02
 """How often a waiting rollout worker asks its node's local socket for the committed version."""
 
@@ -63,6 +77,40 @@ async def _drain(weights: Any) -> list[tuple[str, torch.Tensor]]:
     return list(weights)
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor: nothing is one
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def my_share(named: list[tuple[str, torch.Tensor]], rank: int, world: int) -> list[tuple[str, torch.Tensor]]:
+    """What actor `rank` pushes of a step every rank drained alike: every DTensor (the SDK sends its
+    local shard as a box), and its share of the plain tensors (share_out: every rank holds them all)."""
+    plain = [(name, t) for name, t in named if not _is_dtensor(t)]
+    mine = set(share_out([(name, t.numel() * t.element_size()) for name, t in plain], world)[rank])
+    return [(name, t) for name, t in named if _is_dtensor(t) or name in mine]
+
+
+def _outcome_key(sync: int, rank: int) -> str:
+    return f"weightsync/outcome/{sync}/{rank}"
+
+
+def _update_key_key(sync: int) -> str:
+    return f"weightsync/update-key/{sync}"
+
+
+def blamed_rank(failed: dict[int, dict[str, Any]]) -> int:
+    """The rank to name among the senders that failed a sync (their published outcomes, by rank):
+    the lowest part a server named (failed_part: the part whose failure aborted the version, or whose
+    declaration the union refused); else the lowest rank a server said never joined (missing); else
+    the lowest sender that failed."""
+    named = [int(o["failed_part"]) for o in failed.values() if o.get("failed_part") is not None]
+    missing = [int(r) for o in failed.values() for r in o.get("missing", ())]
+    return min(named or missing or failed)
+
+
 @CheckpointEngineRegistry.register(BACKEND)
 class WeightSyncCheckpointEngine(CheckpointEngine):
     """verl's checkpoint engine "weightsync": rollout.checkpoint_engine.backend=weightsync."""
@@ -77,7 +125,9 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         self.rank = -1
         self.syncs = 0
         """Syncs this worker took part in: every worker counts alike (verl calls each once a sync),
-        which names the sync's outcome in the sender's store."""
+        which names the sync's outcomes and update key in rank 0's store."""
+        self.senders: list[int] = [SENDER_RANK]
+        """The actor ranks that push (init_process_group): all of them, or rank 0 alone."""
         self._client: WeightSyncClient | None = None
         self._engine_client: EngineClient | None = None
         self._outcomes: TCPStore | None = None
@@ -99,23 +149,27 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         store = metadata[SENDER_RANK].get("outcome_store", "") if actor_wg_world_size else ""
         actor = {"role": ["actor"] * actor_wg_world_size, "rank": list(range(actor_wg_world_size)),
                  "world_size": [actor_wg_world_size] * actor_wg_world_size,
-                 "outcome_store": [store] * actor_wg_world_size}
+                 "outcome_store": [store] * actor_wg_world_size,
+                 "actor_world": [actor_wg_world_size] * actor_wg_world_size}
         rollout = {"role": ["rollout"] * rollout_world_size, "rank": list(range(rollout_world_size)),
                    "world_size": [rollout_world_size] * rollout_world_size,
-                   "outcome_store": [store] * rollout_world_size}
+                   "outcome_store": [store] * rollout_world_size,
+                   "actor_world": [actor_wg_world_size] * rollout_world_size}
         return actor, rollout
 
-    def init_process_group(self, *, role: str, rank: int, world_size: int, outcome_store: str) -> None:
-        """Connects what this worker's role needs, once: the SDK client (sender), the outcome store
-        (every other worker), the node's EngineClient (rollout)."""
+    def init_process_group(self, *, role: str, rank: int, world_size: int, outcome_store: str,
+                           actor_world: int = 1) -> None:
+        """Connects what this worker's role needs, once: the SDK client (each sending rank), the
+        outcome store (every worker but rank 0, which hosts it), the node's EngineClient (rollout)."""
         self.role, self.rank = role, rank
-        if role == "actor" and rank == SENDER_RANK:
-            if not self.is_master:
-                raise WeightSyncVerlError("CONFIG_INVALID", "actor rank 0 was built without is_master")
-            if self._client is None:
-                self._client = WeightSyncClient(list(self.config.servers), token=self.config.token,
-                                                timeout=self.config.timeout_s)
-        else:
+        self.senders = list(range(actor_world)) if self.config.all_send else [SENDER_RANK]
+        if role == "actor" and rank == SENDER_RANK and not self.is_master:
+            raise WeightSyncVerlError("CONFIG_INVALID", "actor rank 0 was built without is_master")
+        if role == "actor" and rank in self.senders and self._client is None:
+            part = Part(rank=rank, world=actor_world, join_timeout=self.config.timeout_s) if self.config.all_send else None
+            self._client = WeightSyncClient(list(self.config.servers), token=self.config.token,
+                                            timeout=self.config.timeout_s, part=part)
+        if not (role == "actor" and rank == SENDER_RANK):
             if self._outcomes is None:
                 host, _, port = outcome_store.rpartition(":")
                 try:
@@ -145,61 +199,107 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             raise WeightSyncVerlError("NOT_INITIALIZED", "send_weights before init_process_group made this an actor rank")
         version = version_label(global_steps)
         self.syncs += 1
-        key = f"weightsync/outcome/{self.syncs}"
-        if self.rank != SENDER_RANK:
+        sync = self.syncs
+        if self.rank not in self.senders:
             await _drain(weights)  # the gathers of a sharded model run on every rank
-            return await asyncio.to_thread(self._await_outcome, key, version)
+            return await asyncio.to_thread(self._await_outcomes, sync, version)
         outcome: dict[str, Any] = {"ok": False, "reason": "PUSH_FAILED", "cause_reason": "", "message": ""}
         try:
             named = await _drain(weights)
-            result = await asyncio.to_thread(self._push, named, version)
+            key = None
+            if self.config.all_send:
+                key = await asyncio.to_thread(self._update_key, sync, version)
+                named = my_share(named, self.rank, len(self.senders))
+            result = await asyncio.to_thread(self._push, named, version, key)
             outcome = {"ok": True, "seconds": result.seconds, "bytes_sent": result.bytes_sent,
                        "dense_bytes": result.dense_bytes}
+        except WeightSyncVerlError as error:  # SENDER_LOST: rank 0's key never came
+            outcome["cause_reason"], outcome["message"] = error.reason, str(error)
+            self._publish(_outcome_key(sync, self.rank), outcome)
+            raise
         except UpdateFailed as error:
             outcome["cause_reason"], outcome["message"] = error.reason, str(error)
+            if isinstance(error, PartUpdateFailed):
+                outcome["failed_part"], outcome["missing"] = error.failed_part, list(error.missing)
         except WeightSyncClientError as error:
             outcome["cause_reason"] = getattr(error, "reason", "") or type(error).__name__
             outcome["message"] = str(error)
         except BaseException as error:
             outcome["cause_reason"], outcome["message"] = type(error).__name__, str(error)
-            self._publish(key, outcome)
+            self._publish(_outcome_key(sync, self.rank), outcome)
             raise
-        self._publish(key, outcome)
-        return self._metrics(outcome, version)
+        self._publish(_outcome_key(sync, self.rank), outcome)
+        return await asyncio.to_thread(self._await_outcomes, sync, version)
 
-    def _push(self, named: list[tuple[str, torch.Tensor]], version: str):
+    def _update_key(self, sync: int, version: str) -> str:
+        """The update key every rank's part of this sync sends: rank 0 draws it into its store, the
+        others read it there (bounded by timeout_s: SENDER_LOST naming rank 0)."""
+        assert self._outcomes is not None
+        name = _update_key_key(sync)
+        if self.rank == SENDER_RANK:
+            key = f"{version}-{secrets.token_hex(6)}"
+            self._outcomes.set(name, key)
+            return key
+        try:
+            self._outcomes.wait([name], datetime.timedelta(seconds=self.config.timeout_s))
+            return self._outcomes.get(name).decode()
+        except RuntimeError as error:
+            raise WeightSyncVerlError("SENDER_LOST", f"actor rank {self.rank}: no update key for version {version} "
+                                      f"from rank {SENDER_RANK} within {self.config.timeout_s} s: {error}",
+                                      rank=SENDER_RANK, version=version) from None
+
+    def _push(self, named: list[tuple[str, torch.Tensor]], version: str, key: str | None):
         assert self._client is not None
         if self.config.transport == "collective" and self._client.group_id is None:
             self._client.create_group(timeout=self.config.timeout_s)
-        result = self._client.push(named, version=version, mode=self.config.mode, transport=self.config.transport,
-                                   delta=self.config.delta)  # type: ignore[arg-type]
-        log.info("verl sync pushed", version=version, seconds=round(result.seconds, 4),
-                 bytes_sent=result.bytes_sent, dense_bytes=result.dense_bytes)
+        if key is None:
+            result = self._client.push(named, version=version, mode=self.config.mode, transport=self.config.transport,
+                                       delta=self.config.delta)  # type: ignore[arg-type]
+        else:
+            result = self._client.push(named, version=version, mode=self.config.mode, transport=self.config.transport,
+                                       part_key=key)  # type: ignore[arg-type]
+        log.info("verl sync pushed", version=version, rank=self.rank, tensors=len(named),
+                 seconds=round(result.seconds, 4), bytes_sent=result.bytes_sent, dense_bytes=result.dense_bytes)
         return result
 
     def _publish(self, key: str, outcome: dict[str, Any]) -> None:
         if self._outcomes is not None:
             self._outcomes.set(key, json.dumps(outcome))
 
-    def _await_outcome(self, key: str, version: str) -> dict[str, float]:
+    def _await_outcomes(self, sync: int, version: str) -> dict[str, float]:
+        """Every sender's outcome of this sync (bounded by timeout_s): the step's metrics, or
+        PUSH_FAILED naming the rank at fault, or SENDER_LOST naming a sender that never said."""
         assert self._outcomes is not None
-        try:
-            self._outcomes.wait([key], datetime.timedelta(seconds=self.config.timeout_s))
-            outcome = json.loads(self._outcomes.get(key))
-        except RuntimeError as error:  # torch's DistStoreError / a closed connection: the sender is gone
-            raise WeightSyncVerlError("SENDER_LOST", f"actor rank {self.rank}: no outcome of version {version} "
-                                      f"from sending rank {SENDER_RANK} within {self.config.timeout_s} s: {error}",
-                                      rank=SENDER_RANK, version=version) from None
-        return self._metrics(outcome, version)
+        outcomes: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + self.config.timeout_s
+        for rank in self.senders:
+            try:
+                left = max(0.001, deadline - time.monotonic())
+                self._outcomes.wait([_outcome_key(sync, rank)], datetime.timedelta(seconds=left))
+                outcomes[rank] = json.loads(self._outcomes.get(_outcome_key(sync, rank)))
+            except RuntimeError as error:  # torch's DistStoreError / a closed connection: the sender is gone
+                failed = {r: o for r, o in outcomes.items() if not o["ok"]}
+                if failed:  # one that said it failed explains the silence of the others
+                    self._raise_failed(failed, version)
+                raise WeightSyncVerlError("SENDER_LOST", f"actor rank {self.rank}: no outcome of version {version} "
+                                          f"from sending rank {rank} within {self.config.timeout_s} s: {error}",
+                                          rank=rank, version=version) from None
+            if not outcomes[rank]["ok"]:
+                self._raise_failed({rank: outcomes[rank]}, version)
+        return {"weightsync/push_s": max(float(o["seconds"]) for o in outcomes.values()),
+                "weightsync/bytes_sent": sum(float(o["bytes_sent"]) for o in outcomes.values()),
+                "weightsync/dense_bytes": sum(float(o["dense_bytes"]) for o in outcomes.values())}
 
-    def _metrics(self, outcome: dict[str, Any], version: str) -> dict[str, float]:
-        if not outcome["ok"]:
-            raise WeightSyncVerlError(
-                "PUSH_FAILED", f"actor rank {SENDER_RANK} failed to push version {version} "
-                f"({outcome['cause_reason']}): {outcome['message']}",
-                rank=SENDER_RANK, version=version, cause_reason=outcome["cause_reason"])
-        return {"weightsync/push_s": float(outcome["seconds"]), "weightsync/bytes_sent": float(outcome["bytes_sent"]),
-                "weightsync/dense_bytes": float(outcome["dense_bytes"])}
+    def _raise_failed(self, failed: dict[int, dict[str, Any]], version: str) -> None:
+        """PUSH_FAILED naming the rank at fault (blamed_rank), with its own outcome when it published one."""
+        rank = blamed_rank(failed)
+        reporter = rank if rank in failed else min(failed)
+        outcome = failed[reporter]
+        told = "" if reporter == rank else f" (as rank {reporter} reports)"
+        raise WeightSyncVerlError(
+            "PUSH_FAILED", f"actor rank {rank} failed to push version {version}{told} "
+            f"({outcome['cause_reason']}): {outcome['message']}",
+            rank=rank, version=version, cause_reason=outcome["cause_reason"])
 
     # -- rollout side ----------------------------------------------------------------------------
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -209,7 +309,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             raise WeightSyncVerlError("NOT_INITIALIZED", "receive_weights before init_process_group made this a rollout worker")
         version = version_label(global_steps)
         self.syncs += 1
-        snapshot = await asyncio.to_thread(self._lease, version, f"weightsync/outcome/{self.syncs}")
+        snapshot = await asyncio.to_thread(self._lease, version, self.syncs)
         try:
             for name in sorted(snapshot.tensors):
                 yield name, snapshot.tensors[name]
@@ -218,7 +318,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             raise
         snapshot.release(applied=True)
 
-    def _lease(self, version: str, key: str):
+    def _lease(self, version: str, sync: int):
         client = self._engine_client
         assert client is not None
         deadline = time.monotonic() + self.config.timeout_s
@@ -238,7 +338,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                         return snapshot
                     snapshot.release(applied=False, error=f"leased {snapshot.version.version!r}, not {version!r}")
             else:
-                self._sender_failed(key, version)
+                self._sender_failed(sync, version)
             if _later(held, version):
                 raise WeightSyncVerlError("VERSION_GONE", f"rollout worker {self.rank}: the node holds version "
                                           f"{held!r}, later than {version!r}", version=version)
@@ -248,19 +348,22 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                                           f"{held!r})", version=version)
             time.sleep(STATUS_POLL_S)
 
-    def _sender_failed(self, key: str, version: str) -> None:
-        """Raises at once what the sender published for this sync, if it failed (or is gone)."""
+    def _sender_failed(self, sync: int, version: str) -> None:
+        """Raises at once what a sender published for this sync, if it failed (or the store is gone)."""
         assert self._outcomes is not None
+        failed: dict[int, dict[str, Any]] = {}
         try:
-            if not self._outcomes.check([key]):
-                return
-            outcome = json.loads(self._outcomes.get(key))
+            for rank in self.senders:
+                if self._outcomes.check([_outcome_key(sync, rank)]):
+                    outcome = json.loads(self._outcomes.get(_outcome_key(sync, rank)))
+                    if not outcome["ok"]:
+                        failed[rank] = outcome
         except RuntimeError as error:
             raise WeightSyncVerlError("SENDER_LOST", f"rollout worker {self.rank}: the sending rank's outcome store "
                                       f"is gone while waiting for version {version}: {error}",
                                       rank=SENDER_RANK, version=version) from None
-        if not outcome["ok"]:
-            self._metrics(outcome, version)  # raises PUSH_FAILED naming the sender
+        if failed:
+            self._raise_failed(failed, version)
 
 
 def _later(held: str, wanted: str) -> bool:

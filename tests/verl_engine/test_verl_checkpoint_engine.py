@@ -73,7 +73,8 @@ class Worker:
             self.process.join(10)
 
 
-def sync(actors: list[Worker], rollouts: list[Worker], step: int, *, bad_shape: bool = False):
+def sync(actors: list[Worker], rollouts: list[Worker], step: int, *, bad_shape: bool = False,
+         bad_norm_on: int | None = None):
     """One update_weights, in CheckpointEngineManager's order (its steps 4 to 6); the backend class
     found as its __init__ finds it (the custom module imported, then the registry)."""
     import_external_libs("weightsync.integrations.verl")
@@ -88,8 +89,8 @@ def sync(actors: list[Worker], rollouts: list[Worker], step: int, *, bad_shape: 
         for i, w in enumerate(group):
             w.call("init_process_group", **{k: v[i] for k, v in kwargs.items()})
     assert [w.answer() for w in workers] == [None] * len(workers)
-    for w in actors:
-        w.call("update_weights", step=step, bad_shape=bad_shape)
+    for rank, w in enumerate(actors):
+        w.call("update_weights", step=step, bad_shape=bad_shape, bad_norm=rank == bad_norm_on)
     for w in rollouts:
         w.call("update_weights", step=step)
     results = [w.answer() for w in workers]
@@ -114,13 +115,37 @@ def server(tmp_path_factory) -> Iterator:
         yield server
 
 
-@pytest.fixture(scope="module")
-def fleet(server) -> Iterator[tuple[list[Worker], list[Worker]]]:
-    kwargs = {"servers": [server.address], "transport": "inline", "timeout_s": 200}
+def start_fleet(kwargs: dict) -> tuple[list[Worker], list[Worker]]:
     actors = [Worker("actor", True, kwargs), Worker("actor", False, kwargs)]
     rollouts = [Worker("rollout", False, kwargs)]
+    assert [w.ready() for w in actors + rollouts] == ["WeightSyncCheckpointEngine"] * 3
+    return actors, rollouts
+
+
+@pytest.fixture(scope="module")
+def fleet(server) -> Iterator[tuple[list[Worker], list[Worker]]]:
+    """senders "one": actor rank 0 pushes every step, with delta."""
+    actors, rollouts = start_fleet({"servers": [server.address], "transport": "inline", "timeout_s": 200,
+                                    "senders": "one"})
     try:
-        assert [w.ready() for w in actors + rollouts] == ["WeightSyncCheckpointEngine"] * 3
+        yield actors, rollouts
+    finally:
+        for w in actors + rollouts:
+            w.stop()
+
+
+@pytest.fixture(scope="module")
+def parts_server(tmp_path_factory) -> Iterator:
+    with running_server(tmp_path_factory.mktemp("verl-parts")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def parts_fleet(parts_server) -> Iterator[tuple[list[Worker], list[Worker]]]:
+    """senders "auto" over INLINE: every actor rank pushes its share, one part each of one version.
+    timeout_s is also the server's join deadline: a rank that never comes is named within it."""
+    actors, rollouts = start_fleet({"servers": [parts_server.address], "transport": "inline", "timeout_s": 40})
+    try:
         yield actors, rollouts
     finally:
         for w in actors + rollouts:
@@ -172,3 +197,49 @@ def test_a_dead_sender_is_sender_lost_on_the_other_actor_rank(fleet) -> None:
     other.call("update_weights", step=6)
     kind, error = other.answer()
     assert (kind, error["reason"], error["rank"], error["version"]) == ("error", "SENDER_LOST", 0, "6")
+
+
+def test_every_actor_rank_sends_its_part_one_commit_per_step_and_a_failing_rank_is_named(
+        parts_fleet, parts_server) -> None:
+    actors, rollouts = parts_fleet
+    with EngineClient(server=parts_server.address, name="test") as engine:
+        generations = []
+        for step in (1, 2):
+            actor_results, (received,) = sync(actors, rollouts, step)
+            assert_bit_exact(received, weights_for(step))
+            generations.append(engine.status().version.generation)
+            # every rank reports the step's totals over both parts: dense (parts carry no delta; the
+            # bytes sent count each bucket's alignment, so at least the tensors' bytes)
+            assert actor_results[0] == actor_results[1], actor_results
+            dense = sum(t.numel() * t.element_size() for t in weights_for(step).values())
+            assert actor_results[0]["weightsync/bytes_sent"] == actor_results[0]["weightsync/dense_bytes"] >= dense
+        assert generations[1] == generations[0] + 1  # both parts, one commit
+
+        # Step 3: rank 1's share (the norm) has the wrong shape; rank 0's share is fine. Every actor
+        # rank and the rollout raise PUSH_FAILED naming rank 1, and the node keeps step 2.
+        actor_results, (rollout_result,) = sync(actors, rollouts, 3, bad_norm_on=1)
+        for kind, error in [*actor_results, rollout_result]:
+            assert kind == "error", error
+            assert (error["type"], error["reason"], error["rank"], error["version"]) == (
+                "WeightSyncVerlError", "PUSH_FAILED", 1, "3"), error["message"]
+        assert engine.status().version.version == "2"
+        assert engine.status().version.generation == generations[1]
+
+    # The next step commits, bit-exact, and the server's store verifies.
+    _, (received,) = sync(actors, rollouts, 4)
+    assert_bit_exact(received, weights_for(4))
+    with WeightSyncClient(parts_server.address) as client:
+        assert client.verify(weights_for(4)).ok
+
+
+def test_a_rank_that_never_sends_its_part_is_named_on_the_other(parts_fleet, parts_server) -> None:
+    actors, _ = parts_fleet
+    first, second = actors
+    second.process.kill()
+    second.process.join(10)
+    first.call("update_weights", step=5)
+    kind, error = first.answer()
+    assert (kind, error["reason"], error["rank"], error["version"], error["cause_reason"]) == (
+        "error", "PUSH_FAILED", 1, "5", "PARTS_MISSING"), error
+    with EngineClient(server=parts_server.address, name="test") as engine:
+        assert engine.status().version.version == "4"

@@ -10,15 +10,17 @@ from typing import Any
 import torch
 
 
-def weights_for(step: int, *, bad_shape: bool = False) -> dict[str, torch.Tensor]:
-    """The actor's full tensors at a step: three dtypes; between steps some rows change (delta)."""
+def weights_for(step: int, *, bad_shape: bool = False, bad_norm: bool = False) -> dict[str, torch.Tensor]:
+    """The actor's full tensors at a step: three dtypes; between steps some rows change (delta).
+    bad_shape: the embedding one row short; bad_norm: the norm one element short (shared out between
+    two senders, the embedding goes from rank 0 and the norm from rank 1)."""
     g = torch.Generator().manual_seed(1234)
     embed = torch.randn(512, 64, generator=g)
     embed[step % 512] += step
     norm = (torch.randn(1000, generator=g) * (1 + step)).to(torch.bfloat16)
     counts = torch.arange(37, dtype=torch.int64) * step
     return {"model.embed.weight": embed if not bad_shape else embed[:511],
-            "model.norm.weight": norm, "model.counts": counts}
+            "model.norm.weight": norm if not bad_norm else norm[:999], "model.counts": counts}
 
 
 async def _generate(named: dict[str, torch.Tensor]):
@@ -61,9 +63,10 @@ def serve(conn: Connection, role: str, is_master: bool, engine_kwargs: dict[str,
                                  "cause_reason": getattr(error, "cause_reason", None), "message": str(error)}))
 
 
-async def _update(engine, role: str, step: int, bad_shape: bool = False) -> Any:
+async def _update(engine, role: str, step: int, bad_shape: bool = False, bad_norm: bool = False) -> Any:
     if role == "actor":
-        return await engine.send_weights(_generate(weights_for(step, bad_shape=bad_shape)), global_steps=step)
+        named = weights_for(step, bad_shape=bad_shape, bad_norm=bad_norm)
+        return await engine.send_weights(_generate(named), global_steps=step)
     received = {}
     async for name, tensor in engine.receive_weights(global_steps=step):
         received[name] = tensor.clone()

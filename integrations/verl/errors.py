@@ -10,14 +10,16 @@ class WeightSyncVerlError(RuntimeError):
       CONFIG_INVALID         an engine_kwargs entry verl passed is wrong (`message` names it)
       NOT_INITIALIZED        send/receive before verl's init_process_group gave this worker its role
       STEP_MISSING           send/receive without global_steps (the version label)
-      PUSH_FAILED            the sending actor rank's push failed (`cause_reason`: the server's
+      PUSH_FAILED            a sending actor rank's push failed (`cause_reason`: the server's
                              ErrorInfo reason, or the SDK error's type); raised on every actor rank
                              and on every rollout worker waiting for that version
-      SENDER_LOST            the sending rank's outcome never reached this worker within the
-                             timeout, or its outcome store went away (it died)
+      SENDER_LOST            a sending rank's outcome (or, with every rank sending, rank 0's update
+                             key) never reached this worker within the timeout, or rank 0's outcome
+                             store went away (it died)
       VERSION_NOT_COMMITTED  the rollout's node did not commit the asked version within the timeout
       VERSION_GONE           the rollout's node already holds a later step than the one asked for
-    `rank` is the actor rank at fault (the sender) for PUSH_FAILED and SENDER_LOST, else -1;
+    `rank` is the actor rank at fault for PUSH_FAILED and SENDER_LOST (with every rank sending: the
+    part a server blamed, or one that never joined), else -1;
     `version` is the label asked for ("" when none).
     """
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -123,17 +122,46 @@ def dtensors(client, rank: int, world: int) -> dict:
     return out
 
 
+def fsdp(client, rank: int, world: int) -> dict:
+    """FSDP2's fully_shard on a small model (CPU, Gloo): its state dict's DTensors (Shard(0), uneven rows)
+    pushed as they are, checked against full_tensor(); then a step that changes every shard, pushed again."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)  # the same initial weights on both ranks, then sharded
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    out: dict = {}
+    for step in ("v1", "v2"):
+        state = model.state_dict()
+        out[f"{step}_placements"] = sorted({str(t.placements) for t in state.values()})
+        full = {name: t.full_tensor() for name, t in state.items()}  # a collective: before the push, not in it
+        # One bucket per rank (each part's bytes to its own worker: see BUCKETS).
+        out[step] = generations(client.push(state, version=step, mode="staged", transport="inline",
+                                            allow_new_tensors=True))
+        out[f"{step}_mismatches"] = mismatches(client, full)
+        out[f"{step}_full"] = {name: t.flatten().tolist() for name, t in full.items()}
+        with torch.no_grad():
+            for param in model.parameters():
+                param.to_local().mul_(2).add_(rank + 1)  # each rank's shard its own way
+    return out
+
+
+SCENARIOS = {"whole": lambda client, rank, world: whole(client, rank), "dtensors": dtensors, "fsdp": fsdp}
+
+
 def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     servers, out_dir, scenario = sys.argv[4].split(","), Path(sys.argv[5]), sys.argv[6]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=GLOO_TIMEOUT)
-    from weightsync.client import Part, WeightSyncClient, part_push
+    from weightsync.client import Part, WeightSyncClient
 
-    if os.environ.get("WS_TEST_ASSUME_PARTS_FLAG") == "1":
-        part_push.runs_parts = lambda info: True  # until the servers say GetServerInfo.parts (see the test)
     with WeightSyncClient(servers, part=Part(rank=rank, world=world, group=dist.group.WORLD, join_timeout=60)) as client:
-        result = whole(client, rank) if scenario == "whole" else dtensors(client, rank, world)
+        result = SCENARIOS[scenario](client, rank, world)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

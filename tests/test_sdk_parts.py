@@ -8,7 +8,6 @@ followed by a push that commits and verifies."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -36,22 +35,13 @@ def servers(tmp_path_factory):
         assert server.stop() == 0, server.log()[-3000:]
 
 
-def assume_parts_flag(servers) -> dict[str, str]:
-    """The trainers' environment: until a server says GetServerInfo.parts (it runs whole-tensor parts over
-    INLINE already, and says false until it places boxes too), the trainers take its word for it."""
-    from weightsync.v1 import weight_sync_service_pb2 as pb
-
-    says = all(s.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).parts for s in servers)
-    return {**os.environ, "WS_TEST_ASSUME_PARTS_FLAG": "0" if says else "1"}
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_trainers(servers, out: Path, scenario: str, env: dict[str, str]) -> list[dict]:
+def run_trainers(servers, out: Path, scenario: str) -> list[dict]:
     """Both ranks to their end (bounded), each one's record."""
     port = free_port()
     addresses = ",".join(s.address for s in servers)
@@ -59,7 +49,7 @@ def run_trainers(servers, out: Path, scenario: str, env: dict[str, str]) -> list
     for rank in range(2):
         log = open(out / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed below)
         procs.append((subprocess.Popen([sys.executable, str(TRAINER), str(rank), "2", str(port), addresses, str(out),
-                                        scenario], stdout=log, stderr=subprocess.STDOUT, env=env), log))
+                                        scenario], stdout=log, stderr=subprocess.STDOUT), log))
     try:
         for proc, _ in procs:
             proc.wait(TRAINERS_TIMEOUT)
@@ -75,8 +65,7 @@ def run_trainers(servers, out: Path, scenario: str, env: dict[str, str]) -> list
 
 
 def test_two_ranks_push_their_halves_and_a_failing_rank_fails_both(servers, tmp_path):
-    env = assume_parts_flag(servers)
-    zero, one = run_trainers(servers, tmp_path, "whole", env)
+    zero, one = run_trainers(servers, tmp_path, "whole")
     addresses = [s.address for s in servers]
 
     # One generation per server for both parts, and each rank's half bit for bit.
@@ -156,16 +145,8 @@ def test_a_part_whose_peer_never_comes_fails_parts_missing_naming_it(servers):
         assert client.verify(tensors).mismatches == ()
 
 
-def boxes_placed(servers) -> bool:
-    from weightsync.v1 import weight_sync_service_pb2 as pb
-
-    return all(s.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).parts for s in servers)
-
-
 def test_two_ranks_push_dtensor_shards_as_boxes(servers, tmp_path):
-    if not boxes_placed(servers):
-        pytest.skip("the servers do not place boxes yet (GetServerInfo.parts is false)")
-    zero, one = run_trainers(servers, tmp_path, "dtensors", dict(os.environ))
+    zero, one = run_trainers(servers, tmp_path, "dtensors")
     addresses = [s.address for s in servers]
     for step in ("v1", "v2"):
         assert zero[step] == one[step] and sorted(zero[step]) == sorted(addresses)
@@ -174,3 +155,21 @@ def test_two_ranks_push_dtensor_shards_as_boxes(servers, tmp_path):
     assert zero["v2"] == {a: zero["v1"][a] + 1 for a in addresses}
     for server in servers:
         assert server_checksums(server, names=sorted(dtensor_model(12))) == [local_checksums(dtensor_model(12))]
+
+
+def test_two_ranks_push_an_fsdp2_model_as_it_is_sharded(servers, tmp_path):
+    zero, one = run_trainers(servers, tmp_path, "fsdp")
+    addresses = [s.address for s in servers]
+    assert zero["v1_placements"] == ["(Shard(dim=0),)"]  # FSDP2's state dict: every parameter a DTensor shard
+    for step in ("v1", "v2"):
+        assert zero[step] == one[step] and sorted(zero[step]) == sorted(addresses)
+        assert zero[f"{step}_mismatches"] == one[f"{step}_mismatches"] == []
+        assert zero[f"{step}_full"] == one[f"{step}_full"]
+    assert zero["v2"] == {a: zero["v1"][a] + 1 for a in addresses}
+    assert zero["v1_full"] != zero["v2_full"]
+    full = {name: torch.tensor(values).view(FSDP_SHAPES[name]) for name, values in zero["v2_full"].items()}
+    for server in servers:  # the stored tensors, whole, bit for bit
+        assert server_checksums(server, names=sorted(full)) == [local_checksums(full)]
+
+
+FSDP_SHAPES = {"0.weight": (7, 5), "0.bias": (7,), "2.weight": (3, 7), "2.bias": (3,)}

@@ -13,6 +13,10 @@ in the caller's thread so they can overlap (see push.py).
 
 A client is safe to share between threads: its calls run one at a time (a
 second thread's push waits for the first to finish).
+
+A sharded trainer pushes from every rank, each its own tensors (DTensor shards as
+boxes), into one version: WeightSyncClient(servers, part=Part(rank, world, group))
+on every rank (client/parts.py; the push itself is client/part_push.py).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from weightsync.client import transfer_group
 from weightsync.client._loop import LoopThread
 from weightsync.client.compression import Frames, worth_compressing
 from weightsync.client.delta import Delta, DeltaBase
-from weightsync.client.errors import WeightSyncClientError
+from weightsync.client.errors import PartsUnavailable, WeightSyncClientError
 from weightsync.client.fleet import Fleet
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.link_timings import LinkTimings
@@ -168,8 +168,12 @@ class WeightSyncClient:
         failure only the groups this call created are deleted. Returns the group id.
         store_host/store_port: where this process's rendezvous store listens (default:
         the address that routes to the first server, a free port); a fixed port lets a
-        mesh or firewall rule name it.
+        mesh or firewall rule name it. A client with a part needs no group (its pushes go over
+        INLINE): PartsUnavailable.
         """
+        if self._part is not None:
+            raise PartsUnavailable("a client with a part pushes over INLINE only (servers run parts over INLINE for "
+                                   "now): it needs no transfer group")
         if self._group is not None:
             raise WeightSyncClientError(f"group {self._group.group_id} exists; delete_group() first")
         group = transfer_group.create(self._servers, backend=backend, timeout=timeout, group_id=group_id,

@@ -108,6 +108,9 @@ def test_a_part_over_another_transport_or_to_a_server_without_parts_is_refused_b
             client.push(tensors, version="x", transport="collective", part_key="k-collective")
         with pytest.raises(PartsUnavailable, match="over INLINE only"):
             client.push(tensors, version="x", transport="shm", part_key="k-shm")
+        with pytest.raises(PartsUnavailable, match="needs no transfer group"):
+            client.create_group()
+        assert client.list_groups() == {s.address: [] for s in servers}
         with pytest.raises(ValueError, match="needs push\\(part_key=...\\)"):
             client.push(tensors, version="x")
         with pytest.raises(ValueError, match="part_key must be"):

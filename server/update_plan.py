@@ -330,19 +330,11 @@ class _Derivation:
     def _piece(self, index: int, spec: tensor_pb2.TensorSpec, checks: tuple[TensorCheck, ...]) -> BucketRoute:
         """A piece of a split tensor goes straight to its place in the tensor (validation made the bucket
         exactly the piece); a new split tensor gets a segment of its own at its first piece."""
-        stored = self.tensors.get(spec.name)
-        if stored is not None:
-            _check_against_store(index, spec, stored)
-            self._write(stored.segment, spec.size_bytes)
-            target = DirectTarget(stored.segment, stored.offset_bytes + spec.piece.offset_bytes)
-            return BucketRoute(spec.size_bytes, target, (), checks, (spec.name,))
-        new = self.new_tensors.get(spec.name)
-        if new is None:
-            self._require_new_allowed(index, spec)
-            new = _new_tensor(spec, self.first_new + len(self.new_segments), 0)
-            self._new_segment(new.size_bytes, b"")
-            self.new_tensors[spec.name] = new
-        return BucketRoute(spec.size_bytes, DirectTarget(new.segment, spec.piece.offset_bytes), (), checks, ())
+        tensor, is_new = self._whole_tensor(index, spec)
+        if not is_new:
+            self._write(tensor.segment, spec.size_bytes)
+        target = DirectTarget(tensor.segment, tensor.offset_bytes + spec.piece.offset_bytes)
+        return BucketRoute(spec.size_bytes, target, (), checks, () if is_new else (spec.name,))
 
     def _general(self, size_bytes: int, specs: list[tensor_pb2.TensorSpec], checks: tuple[TensorCheck, ...],
                  existing: list[str], patched: tuple[PatchTarget, ...]) -> BucketRoute:
@@ -381,7 +373,7 @@ class _Derivation:
         for spec in specs:
             if not spec.HasField("box"):
                 continue
-            target, fresh = self._box_target(index, spec)
+            target, fresh = self._whole_tensor(index, spec)
             if not fresh:
                 self._write(target.segment, spec.size_bytes)
                 overwrites.append(spec.name)
@@ -394,9 +386,9 @@ class _Derivation:
         return BucketRoute(bucket.size_bytes, None, general.copies, checks, tuple(dict.fromkeys(overwrites)),
                            general.patches, box_copies=tuple(box_copies))
 
-    def _box_target(self, index: int, spec: tensor_pb2.TensorSpec) -> tuple[StoredTensor, bool]:
-        """The whole tensor a box lands in, and whether it is new to the store (its first box gives it a
-        segment of its own; nothing of it is live, so nothing to overwrite or shadow)."""
+    def _whole_tensor(self, index: int, spec: tensor_pb2.TensorSpec) -> tuple[StoredTensor, bool]:
+        """The whole tensor a piece or a box lands in, and whether it is new to the store (its first piece
+        or box gives it a segment of its own; nothing of it is live, so nothing to overwrite or shadow)."""
         stored = self.tensors.get(spec.name)
         if stored is not None:
             _check_against_store(index, spec, stored)

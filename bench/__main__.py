@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from bench import delta as delta_bench
-from bench import engine_apply, machine, node_inline, node_store, report, workloads
+from bench import engine_apply, machine, multi_sender, node_inline, node_store, report, workloads
 from bench import transports as transport_bench
 from bench.baselines import packed_source, strided_subset
 from bench.harness import (
@@ -213,10 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int,
                         help="node_store: rounds per side, run in turn (default: 2 with --before, 1 otherwise or --quick)")
     parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine", "node", "delta",
-                                           "node_store"],
+                                           "node_store", "multi_sender"],
                         action="append",
                         help="run only these parts (repeatable); default: all but node_store ("
-                             "--only node_store --before PYTHON writes bench/results/node_store.{md,json})")
+                             "--only node_store --before PYTHON writes bench/results/node_store.{md,json}; "
+                             "--only multi_sender writes bench/results/multi-sender-cpu.md)")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     if args.reps:
@@ -275,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
             started_node_store, load_node_store = time.monotonic(), machine.load_average()
             stores = node_store.run(Path(tmp), quick=args.quick, before=args.before,
                                     rounds=args.rounds or (2 if args.before and not args.quick else 1))
+        if "multi_sender" in parts:  # its own servers, in a network namespace of their own
+            h.stop_server()
+            senders = multi_sender.run(quick=args.quick)
         server_starts = h.server_starts
         control_load = None
         if "load" in parts:
@@ -297,6 +301,16 @@ def main(argv: list[str] | None = None) -> int:
         log(f"node_store: wrote {out_dir}/node_store.json and node_store.md")
         if parts == {"node_store"}:  # latest.* stay what the last run of the other parts wrote
             print(node_store.markdown(stores, stores_meta))
+            return 0
+    if "multi_sender" in parts:
+        header = (f"# Several senders, one version (CPU)\n\nMachine: {machine.one_line(host)}. Command: "
+                  f"`python -m bench {' '.join(sys.argv[1:])}`. Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+                  f"Ran {seconds:.0f} s; 1-minute load average before/after: {load_before} / "
+                  f"{machine.load_average()}.\n")
+        (out_dir / "multi-sender-cpu.md").write_text(header + multi_sender.markdown(senders))
+        log(f"multi_sender: wrote {out_dir}/multi-sender-cpu.md")
+        if parts == {"multi_sender"}:  # latest.* stay what the last run of the other parts wrote
+            print(header + multi_sender.markdown(senders))
             return 0
     if delta is not None:
         delta_meta = {"machine": machine.one_line(host), "command": "python -m bench " + " ".join(sys.argv[1:]),

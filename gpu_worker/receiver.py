@@ -1,7 +1,7 @@
 """A worker's part of one update: receive the buckets it owns and write them into the node store.
 
     (idle) --prepare--> RECEIVING: staging ready, this worker's shadow copies done
-    RECEIVING --receive (owned buckets, in plan order)--> RECEIVING, or FAILED when a bucket
+    RECEIVING --receive (owned buckets, in plan order within each lane)--> RECEIVING, or FAILED when a bucket
                 fails its checks (every later bucket announced to it is received and dropped,
                 so no sender hangs)
     RECEIVING --commit--> (idle): STAGED patches scattered into the live bytes, device copies done
@@ -12,7 +12,11 @@ worker owns, and for each the places in the store its bytes go (straight into a 
 split tensor's place, or into staging and then one copy per tensor, and one strided copy per
 sub-box of a box: a view of the whole tensor in the store, narrowed to the sub-box), the checks and
 patches.
-This module only moves and checks bytes. Two lanes:
+An update fed by several streams (the parts of a multi-sender update) names where each stream's
+buckets start (PrepareUpdateCommand.lane_starts): the streams' buckets interleave, so each
+stream's run of the plan is a lane here, its owned buckets taken in order, its general-path
+bytes in a staging buffer of its own (the first lane's is the kept one; the others' live for
+the update). This module only moves and checks bytes. Two paths:
 
   host     a Gloo receive, or the ingress (INLINE, SHM): bytes land in host memory, the store
            itself where they can, else a reused, pre-touched staging buffer; a compressed Gloo
@@ -33,6 +37,8 @@ after every check passed for one that goes through staging.
 
 from __future__ import annotations
 
+import bisect
+import collections
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,11 +83,31 @@ class ReceiveUpdate:
     command: wpb.PrepareUpdateCommand
     owned: dict[int, wpb.OwnedBucket]
     order: list[int]
-    """The owned sequences, in plan order: they arrive in this order."""
-    next_index: int = 0
+    """The owned sequences, in plan order."""
+    lane_starts: list[int] = field(default_factory=lambda: [0])
+    """Where each lane's run of the plan starts (PrepareUpdateCommand.lane_starts; one lane: [0])."""
+    waiting: list[collections.deque[int]] = field(default_factory=list)
+    """Per lane, the owned sequences not yet in, in the order they arrive."""
+    received: int = 0
     phase: Phase = Phase.RECEIVING
     kept: list[tuple[torch.Tensor, CheckedPatch]] = field(default_factory=list)
     """STAGED: checked patches, scattered at commit."""
+    lane_buffers: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    """(staging or wire, lane) -> the receive buffer of a lane but the first, for this update only."""
+
+    def __post_init__(self) -> None:
+        self.waiting = [collections.deque() for _ in self.lane_starts]
+        for sequence in self.order:
+            self.waiting[self.lane_of(sequence)].append(sequence)
+
+    def lane_of(self, sequence: int) -> int:
+        """The lane of the plan's bucket `sequence`: the last whose run starts at or before it."""
+        return max(0, bisect.bisect_right(self.lane_starts, sequence) - 1)
+
+    def expected(self, sequence: int) -> int | None:
+        """The owned bucket that must come next in `sequence`'s lane (None: that lane is done)."""
+        lane = self.waiting[self.lane_of(sequence)]
+        return lane[0] if lane else None
 
     @property
     def update_id(self) -> str:
@@ -235,7 +261,8 @@ class Receiver:
         for copy in command.shadow_copies:  # keep what this update does not rewrite
             self.maps.bytes_at(copy.destination, copy.size_bytes).copy_(self.maps.bytes_at(copy.source, copy.size_bytes))
         order = [b.sequence for b in command.buckets]
-        self.update = ReceiveUpdate(command, {b.sequence: b for b in command.buckets}, order)
+        self.update = ReceiveUpdate(command, {b.sequence: b for b in command.buckets}, order,
+                                    lane_starts=list(command.lane_starts) or [0])
         return self.update
 
     def _within_limit(self, size: int) -> None:
@@ -255,9 +282,9 @@ class Receiver:
     def commit(self, update_id: str) -> None:
         """Every owned bucket is in: scatter STAGED patches (the server holds engines off), wait for every copy."""
         update = self.current(update_id)
-        if update.phase is not Phase.RECEIVING or update.next_index != len(update.order):
-            raise FailedPrecondition("BUCKETS_MISSING", f"commit after {update.next_index} of this worker's "
-                                     f"{len(update.order)} buckets", received=update.next_index,
+        if update.phase is not Phase.RECEIVING or update.received != len(update.order):
+            raise FailedPrecondition("BUCKETS_MISSING", f"commit after {update.received} of this worker's "
+                                     f"{len(update.order)} buckets", received=update.received,
                                      expected=len(update.order))
         if self.lane is not None:
             self.lane.drain()
@@ -284,7 +311,7 @@ class Receiver:
         with the receive (its layout, no larger than the placeholder that sized staging)."""
         sequence, size = receive.sequence, receive.size_bytes
         owned = update.owned.get(sequence)
-        expected = update.order[update.next_index] if update.next_index < len(update.order) else None
+        expected = update.expected(sequence)
         if owned is not None and receive.HasField("layout"):
             fits = receive.layout.sequence == sequence and receive.layout.size_bytes <= owned.size_bytes
             owned = receive.layout if fits else None
@@ -369,26 +396,43 @@ class Receiver:
         """A whole frame: checked and decompressed (gpu_worker/frames.py), and only then written where the
         bucket lands uncompressed, and put in place."""
         bucket = decompress_bucket(owned.sequence, frame, owned.size_bytes)
-        buffer = self._receive_buffer(owned, device_lane=False)[1]
+        buffer = self._receive_buffer(owned, device_lane=False, update=update)[1]
         self.touched = owned.HasField("receive_into")  # from here on its bytes may reach the store
         buffer.numpy()[:] = bucket
         return self._apply(update, owned, buffer, bucket_checksum)
 
-    def _wire(self, size: int) -> torch.Tensor:
-        """Host bytes to receive a compressed frame into (grown as needed, pre-touched, kept)."""
+    def _wire(self, size: int, update: ReceiveUpdate | None = None, sequence: int = 0) -> torch.Tensor:
+        """Host bytes to receive a compressed frame into (grown as needed, pre-touched, kept); a lane but the
+        first has its own (_lane_buffer)."""
+        if update is not None and update.lane_of(sequence):
+            return self._lane_buffer(update, "wire", sequence, size)
         if self.wire is None or self.wire.numel() < size:
             self._within_limit(size + (0 if self.staging is None else self.staging.numel()))
             self.wire = torch.zeros(size, dtype=torch.uint8)
         return self.wire[:size]
 
-    def _receive_buffer(self, owned: wpb.OwnedBucket, device_lane: bool) -> tuple[int, torch.Tensor]:
+    def _receive_buffer(self, owned: wpb.OwnedBucket, device_lane: bool,
+                        update: ReceiveUpdate | None = None) -> tuple[int, torch.Tensor]:
         if device_lane:
             assert self.lane is not None
             return self.lane.take(owned.size_bytes)
         if owned.HasField("receive_into"):
             return -1, self.maps.bytes_at(owned.receive_into, owned.size_bytes)
+        if update is not None and update.lane_of(owned.sequence):
+            return -1, self._lane_buffer(update, "staging", owned.sequence, owned.size_bytes)
         assert self.staging is not None
         return -1, self.staging[: owned.size_bytes]
+
+    def _lane_buffer(self, update: ReceiveUpdate, kind: str, sequence: int, size: int) -> torch.Tensor:
+        """A lane but the first receives into a buffer of its own (its stream's pieces interleave with the
+        other lanes'), made for this update at its first use and grown as needed; the update drops it."""
+        key = (kind, update.lane_of(sequence))
+        buffer = update.lane_buffers.get(key)
+        if buffer is None or buffer.numel() < size:
+            held = sum(b.numel() for b in update.lane_buffers.values())
+            self._within_limit(size + held + self.staging_bytes)
+            buffer = update.lane_buffers[key] = torch.zeros(size, dtype=torch.uint8)
+        return buffer[:size]
 
     def receive_from_ingress(self, receive: wpb.ReceiveBucketCommand, ingress: torch.Tensor | None) -> Applied | None:
         """INLINE/SHM: the bucket (or one piece of it) is in the ingress already; copy it into the store.
@@ -411,7 +455,7 @@ class Receiver:
             arrived = ingress[start : start + length]
             whole = offset == 0 and length == sent
             if compressed:  # gathered whole in the wire buffer, then decompressed into its place
-                frame = self._wire(sent)
+                frame = self._wire(sent, update, receive.sequence)
                 frame[offset : offset + length].copy_(arrived)
                 if not whole and not receive.last_piece:
                     return None
@@ -425,7 +469,7 @@ class Receiver:
                 # The store, or staging. Checked bytes are always checked in this copy, never in the ingress:
                 # an SHM trainer can still write its slot, and a torn copy must fail its checksum rather than
                 # pass it on bytes that then change under the copies.
-                received = self._receive_buffer(owned, device_lane=False)[1]
+                received = self._receive_buffer(owned, device_lane=False, update=update)[1]
                 self.touched = direct
                 received[offset : offset + length].copy_(arrived)
             if not whole and not receive.last_piece:
@@ -482,7 +526,8 @@ class Receiver:
         return self._done(update, owned)
 
     def _done(self, update: ReceiveUpdate, owned: wpb.OwnedBucket) -> Applied:
-        update.next_index += 1
+        update.waiting[update.lane_of(owned.sequence)].popleft()  # _expected made it the lane's next
+        update.received += 1
         self.received_bytes += owned.size_bytes
         return Applied(owned.size_bytes, owned.HasField("receive_into"))
 

@@ -34,12 +34,15 @@ class StagingNeed:
     worker: FleetWorker
     size_bytes: int
     on_device: bool
+    lane_bytes: int = 0
+    """Staging for the other lanes of an update fed by several streams (update_prepare.staging_needs):
+    allocated for this update alone, on top of the staging the worker keeps."""
 
     @property
     def growth(self) -> int:
-        """What it would allocate: staging is reused, and grows only."""
+        """What it would allocate: staging is reused, and grows only; the other lanes' is new each update."""
         held = self.worker.status.staging_bytes
-        return max(0, self.size_bytes - held) if self.size_bytes > held else 0
+        return max(0, self.size_bytes - held) + self.lane_bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from weightsync.server.admission import StagingNeed
 from weightsync.server.node_store import StoreUpdate
+from weightsync.worker.v1 import worker_pb2 as wpb
 
 if TYPE_CHECKING:
     from weightsync.server.update_session import UpdateSession
@@ -38,20 +39,29 @@ async def prepare(session: UpdateSession) -> None:
         if isinstance(result, BaseException):
             raise result
     group_id = session.group.group_id if session.group else ""
-    prepared = await fleet.fan_out(timeout, command_for=lambda w: {"prepare_update": store.assignment(
-        update, w.index, update_id=session.update_id, group_id=group_id)})
+    lane_starts = [stream.first for stream in session.streams] if len(session.streams) > 1 else []
+
+    def assignment(index: int) -> wpb.PrepareUpdateCommand:
+        command = store.assignment(update, index, update_id=session.update_id, group_id=group_id)
+        command.lane_starts.extend(lane_starts)  # several streams' buckets interleave: a lane each
+        return command
+
+    prepared = await fleet.fan_out(timeout, command_for=lambda w: {"prepare_update": assignment(w.index)})
     prepared.raise_first()
 
 
 def staging_needs(session: UpdateSession, update: StoreUpdate) -> list[StagingNeed]:
-    """What each worker's staging must hold for this update (admission counts what it adds)."""
+    """What each worker's staging must hold for this update (admission counts what it adds): the largest
+    general-path bucket it owns, per stream when several feed the update (each stream is a lane of its own
+    on the worker: their buckets interleave)."""
     largest = max((r.size_bytes for r in update.plan.routes), default=0)
     needs = []
     for worker in session.services.fleet.workers:
         if session.broadcast_to_all and not worker.host_memory:
             needs.append(StagingNeed(worker, 2 * largest, on_device=True))
             continue
-        general = max((r.size_bytes for k, r in enumerate(update.plan.routes)
-                       if update.owners[k] == worker.index and r.receive_into is None), default=0)
-        needs.append(StagingNeed(worker, general, on_device=False))
+        by_lane = [max((r.size_bytes for k, r in enumerate(update.plan.routes) if stream.owns(k)
+                        and update.owners[k] == worker.index and r.receive_into is None), default=0)
+                   for stream in session.streams]
+        needs.append(StagingNeed(worker, by_lane[0], on_device=False, lane_bytes=sum(by_lane[1:])))
     return needs

@@ -20,11 +20,12 @@ GLOO_TIMEOUT = datetime.timedelta(seconds=90)
 """Bounds the parts' one collective per push (their agreement)."""
 OWNS = (["a", "c"], ["b", "d", "e"])
 """Rank 0 pushes a and c whole, rank 1 b, d and e."""
-BUCKETS = (65536, 8192)
-"""Rank 0's plan is one bucket of 37 KiB; rank 1's are b, d and e in two pieces (22 KiB in all). The server
-gives rank 0's bucket to one worker and every bucket of rank 1 to the other (owners by bytes): a worker
-today takes its buckets in the store plan's order, so one owning buckets of both parts could see them
-interleaved (BUCKET_NOT_EXPECTED) however the parts' streams race."""
+BUCKETS = (8192, 8192)
+"""Both ranks' plans are several 8 KiB buckets (rank 0's a and c, 37 KiB; rank 1's b, d and e, 22 KiB), so
+each worker owns buckets of both parts and their streams' buckets and pieces reach it interleaved, however
+the parts race: a worker takes them in order within each part's lane (PrepareUpdateCommand.lane_starts),
+each lane with its own staging (before lanes: BUCKET_NOT_EXPECTED, or one part's pieces in the other's
+staging)."""
 
 
 def model(seed: int) -> dict[str, torch.Tensor]:
@@ -139,7 +140,6 @@ def fsdp(client, rank: int, world: int) -> dict:
         state = model.state_dict()
         out[f"{step}_placements"] = sorted({str(t.placements) for t in state.values()})
         full = {name: t.full_tensor() for name, t in state.items()}  # a collective: before the push, not in it
-        # One bucket per rank (each part's bytes to its own worker: see BUCKETS).
         out[step] = generations(client.push(state, version=step, mode="staged", transport="inline",
                                             allow_new_tensors=True))
         out[f"{step}_mismatches"] = mismatches(client, full)

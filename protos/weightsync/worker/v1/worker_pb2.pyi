@@ -182,20 +182,22 @@ class ShadowCopy(_message.Message):
     def __init__(self, source: _Optional[_Union[Region, _Mapping]] = ..., destination: _Optional[_Union[Region, _Mapping]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class PrepareUpdateCommand(_message.Message):
-    __slots__ = ("update_id", "group_id", "staged", "buckets", "shadow_copies", "largest_bucket_bytes")
+    __slots__ = ("update_id", "group_id", "staged", "buckets", "shadow_copies", "largest_bucket_bytes", "lane_starts")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     SHADOW_COPIES_FIELD_NUMBER: _ClassVar[int]
     LARGEST_BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LANE_STARTS_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     group_id: str
     staged: bool
     buckets: _containers.RepeatedCompositeFieldContainer[OwnedBucket]
     shadow_copies: _containers.RepeatedCompositeFieldContainer[ShadowCopy]
     largest_bucket_bytes: int
-    def __init__(self, update_id: _Optional[str] = ..., group_id: _Optional[str] = ..., staged: _Optional[bool] = ..., buckets: _Optional[_Iterable[_Union[OwnedBucket, _Mapping]]] = ..., shadow_copies: _Optional[_Iterable[_Union[ShadowCopy, _Mapping]]] = ..., largest_bucket_bytes: _Optional[int] = ...) -> None: ...
+    lane_starts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, update_id: _Optional[str] = ..., group_id: _Optional[str] = ..., staged: _Optional[bool] = ..., buckets: _Optional[_Iterable[_Union[OwnedBucket, _Mapping]]] = ..., shadow_copies: _Optional[_Iterable[_Union[ShadowCopy, _Mapping]]] = ..., largest_bucket_bytes: _Optional[int] = ..., lane_starts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReceiveBucketCommand(_message.Message):
     __slots__ = ("update_id", "sequence", "checksum", "discard", "size_bytes", "from_ingress", "ingress_offset_bytes", "piece_offset_bytes", "piece_size_bytes", "last_piece", "tail", "compression", "layout")

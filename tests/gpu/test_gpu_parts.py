@@ -28,8 +28,8 @@ TRAINER_STEPS = (("v1", 1), ("v2", 2))
 """(version, seed) of the trainers' pushes; v2's tensors are written behind a long kernel."""
 BUCKETS = (1 << 20, 32768)
 """Rank 0's half is one bucket (~387 KiB), rank 1's ~81 KiB in pieces of 32 KiB: owners by bytes give rank 0's
-bucket to worker 0 (the CUDA worker) and all of rank 1's to worker 1, so no worker sees the two parts'
-buckets interleaved (a worker takes its buckets in the store plan's order)."""
+bucket to worker 0 (the CUDA worker) and all of rank 1's to worker 1, so each part's bytes go through one
+kind of worker (a worker owning buckets of both parts takes each part's in its own lane: tests/test_sdk_parts.py)."""
 TRAINER_TIMEOUT_S = 150
 
 

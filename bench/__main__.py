@@ -215,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine", "node", "delta",
                                            "node_store", "multi_sender"],
                         action="append",
-                        help="run only these parts (repeatable); default: all but node_store ("
+                        help="run only these parts (repeatable); default: all but node_store and multi_sender ("
                              "--only node_store --before PYTHON writes bench/results/node_store.{md,json}; "
                              "--only multi_sender writes bench/results/multi-sender-cpu.md)")
+    parser.add_argument("--link-rate", default="300mbit", help="multi_sender: each sender's link (tc rate, e.g. 300mbit)")
+    parser.add_argument("--model-mib", type=int, help="multi_sender: the model's MiB (default 128, 64 with --quick)")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     if args.reps:
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                                     rounds=args.rounds or (2 if args.before and not args.quick else 1))
         if "multi_sender" in parts:  # its own servers, in a network namespace of their own
             h.stop_server()
-            senders = multi_sender.run(quick=args.quick)
+            senders = multi_sender.run(quick=args.quick, rate=args.link_rate, model_mib=args.model_mib)
         server_starts = h.server_starts
         control_load = None
         if "load" in parts:
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             print(node_store.markdown(stores, stores_meta))
             return 0
     if "multi_sender" in parts:
-        header = (f"# Several senders, one version (CPU)\n\nMachine: {machine.one_line(host)}. Command: "
+        header = (f"# Several senders, one version (CPU)\n\nMachine: {machine.one_line(host).split(';')[0]}. Command: "
                   f"`python -m bench {' '.join(sys.argv[1:])}`. Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
                   f"Ran {seconds:.0f} s; 1-minute load average before/after: {load_before} / "
                   f"{machine.load_average()}.\n")

@@ -101,27 +101,33 @@ class Row:
     servers: int
 
 
-def rows_table(rows: Sequence[Row], baseline: str = "gather") -> list[dict]:
-    """Per row: median seconds, the model's bytes into every server per second (MB/s, 1e6), and the ratio
-    of the baseline's median to this row's (above 1: faster than the baseline)."""
+def rows_table(rows: Sequence[Row], rate_bits: float, baseline: str = "gather") -> list[dict]:
+    """Per row: median seconds; the model's bytes into every server per second (MB/s, 1e6); the seconds its
+    senders' links need at line rate (each sender sends its share to every server over its one link), and
+    how much of that line rate the row reached; the ratio of the baseline's median to this row's (above 1:
+    faster than the baseline)."""
     base = median(list(next(r for r in rows if r.label == baseline).seconds))
     out = []
     for r in rows:
         m = median(list(r.seconds))
+        line = r.model_bytes * r.servers * 8 / (rate_bits * r.senders)
         out.append({"row": r.label, "senders": r.senders, "median_seconds": round(m, 3),
                     "seconds": [round(s, 3) for s in r.seconds],
                     "aggregate_mb_per_s": round(r.model_bytes * r.servers / m / 1e6, 1),
+                    "line_rate_seconds": round(line, 3), "of_line_rate": round(line / m, 2),
                     "speedup_vs_gather": round(base / m, 2)})
     return out
 
 
 def markdown_table(table: Sequence[dict]) -> str:
-    lines = ["| row | senders | median s | runs (s) | aggregate MB/s (all servers) | vs gather |",
-             "|---|---:|---:|---|---:|---:|"]
+    lines = ["| row | senders | median s | runs (s) | aggregate MB/s (all servers) | s at line rate | of line rate "
+             "| vs gather |",
+             "|---|---:|---:|---|---:|---:|---:|---:|"]
     for t in table:
         runs = ", ".join(f"{s:.2f}" for s in t["seconds"])
         lines.append(f"| {t['row']} | {t['senders']} | {t['median_seconds']:.2f} | {runs} | "
-                     f"{t['aggregate_mb_per_s']:.1f} | {t['speedup_vs_gather']:.2f}x |")
+                     f"{t['aggregate_mb_per_s']:.1f} | {t['line_rate_seconds']:.2f} | {t['of_line_rate'] * 100:.0f}% | "
+                     f"{t['speedup_vs_gather']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -139,7 +145,12 @@ def markdown(result: dict) -> str:
             "alternated runs per row (after one untimed push each), seconds from the push commands to every "
             "sender's push returning; every row verified at the end. gather = one process holding the whole "
             "model, plain push (no part); parts N = N processes, each pushing its share as one part of one "
-            "version.\n\n" + markdown_table(result["table"]))
+            "version. `s at line rate`: the seconds the row's links need at "
+            f"{cfg['rate']} (each sender sends its share to every server over its one link); `of line rate` near 100% "
+            "says the links, not the 2 CPUs, bound the row. Several parts push one bucket each into servers of "
+            f"{cfg['workers']} workers (bench/multi_sender.py ONE_BUCKET_PER_PART: a server's worker that owns buckets "
+            "of two parts refuses them interleaved, BUCKET_NOT_EXPECTED); gather and parts 1 push the SDK's default "
+            "buckets (one bucket at this size).\n\n" + markdown_table(result["table"]))
 
 
 # -- a sender process ---------------------------------------------------------------------
@@ -276,13 +287,14 @@ def measure(*, namespaces: bool, rate: str, total_bytes: int, tensors: int, reps
         sh("ip", "link", "set", "lo", "up")
     sizes = model_sizes(total_bytes, tensors)
     pace = 0 if namespaces else parse_rate(rate)
+    listen = "0.0.0.0:0" if namespaces else "127.0.0.1:0"  # every hub address only inside the hub's namespace
     rows = [("gather", 1, False)] + [(f"parts {n}", n, True) for n in counts]
     with tempfile.TemporaryDirectory() as tmp:
         servers: list[Server] = []
         fleets: dict[str, list[Sender]] = {}
         try:
             for _ in range(SERVERS):
-                servers.append(Server(workers, Path(tmp), extra=("--listen", "0.0.0.0:0", "--ingress-slot-count", str(max(2, *counts)))))
+                servers.append(Server(workers, Path(tmp), extra=("--listen", listen, "--ingress-slot-count", str(max(2, *counts)))))
             index = 0
             for label, n, part in rows:
                 fleet = []
@@ -323,7 +335,7 @@ def measure(*, namespaces: bool, rate: str, total_bytes: int, tensors: int, reps
             for server in servers:
                 server.stop()
     model = sum(size for _, size in sizes)
-    table = rows_table([Row(label, n, tuple(times[label]), model, SERVERS) for label, n, _ in rows])
+    table = rows_table([Row(label, n, tuple(times[label]), model, SERVERS) for label, n, _ in rows], parse_rate(rate))
     return {"links": "namespaces" if namespaces else "paced",
             "config": {"rate": rate, "model_bytes": model, "tensors": tensors, "reps": reps, "servers": SERVERS,
                        "workers": workers, "counts": list(counts)},
@@ -344,19 +356,29 @@ def run(*, quick: bool, rate: str = "300mbit", model_mib: int | None = None, rep
     total = (model_mib or (64 if quick else 128)) * MIB
     reps = reps or (2 if quick else 4)
     args = ["--rate", rate, "--bytes", str(total), "--reps", str(reps)]
-    argv = ["unshare", "-n", sys.executable, "-m", "bench.multi_sender", "hub", *args]
-    why = ""
-    try:
+    why = namespaces_unavailable()
+    if why is None:
+        argv = ["unshare", "-n", sys.executable, "-m", "bench.multi_sender", "hub", *args]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=3600, cwd=REPO)
-        sys.stderr.write(done.stderr[-4000:])
-        if done.returncode == 0:
-            return json.loads(done.stdout)
-        why = f"the namespace hub exited {done.returncode}: {done.stderr.strip()[-300:]}"
-    except (OSError, subprocess.TimeoutExpired) as error:
-        why = f"{type(error).__name__}: {error}"
-    log(f"multi_sender: namespaces unavailable ({why}); pacing each sender in user space instead")
-    result = measure(namespaces=False, rate=rate, total_bytes=total, tensors=64, reps=reps, counts=COUNTS, workers=max(COUNTS))
+        sys.stderr.write(done.stderr[-6000:])
+        if done.returncode != 0:
+            raise RuntimeError(f"multi_sender: the hub exited {done.returncode}: {done.stderr.strip()[-600:]}")
+        return json.loads(done.stdout)
+    log(f"multi_sender: network namespaces unavailable ({why}); pacing each sender in user space instead")
+    result = measure(namespaces=False, rate=rate, total_bytes=total, tensors=64, reps=reps, counts=COUNTS,
+                     workers=max(COUNTS))
     return result | {"why_paced": why}
+
+
+def namespaces_unavailable() -> str | None:
+    """Why this machine cannot give each sender a namespace and a tc-limited veth link; None when it can."""
+    probe = "ip link set lo up && ip link add wsa type veth peer name wsb && tc qdisc add dev wsa root tbf " \
+            "rate 1mbit burst 32kb latency 50ms"
+    try:
+        done = subprocess.run(["unshare", "-n", "sh", "-c", probe], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"{type(error).__name__}: {error}"
+    return None if done.returncode == 0 else f"unshare -n, ip link add veth, tc tbf: {done.stderr.strip()[-200:]}"
 
 
 def main() -> int:

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from bench.multi_sender import MIB, Row, markdown_table, model_sizes, one_bucket, parse_rate, rows_table, split_tensors
+from bench.multi_sender import (
+    MIB,
+    Row,
+    markdown_table,
+    model_sizes,
+    one_bucket,
+    parse_rate,
+    rows_table,
+    split_tensors,
+)
 
 SIZES = [("a", 100), ("b", 400), ("c", 300), ("d", 200), ("e", 100)]
 
@@ -53,13 +62,17 @@ def test_parse_rate_refuses_other_words():
 def test_table_medians_throughput_and_ratio_to_gather():
     rows = [Row("gather", 1, (8.0, 7.0, 9.0), 100_000_000, 2), Row("parts 1", 1, (8.0, 8.0), 100_000_000, 2),
             Row("parts 2", 2, (4.0, 3.0, 5.0, 100.0), 100_000_000, 2), Row("parts 4", 4, (2.0,), 100_000_000, 2)]
-    table = rows_table(rows)
-    assert [(t["row"], t["median_seconds"], t["aggregate_mb_per_s"], t["speedup_vs_gather"]) for t in table] == [
-        ("gather", 8.0, 25.0, 1.0), ("parts 1", 8.0, 25.0, 1.0), ("parts 2", 4.5, 44.4, 1.78), ("parts 4", 2.0, 100.0, 4.0)]
+    # 100 MB to 2 servers over 200 Mbit/s links: 8 s at line rate for one sender, 4 s for 2, 2 s for 4
+    table = rows_table(rows, 200e6)
+    assert [(t["row"], t["median_seconds"], t["aggregate_mb_per_s"], t["line_rate_seconds"], t["of_line_rate"],
+             t["speedup_vs_gather"]) for t in table] == [
+        ("gather", 8.0, 25.0, 8.0, 1.0, 1.0), ("parts 1", 8.0, 25.0, 8.0, 1.0, 1.0),
+        ("parts 2", 4.5, 44.4, 4.0, 0.89, 1.78), ("parts 4", 2.0, 100.0, 2.0, 1.0, 4.0)]
     assert markdown_table(table) == (
-        "| row | senders | median s | runs (s) | aggregate MB/s (all servers) | vs gather |\n"
-        "|---|---:|---:|---|---:|---:|\n"
-        "| gather | 1 | 8.00 | 8.00, 7.00, 9.00 | 25.0 | 1.00x |\n"
-        "| parts 1 | 1 | 8.00 | 8.00, 8.00 | 25.0 | 1.00x |\n"
-        "| parts 2 | 2 | 4.50 | 4.00, 3.00, 5.00, 100.00 | 44.4 | 1.78x |\n"
-        "| parts 4 | 4 | 2.00 | 2.00 | 100.0 | 4.00x |\n")
+        "| row | senders | median s | runs (s) | aggregate MB/s (all servers) | s at line rate | of line rate "
+        "| vs gather |\n"
+        "|---|---:|---:|---|---:|---:|---:|---:|\n"
+        "| gather | 1 | 8.00 | 8.00, 7.00, 9.00 | 25.0 | 8.00 | 100% | 1.00x |\n"
+        "| parts 1 | 1 | 8.00 | 8.00, 8.00 | 25.0 | 8.00 | 100% | 1.00x |\n"
+        "| parts 2 | 2 | 4.50 | 4.00, 3.00, 5.00, 100.00 | 44.4 | 4.00 | 89% | 1.78x |\n"
+        "| parts 4 | 4 | 2.00 | 2.00 | 100.0 | 2.00 | 100% | 4.00x |\n")

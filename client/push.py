@@ -68,6 +68,7 @@ class PushRun:
     rpc_timeout: float
     """Bounds Ready, and every message a server must take (a server that stops reading fails the push)."""
     commit_timeout: float
+    """Bounds the wait for Committed from the server's last message (UpdateStream.committed_within)."""
     group_id: str
     """The transfer group (COLLECTIVE); empty for INLINE and SHM."""
     sink: Sink
@@ -275,7 +276,7 @@ class PushRun:
             stream.send(pb.UpdateWeightsRequest(commit=pb.CommitUpdate()))
             stream.send(None)
         results = await asyncio.gather(
-            *(asyncio.wait_for(asyncio.shield(s.committed), self.commit_timeout) for s in streams),
+            *(s.committed_within(self.commit_timeout) for s in streams),
             return_exceptions=True,
         )
         await asyncio.gather(*(s.finish(5.0) for s in streams))
@@ -284,7 +285,8 @@ class PushRun:
             stream, error = failures[0]
             if isinstance(error, TimeoutError):
                 error = WeightSyncRpcError(stream.server, grpc.StatusCode.DEADLINE_EXCEEDED, "COMMIT_TIMEOUT",
-                                           f"no Committed within {self.commit_timeout:g} s", {})
+                                           f"no Committed, and no word from the server, within "
+                                           f"{self.commit_timeout:g} s", {})
             raise UpdateFailed(f"commit failed on {stream.server}: {error}", error, stream.server)
         return [
             ServerOutcome(

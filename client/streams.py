@@ -36,6 +36,9 @@ class UpdateStream:
         loop = asyncio.get_running_loop()
         self.ready: asyncio.Future[pb.UpdateReady] = loop.create_future()
         self.committed: asyncio.Future[pb.UpdateCommitted] = loop.create_future()
+        self.heard_at = loop.time()
+        """When the server last said anything on this stream (a part waiting for the others hears
+        PartsWaiting at least every 10 s: the commit wait counts its bound from here)."""
         self.applied = 0
         self._applied_changed = threading.Condition()
         self._taken = asyncio.Event()
@@ -115,6 +118,7 @@ class UpdateStream:
     async def _read(self) -> None:
         try:
             async for response in self._call:
+                self.heard_at = asyncio.get_running_loop().time()
                 kind = response.WhichOneof("message")
                 if kind == "ready":
                     self.ready.set_result(response.ready)
@@ -145,6 +149,22 @@ class UpdateStream:
             if not future.done():
                 future.set_exception(self.failure)
                 future.exception()  # mark retrieved: not every path awaits both
+
+    async def committed_within(self, quiet_timeout: float) -> pb.UpdateCommitted:
+        """Committed, waited for while the server keeps talking: the bound counts from the later of this call
+        and the server's last message, so a part whose server says the other parts still send (PartsWaiting)
+        waits for them, however long they take, and one whose server went quiet gives up after
+        `quiet_timeout` (TimeoutError)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while True:
+            left = max(started, self.heard_at) + quiet_timeout - loop.time()
+            if left <= 0:
+                raise TimeoutError
+            try:
+                return await asyncio.wait_for(asyncio.shield(self.committed), left)
+            except TimeoutError:
+                continue  # heard from meanwhile? then the bound moved: look again
 
     async def finish(self, timeout: float) -> None:
         """Wait for the server to end the stream; past the timeout, cancel it."""

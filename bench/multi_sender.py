@@ -47,12 +47,6 @@ COUNTS = (1, 2, 4)
 SERVERS = 2
 REPLY_SECONDS = 600.0
 """Bounds every answer of a sender (its start, its model, one push, its verify)."""
-ONE_BUCKET_PER_PART = True
-"""Why parts N >= 2 push one bucket per part into servers of max(counts) workers: a server's worker takes
-its buckets in the store plan's order (the parts' plans one after the other), and its buckets are owned
-round-robin by bytes (common/ownership.py); a worker owning buckets of two parts fails the update with
-BUCKET_NOT_EXPECTED whenever the parts' streams interleave. One equal bucket per part gives part k's
-bucket to worker k alone (tests/sdk_parts_trainer.py works around it the same way)."""
 SUBNET = "10.77"
 """Sender k's veth pair is 10.77.k.1 (hub end) / 10.77.k.2 (sender end)."""
 
@@ -71,12 +65,6 @@ def split_tensors(sizes: Sequence[tuple[str, int]], senders: int) -> list[list[s
         loads[k] += size
         shares[k].append(name)
     return [sorted(share, key=order.__getitem__) for share in shares]
-
-
-def one_bucket(sizes: Sequence[tuple[str, int]], shares: Sequence[Sequence[str]]) -> int:
-    """A bucket size that holds the largest share whole (plus 1 MiB for the layout's alignment)."""
-    size = dict(sizes)
-    return max(sum(size[name] for name in share) for share in shares) + MIB
 
 
 def model_sizes(total_bytes: int, tensors: int) -> list[tuple[str, int]]:
@@ -141,16 +129,14 @@ def markdown(result: dict) -> str:
            "(sleeps after each bucket)")
     return (f"\n## Several senders, one version\n\n{cfg['model_bytes'] / MIB:.0f} MiB model ({cfg['tensors']} "
             f"float32 tensors, whole tensors split among the senders by bytes) pushed over INLINE into "
-            f"{cfg['servers']} servers ({cfg['workers']} CPU workers each: see ONE_BUCKET_PER_PART); links: {how}. Median of {cfg['reps']} "
+            f"{cfg['servers']} servers (CPU workers each: {cfg['workers']}); links: {how}. Median of {cfg['reps']} "
             "alternated runs per row (after one untimed push each), seconds from the push commands to every "
             "sender's push returning; every row verified at the end. gather = one process holding the whole "
             "model, plain push (no part); parts N = N processes, each pushing its share as one part of one "
             "version. `s at line rate`: the seconds the row's links need at "
             f"{cfg['rate']} (each sender sends its share to every server over its one link); `of line rate` near 100% "
-            "says the links, not the 2 CPUs, bound the row. Several parts push one bucket each into servers of "
-            f"{cfg['workers']} workers (bench/multi_sender.py ONE_BUCKET_PER_PART: a server's worker that owns buckets "
-            "of two parts refuses them interleaved, BUCKET_NOT_EXPECTED); gather and parts 1 push the SDK's default "
-            "buckets (one bucket at this size).\n\n" + markdown_table(result["table"]))
+            "says the links, not the 2 CPUs, bound the row. Every sender pushes the SDK's default buckets; "
+            "with one worker per server, every part's buckets share that worker (a lane each).\n\n" + markdown_table(result["table"]))
 
 
 # -- a sender process ---------------------------------------------------------------------
@@ -190,8 +176,6 @@ def sender_main() -> int:
                         if behind > 0:
                             time.sleep(behind)
                 options = {"part_key": msg["key"]} if cfg["part"] else {"delta": False}
-                if cfg["bucket_bytes"]:
-                    options["bucket_size_bytes"] = cfg["bucket_bytes"]
                 result = client.push(tensors, version=msg["version"], transport="inline", allow_new_tensors=True,
                                      progress=progress, **options)
                 reply = {"ok": True, "seconds": time.perf_counter() - started, "bytes": result.size_bytes}
@@ -298,18 +282,14 @@ def measure(*, namespaces: bool, rate: str, total_bytes: int, tensors: int, reps
             index = 0
             for label, n, part in rows:
                 fleet = []
-                shares = split_tensors(sizes, n)
-                # One bucket per part when there are several (see ONE_BUCKET_PER_PART); the SDK's default otherwise.
-                bucket = one_bucket(sizes, shares) if n > 1 else 0
-                for rank, share in enumerate(shares):
+                for rank, share in enumerate(split_tensors(sizes, n)):
                     index += 1
                     sender = Sender(index, namespaces, rate)
                     fleet.append(sender)
                     fleets.setdefault(label, []).append(sender)
                     sender.send({"cmd": "init", "servers": [f"{sender.address}:{s.port}" for s in servers],
                                  "tensors": [(name, dict(sizes)[name]) for name in share], "seed": 1,
-                                 "rank": rank, "world": n, "part": part, "pace_bits_per_s": pace,
-                                 "bucket_bytes": bucket})
+                                 "rank": rank, "world": n, "part": part, "pace_bits_per_s": pace})
                 answers(fleet, f"{label} init")
             times: dict[str, list[float]] = {label: [] for label, _, _ in rows}
             version = 0
@@ -366,7 +346,7 @@ def run(*, quick: bool, rate: str = "300mbit", model_mib: int | None = None, rep
         return json.loads(done.stdout)
     log(f"multi_sender: network namespaces unavailable ({why}); pacing each sender in user space instead")
     result = measure(namespaces=False, rate=rate, total_bytes=total, tensors=64, reps=reps, counts=COUNTS,
-                     workers=max(COUNTS))
+                     workers=1)
     return result | {"why_paced": why}
 
 
@@ -388,7 +368,7 @@ def main() -> int:
     parser.add_argument("--bytes", type=int, default=128 * MIB)
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--reps", type=int, default=4)
-    parser.add_argument("--workers", type=int, default=max(COUNTS))
+    parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--paced", action="store_true", help="hub: no namespaces, senders paced in user space")
     args = parser.parse_args()
     if args.role == "sender":

@@ -1,5 +1,5 @@
-"""The pure pieces of bench/multi_sender.py: the split of whole tensors among senders, the bucket that holds a
-share whole, the rate words, and the table (no timing here: the bench itself measures)."""
+"""The pure pieces of bench/multi_sender.py: the split of whole tensors among senders, the rate words and the
+table (no timing here: the bench itself measures)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from bench.multi_sender import (
     Row,
     markdown_table,
     model_sizes,
-    one_bucket,
     parse_rate,
     rows_table,
     split_tensors,
@@ -41,7 +40,6 @@ def test_split_of_the_bench_model_is_even():
     shares = split_tensors(sizes, 4)
     assert [len(s) for s in shares] == [16, 16, 16, 16]
     assert shares[0][:3] == ["layers.0.weight", "layers.4.weight", "layers.8.weight"]
-    assert one_bucket(sizes, shares) == 32 * MIB + MIB
 
 
 def test_split_refuses_no_senders():

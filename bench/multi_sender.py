@@ -200,7 +200,7 @@ def sh(*argv: str) -> None:
 
 
 class Sender:
-    """One sender process (in its own network namespace when `link` is set), answering JSON lines."""
+    """One sender process (in its own network namespace when `namespaces`), answering JSON lines."""
 
     def __init__(self, index: int, namespaces: bool, rate: str) -> None:
         self.index = index
@@ -211,6 +211,15 @@ class Sender:
                                         bufsize=1, start_new_session=True)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.process.stdout, selectors.EVENT_READ)
+        try:
+            self._connect(namespaces, rate)
+        except BaseException:  # a sender half set up is stopped here: the hub's finally never saw it
+            self.stop()
+            raise
+
+    def _connect(self, namespaces: bool, rate: str) -> None:
+        """Its pid, then (namespaces) its veth link to the hub, held to `rate` on its egress."""
+        index = self.index
         self.pid = self.read(60.0)["pid"]  # printed in the new namespace: the link can move in now
         self.address = "127.0.0.1"
         if namespaces:
@@ -270,7 +279,8 @@ def measure(*, namespaces: bool, rate: str, total_bytes: int, tensors: int, reps
     if namespaces:
         sh("ip", "link", "set", "lo", "up")
     sizes = model_sizes(total_bytes, tensors)
-    pace = 0 if namespaces else parse_rate(rate)
+    bits = parse_rate(rate)  # a rate tc would refuse fails here, before any process starts
+    pace = 0 if namespaces else bits
     listen = "0.0.0.0:0" if namespaces else "127.0.0.1:0"  # every hub address only inside the hub's namespace
     rows = [("gather", 1, False)] + [(f"parts {n}", n, True) for n in counts]
     with tempfile.TemporaryDirectory() as tmp:
@@ -315,7 +325,7 @@ def measure(*, namespaces: bool, rate: str, total_bytes: int, tensors: int, reps
             for server in servers:
                 server.stop()
     model = sum(size for _, size in sizes)
-    table = rows_table([Row(label, n, tuple(times[label]), model, SERVERS) for label, n, _ in rows], parse_rate(rate))
+    table = rows_table([Row(label, n, tuple(times[label]), model, SERVERS) for label, n, _ in rows], bits)
     return {"links": "namespaces" if namespaces else "paced",
             "config": {"rate": rate, "model_bytes": model, "tensors": tensors, "reps": reps, "servers": SERVERS,
                        "workers": workers, "counts": list(counts)},

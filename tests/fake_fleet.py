@@ -164,3 +164,32 @@ def failing(kind: str, sequence: int | None, error: BaseException) -> Fault:
 
 def command_failed(error: WeightSyncError) -> int:
     return code_number(error.code)
+
+
+def fake_session_services(fleet: FakeFleet, ingress: Ingress):
+    """The SessionServices of an update run in-process over `fleet` and `ingress` (a fresh store, no engines),
+    and what closes them: for tests that drive UpdateSession without a server."""
+    from weightsync.server.admission import MemoryAdmission
+    from weightsync.server.engines import EngineRegistry
+    from weightsync.server.group_registry import GroupRegistry
+    from weightsync.server.leases import LeaseTable
+    from weightsync.server.metrics import Metrics
+    from weightsync.server.node_store import NodeStore
+    from weightsync.server.publisher import Publisher
+    from weightsync.server.update_session import SessionServices
+
+    async def group_gone(record) -> None:
+        pass
+
+    store = NodeStore()
+    services = SessionServices(
+        fleet=fleet, store=store, publisher=Publisher(store, EngineRegistry()), groups=GroupRegistry(group_gone),
+        admission=MemoryAdmission(available=lambda: 1 << 40), leases=LeaseTable(), ingress=ingress,
+        command_timeout=5, transfer_timeout=5, lease_timeout=5, max_chunk_bytes=ingress.slot_bytes, metrics=Metrics())
+
+    def close() -> None:
+        fleet.close()
+        store.close()
+        ingress.close()
+
+    return services, close

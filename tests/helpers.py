@@ -342,3 +342,27 @@ def pids_alive(pids: Iterator[int]) -> list[int]:
         except ProcessLookupError:
             pass
     return alive
+
+
+def run_ranks(argv: list[str], world: int, out: Path, timeout: float) -> list[dict]:
+    """`world` trainer processes, `python ARGV... RANK` style as each script takes them: rank r runs
+    `sys.executable` with argv where "{rank}" is replaced by r, logging to out/rank{r}.log; every one waited
+    for (bounded, killed past the bound), each must exit 0 (else its log's tail fails the test); returns
+    what each wrote to out/rank{r}.json."""
+    procs = []
+    for rank in range(world):
+        log = open(out / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed below)
+        args = [a.replace("{rank}", str(rank)) for a in argv]
+        procs.append((subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    for rank, (proc, _) in enumerate(procs):
+        assert proc.returncode == 0, (out / f"rank{rank}.log").read_text()[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]

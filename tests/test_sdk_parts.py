@@ -7,10 +7,7 @@ followed by a push that commits and verifies."""
 
 from __future__ import annotations
 
-import json
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ from sdk_parts_trainer import dtensor_model, model
 
 from weightsync.client import Part, PartsUnavailable, PartUpdateFailed, WeightSyncClient
 
-from helpers import local_checksums, server_checksums, start_server
+from helpers import local_checksums, run_ranks, server_checksums, start_server
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -45,23 +42,7 @@ def run_trainers(servers, out: Path, scenario: str) -> list[dict]:
     """Both ranks to their end (bounded), each one's record."""
     port = free_port()
     addresses = ",".join(s.address for s in servers)
-    procs = []
-    for rank in range(2):
-        log = open(out / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed below)
-        procs.append((subprocess.Popen([sys.executable, str(TRAINER), str(rank), "2", str(port), addresses, str(out),
-                                        scenario], stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        for proc, _ in procs:
-            proc.wait(TRAINERS_TIMEOUT)
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    for rank, (proc, _) in enumerate(procs):
-        assert proc.returncode == 0, (out / f"rank{rank}.log").read_text()[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return run_ranks([str(TRAINER), "{rank}", "2", str(port), addresses, str(out), scenario], 2, out, TRAINERS_TIMEOUT)
 
 
 def test_two_ranks_push_their_halves_and_a_failing_rank_fails_both(servers, tmp_path):

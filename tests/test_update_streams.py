@@ -14,19 +14,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from fake_fleet import FakeFleet
+from fake_fleet import FakeFleet, fake_session_services
 
 from weightsync.common.checksum import tensor_checksum, ws64
 from weightsync.common.errors import WeightSyncError
 from weightsync.common.plan_id import plan_id_of
-from weightsync.server.admission import MemoryAdmission
-from weightsync.server.engines import EngineRegistry
-from weightsync.server.group_registry import GroupRegistry
 from weightsync.server.ingress import Ingress
-from weightsync.server.leases import LeaseTable
-from weightsync.server.metrics import Metrics
 from weightsync.server.node_store import NodeStore
-from weightsync.server.publisher import Publisher
 from weightsync.server.update_session import SessionServices, UpdateSession
 from weightsync.server.update_streams import store_plan
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -51,19 +45,9 @@ def halves(named: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 @pytest.fixture
 def services():
     ingress = Ingress(SLOT, 4)
-    store = NodeStore()
-    fleet = FakeFleet(2, ingress)
-    yield SessionServices(
-        fleet=fleet, store=store, publisher=Publisher(store, EngineRegistry()), groups=GroupRegistry(_gone),
-        admission=MemoryAdmission(available=lambda: 1 << 40), leases=LeaseTable(), ingress=ingress,
-        command_timeout=5, transfer_timeout=5, lease_timeout=5, max_chunk_bytes=SLOT, metrics=Metrics())
-    fleet.close()
-    store.close()
-    ingress.close()
-
-
-async def _gone(record) -> None:
-    pass
+    services, close = fake_session_services(FakeFleet(2, ingress), ingress)
+    yield services
+    close()
 
 
 def held(store: NodeStore) -> dict[str, int]:

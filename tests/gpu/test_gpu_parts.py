@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import json
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -99,7 +98,7 @@ from weightsync.client import WeightSyncClient  # noqa: E402
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 
 from gpukit import assert_same_bytes, info, mapped_copy  # noqa: E402
-from helpers import ServerProcess, start_server  # noqa: E402
+from helpers import ServerProcess, run_ranks, start_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -160,23 +159,8 @@ def free_port() -> int:
 def test_two_trainer_processes_push_their_cuda_halves_as_parts(split_server, tmp_path):
     server = split_server
     start = generation(server)
-    port, procs = free_port(), []
-    for rank in range(2):
-        log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed below)
-        procs.append((subprocess.Popen([sys.executable, __file__, str(rank), "2", str(port), server.address,
-                                        str(tmp_path)], stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        for proc, _ in procs:
-            proc.wait(TRAINER_TIMEOUT_S)
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    for rank, (proc, _) in enumerate(procs):
-        assert proc.returncode == 0, (tmp_path / f"rank{rank}.log").read_text()[-4000:]
-    zero, one = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+    zero, one = run_ranks([__file__, "{rank}", "2", str(free_port()), server.address, str(tmp_path)], 2, tmp_path,
+                          TRAINER_TIMEOUT_S)
     for k, (version, _) in enumerate(TRAINER_STEPS):
         assert zero[version] == one[version] == {server.address: start + 1 + k}
         assert zero[f"{version}_mismatches"] == one[f"{version}_mismatches"] == []

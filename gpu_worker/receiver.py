@@ -37,15 +37,10 @@ after every check passed for one that goes through staging.
 
 from __future__ import annotations
 
-import bisect
-import collections
-import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.common import dtypes
 from weightsync.common.errors import FailedPrecondition, InvalidArgument, WeightSyncError
 from weightsync.common.patches import XOR
 from weightsync.gpu_worker.bucket_checks import (
@@ -55,167 +50,14 @@ from weightsync.gpu_worker.bucket_checks import (
     restore_tail,
     verify_bucket,
 )
+from weightsync.gpu_worker.device_lane import DeviceLane
 from weightsync.gpu_worker.frames import decompress_bucket
-from weightsync.gpu_worker.memory import MappedArena, release_cached_device_memory
 from weightsync.gpu_worker.patch_apply import CheckedPatch, FusedPatch, check_patch
+from weightsync.gpu_worker.receive_update import Applied, Phase, ReceiveUpdate
+from weightsync.gpu_worker.store_maps import StoreMaps
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
-
-
-class Phase(enum.Enum):
-    RECEIVING = "receiving"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True, slots=True)
-class Applied:
-    """A bucket in place."""
-
-    size_bytes: int
-    fast_path: bool
-
-
-@dataclass(slots=True)
-class ReceiveUpdate:
-    """This worker's part of the update in flight."""
-
-    command: wpb.PrepareUpdateCommand
-    owned: dict[int, wpb.OwnedBucket]
-    order: list[int]
-    """The owned sequences, in plan order."""
-    lane_starts: list[int] = field(default_factory=lambda: [0])
-    """Where each lane's run of the plan starts (PrepareUpdateCommand.lane_starts; one lane: [0])."""
-    waiting: list[collections.deque[int]] = field(default_factory=list)
-    """Per lane, the owned sequences not yet in, in the order they arrive."""
-    received: int = 0
-    phase: Phase = Phase.RECEIVING
-    kept: list[tuple[torch.Tensor, CheckedPatch]] = field(default_factory=list)
-    """STAGED: checked patches, scattered at commit."""
-    lane_buffers: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
-    """(staging or wire, lane) -> the receive buffer of a lane but the first, for this update only."""
-
-    def __post_init__(self) -> None:
-        self.waiting = [collections.deque() for _ in self.lane_starts]
-        for sequence in self.order:
-            self.waiting[self.lane_of(sequence)].append(sequence)
-
-    def lane_of(self, sequence: int) -> int:
-        """The lane of the plan's bucket `sequence`: the last whose run starts at or before it."""
-        return max(0, bisect.bisect_right(self.lane_starts, sequence) - 1)
-
-    def expected(self, sequence: int) -> int | None:
-        """The owned bucket that must come next in `sequence`'s lane (None: that lane is done)."""
-        lane = self.waiting[self.lane_of(sequence)]
-        return lane[0] if lane else None
-
-    @property
-    def update_id(self) -> str:
-        return self.command.update_id
-
-    @property
-    def group_id(self) -> str:
-        return self.command.group_id
-
-
-class StoreMaps:
-    """The arenas of the node store this worker has mapped."""
-
-    def __init__(self) -> None:
-        self.arenas: dict[int, MappedArena] = {}
-
-    def add(self, arena: MappedArena) -> None:
-        old = self.arenas.pop(arena.arena_id, None)
-        if old is not None:
-            old.release()
-        self.arenas[arena.arena_id] = arena
-
-    def drop(self, arena_ids) -> None:
-        for arena_id in arena_ids:
-            arena = self.arenas.pop(arena_id, None)
-            if arena is not None:
-                arena.release()
-
-    def bytes_at(self, region: wpb.Region, size: int) -> torch.Tensor:
-        arena = self.arenas.get(region.arena_id)
-        if arena is None or region.offset_bytes < 0 or region.offset_bytes + size > arena.size_bytes:
-            raise FailedPrecondition("ARENA_NOT_MAPPED", f"store bytes [{region.offset_bytes}, +{size}) of arena "
-                                     f"{region.arena_id} are not mapped in this worker", arena=region.arena_id)
-        return arena.region(region.offset_bytes, size)
-
-    def tensor_at(self, region: wpb.Region, dtype: int, shape, name: str) -> torch.Tensor:
-        torch_dtype = dtypes.to_torch(dtype, tensor=name)
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        data = self.bytes_at(region, numel * torch_dtype.itemsize)
-        return data.view(torch_dtype).view(tuple(shape)) if numel else torch.empty(tuple(shape), dtype=torch_dtype)
-
-    def release(self) -> None:
-        self.drop(list(self.arenas))
-
-
-class DeviceLane:
-    """Two device staging buffers, a copy stream, and an event per buffer (see the module docstring)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.slots: list[torch.Tensor] = []
-        self.copied: list[torch.cuda.Event | None] = [None, None]
-        self._next = 0
-        self._stream: torch.cuda.Stream | None = None
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(s.numel() for s in self.slots)
-
-    def ensure(self, size: int) -> None:
-        if self.slots and self.slots[0].numel() >= size:
-            return
-        self.drain()
-        self.slots = [torch.empty(max(size, 1), dtype=torch.uint8, device=self.device) for _ in range(2)]
-        self.copied = [None, None]
-
-    def take(self, size: int) -> tuple[int, torch.Tensor]:
-        """The next staging buffer, once the copy out of it completed (a wait on the device, not here)."""
-        index, self._next = self._next, self._next ^ 1
-        event = self.copied[index]
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-        return index, self.slots[index][:size]
-
-    @property
-    def copy_stream(self) -> torch.cuda.Stream:
-        """The stream the copies out of staging run on (created at first use)."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        return self._stream
-
-    def copy_out(self, index: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy (device source, host destination) pairs on the copy stream, after what the current stream
-        did (the receive); the buffer is reused only after these copies (its event)."""
-        stream = self.copy_stream
-        received = torch.cuda.Event()
-        received.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            stream.wait_event(received)
-            for source, destination in pairs:
-                destination.copy_(source, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        self.copied[index] = done
-
-    def drain(self) -> None:
-        """Every copy out of staging completed (before a commit or an abort is answered)."""
-        if self._stream is not None:
-            self._stream.synchronize()
-
-    def release(self) -> None:
-        """Every copy out completed, then the staging buffers and torch's cached blocks go back to the device."""
-        self.drain()
-        self.slots = []
-        self.copied = [None, None]
-        release_cached_device_memory(self.device)
 
 
 class Receiver:

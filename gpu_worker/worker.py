@@ -43,7 +43,8 @@ from weightsync.common.shm_queue import ShmQueue
 from weightsync.gpu_worker.device_faults import DeviceFault, classify
 from weightsync.gpu_worker.group_table import GroupTable
 from weightsync.gpu_worker.memory import available_bytes, map_arena, map_ingress
-from weightsync.gpu_worker.receiver import Applied, Receiver
+from weightsync.gpu_worker.receive_update import Applied
+from weightsync.gpu_worker.receiver import Receiver
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 

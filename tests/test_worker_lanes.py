@@ -1,4 +1,4 @@
-"""A worker's lanes (gpu_worker/receiver.py ReceiveUpdate): an update fed by several streams names where
+"""A worker's lanes (gpu_worker/receive_update.py ReceiveUpdate): an update fed by several streams names where
 each stream's run of the plan starts, and the worker takes its owned buckets in order within each run,
 whatever the interleaving between runs; the staging admission counts a buffer per extra lane."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.gpu_worker.receiver import ReceiveUpdate
+from weightsync.gpu_worker.receive_update import ReceiveUpdate
 from weightsync.server.admission import StagingNeed
 from weightsync.worker.v1 import worker_pb2 as wpb
 

@@ -1,6 +1,6 @@
 """One push of this process's part (WeightSyncClient(part=...)): checked, agreed, planned, run.
 
-  1. check: the transport (INLINE only: the servers run parts over INLINE, for now), the tensors,
+  1. check: the transport (INLINE, or SHM on the server's host: the servers run parts over those), the tensors,
      what this part declares of each (parts.declare), and every server's GetServerInfo.parts;
   2. agree (Part.group set): one all-gather: every rank learns rank 0's update key, or every rank
      raises PartInputsRefused naming the ranks whose checks failed (part_agreement.py). Without a
@@ -91,9 +91,9 @@ def push_part(client: WeightSyncClient, part: Part,
 
 def _checked(client: WeightSyncClient, named_tensors, transport: str) -> tuple[list[Declared], Sink]:
     """This rank's own checks, before any byte moves: what it declares, and the sink its bytes go to."""
-    if transport != "inline":
-        raise PartsUnavailable(f"a part is pushed over INLINE only (servers run parts over INLINE for now), "
-                               f"not {transport!r}: push(..., transport='inline')")
+    if transport not in PART_TRANSPORTS:
+        raise PartsUnavailable(f"a part is pushed over INLINE, or SHM from the server's host (servers run parts "
+                               f"over those two for now), not {transport!r}: push(..., transport='inline')")
     items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
     check_tensors(items)
     declared = declare(items)
@@ -103,7 +103,12 @@ def _checked(client: WeightSyncClient, named_tensors, transport: str) -> tuple[l
         if not runs_parts(info):
             raise PartsUnavailable(f"{address} does not run updates sent in parts (GetServerInfo.parts is false): "
                                    "upgrade it, or push the whole update from one process")
-    return declared, client._sink("inline")[1]
+    return declared, client._sink(transport)[1]
+
+
+PART_TRANSPORTS = ("inline", "shm")
+"""What a part is pushed over: INLINE (one stream per part per server), or SHM (parts on the server's host,
+each writing its own share of the ingress slots: UpdateReady.ingress_slot_first/_count)."""
 
 
 def runs_parts(info) -> bool:

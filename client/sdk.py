@@ -172,8 +172,8 @@ class WeightSyncClient:
         INLINE): PartsUnavailable.
         """
         if self._part is not None:
-            raise PartsUnavailable("a client with a part pushes over INLINE only (servers run parts over INLINE for "
-                                   "now): it needs no transfer group")
+            raise PartsUnavailable("a client with a part pushes over INLINE or SHM (servers run parts over those "
+                                   "for now): it needs no transfer group")
         if self._group is not None:
             raise WeightSyncClientError(f"group {self._group.group_id} exists; delete_group() first")
         group = transfer_group.create(self._servers, backend=backend, timeout=timeout, group_id=group_id,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from sdk_parts_trainer import dtensor_model, model
 
-from weightsync.client import Part, PartsUnavailable, PartUpdateFailed, WeightSyncClient
+from weightsync.client import Part, PartsUnavailable, PartUpdateFailed, WeightSyncClient, WeightSyncClientError
 
 from helpers import local_checksums, run_ranks, server_checksums, start_server
 
@@ -85,9 +85,9 @@ def test_a_part_over_another_transport_or_to_a_server_without_parts_is_refused_b
     before = [s.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).current_version for s in servers]
     tensors = {"a": torch.ones(4)}
     with WeightSyncClient([s.address for s in servers], part=Part(rank=0, world=2)) as client:
-        with pytest.raises(PartsUnavailable, match="over INLINE only"):
+        with pytest.raises(PartsUnavailable, match="over INLINE, or SHM from the server's host"):
             client.push(tensors, version="x", transport="collective", part_key="k-collective")
-        with pytest.raises(PartsUnavailable, match="over INLINE only"):
+        with pytest.raises(WeightSyncClientError, match="SHM pushes to one server"):
             client.push(tensors, version="x", transport="shm", part_key="k-shm")
         with pytest.raises(PartsUnavailable, match="needs no transfer group"):
             client.create_group()

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from weightsync.client._loop import LoopThread
 from weightsync.client.compression import Frames
-from weightsync.client.errors import WeightSyncRpcError
+from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
 from weightsync.client.packing import PackBuffers, Payload, TensorSource, fill_bucket
 from weightsync.client.planning import PlannedBucket
 from weightsync.client.streams import UpdateStream
@@ -227,12 +227,33 @@ class ShmSink:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             ingress = torch.frombuffer(self._map, dtype=torch.uint8)
-        slots = [ingress[i * slot_bytes : (i + 1) * slot_bytes] for i in range(slot_count)]
-        self.buffers = PackBuffers(torch.device("cpu"), slots=slots)
+        self._ingress_slots = [ingress[i * slot_bytes : (i + 1) * slot_bytes] for i in range(slot_count)]
+        self.buffers = PackBuffers(torch.device("cpu"), slots=self._ingress_slots)
+        self._run = (0, slot_count)
+        """The slots this push writes (first, count): UpdateReady's run, the whole ingress for a push of one."""
         self._slot_count = slot_count
         self._timeout = timeout
 
+    def _use_run(self, streams: list[UpdateStream]) -> None:
+        """Pack into the run of slots the server gave this stream (UpdateReady.ingress_slot_first/_count:
+        a part's own share, so parts on one host never write each other's slots). A server that names none
+        (older than parts over SHM) gave the whole ingress."""
+        ready = streams[0].ready.result()
+        run = (ready.ingress_slot_first, ready.ingress_slot_count) if ready.ingress_slot_count else (
+            0, len(self._ingress_slots))
+        first, count = run
+        if run == self._run:
+            return
+        if first < 0 or count < 1 or first + count > len(self._ingress_slots):
+            raise WeightSyncClientError(f"{streams[0].server} gave ingress slots {first}..{first + count - 1} "
+                                        f"(UpdateReady), outside the {len(self._ingress_slots)} slots mapped")
+        self.buffers = PackBuffers(torch.device("cpu"), slots=self._ingress_slots[first : first + count])
+        self._run = run
+        self._slot_count = count
+
     def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
+        if index == 0:
+            self._use_run(streams)
         # Bucket k reuses the slot of bucket k - slots: the server must have applied that one.
         earlier = index - self._slot_count + 1
         if earlier > 0:
@@ -263,6 +284,7 @@ class ShmSink:
 
     def close(self) -> None:
         self.buffers.release()
+        self._ingress_slots.clear()
         try:
             self._map.close()
         except BufferError:

@@ -160,7 +160,7 @@ def _ranks(ranks: Iterable[int]) -> str:
 # -- what a part is ---------------------------------------------------------------------------------
 def boxes_refused(begin: pb.BeginUpdate, plan: tensor_pb2.WeightPlan) -> Refusal | None:
     """A plan with a box (TensorSpec.box), at begin: a box travels only in the plan of a part
-    (BOX_WITHOUT_PART), over INLINE, the one transport this server runs parts over (PARTS_UNAVAILABLE),
+    (BOX_WITHOUT_PART), over INLINE or SHM, the transports this server runs parts over (PARTS_UNAVAILABLE),
     and dense: a patch of a box, or a box among a deferred bucket's candidates, is not placed
     (BOX_PATCH_UNAVAILABLE). None for a plan without a box, or with boxes this server places. `plan`: the
     begin's plan, or the one its plan_id names."""
@@ -173,10 +173,10 @@ def boxes_refused(begin: pb.BeginUpdate, plan: tensor_pb2.WeightPlan) -> Refusal
                 return InvalidArgument("BOX_WITHOUT_PART", f"tensor {spec.name!r} is sent as a box, but the stream "
                                        "is no part of an update (BeginUpdate.part unset): a box travels only in a "
                                        "part's plan, which declares it", bucket=index, tensor=name)
-            if begin.transport != pb.TRANSPORT_INLINE:
+            if begin.transport not in PART_TRANSPORTS:
                 return Unimplemented("PARTS_UNAVAILABLE", f"tensor {spec.name!r} is sent as a box over "
                                      f"{pb.Transport.Name(begin.transport)}: this server places boxes sent over "
-                                     "INLINE only", bucket=index, tensor=name)
+                                     "INLINE or SHM only", bucket=index, tensor=name)
             if bucket.deferred or patches.is_patch(spec.encoding):
                 return Unimplemented("BOX_PATCH_UNAVAILABLE", f"tensor {spec.name!r} is sent as a patch of a box "
                                      "(or a deferred bucket's candidate): this server places dense boxes only; send "
@@ -186,12 +186,17 @@ def boxes_refused(begin: pb.BeginUpdate, plan: tensor_pb2.WeightPlan) -> Refusal
 
 def parts_not_run(update_key: str, world: int) -> Refusal:
     """What every part of a world > 1 gets once they all joined and their union passed, where this server does
-    not run such a world (a transport other than INLINE, or more parts than ingress slots). Nothing was
-    allocated."""
+    not run such a world (a transport other than INLINE or SHM, or more parts than ingress slots). Nothing
+    was allocated."""
     return Unimplemented("PARTS_UNAVAILABLE", f"all {world} parts of update {update_key!r} joined and their "
-                         "declarations agree, but this server runs parts only over INLINE, at most as many as its "
-                         "ingress slots: send the update over INLINE, or from fewer processes",
+                         "declarations agree, but this server runs parts only over INLINE or SHM, at most as many "
+                         "as its ingress slots: send the update over INLINE, or from fewer processes",
                          update_key=update_key, world=world)
+
+
+PART_TRANSPORTS = frozenset({pb.TRANSPORT_INLINE, pb.TRANSPORT_SHM})
+"""The transports this server runs parts over: those whose bytes reach the server through its ingress, where
+each part gets a run of slots of its own (update_streams.ingress_shares)."""
 
 
 def join_timeout(part: pb.UpdatePart) -> datetime.timedelta:

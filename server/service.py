@@ -30,7 +30,7 @@ from weightsync.common.plan_id import plan_id_of
 from weightsync.server.node import SERVICE_NAME, Node
 from weightsync.server.part_joins import PartJoins, Ticket
 from weightsync.server.part_updates import PartFeed, PartUpdates
-from weightsync.server.parts import TensorMeta, boxes_refused, parts_not_run
+from weightsync.server.parts import PART_TRANSPORTS, TensorMeta, boxes_refused, parts_not_run
 from weightsync.server.request_checks import (
     check_begin,
     group_for,
@@ -286,10 +286,10 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             raise refusal
 
     def _runs_parts(self, transport: int, world: int) -> bool:
-        """This server runs an update of `world` parts over `transport`: INLINE, each part with an ingress
-        slot of its own at least (a box over another transport is refused at begin: boxes_refused)."""
+        """This server runs an update of `world` parts over `transport`: INLINE or SHM, each part with an
+        ingress slot of its own at least (a box over another transport is refused at begin: boxes_refused)."""
         ingress = self.node.ingress
-        return transport == pb.TRANSPORT_INLINE and ingress is not None and world <= ingress.slot_count
+        return transport in PART_TRANSPORTS and ingress is not None and world <= ingress.slot_count
 
     def _stored(self) -> dict[str, TensorMeta]:
         """The dtype and shape of every tensor the store holds (what a part may declare unchanged)."""

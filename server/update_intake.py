@@ -102,6 +102,8 @@ class IngressSlots(Protocol):
     """The ingress slots an intake may use: the whole ingress (ingress.py), or its stream's share of them."""
 
     slot_bytes: int
+    first_slot: int
+    """The ingress slot of this run's sequence 0 (0 for the whole ingress)."""
     slot_count: int
 
     def slot_offset(self, sequence: int) -> int: ...

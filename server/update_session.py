@@ -70,6 +70,7 @@ from weightsync.server.update_intake import (
     Closed,
     Commit,
     Failed,
+    IngressSlots,
     Item,
     ShuttingDown,
     StreamReader,
@@ -220,12 +221,16 @@ class UpdateSession:
     def feed(self, stream: Stream, requests: AsyncIterator[pb.UpdateWeightsRequest]) -> None:
         """Read `requests` (a stream after its Begin) into this update, through its transport's intake."""
         services = self.services
-        ingress = services.ingress
-        if ingress is not None and len(self.streams) > 1:
-            ingress = ingress_shares(ingress, len(self.streams))[self.streams.index(stream)]
         stream.reader = open_intake(StreamSide(self, stream), transport=self.begin.transport, fleet=services.fleet,
-                                    ingress=ingress, max_chunk_bytes=services.max_chunk_bytes)
+                                    ingress=self._ingress_of(stream), max_chunk_bytes=services.max_chunk_bytes)
         stream.reading = asyncio.create_task(stream.reader.read(requests))
+
+    def _ingress_of(self, stream: Stream) -> IngressSlots | None:
+        """The ingress slots `stream` uses: all of them for one stream, else its own run (update_streams)."""
+        ingress = self.services.ingress
+        if ingress is None or len(self.streams) == 1:
+            return ingress
+        return ingress_shares(ingress, len(self.streams))[self.streams.index(stream)]
 
     def forwarded_to(self, worker_index: int) -> list[int]:
         """The buckets any stream forwarded to this worker to receive into the store."""
@@ -406,6 +411,10 @@ class UpdateSession:
                                             for owner in self.owners[stream.first : stream.first + stream.count])
         if plan is not None:
             ready.not_stored_buckets.extend(k - stream.first for k in plan.not_stored if stream.owns(k))
+        ingress = self._ingress_of(stream)
+        if self.begin.transport == pb.TRANSPORT_SHM and ingress is not None:
+            ready.ingress_slot_first = ingress.first_slot
+            ready.ingress_slot_count = ingress.slot_count
         return pb.UpdateWeightsResponse(ready=ready)
 
     async def _bucket_done(self, stream: Stream, bucket: Bucket) -> pb.UpdateWeightsResponse | None:

@@ -11,7 +11,8 @@ pieces its workers finished, whether it asked to commit and was told the update 
 A reader sees its update only through its stream's side (StreamSide, an IntakeSession): the
 stream's own plan, counters and sequences, every message it puts in the inbox tagged with the
 stream, and a failure it reports attributed to its part. INLINE streams share the ingress slots:
-each stream gets its own run of them (IngressShare), so one part never writes into another's.
+and so do SHM parts (each client writes its slots itself, told its run in UpdateReady): each
+stream gets its own run of them (IngressShare), so one part never writes into another's.
 """
 
 from __future__ import annotations
@@ -73,12 +74,12 @@ class IngressShare:
 
     def __init__(self, ingress: Ingress, start: int, count: int) -> None:
         self.ingress = ingress
-        self.start = start
+        self.first_slot = start
         self.slot_count = count
         self.slot_bytes = ingress.slot_bytes
 
     def slot_offset(self, sequence: int) -> int:
-        return (self.start + sequence % self.slot_count) * self.slot_bytes
+        return (self.first_slot + sequence % self.slot_count) * self.slot_bytes
 
     def write(self, sequence: int, offset_bytes: int, data: bytes | memoryview) -> None:
         start = self.slot_offset(sequence) + offset_bytes

@@ -47,7 +47,7 @@ def test_each_stream_gets_its_own_run_of_the_slots(slots, streams, runs):
     ingress = Ingress(64, slots)
     try:
         shares = ingress_shares(ingress, streams)
-        assert [(s.start, s.slot_count) for s in shares] == runs
+        assert [(s.first_slot, s.slot_count) for s in shares] == runs
         for share, (start, count) in zip(shares, runs, strict=True):
             assert share.slot_bytes == 64
             # piece p of the stream uses slot start + p % count, in the ingress's own offsets

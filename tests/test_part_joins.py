@@ -1,7 +1,7 @@
 """The parts of an update join on a real server (server/part_joins.py, over gRPC): keepalives while they
 wait, a rank twice or other terms refused to that part alone, the union refused to every part, a part
 that never comes fails every joined part naming it (and a later one too), a part that fails or leaves
-is named to the others, and a one-part update commits. This server runs parts over INLINE with an ingress
+is named to the others, and a one-part update commits. This server runs parts over INLINE or SHM with an ingress
 slot each: more parts than slots, once joined and checked, end UNIMPLEMENTED PARTS_UNAVAILABLE for every
 part (test_part_updates.py runs two parts). Every refusal
 leaves the store as it was, and the next whole push commits bit for bit."""

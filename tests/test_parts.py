@@ -108,8 +108,7 @@ INLINE = pb.TRANSPORT_INLINE
     (pb.BeginUpdate(part=part(rank=1), transport=INLINE, plan=_boxed_plan()), None),  # a part's box over INLINE
     (pb.BeginUpdate(transport=INLINE, plan=_boxed_plan()),
      ("INVALID_ARGUMENT", "BOX_WITHOUT_PART", {"bucket": "1", "tensor": "c"})),
-    (pb.BeginUpdate(part=part(rank=1), transport=pb.TRANSPORT_SHM, plan=_boxed_plan()),
-     ("UNIMPLEMENTED", "PARTS_UNAVAILABLE", {"bucket": "1", "tensor": "c"})),
+    (pb.BeginUpdate(part=part(rank=1), transport=pb.TRANSPORT_SHM, plan=_boxed_plan()), None),  # on the host
     (pb.BeginUpdate(part=part(rank=1), transport=pb.TRANSPORT_COLLECTIVE, plan=_boxed_plan()),
      ("UNIMPLEMENTED", "PARTS_UNAVAILABLE", {"bucket": "1", "tensor": "c"})),
     (pb.BeginUpdate(part=part(rank=1), transport=INLINE,
@@ -120,7 +119,7 @@ INLINE = pb.TRANSPORT_INLINE
                         tensor_pb2.TensorSpec(name="c", box=tensor_pb2.TensorBox())])])),
      ("UNIMPLEMENTED", "BOX_PATCH_UNAVAILABLE", {"bucket": "0", "tensor": "c"})),
 ])
-def test_a_box_is_placed_only_from_a_part_over_inline_and_dense(begin, expected):
+def test_a_box_is_placed_only_from_a_part_over_the_ingress_and_dense(begin, expected):
     assert decided(boxes_refused(begin, begin.plan)) == expected
 
 

@@ -395,20 +395,24 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, begin: _Optional[_Union[BeginUpdate, _Mapping]] = ..., bucket_start: _Optional[_Union[BucketStart, _Mapping]] = ..., commit: _Optional[_Union[CommitUpdate, _Mapping]] = ..., abort: _Optional[_Union[AbortUpdate, _Mapping]] = ..., bucket_chunk: _Optional[_Union[BucketChunk, _Mapping]] = ...) -> None: ...
 
 class UpdateReady(_message.Message):
-    __slots__ = ("update_id", "plan_id", "bucket_count", "fast_path_bucket_count", "bucket_owner_ranks", "not_stored_buckets")
+    __slots__ = ("update_id", "plan_id", "bucket_count", "fast_path_bucket_count", "bucket_owner_ranks", "not_stored_buckets", "ingress_slot_first", "ingress_slot_count")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
     BUCKET_OWNER_RANKS_FIELD_NUMBER: _ClassVar[int]
     NOT_STORED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    INGRESS_SLOT_FIRST_FIELD_NUMBER: _ClassVar[int]
+    INGRESS_SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     plan_id: str
     bucket_count: int
     fast_path_bucket_count: int
     bucket_owner_ranks: _containers.RepeatedScalarFieldContainer[int]
     not_stored_buckets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, update_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., bucket_count: _Optional[int] = ..., fast_path_bucket_count: _Optional[int] = ..., bucket_owner_ranks: _Optional[_Iterable[int]] = ..., not_stored_buckets: _Optional[_Iterable[int]] = ...) -> None: ...
+    ingress_slot_first: int
+    ingress_slot_count: int
+    def __init__(self, update_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., bucket_count: _Optional[int] = ..., fast_path_bucket_count: _Optional[int] = ..., bucket_owner_ranks: _Optional[_Iterable[int]] = ..., not_stored_buckets: _Optional[_Iterable[int]] = ..., ingress_slot_first: _Optional[int] = ..., ingress_slot_count: _Optional[int] = ...) -> None: ...
 
 class BucketApplied(_message.Message):
     __slots__ = ("sequence", "size_bytes")

@@ -6,16 +6,34 @@
      raises PartInputsRefused naming the ranks whose checks failed (part_agreement.py). Without a
      group, the caller's part_key is the key and a failed check raises as it is, on this rank only;
   3. plan: the declared tensors as a dense plan would plan them (the boxes as their local shards'
-     contiguous bytes: a box larger than a bucket travels as pieces, counted in the box's bytes);
-     the plan sent is the same with each boxed spec's shape the whole tensor's and its TensorSpec.box;
+     contiguous bytes: a box larger than a bucket travels as pieces, counted in the box's bytes), or,
+     with delta, the patched plan of the whole tensors (below) with the boxes dense beside them; the
+     plan sent is the same with each boxed spec's shape the whole tensor's and its TensorSpec.box;
   4. run: one stream per server with BeginUpdate.part, Ready once every part joined (bounded by the
      client's timeout plus the join timeout), the buckets, Commit; every part gets the same
      `committed`, one generation per server. A failure is PartUpdateFailed naming this part, and the
      part the server named (PART_FAILED) or the ranks that never came (PARTS_MISSING).
 
-Dense always: delta is off with a part (no copy is kept), and the plan is sent in full each push.
+Delta per part (push(delta=...), "auto" by default, as for a whole update: client/delta.py). Each part
+keeps the copy of its own whole tensors (client._delta: this process's) and compares them with it, as
+push() compares a whole update's: unchanged ones are left out of its plan (still declared), sparse
+changes go as patches, and the choice between a patched plan and a dense one is this part's alone (its
+whole tensors' bytes). A box is always sent dense and never kept (servers place dense boxes only:
+BOX_PATCH_UNAVAILABLE). Patches go only when every server holds the last commit (one plan per part to
+all of them). The base is the update's, not the part's: every part names, to each server, the
+generation that server committed last (BeginUpdate.base_generation/base_store_epoch, from its record),
+whether it sends patches or not; every commit gives every part the same generation, so the parts name
+the same base (the server requires it: PART_MISMATCH). A server that refuses the base at Begin
+(BASE_MISMATCH: restarted, or its store moved on) refuses it to every part, each hearing it as its own
+refusal or as PART_FAILED with part_reason BASE_MISMATCH (parts.base_refused); each part then sends the
+whole version dense, naming no base, to every server, under parts.dense_key(key), which every part
+derives alone: no collective. The server named by the failure forgets its generation; the copy is
+taken again from the tensors pushed. A part's pushes are not timed for auto's thresholds (a part's bytes
+over the whole update's seconds understate the link); the assumed rate of the transport holds.
+
 Nothing here is a collective once the push starts: the ranks do not wait for each other inside a
-push except through the servers, so a rank that fails mid-way fails the others through them.
+push except through the servers, so a rank that fails mid-way fails the others through them. The
+plan is sent in full each push.
 """
 
 from __future__ import annotations
@@ -26,16 +44,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from weightsync.client.delta import Delta
 from weightsync.client.errors import PartsUnavailable, PartUpdateFailed, UpdateFailed
 from weightsync.client.packing import TensorSource
 from weightsync.client.part_agreement import agree
-from weightsync.client.parts import Declared, Part, check_key, declare, draw_key
+from weightsync.client.parts import (
+    Declared,
+    Part,
+    base_refused,
+    check_key,
+    declare,
+    dense_key,
+    draw_key,
+)
+from weightsync.client.patched_push import PatchedPlan, plan_patches
 from weightsync.client.plan_cache import CachedPlan
 from weightsync.client.plan_choice import PlanChoice
-from weightsync.client.planning import build_plan, check_tensors, plan_proto
-from weightsync.client.push_job import PushJob, push_result
+from weightsync.client.planning import PlannedBucket, build_plan, check_tensors, plan_proto
+from weightsync.client.push_job import PushJob, Ran, push_result
 from weightsync.client.sinks import Sink
-from weightsync.client.types import PushProgress, PushResult
+from weightsync.client.types import PushProgress, PushResult, StoreGeneration
 from weightsync.common.logging import get_logger
 from weightsync.common.plan_id import plan_id_of
 
@@ -49,15 +77,17 @@ def push_part(client: WeightSyncClient, part: Part,
               named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *, version: str,
               mode: int, transport: str, part_key: str | None, bucket_size_bytes: int, allow_new_tensors: bool,
               checksums: bool | None, zero_copy_min_bytes: int, progress: Callable[[PushProgress], None] | None,
-              show_progress: bool | None) -> PushResult:
-    """push() with a part (module docstring); the client's lock is held."""
+              show_progress: bool | None, delta: Delta = "auto") -> PushResult:
+    """push() with a part (module docstring); the client's lock is held. delta: as push()'s, for this
+    part's whole tensors (its boxes always go dense)."""
     started = time.perf_counter()
-    client._delta.drop()  # dense with a part: nothing to compare against, no copy kept
     key = ""
     failure: Exception | None = None
     declared: list[Declared] = []
     sink: Sink | None = None
     try:
+        if delta not in ("auto", True, False):
+            raise ValueError(f"delta must be 'auto', True or False, got {delta!r}")
         if part.group is None and part_key is None:
             raise ValueError("a part without a group needs push(part_key=...): the same key on every rank, "
                              "new for each push (e.g. the version and a suffix all ranks share)")
@@ -73,20 +103,78 @@ def push_part(client: WeightSyncClient, part: Part,
     if part.group is not None:
         key = agree(part, key, failure)  # PartInputsRefused on every rank if any failed
     assert sink is not None
-    choice = _plan(declared, bucket_size_bytes, zero_copy_min_bytes)
+    sizes = dict(bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes)
+    items = _compared(client, named_tensors, declared, delta, transport)
+    boxes = [(d.name, d.tensor) for d in declared if d.box is not None]
+    states = client._fleet.answered()
+    # The update's base, named alike by every part (their records agree: each commit gives them all one
+    # generation per server), whether this part sends patches or not.
+    bases = {s.address: s.generation for s in states if s.generation is not None}
+    patched = plan_patches(client._delta, items, delta, servers=states, link=client._links.bytes_per_second(transport),
+                           collective=True, boxes=boxes, **sizes) if items is not None else None
     job = PushJob(loop=client._loop, servers=client._servers, group=None, sink=sink, delta=client._delta,
                   version=version, mode=mode, allow_new_tensors=allow_new_tensors, checksums=checksums,
                   progress=progress, show_progress=show_progress, started=started)
     log.info("part_push", version=version, update_key=key, rank=part.rank, world=part.world,
-             whole=sum(d.box is None for d in declared), boxes=sum(d.box is not None for d in declared))
+             whole=len(declared) - len(boxes), boxes=len(boxes), patches=len(patched.delta.patches) if patched else 0,
+             base=bool(bases))
+    choice = (_boxed(patched.choice.planned, patched.choice.source, declared) if patched is not None
+              else _plan(declared, **sizes))
     try:
-        ran = job.run(choice, client._fleet.states, part=part.proto(key, declared),
-                      ready_timeout=client._servers.timeout + part.join_timeout)
+        ran = _run(client, job, part, key, declared, choice, bases, items, patched)
     except UpdateFailed as error:
-        raise _named(error, part, key) from error
+        if not bases or not base_refused(error.reason, getattr(error.cause, "metadata", {}) or {}):
+            raise _named(error, part, key) from error
+        # A server refused the base at Begin (restarted, or its store moved on): every part hears it from
+        # that server and retries, the whole version dense, under the key they all derive from this one.
+        retry = dense_key(key)
+        log.info("part_base_refused_sending_dense", server=error.server, update_key=key, retry_key=retry,
+                 rank=part.rank)
+        client._delta.base_refused()
+        if error.server:
+            client._fleet.by_address(error.server).base_refused()
+        patched, key = None, retry
+        try:
+            ran = _run(client, job, part, key, declared, _plan(declared, **sizes), {}, items, None)
+        except UpdateFailed as again:
+            raise _named(again, part, key) from again
     for outcome in ran.outcomes:
         client._fleet.by_address(outcome.server).committed(None, outcome.committed)
-    return push_result([ran], version, started, dense_bytes=0)
+    if items is not None:
+        client._delta.committed(items, patched.delta if patched is not None else None)
+    return push_result([ran], version, started, dense_bytes=sum(d.tensor.numel() * d.tensor.element_size()
+                                                                for d in declared))
+
+
+def _run(client: WeightSyncClient, job: PushJob, part: Part, key: str, declared: list[Declared], choice: PlanChoice,
+         bases: dict[str, StoreGeneration], items: list[tuple[str, torch.Tensor]] | None,
+         patched: PatchedPlan | None) -> Ran:
+    """One run of this part's plan to every server under `key`, naming `bases`; the kept copy (items: None,
+    none kept) refreshes while the bytes move, from Ready on for a patched plan (a refused base leaves
+    it as the comparison made it)."""
+    on_ready = None
+    if patched is not None:
+        delta = patched.delta
+
+        def on_ready() -> None:
+            client._delta.take_in_background(items, delta)  # type: ignore[arg-type]
+    elif items is not None:
+        client._delta.take_in_background(items, None)
+    return job.run(choice, client._fleet.states, bases=bases, on_ready=on_ready, part=part.proto(key, declared),
+                   ready_timeout=client._servers.timeout + part.join_timeout)
+
+
+def _compared(client: WeightSyncClient, named_tensors: object, declared: list[Declared], delta: Delta,
+              transport: str) -> list[tuple[str, torch.Tensor]] | None:
+    """This part's whole tensors when this push compares them with the kept copy (as push() decides for a
+    whole update: not with delta=False, an iterator, or auto where no patch pays); None, and no copy kept,
+    otherwise, or when the part sends only boxes."""
+    whole = [(d.name, d.tensor) for d in declared if d.box is None]
+    if (delta is False or not isinstance(named_tensors, Mapping | list | tuple) or not whole
+            or (delta == "auto" and client._links.cannot_pay(whole, transport))):
+        client._delta.drop()
+        return None
+    return whole
 
 
 def _checked(client: WeightSyncClient, named_tensors, transport: str) -> tuple[list[Declared], Sink]:
@@ -117,10 +205,16 @@ def runs_parts(info) -> bool:
 
 
 def _plan(declared: list[Declared], bucket_size_bytes: int, zero_copy_min_bytes: int) -> PlanChoice:
-    """The buckets over the declared bytes (a box as its local shard), and the plan sent: the same, each
-    boxed spec with the whole tensor's shape and its box (pieces count in the box's bytes as planned)."""
+    """The dense plan: the buckets over the declared bytes (a box as its local shard), each boxed spec sent
+    with the whole tensor's shape and its box (_boxed)."""
     local = [(d.name, d.tensor) for d in declared]
     planned = build_plan(local, bucket_size_bytes, zero_copy_min_bytes) if local else []
+    return _boxed(planned, TensorSource(dict(local), None), declared)
+
+
+def _boxed(planned: list[PlannedBucket], source: TensorSource, declared: list[Declared]) -> PlanChoice:
+    """The plan sent of these buckets (a dense or a patched plan's): each boxed spec with the whole tensor's
+    shape and its box (pieces count in the box's bytes as planned), and its id."""
     plan = plan_proto(planned)  # copies of the specs: the planned ones keep the local shapes for packing
     boxed = {d.name: d for d in declared if d.box is not None}
     for bucket in plan.buckets:
@@ -130,8 +224,7 @@ def _plan(declared: list[Declared], bucket_size_bytes: int, zero_copy_min_bytes:
                 del spec.shape[:]
                 spec.shape.extend(d.shape)
                 spec.box.CopyFrom(d.box.proto())  # type: ignore[union-attr]
-    plan_id = plan_id_of(plan)
-    return PlanChoice(CachedPlan.of(planned, (), plan, plan_id), planned, TensorSource(dict(local), None))
+    return PlanChoice(CachedPlan.of(planned, (), plan, plan_id_of(plan)), planned, source)
 
 
 def _named(error: UpdateFailed, part: Part, key: str) -> PartUpdateFailed:

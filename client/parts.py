@@ -13,8 +13,11 @@ What a part declares and sends, tensor by tensor (declare()):
     strided shards are refused. A box that is the whole tensor is declared whole; an empty box
     declares nothing.
 
-These are pure functions over placements, mesh coordinates and shapes; tests/test_sdk_parts_rules.py
-holds their tables. The collectives (the key, the inputs checked together) are part_agreement.py; the
+The dense retry after a refused base (part_push.py): every part derives the retry's key from the key
+they share (dense_key) and reads a refusal the same way (base_refused).
+
+These are pure functions over placements, mesh coordinates, shapes, keys and reasons;
+tests/test_sdk_parts_rules.py holds their tables (dense_key's and base_refused's: test_sdk_parts_delta.py). The collectives (the key, the inputs checked together) are part_agreement.py; the
 push itself part_push.py.
 """
 
@@ -24,7 +27,7 @@ import datetime
 import math
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +191,34 @@ def draw_key(version: str) -> str:
     """A fresh update key for `version`: its key-safe characters (shortened) and a random suffix."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", version)[: 128 - KEY_SUFFIX_CHARS - 1]
     return f"{safe}-{secrets.token_hex(KEY_SUFFIX_CHARS // 2)}"
+
+
+DENSE_KEY_SUFFIXES = (".dense", ".DENSE")
+"""What dense_key appends (the second only where the first would give the key back)."""
+
+
+def dense_key(key: str) -> str:
+    """The update key of the dense retry of the update under `key`, after a server refused its base: every
+    part derives it alone from the key they share (no collective), so they all join the retry under one new
+    key. The key with DENSE_KEY_SUFFIXES[0] appended (its end cut to stay within 128 characters), never the
+    key itself: a valid key (check_key) that differs from `key`."""
+    for suffix in DENSE_KEY_SUFFIXES:
+        derived = key[: 128 - len(suffix)] + suffix
+        if derived != key:
+            return check_key(derived)
+    raise AssertionError("unreachable: the two suffixes differ, so at most one gives the key back")
+
+
+BASE_REFUSED = "BASE_MISMATCH"
+"""The reason a server refuses the generation an update's patches apply to (send it dense)."""
+
+
+def base_refused(reason: str, metadata: Mapping[str, str]) -> bool:
+    """Whether a part's failed update was a refused base, as this part hears it: its own begin refused
+    (BASE_MISMATCH), or another part's (PART_FAILED whose part_reason is BASE_MISMATCH, also what a part
+    that comes later under the key gets). Every part names the same base to a server, so every part hears one
+    of the two from it, and each then retries dense under dense_key on its own."""
+    return reason == BASE_REFUSED or (reason == "PART_FAILED" and metadata.get("part_reason") == BASE_REFUSED)
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -59,11 +59,15 @@ class PatchedPlan:
 
 
 def plan_patches(delta: DeltaBase, items: list[tuple[str, torch.Tensor]], mode: Delta, *, servers: list[ServerState],
-                 link: float, collective: bool, bucket_size_bytes: int, zero_copy_min_bytes: int) -> PatchedPlan | None:
+                 link: float, collective: bool, bucket_size_bytes: int, zero_copy_min_bytes: int,
+                 boxes: list[tuple[str, torch.Tensor]] | None = None) -> PatchedPlan | None:
     """The patched plan, or None: all dense (no server holds our last commit, a new layout, nothing
     or too much changed). COLLECTIVE sends one plan to the whole group: patches only if every
     server can take them. link: the transport's dense bytes per second (LinkTimings). The deferred
-    comparison, if any, is started here."""
+    comparison, if any, is started here. boxes: a part's boxes (part_push.py), each as its local
+    shard's bytes: planned dense with the tensors sent whole, never compared or deferred (servers
+    place dense boxes only), and no part of the choice between patches and dense (either sends
+    them whole); the plan's box specs are the caller's to complete. None: no part, deferring allowed."""
     targets = patch_targets(servers, claims=delta.claims, collective=collective)
     if not targets:
         return None
@@ -71,7 +75,7 @@ def plan_patches(delta: DeltaBase, items: list[tuple[str, torch.Tensor]], mode: 
         return None
     # Read before choose(): the comparison may advance the copy, which then claims nothing until committed.
     bases = {s.address: s.generation for s in targets if s.generation is not None}
-    defer = defers_comparison(link) and all(_info(s).deferred_buckets for s in targets)
+    defer = boxes is None and defers_comparison(link) and all(_info(s).deferred_buckets for s in targets)
     choice = delta.choose(items, link=link, auto=mode == "auto", defer=defer)
     choice.keep_patches_within(bucket_size_bytes)
     if not choice.patches and not choice.deferred and (not choice.unchanged or len(choice.unchanged) == len(items)):
@@ -87,7 +91,8 @@ def plan_patches(delta: DeltaBase, items: list[tuple[str, torch.Tensor]], mode: 
     if choice.deferred:
         groups = deferred_groups(choice, groups=max(DEFERRED_GROUPS, workers), bucket_size_bytes=bucket_size_bytes)
         compare = DeferredCompare(delta, choice, groups)
-    plan = patched_plan(items, choice, bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes,
+    plan = patched_plan([*items, *(boxes or [])], choice, bucket_size_bytes=bucket_size_bytes,
+                        zero_copy_min_bytes=zero_copy_min_bytes,
                         patch_buckets=workers, deferred=compare)
     if compare is not None:
         compare.start()  # while Begin goes out and the servers get ready

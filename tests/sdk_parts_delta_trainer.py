@@ -1,0 +1,94 @@
+"""One trainer rank of tests/test_sdk_parts_delta.py: a real process in a Gloo group, pushing its part of each
+step with the SDK's default delta ("auto").
+
+    python sdk_parts_delta_trainer.py RANK WORLD PORT SERVERS(comma-separated) OUT_DIR
+
+Rank 0 owns `a` and `c` whole, rank 1 `b` and `d` whole (`d` never changes), and each rank a box of `rows`
+(a DTensor, Shard(0): its half of the rows). Every step after the first changes 0.5% of the elements of `a`,
+`b`, `c` and `rows`. Steps 1 to 3 are pushed; then rank 0 pushes `d` once more, alone, to the second server
+(the "intruder": that store moves on a generation, so the base the parts name there is refused), and steps 4
+and 5 are pushed. Writes OUT_DIR/rank{RANK}.json: per step, what the push sent (PushResult), each server's
+generation and received bytes (Committed.size_bytes), and verify()'s mismatches against the whole model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+GLOO_TIMEOUT = datetime.timedelta(seconds=90)
+OWNS = (("a", "c"), ("b", "d"))
+BOXED = "rows"
+CHANGING = ("a", "b", "c", "rows")
+CHANGED_FRACTION = 200
+"""Each step changes numel // CHANGED_FRACTION positions (0.5%, drawn with repetition) of each changing tensor."""
+BUCKET_BYTES = 64 << 10
+
+
+def full(step: int) -> dict[str, torch.Tensor]:
+    """The whole model after `step` (1: as initialised; each later step changes 0.5% of CHANGING)."""
+    g = torch.Generator().manual_seed(7)
+    tensors = {"a": torch.randn(256, 256, generator=g), "b": torch.randn(65536, generator=g),
+               "c": torch.randn(300, 64, generator=g).to(torch.bfloat16), "d": torch.arange(4096, dtype=torch.int64),
+               "rows": torch.randn(64, 128, generator=g)}
+    for later in range(2, step + 1):
+        for index, name in enumerate(CHANGING):
+            flat = tensors[name].view(-1)
+            where = torch.Generator().manual_seed(1000 * later + index)
+            positions = torch.randint(0, flat.numel(), (flat.numel() // CHANGED_FRACTION,), generator=where)
+            flat[positions] += 1
+    return tensors
+
+
+def own(rank: int, world: int, step: int, mesh) -> dict[str, torch.Tensor]:
+    """This rank's part of step `step`: its whole tensors and its rows as a DTensor shard (no collective)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    tensors = full(step)
+    mine = {name: tensors[name] for name in OWNS[rank]}
+    mine[BOXED] = DTensor.from_local(tensors[BOXED].chunk(world)[rank].clone(), mesh, [Shard(0)], run_check=False)
+    return mine
+
+
+def pushed(client, rank: int, world: int, step: int, mesh) -> dict:
+    result = client.push(own(rank, world, step, mesh), version=f"step-{step}", transport="inline",
+                         allow_new_tensors=True, bucket_size_bytes=BUCKET_BYTES)
+    return {"bytes_sent": result.bytes_sent, "dense_bytes": result.dense_bytes,
+            "generations": {o.server: o.generation for o in result.servers},
+            "received": {o.server: o.size_bytes for o in result.servers},
+            "mismatches": [f"{m.server}:{m.name}" for m in client.verify(full(step)).mismatches]}
+
+
+def main() -> None:
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    servers, out_dir = sys.argv[4].split(","), Path(sys.argv[5])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=GLOO_TIMEOUT)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from weightsync.client import Part, WeightSyncClient
+
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict = {}
+    with WeightSyncClient(servers, part=Part(rank=rank, world=world, group=dist.group.WORLD)) as client:
+        for step in (1, 2, 3):
+            out[f"step{step}"] = pushed(client, rank, world, step, mesh)
+        dist.barrier()  # between pushes, not inside one
+        if rank == 0:
+            with WeightSyncClient(servers[1]) as intruder:  # the second server's store moves on a generation
+                result = intruder.push({"d": full(3)["d"]}, version="intruder", transport="inline")
+                out["intruder"] = {o.server: o.generation for o in result.servers}
+        dist.barrier()
+        for step in (4, 5):
+            out[f"step{step}"] = pushed(client, rank, world, step, mesh)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Delta per part (client/part_push.py): each part compares its own whole tensors with its own kept copy and
+sends patches of them, its boxes dense; every part names the update's base; a refused base makes every part
+send the whole version dense, under a key each derives alone (parts.dense_key).
+
+Real processes: two trainer ranks (tests/sdk_parts_delta_trainer.py, one Gloo group) push five steps of one
+model into two servers over INLINE, with the SDK's default delta. Then the rules' tables, and the patched plan
+of a part (boxes dense beside the patches, never compared while the bytes travel)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from sdk_parts_delta_trainer import BOXED, OWNS, full
+
+from weightsync.client.delta import DeltaBase
+from weightsync.client.parts import KEY_PATTERN, base_refused, check_key, dense_key
+from weightsync.client.patched_push import plan_patches
+from weightsync.client.server_state import ServerState
+from weightsync.client.servers import Server
+from weightsync.client.types import StoreGeneration
+from weightsync.common.patches import is_patch
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+from helpers import local_checksums, run_ranks, server_checksums, start_server
+
+pytestmark = pytest.mark.timeout(420)
+
+TRAINER = Path(__file__).parent / "sdk_parts_delta_trainer.py"
+TRAINERS_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    started = [start_server(tmp_path_factory.mktemp(f"sdk-parts-delta-{k}"), workers=2) for k in range(2)]
+    yield started
+    for server in started:
+        assert server.stop() == 0, server.log()[-3000:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def test_two_parts_send_patches_of_their_whole_tensors_and_a_refused_base_goes_dense_from_both(servers, tmp_path):
+    addresses = [s.address for s in servers]
+    records = run_ranks([str(TRAINER), "{rank}", "2", str(free_port()), ",".join(addresses), str(tmp_path)], 2,
+                        tmp_path, TRAINERS_TIMEOUT)
+    model = full(5)
+    box_bytes = nbytes(model[BOXED]) // 2  # each rank's half of the rows, always dense
+    dense = [sum(nbytes(model[n]) for n in OWNS[rank]) + box_bytes for rank in (0, 1)]
+    (tmp_path / "records.json").write_text(json.dumps(records))  # for the report's table
+
+    for step in range(1, 6):
+        zero, one = (r[f"step{step}"] for r in records)
+        # One generation per server for both parts; every tensor on every server bit for bit (verify, from
+        # each rank, of the whole model); each server received what the two parts sent, no more.
+        assert zero["generations"] == one["generations"] and sorted(zero["generations"]) == sorted(addresses)
+        assert zero["mismatches"] == one["mismatches"] == [], step
+        assert [r["dense_bytes"] for r in (zero, one)] == dense
+        for address in addresses:
+            assert zero["received"][address] == one["received"][address] == zero["bytes_sent"] + one["bytes_sent"]
+        if step in (1, 4):  # the first push, and the one whose base the second server refused: dense, whole
+            assert [r["bytes_sent"] for r in (zero, one)] == dense, step
+        else:  # the box whole; of the whole tensors (0.5% changed), patches under 2% of their bytes
+            for rank, record in enumerate((zero, one)):
+                patches = record["bytes_sent"] - box_bytes
+                assert 0 < patches < 0.02 * (dense[rank] - box_bytes), (step, rank, record["bytes_sent"])
+
+    generations = [records[0][f"step{s}"]["generations"] for s in range(1, 6)]
+    first, second = addresses
+    assert [g[first] for g in generations] == [1, 2, 3, 4, 5]
+    assert records[0]["intruder"] == {second: 4}  # its store moved on: the base the parts name there is gone
+    assert [g[second] for g in generations] == [1, 2, 3, 5, 6]  # the dense retry committed there, and patches after
+    # The second server refused the parts' base (once: the retry names none); the first took it.
+    assert servers[1].log().count('"part_reason": "BASE_MISMATCH"') == 1
+    assert "BASE_MISMATCH" not in servers[0].log()
+    for server in servers:
+        assert server_checksums(server, names=sorted(model)) == [local_checksums(model)]
+
+
+@pytest.mark.parametrize(("key", "derived"), [
+    ("step-1-0a1b2c", "step-1-0a1b2c.dense"),
+    ("k", "k.dense"),
+    ("k.dense", "k.dense.dense"),  # a retry's retry key stays new
+    ("x" * 122, "x" * 122 + ".dense"),  # just fits
+    ("x" * 128, "x" * 122 + ".dense"),  # the end cut to stay within 128
+    ("x" * 122 + ".dense", "x" * 122 + ".DENSE"),  # cutting would give the key back
+    ("x" * 123 + ".dense"[:5], "x" * 122 + ".dense"),
+])
+def test_dense_key_is_a_new_valid_key_derived_from_the_key(key, derived):
+    assert dense_key(check_key(key)) == derived
+    assert derived != key and KEY_PATTERN.fullmatch(derived) and len(derived) <= 128
+
+
+@pytest.mark.parametrize(("reason", "metadata", "refused"), [
+    ("BASE_MISMATCH", {}, True),  # this part's own begin refused
+    ("PART_FAILED", {"part": "0", "part_reason": "BASE_MISMATCH"}, True),  # another part's (or a late part's)
+    ("PART_FAILED", {"part": "1", "part_reason": "STREAM_CLOSED"}, False),
+    ("PART_FAILED", {}, False),
+    ("PARTS_MISSING", {"missing": "1"}, False),
+    ("PART_MISMATCH", {"field": "base_generation"}, False),  # parts that disagree: a failure, not a retry
+    ("BASE_GENERATION_MISSING", {}, False),
+    ("TENSOR_SHAPE_MISMATCH", {"part_reason": "BASE_MISMATCH"}, False),
+])
+def test_base_refused_reads_a_refusal_as_every_part_hears_it(reason, metadata, refused):
+    assert base_refused(reason, metadata) is refused
+
+
+def _server(address: str, *, workers: int, generation: StoreGeneration | None) -> ServerState:
+    info = pb.GetServerInfoResponse(deferred_buckets=True, workers=[pb.WorkerInfo() for _ in range(workers)])
+    return ServerState(Server(address, None, None, None), info=info, generation=generation)  # type: ignore[arg-type]
+
+
+def test_a_parts_patched_plan_sends_its_boxes_dense_beside_the_patches_and_defers_nothing():
+    g = torch.Generator().manual_seed(3)
+    items = [("w", torch.randn(4096, generator=g)), ("v", torch.randn(2048, generator=g))]
+    box = ("rows", torch.randn(8, 16, generator=g))
+    delta = DeltaBase()
+    delta.committed(items, None)
+    changed = [(name, t.clone()) for name, t in items]
+    changed[0][1][::512] += 1  # 8 of 4096 changed; v unchanged
+    servers = [_server("s:1", workers=2, generation=StoreGeneration(5, 3))]
+    slow = 1e6  # a link slow enough that a whole update compares while its bytes travel (deferred buckets)
+    sizes = dict(bucket_size_bytes=1 << 20, zero_copy_min_bytes=1 << 20)
+
+    whole_update = plan_patches(delta, changed, True, servers=servers, link=slow, collective=False, **sizes)
+    assert whole_update is not None and whole_update.compare is not None  # the rule a part's plan sets aside
+    whole_update.stop()
+
+    delta = DeltaBase()
+    delta.committed(items, None)
+    patched = plan_patches(delta, changed, True, servers=servers, link=slow, collective=True, boxes=[box], **sizes)
+    assert patched is not None and patched.compare is None
+    assert set(patched.delta.patches) == {"w"} and patched.delta.unchanged == {"v"}
+    specs = {s.name: s for b in patched.choice.cached.plan.buckets for s in b.tensors}
+    assert sorted(specs) == ["rows", "w"]  # v left out, the box sent, w as its patch
+    assert not is_patch(specs["rows"].encoding) and specs["rows"].patch_count == 0
+    assert list(specs["rows"].shape) == [8, 16] and specs["rows"].size_bytes == nbytes(box[1])
+    assert specs["w"].patch_count == 8
+    assert patched.bases == {"s:1": StoreGeneration(5, 3)}

@@ -27,8 +27,9 @@ the same base (the server requires it: PART_MISMATCH). A server that refuses the
 (BASE_MISMATCH: restarted, or its store moved on) refuses it to every part, each hearing it as its own
 refusal or as PART_FAILED with part_reason BASE_MISMATCH (parts.base_refused); each part then sends the
 whole version dense, naming no base, to every server, under parts.dense_key(key), which every part
-derives alone: no collective. The server named by the failure forgets its generation; the copy is
-taken again from the tensors pushed. A part's pushes are not timed for auto's thresholds (a part's bytes
+derives alone: no collective. A part whose push fails, for any reason, forgets every server's
+generation (the next push names no base: the parts that failed agree again); the copy is taken again
+from the tensors pushed. A part's pushes are not timed for auto's thresholds (a part's bytes
 over the whole update's seconds understate the link); the assumed rate of the transport holds.
 
 Nothing here is a collective once the push starts: the ranks do not wait for each other inside a
@@ -62,6 +63,7 @@ from weightsync.client.plan_cache import CachedPlan
 from weightsync.client.plan_choice import PlanChoice
 from weightsync.client.planning import PlannedBucket, build_plan, check_tensors, plan_proto
 from weightsync.client.push_job import PushJob, Ran, push_result
+from weightsync.client.server_state import ServerState
 from weightsync.client.sinks import Sink
 from weightsync.client.types import PushProgress, PushResult, StoreGeneration
 from weightsync.common.logging import get_logger
@@ -122,7 +124,10 @@ def push_part(client: WeightSyncClient, part: Part,
               else _plan(declared, **sizes))
     try:
         ran = _run(client, job, part, key, declared, choice, bases, items, patched)
-    except UpdateFailed as error:
+    except BaseException as error:
+        _forget_bases(states)
+        if not isinstance(error, UpdateFailed):
+            raise
         if not bases or not base_refused(error.reason, getattr(error.cause, "metadata", {}) or {}):
             raise _named(error, part, key) from error
         # A server refused the base at Begin (restarted, or its store moved on): every part hears it from
@@ -131,8 +136,6 @@ def push_part(client: WeightSyncClient, part: Part,
         log.info("part_base_refused_sending_dense", server=error.server, update_key=key, retry_key=retry,
                  rank=part.rank)
         client._delta.base_refused()
-        if error.server:
-            client._fleet.by_address(error.server).base_refused()
         patched, key = None, retry
         try:
             ran = _run(client, job, part, key, declared, _plan(declared, **sizes), {}, items, None)
@@ -144,6 +147,16 @@ def push_part(client: WeightSyncClient, part: Part,
         client._delta.committed(items, patched.delta if patched is not None else None)
     return push_result([ran], version, started, dense_bytes=sum(d.tensor.numel() * d.tensor.element_size()
                                                                 for d in declared))
+
+
+def _forget_bases(states: list[ServerState]) -> None:
+    """This part's push failed: every server's record forgets its generation, so the next push names no
+    base. Every part whose push failed does the same, whatever failed it (its own error, or another part's
+    through the servers), so their next bases agree; a part that committed while another lost the answer
+    names a base the other does not, and that push fails once (PART_MISMATCH, then PARTS_MISSING) before
+    they agree again."""
+    for state in states:
+        state.base_refused()  # the transition that forgets the generation
 
 
 def _run(client: WeightSyncClient, job: PushJob, part: Part, key: str, declared: list[Declared], choice: PlanChoice,

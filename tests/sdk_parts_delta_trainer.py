@@ -7,7 +7,9 @@ Rank 0 owns `a` and `c` whole, rank 1 `b` and `d` whole (`d` never changes), and
 (a DTensor, Shard(0): its half of the rows). Every step after the first changes 0.5% of the elements of `a`,
 `b`, `c` and `rows`. Steps 1 to 3 are pushed; then rank 0 pushes `d` once more, alone, to the second server
 (the "intruder": that store moves on a generation, so the base the parts name there is refused), and steps 4
-and 5 are pushed. Writes OUT_DIR/rank{RANK}.json: per step, what the push sent (PushResult), each server's
+and 5 are pushed. Then rank 1's record of the first server forgets its generation (as if it had lost
+that server's Committed): step 6 fails on both ranks (their bases differ there), both forget every base, and
+steps 7 (dense) and 8 (patches) commit. Writes OUT_DIR/rank{RANK}.json: per step, what the push sent (PushResult), each server's
 generation and received bytes (Committed.size_bytes), and verify()'s mismatches against the whole model.
 """
 
@@ -28,6 +30,9 @@ CHANGING = ("a", "b", "c", "rows")
 CHANGED_FRACTION = 200
 """Each step changes numel // CHANGED_FRACTION positions (0.5%, drawn with repetition) of each changing tensor."""
 BUCKET_BYTES = 64 << 10
+JOIN_TIMEOUT = 10
+"""Step 6's first part waits this long for the part the server refused (PARTS_MISSING); the parts' Begins of
+every push follow their agreement's all-gather, so they are never this far apart."""
 
 
 def full(step: int) -> dict[str, torch.Tensor]:
@@ -71,11 +76,12 @@ def main() -> None:
                             timeout=GLOO_TIMEOUT)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from weightsync.client import Part, WeightSyncClient
+    from weightsync.client import Part, PartUpdateFailed, WeightSyncClient
 
     mesh = init_device_mesh("cpu", (world,))
     out: dict = {}
-    with WeightSyncClient(servers, part=Part(rank=rank, world=world, group=dist.group.WORLD)) as client:
+    part = Part(rank=rank, world=world, group=dist.group.WORLD, join_timeout=JOIN_TIMEOUT)
+    with WeightSyncClient(servers, part=part) as client:
         for step in (1, 2, 3):
             out[f"step{step}"] = pushed(client, rank, world, step, mesh)
         dist.barrier()  # between pushes, not inside one
@@ -85,6 +91,16 @@ def main() -> None:
                 out["intruder"] = {o.server: o.generation for o in result.servers}
         dist.barrier()
         for step in (4, 5):
+            out[f"step{step}"] = pushed(client, rank, world, step, mesh)
+        if rank == 1:  # as if it had lost the first server's Committed of step 5: its record there is gone
+            client._fleet.states[0].base_refused()
+        try:
+            pushed(client, rank, world, 6, mesh)
+            out["step6"] = "pushed"
+        except PartUpdateFailed as error:  # the parts name different bases there: both fail, both forget
+            out["step6"] = {"reason": error.reason, "server": error.server}
+        out["after6"] = [info.current_version.generation for info in client.server_info()]
+        for step in (7, 8):
             out[f"step{step}"] = pushed(client, rank, world, step, mesh)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()

@@ -1,9 +1,11 @@
 """Delta per part (client/part_push.py): each part compares its own whole tensors with its own kept copy and
 sends patches of them, its boxes dense; every part names the update's base; a refused base makes every part
-send the whole version dense, under a key each derives alone (parts.dense_key).
+send the whole version dense, under a key each derives alone (parts.dense_key); a failed push makes every
+part forget its bases, so parts whose records diverged agree again.
 
 Real processes: two trainer ranks (tests/sdk_parts_delta_trainer.py, one Gloo group) push five steps of one
-model into two servers over INLINE, with the SDK's default delta. Then the rules' tables, and the patched plan
+model into two servers over INLINE, with the SDK's default delta, a store that moves on between two
+steps, and a rank whose record of a server is lost. Then the rules' tables, and the patched plan
 of a part (boxes dense beside the patches, never compared while the bytes travel)."""
 
 from __future__ import annotations
@@ -55,12 +57,12 @@ def test_two_parts_send_patches_of_their_whole_tensors_and_a_refused_base_goes_d
     addresses = [s.address for s in servers]
     records = run_ranks([str(TRAINER), "{rank}", "2", str(free_port()), ",".join(addresses), str(tmp_path)], 2,
                         tmp_path, TRAINERS_TIMEOUT)
-    model = full(5)
+    model = full(8)
     box_bytes = nbytes(model[BOXED]) // 2  # each rank's half of the rows, always dense
     dense = [sum(nbytes(model[n]) for n in OWNS[rank]) + box_bytes for rank in (0, 1)]
     (tmp_path / "records.json").write_text(json.dumps(records))  # for the report's table
 
-    for step in range(1, 6):
+    for step in (1, 2, 3, 4, 5, 7, 8):
         zero, one = (r[f"step{step}"] for r in records)
         # One generation per server for both parts; every tensor on every server bit for bit (verify, from
         # each rank, of the whole model); each server received what the two parts sent, no more.
@@ -69,18 +71,25 @@ def test_two_parts_send_patches_of_their_whole_tensors_and_a_refused_base_goes_d
         assert [r["dense_bytes"] for r in (zero, one)] == dense
         for address in addresses:
             assert zero["received"][address] == one["received"][address] == zero["bytes_sent"] + one["bytes_sent"]
-        if step in (1, 4):  # the first push, and the one whose base the second server refused: dense, whole
+        if step in (1, 4, 7):  # the first push, the one whose base the second server refused, the one after a
+            # failed push (no base named): dense, whole
             assert [r["bytes_sent"] for r in (zero, one)] == dense, step
         else:  # the box whole; of the whole tensors (0.5% changed), patches under 2% of their bytes
             for rank, record in enumerate((zero, one)):
                 patches = record["bytes_sent"] - box_bytes
                 assert 0 < patches < 0.02 * (dense[rank] - box_bytes), (step, rank, record["bytes_sent"])
 
-    generations = [records[0][f"step{s}"]["generations"] for s in range(1, 6)]
+    generations = [records[0][f"step{s}"]["generations"] for s in (1, 2, 3, 4, 5, 7, 8)]
     first, second = addresses
-    assert [g[first] for g in generations] == [1, 2, 3, 4, 5]
+    assert [g[first] for g in generations] == [1, 2, 3, 4, 5, 6, 7]
     assert records[0]["intruder"] == {second: 4}  # its store moved on: the base the parts name there is gone
-    assert [g[second] for g in generations] == [1, 2, 3, 5, 6]  # the dense retry committed there, and patches after
+    assert [g[second] for g in generations] == [1, 2, 3, 5, 6, 7, 8]  # the dense retry committed there
+    # Step 6: rank 1 names no base to the first server, rank 0 its step-5 generation. The part that joins
+    # there second is refused (PART_MISMATCH), the first waits out the join (PARTS_MISSING); nothing commits,
+    # both forget every base, and step 7 (dense, no base) commits on both servers.
+    assert sorted(r["step6"]["reason"] for r in records) == ["PARTS_MISSING", "PART_MISMATCH"]
+    assert [r["step6"]["server"] for r in records] == [first, first]
+    assert records[0]["after6"] == records[1]["after6"] == [5, 6]
     # The second server refused the parts' base (once: the retry names none); the first took it.
     assert servers[1].log().count('"part_reason": "BASE_MISMATCH"') == 1
     assert "BASE_MISMATCH" not in servers[0].log()

@@ -27,7 +27,8 @@ the same base (the server requires it: PART_MISMATCH). A server that refuses the
 (BASE_MISMATCH: restarted, or its store moved on) refuses it to every part, each hearing it as its own
 refusal or as PART_FAILED with part_reason BASE_MISMATCH (parts.base_refused); each part then sends the
 whole version dense, naming no base, to every server, under parts.dense_key(key), which every part
-derives alone: no collective. A part whose push fails, for any reason, forgets every server's
+derives alone: no collective. (A part reads the failure of the first server, in the client's order,
+that failed its Begin: give every rank its servers in one order.) A part whose push fails, for any reason, forgets every server's
 generation (the next push names no base: the parts that failed agree again); the copy is taken again
 from the tensors pushed. A part's pushes are not timed for auto's thresholds (a part's bytes
 over the whole update's seconds understate the link); the assumed rate of the transport holds.

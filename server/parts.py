@@ -186,11 +186,10 @@ def boxes_refused(begin: pb.BeginUpdate, plan: tensor_pb2.WeightPlan) -> Refusal
 
 def parts_not_run(update_key: str, world: int) -> Refusal:
     """What every part of a world > 1 gets once they all joined and their union passed, where this server does
-    not run such a world (a transport other than INLINE or SHM, or more parts than ingress slots). Nothing
-    was allocated."""
+    not run such a world (COLLECTIVE, or over SHM more parts than ingress slots). Nothing was allocated."""
     return Unimplemented("PARTS_UNAVAILABLE", f"all {world} parts of update {update_key!r} joined and their "
-                         "declarations agree, but this server runs parts only over INLINE or SHM, at most as many "
-                         "as its ingress slots: send the update over INLINE, or from fewer processes",
+                         "declarations agree, but this server runs parts only over INLINE, or over SHM at most "
+                         "as many as its ingress slots: send the update over INLINE",
                          update_key=update_key, world=world)
 
 

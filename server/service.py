@@ -286,10 +286,13 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             raise refusal
 
     def _runs_parts(self, transport: int, world: int) -> bool:
-        """This server runs an update of `world` parts over `transport`: INLINE or SHM, each part with an
-        ingress slot of its own at least (a box over another transport is refused at begin: boxes_refused)."""
+        """This server runs an update of `world` parts over `transport`: INLINE, any world (more parts than
+        ingress slots take turns: update_streams.SlotPool), or SHM, each part with a run of slots of its own
+        (a box over another transport is refused at begin: boxes_refused)."""
         ingress = self.node.ingress
-        return transport in PART_TRANSPORTS and ingress is not None and world <= ingress.slot_count
+        if transport not in PART_TRANSPORTS or ingress is None:
+            return False
+        return transport == pb.TRANSPORT_INLINE or world <= ingress.slot_count
 
     def _stored(self) -> dict[str, TensorMeta]:
         """The dtype and shape of every tensor the store holds (what a part may declare unchanged)."""

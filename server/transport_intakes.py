@@ -66,7 +66,7 @@ class ShmIntake(Intake):
         assert self.ingress is not None
         await self.session.inbox.put(self.forward(
             start.sequence, start.checksum, discard=False, size=accepted.wire_bytes, tail=start.tail,
-            compression=accepted.compression, layout=layout, ingress_offset=self.ingress.slot_offset(start.sequence)))
+            compression=accepted.compression, layout=layout, piece=start.sequence))
 
 
 @dataclass(slots=True)
@@ -110,16 +110,15 @@ class InlineIntake(Intake):
         self.filling = _Filling(start.sequence, accepted.wire_bytes, start.checksum, accepted.compression,
                                 layout=layout)
         await self._claim_slot()
-        if accepted.size_bytes == 0:
+        if accepted.size_bytes == 0 and self.session.failure is None:
             self._forward_piece(last=True)
 
     async def _claim_slot(self) -> None:
-        """Piece p reuses the slot of piece p - slots: wait until the workers applied that one.
-        Meanwhile the stream is not read, so gRPC flow control holds the client back."""
-        assert self.ingress is not None
-        pieces, slots = self.pieces_sent, self.ingress.slot_count
+        """The next piece's slot (StreamSide.claim_slot): piece p reuses the slot of piece p - slots of the
+        stream's run once the workers applied that one; with more parts than slots, the stream waits its turn
+        for a free one. Meanwhile the stream is not read, so gRPC flow control holds the client back."""
         try:
-            await asyncio.wait_for(self.session.wait_pieces(pieces - slots + 1), self.session.bucket_timeout)
+            await asyncio.wait_for(self.session.claim_slot(self.pieces_sent), self.session.bucket_timeout)
         except TimeoutError:
             raise DeadlineExceeded("INGRESS_SLOT_TIMEOUT", f"the workers did not apply an earlier piece within "
                                    f"{self.session.bucket_timeout:g} s") from None
@@ -155,7 +154,7 @@ class InlineIntake(Intake):
         filling = self.filling
         assert filling is not None and self.ingress is not None
         piece = self.forward(filling.sequence, filling.checksum, discard=False, size=filling.size_bytes,
-                             ingress_offset=self.ingress.slot_offset(self.pieces_sent),
+                             piece=self.pieces_sent,
                              piece_offset=filling.piece_start, piece_size=filling.received - filling.piece_start,
                              last=last, compression=filling.compression, layout=filling.layout)
         self.pieces_sent += 1

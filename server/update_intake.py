@@ -56,8 +56,9 @@ class Bucket:
     discard: bool
     last: bool = True
     """False for a piece that does not complete its bucket (INLINE buckets larger than a slot)."""
-    in_slot: bool = False
-    """Its bytes are in an ingress slot, free again once this settles (a not-stored INLINE bucket has none)."""
+    piece: int | None = None
+    """Its bytes are in an ingress slot, as its stream's ingress piece `piece`: the slot is free again once
+    this settles. None: no slot (a collective transfer; a not-stored INLINE bucket)."""
     compressed: bool = False
     """A zstd frame (or a piece of one): its owner writes the store only once the whole frame checked out."""
 
@@ -159,8 +160,9 @@ class IntakeSession(Protocol):
     def break_group(self, why: str) -> None:
         """The group is unusable: a broadcast was announced that nobody can receive."""
 
-    async def wait_pieces(self, count: int) -> None:
-        """Until the workers finished `count` of this stream's ingress pieces, or the update failed."""
+    async def claim_slot(self, piece: int) -> None:
+        """Until this stream's ingress piece `piece` may be written into its slot (slot_offset(piece)), or
+        the update failed."""
 
 
 class StreamReader(Protocol):
@@ -278,14 +280,18 @@ class Intake:
 
     # -- forwarding ----------------------------------------------------------------------
     def forward(self, sequence: int, checksum: tensor_pb2.Checksum, *, discard: bool, size: int,
-                ingress_offset: int | None = None, piece_offset: int = 0, piece_size: int = 0,
+                piece: int | None = None, piece_offset: int = 0, piece_size: int = 0,
                 last: bool = True, tail: bytes = b"", compression: int = pb.BUCKET_COMPRESSION_UNSPECIFIED,
                 layout: wpb.OwnedBucket | None = None) -> Bucket:
         """Bucket `sequence` is received now: its owner joins the transfer that follows (NCCL: every other
         worker joins it too and drops the bytes), or copies the bucket (or one piece of it) from the ingress
-        at `ingress_offset`. A worker that cannot take the command (it died) answers with its error; the
+        slot of this stream's ingress piece `piece` (INLINE: the pieces it forwarded; SHM: the bucket). A worker that cannot take the command (it died) answers with its error; the
         others still get theirs, so none of them waits on a transfer the rest never joined."""
         stored_as = self.session.store_sequence(sequence)
+        ingress_offset = None
+        if piece is not None:
+            assert self.ingress is not None
+            ingress_offset = self.ingress.slot_offset(piece)
         command = wpb.ReceiveBucketCommand(update_id=self.session.update_id, sequence=stored_as, checksum=checksum,
                                            discard=discard, size_bytes=size, from_ingress=ingress_offset is not None,
                                            ingress_offset_bytes=ingress_offset or 0, piece_offset_bytes=piece_offset,
@@ -311,7 +317,7 @@ class Intake:
                 dropped.CopyFrom(command)
                 dropped.discard = True
                 receives.append((worker, self.fleet.submit_or_refusal(worker, receive_bucket=dropped)))
-        bucket = Bucket(stored_as, receives, discard, last, in_slot=ingress_offset is not None,
+        bucket = Bucket(stored_as, receives, discard, last, piece=piece,
                         compressed=compression != pb.BUCKET_COMPRESSION_UNSPECIFIED)
         self.pending.append(bucket)
         return bucket

@@ -70,7 +70,6 @@ from weightsync.server.update_intake import (
     Closed,
     Commit,
     Failed,
-    IngressSlots,
     Item,
     ShuttingDown,
     StreamReader,
@@ -149,6 +148,11 @@ class UpdateSession:
     def __post_init__(self) -> None:
         if not self.streams:
             self.streams = [Stream(rank=0, plan=self.plan, plan_id=self.plan_id, first=0)]
+        ingress = self.services.ingress
+        if ingress is not None:
+            shares = [ingress] if len(self.streams) == 1 else ingress_shares(ingress, len(self.streams))
+            for stream, share in zip(self.streams, shares, strict=True):
+                stream.ingress = share
 
     @property
     def bucket_timeout(self) -> float:
@@ -222,15 +226,8 @@ class UpdateSession:
         """Read `requests` (a stream after its Begin) into this update, through its transport's intake."""
         services = self.services
         stream.reader = open_intake(StreamSide(self, stream), transport=self.begin.transport, fleet=services.fleet,
-                                    ingress=self._ingress_of(stream), max_chunk_bytes=services.max_chunk_bytes)
+                                    ingress=stream.ingress, max_chunk_bytes=services.max_chunk_bytes)
         stream.reading = asyncio.create_task(stream.reader.read(requests))
-
-    def _ingress_of(self, stream: Stream) -> IngressSlots | None:
-        """The ingress slots `stream` uses: all of them for one stream, else its own run (update_streams)."""
-        ingress = self.services.ingress
-        if ingress is None or len(self.streams) == 1:
-            return ingress
-        return ingress_shares(ingress, len(self.streams))[self.streams.index(stream)]
 
     def forwarded_to(self, worker_index: int) -> list[int]:
         """The buckets any stream forwarded to this worker to receive into the store."""
@@ -411,7 +408,7 @@ class UpdateSession:
                                             for owner in self.owners[stream.first : stream.first + stream.count])
         if plan is not None:
             ready.not_stored_buckets.extend(k - stream.first for k in plan.not_stored if stream.owns(k))
-        ingress = self._ingress_of(stream)
+        ingress = stream.ingress
         if self.begin.transport == pb.TRANSPORT_SHM and ingress is not None:
             ready.ingress_slot_first = ingress.first_slot
             ready.ingress_slot_count = ingress.slot_count
@@ -435,7 +432,8 @@ class UpdateSession:
         for error in errors:
             self.note_broken(error)
         if not errors:
-            stream.pieces_done += bucket.in_slot
+            if bucket.piece is not None:
+                stream.piece_done(bucket.piece)
             self.progress.set()
         if bucket.discard or self.failure is not None:
             return None

@@ -18,6 +18,8 @@ stream gets its own run of them (IngressShare), so one part never writes into an
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -52,6 +54,8 @@ class Stream:
     """BucketApplied messages handed to this stream: what its client can have seen (SHM slot reuse)."""
     pieces_done: int = 0
     """This stream's ingress pieces the workers finished with (their slots are free again)."""
+    ingress: Ingress | IngressShare | PooledShare | None = None
+    """The ingress slots this stream writes (INLINE) or its client writes (SHM): ingress_shares."""
     commit_asked: bool = False
     ended: bool = False
     """The stream said its last word: commit, abort, or it closed."""
@@ -62,6 +66,12 @@ class Stream:
     @property
     def count(self) -> int:
         return len(self.plan.buckets)
+
+    def piece_done(self, piece: int) -> None:
+        """The workers finished this stream's ingress piece `piece`: its slot is free again."""
+        self.pieces_done += 1
+        if isinstance(self.ingress, PooledShare):
+            self.ingress.pool.settled(self.rank, piece)
 
     def owns(self, sequence: int) -> bool:
         """The store's bucket `sequence` is one of this stream's."""
@@ -86,8 +96,66 @@ class IngressShare:
         self.ingress.view[start : start + len(data)] = data
 
 
-def ingress_shares(ingress: Ingress, streams: int) -> list[IngressShare]:
-    """The slots split evenly between the streams, in order (the first ones get a remainder's slot)."""
+class SlotPool:
+    """The ingress slots of an update with more parts than slots, taken by whichever stream needs one: a
+    free slot goes to the stream that has waited longest, one slot per stream at a time (each stream's
+    fair share is less than one slot), and is free again once the workers finished the piece in it."""
+
+    def __init__(self, ingress: Ingress) -> None:
+        self.ingress = ingress
+        self.free: deque[int] = deque(range(ingress.slot_count))
+        self.waiting: deque[int] = deque()
+        """Streams (ranks) waiting for a slot, longest first."""
+        self.held: dict[tuple[int, int], int] = {}
+        """(rank, piece) -> the slot that piece is in, until its workers finished it."""
+
+    def take(self, rank: int, piece: int) -> bool:
+        """Give piece `piece` of stream `rank` a free slot if it is its turn (the longest waiting stream gets
+        the next free slot); False: it waits (it is queued the first time)."""
+        if rank not in self.waiting:
+            self.waiting.append(rank)
+        if not self.free or self.waiting[0] != rank:
+            return False
+        self.waiting.popleft()
+        self.held[(rank, piece)] = self.free.popleft()
+        return True
+
+    def leave(self, rank: int) -> None:
+        """Stream `rank` stopped waiting (the update failed, or its wait timed out)."""
+        if rank in self.waiting:
+            self.waiting.remove(rank)
+
+    def settled(self, rank: int, piece: int) -> None:
+        """The workers finished piece `piece` of stream `rank`: its slot is free."""
+        self.free.append(self.held.pop((rank, piece)))
+
+
+class PooledShare:
+    """A stream's view of a SlotPool: piece p is wherever the pool put it (slot_count 1: one slot at a time)."""
+
+    first_slot = 0
+    slot_count = 1
+
+    def __init__(self, pool: SlotPool, rank: int) -> None:
+        self.pool = pool
+        self.rank = rank
+        self.slot_bytes = pool.ingress.slot_bytes
+
+    def slot_offset(self, sequence: int) -> int:
+        return self.pool.held[(self.rank, sequence)] * self.slot_bytes
+
+    def write(self, sequence: int, offset_bytes: int, data: bytes | memoryview) -> None:
+        start = self.slot_offset(sequence) + offset_bytes
+        self.pool.ingress.view[start : start + len(data)] = data
+
+
+def ingress_shares(ingress: Ingress, streams: int) -> list[IngressShare] | list[PooledShare]:
+    """The slots split evenly between the streams, in order (the first ones get a remainder's slot); with
+    more streams than slots, one pool that every stream takes its slot from in turn (INLINE only: an SHM
+    client writes its slots unasked, so it needs a run of its own)."""
+    if streams > ingress.slot_count:
+        pool = SlotPool(ingress)
+        return [PooledShare(pool, rank) for rank in range(streams)]
     base, extra = divmod(ingress.slot_count, streams)
     shares, start = [], 0
     for index in range(streams):
@@ -151,10 +219,27 @@ class StreamSide:
     def break_group(self, why: str) -> None:
         self._session.break_group(why)
 
-    async def wait_pieces(self, count: int) -> None:
-        """Until the workers finished `count` of this stream's ingress pieces, or the update failed."""
-        session, stream = self._session, self._stream
-        while stream.pieces_done < count and session.failure is None:
+    async def claim_slot(self, piece: int) -> None:
+        """Until this stream's ingress piece `piece` may be written (into slot_offset(piece)): the piece
+        that used its slot before was finished by the workers, or the update failed. A run of slots of its
+        own: piece p reuses the slot of piece p - count. A pool: once its own earlier pieces were finished
+        (one slot at a time), the next free slot when its turn came."""
+        stream = self._stream
+        share = stream.ingress
+        if not isinstance(share, PooledShare):
+            assert share is not None
+            await self._wait(lambda: stream.pieces_done >= piece - share.slot_count + 1)
+            return
+        await self._wait(lambda: stream.pieces_done >= piece)
+        try:
+            await self._wait(lambda: share.pool.take(stream.rank, piece))
+        finally:
+            share.pool.leave(stream.rank)
+
+    async def _wait(self, ready: Callable[[], bool]) -> None:
+        """Until `ready()` or the update failed; woken whenever a piece was done (session.progress)."""
+        session = self._session
+        while session.failure is None and not ready():
             session.progress.clear()
             await session.progress.wait()
 

@@ -63,6 +63,55 @@ def test_each_stream_gets_its_own_run_of_the_slots(slots, streams, runs):
         ingress.close()
 
 
+# -- more streams than slots: a pool ---------------------------------------------------------------------------
+def test_more_streams_than_slots_share_one_pool():
+    ingress = Ingress(64, 2)
+    try:
+        shares = ingress_shares(ingress, 3)
+        assert [type(s).__name__ for s in shares] == ["PooledShare"] * 3
+        assert len({id(s.pool) for s in shares}) == 1 and [s.slot_count for s in shares] == [1, 1, 1]
+    finally:
+        ingress.close()
+
+
+# Each step: (what, rank, piece) and what the pool answers: take -> the slot taken or None (it waits);
+# settled -> None. Literal: the order in which slots go round, and who waits.
+POOL_STEPS = [
+    (("take", 0, 0), 0),      # slot 0 to rank 0
+    (("take", 1, 0), 1),      # slot 1 to rank 1
+    (("take", 2, 0), None),   # none free: rank 2 waits, first in line
+    (("take", 0, 1), None),   # rank 0 waits behind rank 2
+    (("settled", 1, 0), None),  # slot 1 free again
+    (("take", 0, 1), None),   # not rank 0's turn: rank 2 waited longer
+    (("take", 2, 0), 1),      # rank 2 gets slot 1
+    (("settled", 0, 0), None),
+    (("take", 0, 1), 0),      # rank 0's turn now: slot 0
+    (("settled", 2, 0), None),
+    (("settled", 0, 1), None),
+    (("take", 1, 1), 1),      # free slots go round in the order they were freed (1, then 0)
+    (("take", 2, 1), 0),
+]
+
+
+def test_a_free_slot_goes_to_the_stream_that_waited_longest():
+    ingress = Ingress(64, 2)
+    try:
+        pool = ingress_shares(ingress, 3)[0].pool
+        for (what, rank, piece), expected in POOL_STEPS:
+            if what == "take":
+                took = pool.take(rank, piece)
+                assert (pool.held[(rank, piece)] if took else None) == expected, (what, rank, piece)
+            else:
+                pool.settled(rank, piece)
+        assert pool.held == {(1, 1): 1, (2, 1): 0} and not pool.free and not pool.waiting
+        pool.take(0, 2)  # rank 0 waits, then leaves (its update failed): the next free slot is another's
+        pool.leave(0)
+        pool.settled(2, 1)
+        assert pool.take(1, 2) and pool.held[(1, 2)] == 0
+    finally:
+        ingress.close()
+
+
 # -- two parts with a piece each in flight at once -----------------------------------------------------------
 class HeldFleet(FakeFleet):
     """The fake fleet, but the receive of store bucket `held` copies from the ingress only once `release` is

@@ -1,10 +1,10 @@
 """The parts of an update join on a real server (server/part_joins.py, over gRPC): keepalives while they
 wait, a rank twice or other terms refused to that part alone, the union refused to every part, a part
 that never comes fails every joined part naming it (and a later one too), a part that fails or leaves
-is named to the others, and a one-part update commits. This server runs parts over INLINE or SHM with an ingress
-slot each: more parts than slots, once joined and checked, end UNIMPLEMENTED PARTS_UNAVAILABLE for every
-part (test_part_updates.py runs two parts). Every refusal
-leaves the store as it was, and the next whole push commits bit for bit."""
+is named to the others, and a one-part update commits. This server runs parts over INLINE (more parts than
+ingress slots take turns) and over SHM with a run of slots each: more SHM parts than slots, once joined and
+checked, end UNIMPLEMENTED PARTS_UNAVAILABLE for every part (test_part_updates.py runs two parts). Every
+refusal leaves the store as it was, and the next whole push commits bit for bit."""
 
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ def committed(node):
 
 
 def begin_part(node, key: str, rank: int, world: int, *, whole=(), sends=None, version="v-parts",
-               join_timeout_s: int | None = None, plan_id: str = "") -> tuple[UpdateStream, object]:
-    """A part's stream: its begin sent (INLINE, STAGED, new tensors allowed), declaring `whole` and sending
+               join_timeout_s: int | None = None, plan_id: str = "",
+               transport: int = pb.TRANSPORT_INLINE) -> tuple[UpdateStream, object]:
+    """A part's stream: its begin sent (INLINE unless `transport`, STAGED, new tensors allowed), declaring `whole` and sending
     `sends` (name -> tensor; default: nothing of its own, a plan of the declared tensors' values)."""
     tensors = sends if sends is not None else {n: model(1)[n] for n in whole}
     plan = plan_buckets(list(tensors.items()), 1 << 20) if tensors and not plan_id else None
@@ -54,7 +55,7 @@ def begin_part(node, key: str, rank: int, world: int, *, whole=(), sends=None, v
         part.join_timeout.CopyFrom(duration_pb2.Duration(seconds=join_timeout_s))
     stream = UpdateStream(node.stub())
     stream.send(begin=pb.BeginUpdate(version=version, plan=plan, plan_id=plan_id, mode=pb.UPDATE_MODE_STAGED,
-                                     transport=pb.TRANSPORT_INLINE, allow_new_tensors=True, part=part))
+                                     transport=transport, allow_new_tensors=True, part=part))
     return stream, plan
 
 
@@ -64,24 +65,25 @@ def waiting(stream: UpdateStream) -> list[int]:
     return list(response.waiting.joining)
 
 
-def test_parts_wait_for_each_other_then_this_server_refuses_more_parts_than_ingress_slots(node, committed):
-    """This server runs INLINE parts with an ingress slot each: 2 slots (the default), so a world of 3 is
-    refused once joined and checked (test_part_updates.py runs a world of 2)."""
-    first, _ = begin_part(node, "k-run", 0, 3, whole=["w"])
+def test_parts_wait_for_each_other_then_this_server_refuses_more_shm_parts_than_ingress_slots(node, committed):
+    """SHM parts each write a run of the ingress slots of their own: 2 slots (the default), so an SHM world
+    of 3 is refused once joined and checked (INLINE takes turns: test_sdk_parts_shm.py runs both)."""
+    shm = {"transport": pb.TRANSPORT_SHM}
+    first, _ = begin_part(node, "k-run", 0, 3, whole=["w"], **shm)
     assert waiting(first) == [1, 2]
-    other, _ = begin_part(node, "k-run", 1, 3, whole=["b"], version="v-other")
+    other, _ = begin_part(node, "k-run", 1, 3, whole=["b"], version="v-other", **shm)
     assert refused(other) == (grpc.StatusCode.INVALID_ARGUMENT, "PART_MISMATCH", {
         "update_key": "k-run", "rank": "1", "field": "version", "expected": "v-parts", "got": "v-other"})
-    twice, _ = begin_part(node, "k-run", 0, 3, whole=["w"])
+    twice, _ = begin_part(node, "k-run", 0, 3, whole=["w"], **shm)
     assert refused(twice) == (grpc.StatusCode.ALREADY_EXISTS, "PART_DUPLICATE", {"update_key": "k-run", "rank": "0"})
-    second, _ = begin_part(node, "k-run", 1, 3, whole=["b"])
+    second, _ = begin_part(node, "k-run", 1, 3, whole=["b"], **shm)
     assert waiting(second) == [2]
-    third, _ = begin_part(node, "k-run", 2, 3, whole=["x"], sends={"x": torch.ones(4)})
+    third, _ = begin_part(node, "k-run", 2, 3, whole=["x"], sends={"x": torch.ones(4)}, **shm)
     unavailable = (grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"update_key": "k-run", "world": "3"})
     assert refused(third) == unavailable
     assert refused(second) == unavailable
     assert refused(first) == unavailable
-    late, _ = begin_part(node, "k-run", 1, 3, whole=["b"])
+    late, _ = begin_part(node, "k-run", 1, 3, whole=["b"], **shm)
     assert refused(late) == unavailable
 
 

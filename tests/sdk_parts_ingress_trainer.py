@@ -1,10 +1,10 @@
-"""One trainer rank of tests/test_sdk_parts_shm.py: a process on the server's host, in a Gloo group, pushing
-its part over SHM (into its own run of the server's ingress slots).
+"""One trainer rank of tests/test_sdk_parts_ingress.py: a process in a Gloo group pushing its part through one
+server's ingress slots: over SHM (on the server's host, into its own run of the slots) or INLINE.
 
-    python sdk_parts_shm_trainer.py RANK WORLD PORT SERVER OUT_DIR
+    python sdk_parts_ingress_trainer.py RANK WORLD PORT SERVER OUT_DIR TRANSPORT
 
-Writes OUT_DIR/rank{RANK}.json: each step's generation, the run of slots UpdateReady gave, verify's
-mismatches, and a DTensor step's. Exits 0 when it ran to its end.
+Writes OUT_DIR/rank{RANK}.json: each step's generation and bucket count, the run of slots UpdateReady gave
+(SHM), and verify's mismatches. Exits 0 when it ran to its end.
 """
 
 from __future__ import annotations
@@ -27,21 +27,21 @@ def model(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"p0": torch.randn(4000, generator=g), "p1": torch.randn(70, 50, generator=g).to(torch.bfloat16),
             "q0": torch.randn(3500, generator=g), "q1": torch.arange(2500, dtype=torch.int32) * seed,
-            "rows": torch.randn(9, 130, generator=g)}
+            "s0": torch.randn(3000, generator=g), "rows": torch.randn(9, 130, generator=g)}
 
 
-OWNS = (("p0", "p1"), ("q0", "q1"))
+OWNS = (("p0", "p1"), ("q0", "q1"), ("s0",))
+"""Whole tensors per rank (a world of 2 or 3); every rank also sends its rows of "rows" (Shard(0))."""
 
 
-def runs(client) -> list[list[int]]:
-    """The run of ingress slots each server gave this rank's last push (client internals: the SHM sink)."""
-    sink = client._fleet.shm_sink(client._loop)
-    return [list(sink._run)]
+def run_of_slots(client) -> list[int]:
+    """The run of ingress slots the server gave this rank's last SHM push (client internals: the SHM sink)."""
+    return list(client._fleet.shm_sink(client._loop)._run)
 
 
 def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    server, out_dir = sys.argv[4], Path(sys.argv[5])
+    server, out_dir, transport = sys.argv[4], Path(sys.argv[5]), sys.argv[6]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=GLOO_TIMEOUT)
     from torch.distributed.device_mesh import init_device_mesh
@@ -56,12 +56,13 @@ def main() -> None:
         for step, seed in (("v1", 1), ("v2", 2)):
             full = model(seed)
             tensors = {name: full[name] for name in OWNS[rank]}
-            tensors["rows"] = distribute_tensor(full["rows"], mesh, [Shard(0)])  # 5 rows here, 4 there
-            result = client.push(tensors, version=step, mode="staged", transport="shm", allow_new_tensors=True,
+            tensors["rows"] = distribute_tensor(full["rows"], mesh, [Shard(0)])  # 5 rows and 4, or 3 each
+            result = client.push(tensors, version=step, mode="staged", transport=transport, allow_new_tensors=True,
                                  bucket_size_bytes=BUCKET_BYTES)
             out[step] = [s.generation for s in result.servers]
             out[f"{step}_buckets"] = result.bucket_count
-            out[f"{step}_run"] = runs(client)
+            if transport == "shm":
+                out[f"{step}_run"] = run_of_slots(client)
             own = {name: full[name] for name in OWNS[rank]}
             own["rows"] = full["rows"]
             out[f"{step}_mismatches"] = [m.name for m in client.verify(own).mismatches]

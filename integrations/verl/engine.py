@@ -21,8 +21,9 @@ worker, then `finalize`. What each does here:
   timeout_s.
 - a rollout worker waits (bounded) until its node's server has committed that version, or until
   a sender's outcome says the push failed (PUSH_FAILED, at once) or the store is gone
-  (SENDER_LOST); it then leases the committed version
-  through the EngineClient (the node's one store, mapped read-only, no copy), checks that the
+  (SENDER_LOST), connecting again to a node server that went away (stopped, restarted: a new
+  local socket, looked up from its address) within the same bound; it then leases the committed
+  version through the EngineClient (the node's one store, mapped read-only, no copy), checks that the
   leased version is the one asked for, and yields its tensors to verl's server adapter; the lease
   is released (applied) when the adapter has taken them all.
 """
@@ -49,7 +50,7 @@ from weightsync.client import (
     WeightSyncClient,
     WeightSyncClientError,
 )
-from weightsync.engine import EngineClient, EngineError
+from weightsync.engine import EngineClient, EngineError, StoreSnapshot
 from weightsync.integrations.shares import share_out
 from weightsync.integrations.verl.config import VerlSyncConfig
 from weightsync.integrations.verl.errors import WeightSyncVerlError
@@ -62,6 +63,8 @@ SENDER_RANK = 0
 with senders "one", the only rank that pushes."""
 STATUS_POLL_S = 0.02
 """How often a waiting rollout worker asks its node's local socket for the committed version."""
+RECONNECT_POLL_S = 0.25
+"""How often a waiting rollout worker tries again to reach its node's server while it cannot."""
 
 
 def version_label(global_steps: int | None) -> str:
@@ -179,9 +182,10 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                     raise WeightSyncVerlError("SENDER_LOST", f"{role} {rank} cannot reach the sending rank's "
                                               f"outcome store {outcome_store!r}: {error}", rank=SENDER_RANK) from None
         if role == "rollout" and self._engine_client is None:
-            self._engine_client = EngineClient(server=self.config.node_server or self.config.servers[0],
-                                               name=f"verl-rollout-{rank}", token=self.config.token,
-                                               timeout=self.config.timeout_s)
+            try:
+                self._node()
+            except NodeUnreachable:  # down for now (restarting): receive_weights connects, bounded
+                pass
 
     def finalize(self) -> None:
         """Nothing per step: the client (its delta copy), the group and the store outlive a sync."""
@@ -305,7 +309,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """The committed tensors of version str(global_steps), as read-only views into the node's
         store: valid until the generator finishes (the adapter copies them into its model)."""
-        if self.role != "rollout" or self._engine_client is None:
+        if self.role != "rollout":
             raise WeightSyncVerlError("NOT_INITIALIZED", "receive_weights before init_process_group made this a rollout worker")
         version = version_label(global_steps)
         self.syncs += 1
@@ -318,35 +322,75 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             raise
         snapshot.release(applied=True)
 
+    def _node(self) -> EngineClient:
+        """The node's EngineClient, connected (again) when there is none: its local socket is looked
+        up from the node's server each time, since a restarted server listens on a new one (its name
+        carries the pid). NodeUnreachable when the server or its socket cannot be reached."""
+        if self._engine_client is None:
+            try:
+                self._engine_client = EngineClient(server=self.config.node_server or self.config.servers[0],
+                                                   name=f"verl-rollout-{self.rank}", token=self.config.token,
+                                                   timeout=self.config.timeout_s)
+            except OSError as error:  # the socket named is gone: the server stopped since it answered
+                raise NodeUnreachable(f"{type(error).__name__}: {error}") from None
+            except EngineError as error:
+                if error.reason not in UNREACHABLE:
+                    raise
+                raise NodeUnreachable(str(error)) from None
+        return self._engine_client
+
+    def _drop_node(self) -> None:
+        if self._engine_client is not None:
+            self._engine_client.close()
+            self._engine_client = None
+
     def _lease(self, version: str, sync: int):
-        client = self._engine_client
-        assert client is not None
         deadline = time.monotonic() + self.config.timeout_s
         held = ""
+        unreachable = ""
         while True:
-            status = client.status()
-            held = status.version.version
-            if held == version:
-                try:
-                    snapshot = client.acquire(generation=status.version.generation,
-                                              wait=max(0.001, deadline - time.monotonic()))
-                except EngineError as error:
-                    if error.reason not in ("VERSION_GONE", "STORE_UPDATING", "STORE_INCONSISTENT"):
-                        raise
-                else:
-                    if snapshot.version.version == version:
-                        return snapshot
-                    snapshot.release(applied=False, error=f"leased {snapshot.version.version!r}, not {version!r}")
+            try:
+                snapshot, held = self._try_lease(version, deadline)
+            except NodeUnreachable as error:  # stopped or restarting: its outcome or the deadline decides
+                self._drop_node()
+                snapshot, held, unreachable = None, "", str(error)
             else:
+                unreachable = ""
+            if snapshot is not None:
+                return snapshot
+            if held != version:
                 self._sender_failed(sync, version)
             if _later(held, version):
                 raise WeightSyncVerlError("VERSION_GONE", f"rollout worker {self.rank}: the node holds version "
                                           f"{held!r}, later than {version!r}", version=version)
             if time.monotonic() >= deadline:
+                where = f"its node's server is unreachable ({unreachable})" if unreachable else f"it holds {held!r}"
                 raise WeightSyncVerlError("VERSION_NOT_COMMITTED", f"rollout worker {self.rank}: version {version!r} "
-                                          f"not committed on its node within {self.config.timeout_s} s (it holds "
-                                          f"{held!r})", version=version)
-            time.sleep(STATUS_POLL_S)
+                                          f"not committed on its node within {self.config.timeout_s} s ({where})",
+                                          version=version)
+            time.sleep(RECONNECT_POLL_S if unreachable else STATUS_POLL_S)
+
+    def _try_lease(self, version: str, deadline: float) -> tuple[StoreSnapshot | None, str]:
+        """One look at the node: (the snapshot of `version`, or None; the version it holds)."""
+        client = self._node()
+        try:
+            status = client.status()
+            held = status.version.version
+            if held != version:
+                return None, held
+            try:
+                snapshot = client.acquire(generation=status.version.generation,
+                                          wait=max(0.001, deadline - time.monotonic()))
+            except EngineError as error:
+                if error.reason not in ("VERSION_GONE", "STORE_UPDATING", "STORE_INCONSISTENT"):
+                    raise
+                return None, held
+        except OSError as error:  # the local connection broke (LocalWireError is one): the server went away
+            raise NodeUnreachable(f"{type(error).__name__}: {error}") from None
+        if snapshot.version.version == version:
+            return snapshot, held
+        snapshot.release(applied=False, error=f"leased {snapshot.version.version!r}, not {version!r}")
+        return None, held
 
     def _sender_failed(self, sync: int, version: str) -> None:
         """Raises at once what a sender published for this sync, if it failed (or the store is gone)."""
@@ -364,6 +408,14 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                                       rank=SENDER_RANK, version=version) from None
         if failed:
             self._raise_failed(failed, version)
+
+
+UNREACHABLE = ("SERVER_UNREACHABLE", "DEADLINE_EXCEEDED")
+"""EngineClient's reasons for a node server that did not answer (stopped, restarting), not one that refused."""
+
+
+class NodeUnreachable(Exception):
+    """The rollout's node server (or its local socket) cannot be reached now; retried until the deadline."""
 
 
 def _later(held: str, wanted: str) -> bool:

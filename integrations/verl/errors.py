@@ -17,6 +17,7 @@ class WeightSyncVerlError(RuntimeError):
                              key) never reached this worker within the timeout, or rank 0's outcome
                              store went away (it died)
       VERSION_NOT_COMMITTED  the rollout's node did not commit the asked version within the timeout
+                             (or its server could not be reached all that time: stopped, restarting)
       VERSION_GONE           the rollout's node already holds a later step than the one asked for
     `rank` is the actor rank at fault for PUSH_FAILED and SENDER_LOST (with every rank sending: the
     part a server blamed, or one that never joined), else -1;

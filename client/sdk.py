@@ -110,8 +110,8 @@ class WeightSyncClient:
         tensors, whose comparison then reads it across the bus); False: on the tensors' device
         (a second copy of the model in GPU memory).
         part: this process is one of several trainer processes that push each version together, each
-        its own tensors (client/parts.py: Part; every push is then dense, over INLINE). Construct the
-        client with its Part on every rank."""
+        its own tensors (client/parts.py: Part; over INLINE, or SHM on the server's host; its whole
+        tensors with delta, its boxes dense). Construct the client with its Part on every rank."""
         addresses = [servers] if isinstance(servers, str) else list(servers)
         if not addresses:
             raise ValueError("at least one server address is required")
@@ -244,8 +244,8 @@ class WeightSyncClient:
             transport: "collective" (a broadcast to the group from create_group), "inline" (bytes
                 inside the gRPC stream: no group, passes any proxy), or "shm" (one server on this
                 host: buckets written into its shared memory; no group, no network; buckets at
-                most its ingress slot). None (default): "collective", or "inline" with a part (the
-                only transport a part is pushed over, for now).
+                most its ingress slot). None (default): "collective", or "inline" with a part (a
+                part is pushed over INLINE, or SHM from the server's host).
             bucket_size_bytes: the most bytes one bucket holds (SHM: at most the server's slot).
             allow_new_tensors: accept tensors the servers' stores do not hold yet (they grow);
                 False: such a tensor fails the push at Begin.
@@ -279,12 +279,14 @@ class WeightSyncClient:
             part_key: with a part (WeightSyncClient(part=...)): the update key every rank passes for
                 this push, new each push (1 to 128 of [A-Za-z0-9._-]). Required when the Part has no
                 group; with a group, rank 0's (or a key it draws: the version and a random suffix)
-                is shared with every rank.
+                is shared with every rank. A key ending in ".dense" is reserved for the dense retry
+                after a refused base.
 
         With a part (WeightSyncClient(part=...)), push() on every rank sends that rank's tensors of
-        one version to every server, one INLINE stream each (client/part_push.py): plain tensors
-        whole, DTensors as their local shards' boxes (client/parts.py), always dense (delta and
-        compress do not apply, no copy is kept, the plan is sent in full). With Part.group the ranks
+        one version to every server, one INLINE (or SHM) stream each (client/part_push.py): plain
+        tensors whole, with delta as above (each rank keeps the copy of its own; a refused base makes
+        every rank resend the version dense under "<key>.dense"), DTensors as their local shards'
+        boxes (client/parts.py), always dense; compress does not apply; the plan is sent in full. With Part.group the ranks
         share the key and check their inputs together first: one rank's bad input fails every rank
         at once (PartInputsRefused); the one collective is bounded by the group's timeout. Inside
         the push the ranks do not wait for each other except through the servers, which commit
@@ -305,7 +307,7 @@ class WeightSyncClient:
             UpdateFailed: a server refused or failed the update, or a transfer failed; it carries
                 a status code and an ErrorInfo reason, and the update is aborted on every server.
             WeightSyncRpcError: a server could not be asked for its info before the first push.
-            PartsUnavailable: with a part, a transport other than INLINE, or a server whose
+            PartsUnavailable: with a part, COLLECTIVE, or a server whose
                 GetServerInfo.parts is false; before any byte moves.
             PartInputsRefused: with a part and its group, any rank's inputs failed its checks (a
                 TypeError, a Partial DTensor, ...): raised on every rank, naming the failing ranks,
@@ -320,7 +322,8 @@ class WeightSyncClient:
             return push_part(self, self._part, named_tensors, version=version, mode=_MODES[mode],
                              transport=transport or "inline", part_key=part_key, bucket_size_bytes=bucket_size_bytes,
                              allow_new_tensors=allow_new_tensors, checksums=checksums,
-                             zero_copy_min_bytes=zero_copy_min_bytes, progress=progress, show_progress=show_progress)
+                             zero_copy_min_bytes=zero_copy_min_bytes, progress=progress, show_progress=show_progress,
+                             delta=delta)
         transport = transport or "collective"
         if part_key is not None:
             raise ValueError("part_key is for a client with a part (WeightSyncClient(part=...))")

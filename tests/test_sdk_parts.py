@@ -14,7 +14,13 @@ import pytest
 import torch
 from sdk_parts_trainer import dtensor_model, model
 
-from weightsync.client import Part, PartsUnavailable, PartUpdateFailed, WeightSyncClient, WeightSyncClientError
+from weightsync.client import (
+    Part,
+    PartsUnavailable,
+    PartUpdateFailed,
+    WeightSyncClient,
+    WeightSyncClientError,
+)
 
 from helpers import local_checksums, run_ranks, server_checksums, start_server
 

@@ -28,7 +28,62 @@ async def _generate(named: dict[str, torch.Tensor]):
         yield name, tensor
 
 
-def serve(conn: Connection, role: str, is_master: bool, engine_kwargs: dict[str, Any]) -> None:
+class FsdpActor:
+    """An actor rank with a real FSDP2 model: torch's fully_shard on CPU over Gloo, two ranks. Its
+    state dict's tensors are DTensors (Shard(0), rows that do not divide evenly), which each rank's
+    send_weights pushes as its local shards. The pushes it made are recorded (what each rank sent)."""
+
+    def __init__(self, rank: int, world: int, port: int) -> None:
+        import datetime
+
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        self.rank = rank
+        torch.manual_seed(0)  # the same initial weights on every rank, then sharded
+        self.model = torch.nn.Sequential(torch.nn.Embedding(11, 6), torch.nn.Linear(6, 7), torch.nn.ReLU(),
+                                         torch.nn.Linear(7, 3))
+        self.model[3].to(torch.bfloat16)
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (self.model[0], self.model[1], self.model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.pushed: list[list[tuple[str, str, list[int]]]] = []
+
+    def watch(self) -> None:
+        """Record each push this rank's SDK client makes: (name, type, the shape it holds locally)."""
+        from weightsync.client import WeightSyncClient
+
+        original = WeightSyncClient.push
+        pushed = self.pushed
+
+        def push(client, named, **kwargs):
+            items = list(named.items()) if isinstance(named, dict) else list(named)
+            pushed.append([(n, type(t).__name__, list(getattr(t, "to_local", lambda t=t: t)().shape)) for n, t in items])
+            return original(client, items, **kwargs)
+
+        WeightSyncClient.push = push  # type: ignore[method-assign]
+
+    async def update(self, engine, step: int) -> dict[str, Any]:
+        """One step: the state dict's DTensors sent as verl's generator yields them; their full
+        tensors (a collective, so before the sync, not in it) and what this rank pushed come back.
+        Then every shard changes, each rank its own way, for the next step."""
+        state = self.model.state_dict()
+        full = {name: t.full_tensor() for name, t in state.items()}
+        placements = sorted({str(t.placements) for t in state.values()})
+        metrics = await engine.send_weights(_generate(state), global_steps=step)
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.to_local().mul_(2).add_(self.rank + step)
+        return {"metrics": metrics, "full": full, "placements": placements, "pushed": self.pushed[-1]}
+
+
+def serve(conn: Connection, role: str, is_master: bool, engine_kwargs: dict[str, Any],
+          fsdp: tuple[int, int, int] | None = None) -> None:
+    """fsdp (an actor rank): (rank, world, Gloo port): the actor is an FsdpActor, not weights_for."""
     from verl.checkpoint_engine import CheckpointEngineRegistry
     from verl.utils.import_utils import import_external_libs
     from verl.workers.config import CheckpointEngineConfig
@@ -44,6 +99,9 @@ def serve(conn: Connection, role: str, is_master: bool, engine_kwargs: dict[str,
     if role == "actor":
         kwargs["is_master"] = is_master
     engine = CheckpointEngineRegistry.new(config.backend, **kwargs)
+    actor = FsdpActor(*fsdp) if fsdp is not None and role == "actor" else None
+    if actor is not None:
+        actor.watch()
     conn.send(("ready", type(engine).__qualname__))
     while True:
         method, args = conn.recv()
@@ -52,8 +110,10 @@ def serve(conn: Connection, role: str, is_master: bool, engine_kwargs: dict[str,
             conn.send(("ok", None))
             return
         try:
-            if method == "update_weights":
-                result: Any = asyncio.run(_update(engine, role, **args))
+            if method == "update_weights" and actor is not None:
+                result: Any = asyncio.run(actor.update(engine, args["step"]))
+            elif method == "update_weights":
+                result = asyncio.run(_update(engine, role, **args))
             else:
                 result = getattr(engine, method)(**args)
             conn.send(("ok", result))

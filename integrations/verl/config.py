@@ -51,7 +51,8 @@ class VerlSyncConfig:
     address of its host they can reach (set it when the actor spans hosts)."""
     senders: Senders = "auto"
     """"all": every actor rank pushes a share of each step (its own part of one version, through
-    its own NIC; weightsync.client.Part), dense; "one": actor rank 0 pushes everything, with delta.
+    its own NIC; weightsync.client.Part), its whole tensors with delta, its DTensor shards dense;
+    "one": actor rank 0 pushes everything, with delta.
     "auto" (default): "all" over "inline" (the one transport the servers run parts over, for
     now), else "one"."""
 

@@ -11,8 +11,9 @@ worker, then `finalize`. What each does here:
   version (weightsync.client.Part), so every actor NIC sends and the servers commit once, one
   generation for all: DTensors go as each rank's local shards (boxes), plain tensors (verl's
   generators gather: every rank holds them all) are shared out between the ranks by size
-  (integrations/shares.py); rank 0 draws the update key and puts it in its outcome store. Parts are
-  pushed dense.
+  (integrations/shares.py), the same share each step; rank 0 draws the update key and puts it in its
+  outcome store. Each rank's whole tensors go with delta (config.delta) against its own last
+  commit, its DTensor shards dense (the SDK's parts).
   "one": actor rank 0 (verl's `is_master`) pushes everything, with delta against the last commit;
   every other actor rank drains its generator (the gathers run on every rank) and waits.
   Each sending rank publishes its outcome in the small TCPStore rank 0 hosts, and every actor rank
@@ -256,12 +257,8 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         assert self._client is not None
         if self.config.transport == "collective" and self._client.group_id is None:
             self._client.create_group(timeout=self.config.timeout_s)
-        if key is None:
-            result = self._client.push(named, version=version, mode=self.config.mode, transport=self.config.transport,
-                                       delta=self.config.delta)  # type: ignore[arg-type]
-        else:
-            result = self._client.push(named, version=version, mode=self.config.mode, transport=self.config.transport,
-                                       part_key=key)  # type: ignore[arg-type]
+        result = self._client.push(named, version=version, mode=self.config.mode, transport=self.config.transport,
+                                   delta=self.config.delta, part_key=key)  # type: ignore[arg-type]
         log.info("verl sync pushed", version=version, rank=self.rank, tensors=len(named),
                  seconds=round(result.seconds, 4), bytes_sent=result.bytes_sent, dense_bytes=result.dense_bytes)
         return result

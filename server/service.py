@@ -27,6 +27,7 @@ from weightsync.common.errors import (
 )
 from weightsync.common.logging import get_logger
 from weightsync.common.plan_id import plan_id_of
+from weightsync.server.box_checksums import checked_boxes, compute_box_checksums
 from weightsync.server.node import SERVICE_NAME, Node
 from weightsync.server.part_joins import PartJoins, Ticket
 from weightsync.server.part_updates import PartFeed, PartUpdates
@@ -138,12 +139,20 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         owner = next(_reader_ids)
         lease = await node.leases.grant(lambda: node.publisher.version, owner, CHECKSUM_LEASE_SECONDS)
         try:
-            targets, not_stored = node.store.checksum_targets(names)
+            if request.boxes:  # names only whole (none: none), each box's tensor checked as a name is
+                asked = sorted(set(names) | {ref.name for ref in request.boxes})
+                not_stored = node.store.checksum_targets(asked)[1]
+                targets = sorted(set(names) - set(not_stored))
+                boxes = checked_boxes(request.boxes, {n: tuple(t.shape) for n, t in node.store.tensors.items()},
+                                      node.store.stores)
+            else:
+                (targets, not_stored), boxes = node.store.checksum_targets(names), []
             tensors = await asyncio.to_thread(node.store.compute_checksums, targets)
+            box_sums = await asyncio.to_thread(compute_box_checksums, boxes, node.store.view)
         finally:
             await node.leases.release(lease.lease_id, owner)
         return pb.GetTensorChecksumsResponse(version=lease.version.to_proto(), store_state=node.store.state,
-                                             tensors=tensors, not_stored=not_stored)
+                                             tensors=tensors, not_stored=not_stored, boxes=box_sums)
 
     async def WatchWeights(self, request: pb.WatchWeightsRequest, context) -> AsyncIterator[pb.WatchWeightsResponse]:
         queue = self.node.publisher.watchers.subscribe()

@@ -465,10 +465,30 @@ class PartsWaiting(_message.Message):
     def __init__(self, joining: _Optional[_Iterable[int]] = ..., sending: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetTensorChecksumsRequest(_message.Message):
-    __slots__ = ("names",)
+    __slots__ = ("names", "boxes")
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    BOXES_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+    boxes: _containers.RepeatedCompositeFieldContainer[TensorBoxRef]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., boxes: _Optional[_Iterable[_Union[TensorBoxRef, _Mapping]]] = ...) -> None: ...
+
+class TensorBoxRef(_message.Message):
+    __slots__ = ("name", "box")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BOX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    box: _tensor_pb2.TensorBox
+    def __init__(self, name: _Optional[str] = ..., box: _Optional[_Union[_tensor_pb2.TensorBox, _Mapping]] = ...) -> None: ...
+
+class BoxChecksum(_message.Message):
+    __slots__ = ("name", "box", "checksum")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BOX_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    box: _tensor_pb2.TensorBox
+    checksum: _tensor_pb2.Checksum
+    def __init__(self, name: _Optional[str] = ..., box: _Optional[_Union[_tensor_pb2.TensorBox, _Mapping]] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ...) -> None: ...
 
 class TensorChecksum(_message.Message):
     __slots__ = ("name", "dtype", "shape", "checksum")
@@ -491,18 +511,20 @@ class WorkerChecksums(_message.Message):
     def __init__(self, worker_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorChecksum, _Mapping]]] = ...) -> None: ...
 
 class GetTensorChecksumsResponse(_message.Message):
-    __slots__ = ("version", "store_state", "workers", "tensors", "not_stored")
+    __slots__ = ("version", "store_state", "workers", "tensors", "not_stored", "boxes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STORE_STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     NOT_STORED_FIELD_NUMBER: _ClassVar[int]
+    BOXES_FIELD_NUMBER: _ClassVar[int]
     version: WeightVersion
     store_state: StoreState
     workers: _containers.RepeatedCompositeFieldContainer[WorkerChecksums]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorChecksum]
     not_stored: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[_Union[WeightVersion, _Mapping]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., workers: _Optional[_Iterable[_Union[WorkerChecksums, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorChecksum, _Mapping]]] = ..., not_stored: _Optional[_Iterable[str]] = ...) -> None: ...
+    boxes: _containers.RepeatedCompositeFieldContainer[BoxChecksum]
+    def __init__(self, version: _Optional[_Union[WeightVersion, _Mapping]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., workers: _Optional[_Iterable[_Union[WorkerChecksums, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorChecksum, _Mapping]]] = ..., not_stored: _Optional[_Iterable[str]] = ..., boxes: _Optional[_Iterable[_Union[BoxChecksum, _Mapping]]] = ...) -> None: ...
 
 class WatchWeightsRequest(_message.Message):
     __slots__ = ()

@@ -175,8 +175,12 @@ class WeightSyncServiceServicer:
         which the server computes from the committed bytes (one entry per tensor,
         however many workers). Unknown names are NOT_FOUND (reason
         TENSOR_NOT_FOUND, listing them); a name given twice is INVALID_ARGUMENT
-        (TENSOR_NAME_DUPLICATE). While an IN_PLACE update writes the store it is
-        FAILED_PRECONDITION (STORE_UPDATING); a STAGED one does not stop it.
+        (TENSOR_NAME_DUPLICATE). Boxes of tensors (a part's own, see
+        GetTensorChecksumsRequest.boxes) are answered one WS64 each; a box with
+        another rank than its tensor, a size below 1, or past its shape is
+        INVALID_ARGUMENT (BOX_OUT_OF_SHAPE), a box of a name the store lacks
+        NOT_FOUND (TENSOR_NOT_FOUND). While an IN_PLACE update writes the store
+        it is FAILED_PRECONDITION (STORE_UPDATING); a STAGED one does not stop it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -41,6 +41,7 @@ from weightsync.client.link_timings import LinkTimings
 from weightsync.client.packing import PackBuffers
 from weightsync.client.part_agreement import check_group
 from weightsync.client.part_push import push_part
+from weightsync.client.part_verify import checked_here, is_dtensor, verify_parts
 from weightsync.client.parts import Part
 from weightsync.client.patched_push import PatchedPlan, plan_patches, send_patches
 from weightsync.client.plan_cache import PlanCache
@@ -442,9 +443,19 @@ class WeightSyncClient:
         """Compare local WS64 checksums with every server's store. A server started with `--tensors`
         answers for the tensors of its subset only; one that stores none of those asked for (a
         pattern that matches none of them) vouches for nothing, and fails the check: each is
-        reported missing there (TensorMismatch.remote None)."""
+        reported missing there (TensorMismatch.remote None).
+
+        A DTensor (FSDP2, DTensor TP) is checked as this rank's local shard: the box of the whole
+        tensor that its push declares, against the server's checksum of that box, with no
+        collective and no gather; a replicated one by every rank that holds it; a box's mismatch is
+        named `name[2:4, 0:8]` (see client/part_verify.py). `checked` then counts whole tensors and
+        boxes."""
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         check_tensors(items)
+        if any(is_dtensor(t) for _, t in items):
+            with one_intra_op_thread():
+                checked = checked_here(items)
+            return self._loop.run(verify_parts(self._servers, self._fleet.states, checked))
         with one_intra_op_thread():
             local = {name: ws64(t.detach()) for name, t in items}
 

@@ -47,45 +47,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator:
-    with running_server(tmp_path_factory.mktemp("verl-fsdp"), workers=1) as server:
-        yield server
-
-
-def test_fsdp2_actor_ranks_each_send_their_shards_and_the_rollout_reads_full_tensors(server) -> None:
-    kwargs = {"servers": [server.address], "transport": "inline", "timeout_s": 120}
-    port = free_port()
-    actors = [FsdpWorker("actor", rank == 0, kwargs, (rank, WORLD, port)) for rank in range(WORLD)]
+@pytest.fixture()
+def workers_and_server(tmp_path) -> Iterator:
+    """The workers started first, the server while they import verl (on a port picked for it)."""
+    address = f"127.0.0.1:{free_port()}"
+    kwargs = {"servers": [address], "transport": "inline", "timeout_s": 120}
+    gloo = free_port()
+    actors = [FsdpWorker("actor", rank == 0, kwargs, (rank, WORLD, gloo)) for rank in range(WORLD)]
     rollouts = [FsdpWorker("rollout", False, kwargs, None)]
     try:
-        assert [w.answer(READY_S) for w in actors + rollouts] == ["WeightSyncCheckpointEngine"] * 3
-        previous = None
-        for step in (1, 2):
-            actor_results, (received,) = sync(actors, rollouts, step)
-            for result in actor_results:
-                assert isinstance(result, dict), result  # else ("error", what the actor rank raised)
-                assert result["placements"] == ["(Shard(dim=0),)"]
-            full = actor_results[0]["full"]
-            assert_bit_exact(received, full)
-            for name, tensor in actor_results[1]["full"].items():
-                assert_bit_exact({name: tensor}, {name: full[name]})  # both ranks gathered the same
-            assert {t.dtype for t in full.values()} == {torch.float32, torch.bfloat16}
-            if previous is not None:  # every tensor changed since the last step
-                assert all(not t.equal(previous[name]) for name, t in full.items())
-            previous = full
-
-            # Each rank pushed every tensor as a DTensor, holding only its own rows (torch.chunk: the
-            # first rank the larger half): its local shards, not the full tensors.
-            for rank, result in enumerate(actor_results):
-                pushed = {name: (kind, shape) for name, kind, shape in result["pushed"]}
-                assert sorted(pushed) == sorted(full)
-                for name, tensor in full.items():
-                    rows = tensor.shape[0]
-                    mine = (rows + 1) // 2 if rank == 0 else rows - (rows + 1) // 2
-                    assert pushed[name] == ("DTensor", [mine, *tensor.shape[1:]]), (rank, name)
-        with WeightSyncClient(server.address) as client:
-            assert client.verify(full).ok
+        with running_server(tmp_path, "--listen", address, workers=1) as server:
+            yield actors, rollouts, server
     finally:
         for w in actors + rollouts:
             w.stop()
+
+
+def test_fsdp2_actor_ranks_each_send_their_shards_and_the_rollout_reads_full_tensors(workers_and_server) -> None:
+    actors, rollouts, server = workers_and_server
+    assert [w.answer(READY_S) for w in actors + rollouts] == ["WeightSyncCheckpointEngine"] * 3
+    previous = None
+    for step in (1, 2):
+        actor_results, (received,) = sync(actors, rollouts, step)
+        for result in actor_results:
+            assert isinstance(result, dict), result  # else ("error", what the actor rank raised)
+            assert result["placements"] == ["(Shard(dim=0),)"]
+        full = actor_results[0]["full"]
+        assert_bit_exact(received, full)
+        for name, tensor in actor_results[1]["full"].items():
+            assert_bit_exact({name: tensor}, {name: full[name]})  # both ranks gathered the same
+        assert {t.dtype for t in full.values()} == {torch.float32, torch.bfloat16}
+        if previous is not None:  # every tensor changed since the last step
+            assert all(not t.equal(previous[name]) for name, t in full.items())
+        previous = full
+
+        # Each rank pushed every tensor as a DTensor, holding only its own rows (torch.chunk: the
+        # first rank the larger half): its local shards, not the full tensors.
+        for rank, result in enumerate(actor_results):
+            pushed = {name: (kind, shape) for name, kind, shape in result["pushed"]}
+            assert sorted(pushed) == sorted(full)
+            for name, tensor in full.items():
+                rows = tensor.shape[0]
+                mine = (rows + 1) // 2 if rank == 0 else rows - (rows + 1) // 2
+                assert pushed[name] == ("DTensor", [mine, *tensor.shape[1:]]), (rank, name)
+    with WeightSyncClient(server.address) as client:
+        assert client.verify(full).ok

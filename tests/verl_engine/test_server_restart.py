@@ -19,7 +19,8 @@ import pytest
 
 pytest.importorskip("verl.checkpoint_engine", reason="verl is not installed here: run make test-verl")
 
-from test_verl_checkpoint_engine import assert_bit_exact, start_fleet, sync  # noqa: E402
+from test_fsdp_actors import free_port  # noqa: E402
+from test_verl_checkpoint_engine import Worker, assert_bit_exact, sync  # noqa: E402
 from verl_workers import weights_for  # noqa: E402
 
 from weightsync.client import WeightSyncClient  # noqa: E402
@@ -40,10 +41,10 @@ DOWN_S = 30.0
 class RestartableServer:
     """A server process that can be stopped and started again on the same address."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, port: int) -> None:
         self.tmp_path = tmp_path
-        self.process: ServerProcess | None = start_server(tmp_path, workers=1)
-        self.port = self.process.port
+        self.port = port
+        self.process: ServerProcess | None = None
 
     @property
     def address(self) -> str:
@@ -72,7 +73,8 @@ class RestartableServer:
 
 @pytest.fixture()
 def server(tmp_path) -> Iterator[RestartableServer]:
-    server = RestartableServer(tmp_path)
+    """Not started yet: the test starts it while its workers import verl."""
+    server = RestartableServer(tmp_path, free_port())
     try:
         yield server
     finally:
@@ -87,9 +89,12 @@ def committed(server: RestartableServer) -> tuple[str, int]:
 
 
 def test_steps_go_on_after_the_server_restarts_between_them(server: RestartableServer) -> None:
-    actors, rollouts = start_fleet({"servers": [server.address], "transport": "inline", "timeout_s": TIMEOUT_S,
-                                    "senders": "one"})
+    kwargs = {"servers": [server.address], "transport": "inline", "timeout_s": TIMEOUT_S, "senders": "one"}
+    actors = [Worker("actor", True, kwargs), Worker("actor", False, kwargs)]
+    rollouts = [Worker("rollout", False, kwargs)]
     try:
+        server.start()  # while the workers import verl
+        assert [w.ready() for w in actors + rollouts] == ["WeightSyncCheckpointEngine"] * 3
         # Steps 1 and 2: the first dense, the second a delta against it.
         for step in (1, 2):
             actor_results, (received,) = sync(actors, rollouts, step)

@@ -68,6 +68,12 @@ def main() -> None:
             client.push(tensors, version=step, mode="staged", transport="inline", allow_new_tensors=True)
             out[step] = checked(client, tensors)
             if step == "v2":
+                # A tensor no server holds, built from this rank's shard alone (no collective): its box is
+                # reported missing (remote None) on every server, the rest still checked.
+                rows = 5 if rank == 0 else 4
+                absent = DTensor.from_local(torch.ones(rows, 2), mesh, [Shard(0)], run_check=False,
+                                            shape=torch.Size([9, 2]), stride=(2, 1))
+                out["absent"] = checked(client, tensors | {"absent": absent})
                 break
             for name, index in TAMPERED:  # each: one element changed on the servers, then every rank verifies
                 if rank == 0:

@@ -9,7 +9,7 @@
 - Two real trainer processes (tests/sdk_part_verify_trainer.py, Gloo) push DTensors (Shard(0) uneven,
   Shard(1) uneven, Replicate) as parts and verify() them as they are: no mismatches; then one element changed
   on the servers is reported by exactly the ranks whose box holds it (the replicated one by both); the next
-  push verifies clean.
+  push verifies clean, and a DTensor no server holds is reported missing box by box.
 """
 
 from __future__ import annotations
@@ -196,6 +196,8 @@ def test_each_rank_verifies_its_own_dtensor_boxes_and_only_the_holders_see_a_cha
     assert one["tamper_cols"] == {"checked": 3, "mismatches": []}
     assert zero["tamper_norm"] == {"checked": 4, "mismatches": on_both("norm")}
     assert one["tamper_norm"] == {"checked": 3, "mismatches": on_both("norm")}
+    assert zero["absent"] == {"checked": 5, "mismatches": sorted(f"{a}|absent[0:5, 0:2]|True" for a in addresses)}
+    assert one["absent"] == {"checked": 4, "mismatches": sorted(f"{a}|absent[5:9, 0:2]|True" for a in addresses)}
     # The servers hold v2 whole, bit for bit.
     for s in servers:
         answer = s.stub().GetTensorChecksums(pb.GetTensorChecksumsRequest(names=["cols", "norm", "rows"]), timeout=30)

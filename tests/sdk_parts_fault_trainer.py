@@ -34,6 +34,9 @@ KILL_AFTER = 1
 the update runs on every server (Ready came: both parts joined), and buckets of rank 1 are still to come."""
 CORRUPT = 1
 """Rank 1 of "corrupt" announces bucket 1 with the checksum of other bytes (its bucket 0 goes through)."""
+HOLD_TIMEOUT = datetime.timedelta(seconds=30)
+"""How long rank 1 of "corrupt_hold" holds its streams open for rank 0's push to end (the servers' idle bound,
+--transfer-timeout-seconds, is 60 s: only the abort fan-out ends it sooner)."""
 PUSH = dict(mode="staged", transport="inline", allow_new_tensors=True, bucket_size_bytes=BUCKET, checksums=True)
 
 
@@ -98,31 +101,41 @@ def kill(client, rank: int, seeds: list[int], out_dir: Path) -> dict:
 
 
 def corrupt(client, rank: int, seeds: list[int], out_dir: Path) -> dict:
-    """seeds[0] pushed; rank 1 sends a bucket of the push of seeds[1] whose checksum is not its bytes'
-    (both parts fail, nothing changes); then seeds[2] pushed by the same processes, and verified."""
+    """seeds[0] pushed; rank 1 sends a bucket of the push of seeds[1] whose checksum is not its bytes' (both
+    parts fail, nothing changes), twice: then at once ("corrupt"), and again holding its streams open after
+    that bucket (in its progress callback) until rank 0's push ended ("held"): rank 0 can learn of that
+    failure only from the servers' abort fan-out (UpdateAborting). Then seeds[2], pushed and verified."""
     import weightsync.client.push as push_module
 
     before, bad, after = seeds
     out: dict = {"v1": generations(client.push(own(rank, before), version=f"v{before}", **PUSH))}
     checksum = push_module.tensor_checksum
-    calls = []
 
-    def corrupting(data: torch.Tensor):
-        calls.append(None)
-        return checksum(data if len(calls) - 1 != CORRUPT else data.clone().view(torch.uint8).add_(1))
+    def holding(progress) -> None:
+        if progress.bucket == CORRUPT:
+            dist.monitored_barrier(timeout=HOLD_TIMEOUT)  # rank 0 joins it once its push ended
 
-    if rank == 1:
-        push_module.tensor_checksum = corrupting
-    try:
-        client.push(own(rank, bad), version=f"v{bad}", **PUSH)
-        out["corrupt"] = "pushed"
-    except Exception as error:  # noqa: BLE001 (recorded, the test checks what it was)
-        out["corrupt"] = failure(error)
-    finally:
-        push_module.tensor_checksum = checksum
-    out["corrupted_calls"] = len(calls)
-    out["after"] = current(client)
-    out["after_mismatches"] = mismatches(client, own(rank, before))
+    for step, hold in (("corrupt", False), ("held", True)):
+        calls = []
+
+        def corrupting(data: torch.Tensor, calls=calls):
+            calls.append(None)
+            return checksum(data if len(calls) - 1 != CORRUPT else data.clone().view(torch.uint8).add_(1))
+
+        if rank == 1:
+            push_module.tensor_checksum = corrupting
+        try:
+            client.push(own(rank, bad), version=f"v{bad}", progress=holding if hold and rank == 1 else None, **PUSH)
+            out[step] = "pushed"
+        except Exception as error:  # noqa: BLE001 (recorded, the test checks what it was)
+            out[step] = failure(error)
+        finally:
+            push_module.tensor_checksum = checksum
+        if hold and rank == 0:
+            dist.monitored_barrier(timeout=HOLD_TIMEOUT)
+        out[f"{step}_calls"] = len(calls)
+        out[f"{step}_after"] = current(client)
+        out[f"{step}_after_mismatches"] = mismatches(client, own(rank, before))
     out["v2"] = generations(client.push(own(rank, after), version=f"v{after}", **PUSH))
     out["v2_mismatches"] = mismatches(client, own(rank, after))
     return out

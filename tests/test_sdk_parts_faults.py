@@ -8,7 +8,9 @@ INLINE, STAGED, to two real servers.
   - a node holding a subset (--tensors) beside a whole one: each stores exactly its tensors, bit for bit,
     over two pushes;
   - rank 1 announces a bucket whose checksum is not its bytes': both parts fail (rank 1 with its own
-    BUCKET_CHECKSUM_MISMATCH, rank 0 PART_FAILED naming part 1), nothing changes, the next push commits.
+    BUCKET_CHECKSUM_MISMATCH, rank 0 PART_FAILED naming part 1), nothing changes; again with rank 1 holding
+    its streams open until rank 0's push ended (rank 0 learns it from the servers' abort fan-out alone);
+    then the next push commits.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ pytestmark = pytest.mark.timeout(300)
 
 TRAINER = Path(__file__).parent / "sdk_parts_fault_trainer.py"
 TRAINERS_TIMEOUT = 150
-FAILED_WITHIN = 15.0
+FAILED_WITHIN = 30.0
 """Seconds from rank 1's death to rank 0's PartUpdateFailed: the server learns it from the stream's end,
 well before any idle bound (--transfer-timeout-seconds, 60 s by default)."""
 SUBSET = r"^(emb|l1\.)"
@@ -77,7 +79,7 @@ def state(servers) -> list[tuple[int, str, dict[str, int]]]:
     """Each server's committed generation, version and every stored tensor's checksum."""
     out = []
     for server in servers:
-        info = server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        info = server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
         out.append((info.current_version.generation, info.current_version.version, server_checksums(server)[0]))
     return out
 
@@ -141,7 +143,7 @@ def test_a_node_holding_a_subset_stores_exactly_its_tensors_from_both_parts(node
     whole, subset = nodes[1:]
     pair = [subset, whole]
     addresses = [s.address for s in pair]
-    before = {s.address: s.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).current_version.generation
+    before = {s.address: s.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=30).current_version.generation
               for s in pair}
     zero, one = run_ranks(argv(pair, tmp_path, "push", [31, 32]), 2, tmp_path, TRAINERS_TIMEOUT)
     assert zero["v31"] == one["v31"] == {a: before[a] + 1 for a in addresses}
@@ -154,7 +156,7 @@ def test_a_node_holding_a_subset_stores_exactly_its_tensors_from_both_parts(node
     assert server_checksums(subset) == [local_checksums(mine)]  # exactly its tensors, bit for bit
     answer = subset.stub().GetTensorChecksums(pb.GetTensorChecksumsRequest(names=sorted(last)), timeout=60)
     assert sorted(answer.not_stored) == ["head", "l0.b", "l0.w"]
-    info = subset.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    info = subset.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
     assert (info.store.tensor_filter, info.store.tensor_count, info.current_version.version) == (SUBSET, 3, "v32")
     assert server_checksums(whole, names=sorted(last)) == [local_checksums(last)]
     with WeightSyncClient(addresses) as client:  # the whole model, from one process: each node its own
@@ -167,21 +169,33 @@ def test_a_corrupt_bucket_in_one_part_fails_both_and_the_next_push_commits(serve
     zero, one = run_ranks(argv(servers, tmp_path, "corrupt", [41, 42, 43]), 2, tmp_path, TRAINERS_TIMEOUT)
     v1 = zero["v1"]
     assert one["v1"] == v1 and sorted(v1) == sorted(addresses)
-    assert one["corrupted_calls"] > CORRUPT and zero["corrupted_calls"] == 0  # rank 1 got to its bad bucket
+    for step in ("corrupt", "held"):
+        assert one[f"{step}_calls"] > CORRUPT and zero[f"{step}_calls"] == 0  # rank 1 got to its bad bucket
 
-    # Rank 1: its own bucket's checksum refused; rank 0: PART_FAILED naming part 1, and why.
-    own, told = one["corrupt"], zero["corrupt"]
-    assert (own["type"], own["reason"], own["code"], own["rank"], own["failed_part"]) == (
-        "PartUpdateFailed", "BUCKET_CHECKSUM_MISMATCH", "DATA_LOSS", 1, None), own
-    assert (told["type"], told["reason"], told["code"], told["rank"], told["failed_part"]) == (
-        "PartUpdateFailed", "PART_FAILED", "ABORTED", 0, 1), told
-    assert (told["part_reason"], told["part_code"]) == ("BUCKET_CHECKSUM_MISMATCH", "DATA_LOSS")
+        # Rank 1: its own bucket's checksum refused; rank 0: PART_FAILED (and, below, naming part 1 and why).
+        own, told = one[step], zero[step]
+        assert (own["type"], own["reason"], own["code"], own["rank"], own["failed_part"]) == (
+            "PartUpdateFailed", "BUCKET_CHECKSUM_MISMATCH", "DATA_LOSS", 1, None), (step, own)
+        assert (told["type"], told["reason"], told["code"], told["rank"]) == (
+            "PartUpdateFailed", "PART_FAILED", "ABORTED", 0), (step, told)
 
-    # Nothing changed on either server before the next push (each rank read it back: its version's tensors)...
-    for record in (zero, one):
-        assert record["after"] == [v1[a] for a in addresses] and record["after_mismatches"] == []
-    # ...which commits with one generation per server, and reads back bit for bit.
+        # Nothing changed on either server (each rank read it back: its version's tensors).
+        for record in (zero, one):
+            assert record[f"{step}_after"] == [v1[a] for a in addresses], step
+            assert record[f"{step}_after_mismatches"] == [], step
+    # The next push commits with one generation per server, and reads back bit for bit.
     assert zero["v2"] == one["v2"] == {a: v1[a] + 1 for a in addresses}
     assert zero["v2_mismatches"] == one["v2_mismatches"] == []
     for server in servers:
         assert server_checksums(server, names=sorted(model(43))) == [local_checksums(model(43))]
+
+    # Which part failed, and why: from the status that ends rank 0's streams (its ErrorInfo).
+    told = zero["corrupt"]
+    assert (told["failed_part"], told["part_reason"], told["part_code"]) == (1, "BUCKET_CHECKSUM_MISMATCH", "DATA_LOSS")
+    # While rank 1 holds its streams open, rank 0 hears PART_FAILED from the fan-out (UpdateAborting) only: that
+    # message carries no ErrorInfo, and the server ends rank 0's stream only once every part's ended, after
+    # the client's abort grace (push.ABORT_GRACE_SECONDS): the part it names is lost (a gap, reported).
+    told = zero["held"]
+    if told["failed_part"] is None:
+        pytest.xfail("PART_FAILED from UpdateAborting alone names no part (no ErrorInfo on UpdateAborting)")
+    assert (told["failed_part"], told["part_reason"], told["part_code"]) == (1, "BUCKET_CHECKSUM_MISMATCH", "DATA_LOSS")

@@ -5,24 +5,27 @@ The trainers (tests/sdk_parts_fsdp4_trainer.py) are real processes in one Gloo g
 with fully_shard over a 4-rank CPU mesh: row counts that do not divide by 4, so the shards are uneven and rank 3
 holds empty ones. Each step they compute full_tensor() (a collective) before the push and rank 0 saves it; the
 test then reads every tensor through an EngineClient attached to each server's local socket (the store mapped
-read-only, as a serving engine reads it) and holds the trainers at a store key until it has. Between the two
-steps every shard changes, so a stale read fails, and the versions and generations are compared exactly.
+read-only, as a serving engine reads it) and holds the trainers at a store key until it has. Every shard
+changes from one step to the next, so a stale read fails, and versions and generations are compared exactly.
 
-INLINE: two servers with the default 2 ingress slots each, so the 4 parts take turns at them. SHM: one server
-on this host with 4 slots (SHM gives each part a run of its own)."""
+The same 4 processes (their start is most of the time on a loaded host) push two steps INLINE to two servers
+with the default 2 ingress slots each, so the 4 parts take turns at them, then two steps over SHM to a third
+server on this host with 4 slots (SHM gives each part a run of its own). Every part's shards travel as several
+64-byte buckets, so each one needs a slot again within a push."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 import torch
-from sdk_parts_fsdp4_trainer import STEPS
 from torch.distributed import TCPStore
 
 from weightsync.engine import EngineClient
@@ -88,63 +91,76 @@ def read_every_tensor(engines: dict[str, EngineClient], step: str, full: dict[st
             assert wrong == [], f"{address} at {step}: {wrong} differ from full_tensor()"
 
 
-def run_case(servers: list[ServerProcess], out: Path, transport: str) -> list[dict]:
-    """The 4 ranks' two steps, an engine per server reading each one while the ranks wait; their records."""
-    addresses = [s.address for s in servers]
-    store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
-    argv = [str(TRAINER), "{rank}", str(WORLD), str(free_port()), str(store.port), ",".join(addresses), str(out),
-            transport]
-    engines = {a: EngineClient(server=a, name=f"fsdp4-reader-{k}", timeout=30) for k, a in enumerate(addresses)}
-    with ThreadPoolExecutor(1) as pool:
-        ranks = pool.submit(run_ranks, argv, WORLD, out, TRAINERS_TIMEOUT)
-        previous: dict[str, int] | None = None
-        fulls: dict[str, dict[str, torch.Tensor]] = {}
-        try:
-            for step in STEPS:
+PHASES = (("inline", ("v1", "v2")), ("shm", ("v3", "v4")))
+"""The trainers' two phases (one client each), the steps of each: INLINE to the 2 servers, then SHM to the third."""
+
+
+def read_steps(phases: list[tuple[str, list[ServerProcess]]], store: TCPStore, out: Path, ranks) -> None:
+    """Every phase's steps as the ranks post them, an engine per server reading each one while the ranks wait."""
+    engines = {s.address: EngineClient(server=s.address, name=f"fsdp4-reader-{k}", timeout=30)
+               for k, s in enumerate(server for _, servers in phases for server in servers)}
+    fulls: dict[str, dict[str, torch.Tensor]] = {}
+    try:
+        store.set("phases", json.dumps([[transport, [s.address for s in servers]] for transport, servers in phases]))
+        for (_, servers), (_, phase_steps) in zip(phases, PHASES, strict=True):
+            previous: dict[str, int] | None = None
+            for step in phase_steps:
                 posted = wait_for_pushes(store, step, ranks)
-                assert all(p == posted[0] for p in posted) and sorted(posted[0]) == sorted(addresses), posted
+                assert all(p == posted[0] for p in posted), posted
+                assert sorted(posted[0]) == sorted(s.address for s in servers), posted
+                if previous is None:  # a fresh server's first commit
+                    assert set(posted[0].values()) == {1}, posted
                 fulls[step] = torch.load(out / f"full-{step}.pt")
-                read_every_tensor(engines, step, fulls[step], posted[0], previous)
+                read_every_tensor({s.address: engines[s.address] for s in servers}, step, fulls[step], posted[0],
+                                  previous)
                 previous = posted[0]
                 store.set(f"read/{step}", "go")
+    finally:
+        for engine in engines.values():
+            engine.close()
+    # Every tensor changed from each step to the next: a stale read could not have passed.
+    steps = [step for _, phase_steps in PHASES for step in phase_steps]
+    for before, after in pairwise(steps):
+        assert [n for n in fulls[before] if same_bits(fulls[before][n], fulls[after][n])] == [], (before, after)
+
+
+def test_four_fsdp_ranks_push_inline_to_two_servers_then_shm_to_one_each_read_by_an_engine(tmp_path):
+    store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    argv = [str(TRAINER), "{rank}", str(WORLD), str(free_port()), str(store.port), str(tmp_path)]
+    started: list[ServerProcess] = []
+    with ThreadPoolExecutor(4) as pool:
+        # The ranks and the servers start side by side (each start is many seconds on a loaded host): the
+        # ranks wait for the phases the test posts once the servers are up.
+        ranks = pool.submit(run_ranks, argv, WORLD, tmp_path, TRAINERS_TIMEOUT)
+        try:
+            starts = [pool.submit(start_server, tmp_path, workers=2) for _ in range(2)]
+            starts.append(pool.submit(start_server, tmp_path, "--local-socket", "auto", "--ingress-slot-count",
+                                      str(WORLD), workers=2))
+            for start in starts:  # start_server is bounded (90 s each)
+                with contextlib.suppress(Exception):
+                    started.append(start.result())
+            assert len(started) == 3, [start.exception() for start in starts]
+            servers = {"inline": started[:2], "shm": started[2:]}
+            # INLINE: 4 parts, 2 slots a server, so they take turns; SHM: a run of one slot each.
+            assert [s.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).limits.ingress_slot_count
+                    for s in started] == [2, 2, WORLD]
+            read_steps([(transport, servers[transport]) for transport, _ in PHASES], store, tmp_path, ranks)
         finally:
-            for step in STEPS:
-                if not store.check([f"read/{step}"]):
-                    store.set(f"read/{step}", "stop")  # a failed read: the ranks end rather than wait out
-            for engine in engines.values():
-                engine.close()
+            # Whatever failed, the ranks end rather than wait out their bounds: no phases, or no more steps.
+            if not store.check(["phases"]):
+                store.set("phases", "[]")
+            for _, steps in PHASES:
+                for step in steps:
+                    if not store.check([f"read/{step}"]):
+                        store.set(f"read/{step}", "stop")
+            ranks.exception()  # the ranks done (run_ranks is bounded) before their servers stop
+            codes = list(pool.map(lambda server: server.stop(), started))
         records = ranks.result()
-    # Every tensor changed between the steps: a stale read could not have passed.
-    assert [n for n in fulls["v1"] if same_bits(fulls["v1"][n], fulls["v2"][n])] == []
-    return records
-
-
-def check_records(records: list[dict], servers: list[ServerProcess]) -> None:
-    first = records[0]["v1"]
-    for record in records:
-        assert record["v1"] == first and record["v2"] == {a: g + 1 for a, g in first.items()}
-        assert record["v1_placements"] == record["v2_placements"] == ["(Shard(dim=0),)"]
+    assert codes == [0, 0, 0], [s.log()[-3000:] for s in started]
+    for transport, (first, second) in PHASES:
+        for record in records:
+            assert record[first] == {s.address: 1 for s in servers[transport]}
+            assert record[second] == {s.address: 2 for s in servers[transport]}
+            assert record[f"{first}_buckets"] > 2 and record[f"{second}_buckets"] > 2  # slots needed again
+            assert record[f"{first}_placements"] == record[f"{second}_placements"] == ["(Shard(dim=0),)"]
     assert {name: [r["v1_rows"][name] for r in records] for name in SHARD_ROWS} == SHARD_ROWS
-    for server in servers:
-        info = server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
-        assert (info.current_version.version, info.current_version.generation) == ("v2", first[server.address] + 1)
-
-
-def test_four_fsdp_ranks_inline_to_two_servers_read_by_an_engine_on_each(tmp_path):
-    servers = [start_server(tmp_path, workers=2) for _ in range(2)]
-    try:
-        for server in servers:  # 4 parts, 2 slots each: they take turns
-            assert server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).limits.ingress_slot_count == 2
-        check_records(run_case(servers, tmp_path, "inline"), servers)
-    finally:
-        codes = [server.stop() for server in servers]
-    assert codes == [0, 0], [s.log()[-3000:] for s in servers]
-
-
-def test_four_fsdp_ranks_over_shm_to_one_server_read_by_its_engine(tmp_path):
-    server = start_server(tmp_path, "--local-socket", "auto", "--ingress-slot-count", str(WORLD), workers=2)
-    try:
-        check_records(run_case([server], tmp_path, "shm"), [server])
-    finally:
-        code = server.stop()
-    assert code == 0, server.log()[-3000:]

@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -344,11 +345,25 @@ def pids_alive(pids: Iterator[int]) -> list[int]:
     return alive
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a trainer group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_ranks(argv: list[str], world: int, out: Path, timeout: float) -> list[dict]:
+    """`world` trainer processes (ranks_exit_codes), each of which must exit 0 (else its log's tail fails
+    the test); returns what each wrote to out/rank{r}.json."""
+    for rank, code in enumerate(ranks_exit_codes(argv, world, out, timeout)):
+        assert code == 0, (out / f"rank{rank}.log").read_text()[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def ranks_exit_codes(argv: list[str], world: int, out: Path, timeout: float) -> list[int]:
     """`world` trainer processes, `python ARGV... RANK` style as each script takes them: rank r runs
     `sys.executable` with argv where "{rank}" is replaced by r, logging to out/rank{r}.log; every one waited
-    for (bounded, killed past the bound), each must exit 0 (else its log's tail fails the test); returns
-    what each wrote to out/rank{r}.json."""
+    for (bounded, killed past the bound); returns their exit codes, by rank."""
     procs = []
     for rank in range(world):
         log = open(out / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed below)
@@ -363,6 +378,4 @@ def run_ranks(argv: list[str], world: int, out: Path, timeout: float) -> list[di
                 proc.kill()
                 proc.wait()
             log.close()
-    for rank, (proc, _) in enumerate(procs):
-        assert proc.returncode == 0, (out / f"rank{rank}.log").read_text()[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+    return [proc.returncode for proc, _ in procs]

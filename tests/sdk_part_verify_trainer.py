@@ -10,15 +10,12 @@ the trainers'; the element it changed the step before set back), and the ranks w
 
 from __future__ import annotations
 
-import datetime
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from trainer_rank import join_group
 
-GLOO_TIMEOUT = datetime.timedelta(seconds=90)
 TAMPERED = (("rows", (7, 2)), ("cols", (0, 1)), ("norm", (3,)))
 """The element rank 0 changes on the servers at each tamper step: rows[7, 2] lies in rank 1's Shard(0) box
 (rows 5:9 of 9), cols[0, 1] in rank 0's Shard(1) box (columns 0:5 of 9), norm is replicated."""
@@ -44,10 +41,8 @@ def checked(client, tensors) -> dict:
 
 
 def main() -> None:
-    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    servers, out_dir = sys.argv[4].split(","), Path(sys.argv[5])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=GLOO_TIMEOUT)
+    me = join_group()
+    rank, world, servers, out_dir = me.rank, me.world, me.servers, me.out_dir
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 

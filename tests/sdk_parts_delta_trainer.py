@@ -15,15 +15,12 @@ generation and received bytes (Committed.size_bytes), and verify()'s mismatches 
 
 from __future__ import annotations
 
-import datetime
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from trainer_rank import join_group
 
-GLOO_TIMEOUT = datetime.timedelta(seconds=90)
 OWNS = (("a", "c"), ("b", "d"))
 BOXED = "rows"
 CHANGING = ("a", "b", "c", "rows")
@@ -70,10 +67,8 @@ def pushed(client, rank: int, world: int, step: int, mesh) -> dict:
 
 
 def main() -> None:
-    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    servers, out_dir = sys.argv[4].split(","), Path(sys.argv[5])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=GLOO_TIMEOUT)
+    me = join_group()
+    rank, world, servers, out_dir = me.rank, me.world, me.servers, me.out_dir
     from torch.distributed.device_mesh import init_device_mesh
 
     from weightsync.client import Part, PartUpdateFailed, WeightSyncClient

@@ -9,15 +9,12 @@ Writes OUT_DIR/rank{RANK}.json: each step's generation and bucket count, the run
 
 from __future__ import annotations
 
-import datetime
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from trainer_rank import join_group
 
-GLOO_TIMEOUT = datetime.timedelta(seconds=90)
 BUCKET_BYTES = 4096
 """Each rank's tensors fill several 4 KiB buckets, more than its run of slots: every slot is written again
 after the server applied what it held, and a rank writing outside its run would overwrite the other's."""
@@ -40,10 +37,8 @@ def run_of_slots(client) -> list[int]:
 
 
 def main() -> None:
-    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    server, out_dir, transport = sys.argv[4], Path(sys.argv[5]), sys.argv[6]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=GLOO_TIMEOUT)
+    me = join_group()
+    rank, world, server, out_dir, transport = me.rank, me.world, me.servers[0], me.out_dir, me.extra[0]
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 

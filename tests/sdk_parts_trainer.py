@@ -8,16 +8,12 @@ errors' fields, verify's mismatches). Exits 0 when the scenario ran to its end, 
 
 from __future__ import annotations
 
-import datetime
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from trainer_rank import join_group
 
-GLOO_TIMEOUT = datetime.timedelta(seconds=90)
-"""Bounds the parts' one collective per push (their agreement)."""
 OWNS = (["a", "c"], ["b", "d", "e"])
 """Rank 0 pushes a and c whole, rank 1 b, d and e."""
 BUCKETS = (8192, 8192)
@@ -154,10 +150,8 @@ SCENARIOS = {"whole": lambda client, rank, world: whole(client, rank), "dtensors
 
 
 def main() -> None:
-    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    servers, out_dir, scenario = sys.argv[4].split(","), Path(sys.argv[5]), sys.argv[6]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=GLOO_TIMEOUT)
+    me = join_group()
+    rank, world, servers, out_dir, scenario = me.rank, me.world, me.servers, me.out_dir, me.extra[0]
     from weightsync.client import Part, WeightSyncClient
 
     with WeightSyncClient(servers, part=Part(rank=rank, world=world, group=dist.group.WORLD, join_timeout=60)) as client:

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import grpc
@@ -29,7 +28,7 @@ from weightsync.server.box_checksums import AskedBox, box_checksum, checked_boxe
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-from helpers import error_info, run_ranks, start_server
+from helpers import error_info, free_port, run_ranks, start_server
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -169,11 +168,6 @@ def servers(tmp_path_factory):
     for s in started:
         assert s.stop() == 0, s.log()[-3000:]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_each_rank_verifies_its_own_dtensor_boxes_and_only_the_holders_see_a_changed_element(servers, tmp_path):

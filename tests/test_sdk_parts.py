@@ -7,7 +7,6 @@ followed by a push that commits and verifies."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from weightsync.client import (
     WeightSyncClientError,
 )
 
-from helpers import local_checksums, run_ranks, server_checksums, start_server
+from helpers import free_port, local_checksums, run_ranks, server_checksums, start_server
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -37,11 +36,6 @@ def servers(tmp_path_factory):
     for server in started:
         assert server.stop() == 0, server.log()[-3000:]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_trainers(servers, out: Path, scenario: str) -> list[dict]:

@@ -11,7 +11,6 @@ of a part (boxes dense beside the patches, never compared while the bytes travel
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from weightsync.client.types import StoreGeneration
 from weightsync.common.patches import is_patch
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-from helpers import local_checksums, run_ranks, server_checksums, start_server
+from helpers import free_port, local_checksums, run_ranks, server_checksums, start_server
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -42,11 +41,6 @@ def servers(tmp_path_factory):
     for server in started:
         assert server.stop() == 0, server.log()[-3000:]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def nbytes(t: torch.Tensor) -> int:

@@ -13,7 +13,6 @@ a free slot to the part that waited longest, one at a time each); before, such a
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,18 +20,13 @@ from sdk_parts_ingress_trainer import OWNS, model
 
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-from helpers import local_checksums, run_ranks, server_checksums, start_server
+from helpers import free_port, local_checksums, run_ranks, server_checksums, start_server
 
 pytestmark = pytest.mark.timeout(300)
 
 TRAINER = Path(__file__).parent / "sdk_parts_ingress_trainer.py"
 SLOT_BYTES, SLOT_COUNT = 8192, 4
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_parts_on_the_servers_host_write_their_own_slots_and_commit_one_version(tmp_path):

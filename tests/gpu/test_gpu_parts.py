@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -98,7 +97,7 @@ from weightsync.client import WeightSyncClient  # noqa: E402
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 
 from gpukit import assert_same_bytes, info, mapped_copy  # noqa: E402
-from helpers import ServerProcess, run_ranks, start_server  # noqa: E402
+from helpers import ServerProcess, free_port, run_ranks, start_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -149,11 +148,6 @@ def split_server(tmp_path) -> ServerProcess:
     yield server
     assert server.stop() == 0, server.log()[-3000:]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_trainer_processes_push_their_cuda_halves_as_parts(split_server, tmp_path):

@@ -112,7 +112,7 @@ class UpdateStream:
         """What the server said went wrong: its `aborting` message, or the stream's status."""
         if self.aborting is not None:
             a = self.aborting
-            return WeightSyncRpcError(self.server, status_code(a.code), a.reason, a.message, {})
+            return WeightSyncRpcError(self.server, status_code(a.code), a.reason, a.message, dict(a.metadata))
         return self.failure
 
     async def _read(self) -> None:

@@ -503,4 +503,5 @@ class UpdateSession:
         failure = self.failure_for(stream)
         stream.aborting_sent = True
         return pb.UpdateWeightsResponse(aborting=pb.UpdateAborting(
-            code=code_number(failure.code), reason=failure.reason, message=failure.message))
+            code=code_number(failure.code), reason=failure.reason, message=failure.message,
+            metadata=failure.metadata))

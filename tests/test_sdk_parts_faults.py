@@ -192,10 +192,8 @@ def test_a_corrupt_bucket_in_one_part_fails_both_and_the_next_push_commits(serve
     # Which part failed, and why: from the status that ends rank 0's streams (its ErrorInfo).
     told = zero["corrupt"]
     assert (told["failed_part"], told["part_reason"], told["part_code"]) == (1, "BUCKET_CHECKSUM_MISMATCH", "DATA_LOSS")
-    # While rank 1 holds its streams open, rank 0 hears PART_FAILED from the fan-out (UpdateAborting) only: that
-    # message carries no ErrorInfo, and the server ends rank 0's stream only once every part's ended, after
-    # the client's abort grace (push.ABORT_GRACE_SECONDS): the part it names is lost (a gap, reported).
+    # While rank 1 holds its streams open, rank 0 hears PART_FAILED from the fan-out (UpdateAborting) before its
+    # stream's status (which comes once every part's stream ended, after the client's abort grace): the
+    # message carries the ErrorInfo metadata itself (UpdateAborting.metadata), so the part is named.
     told = zero["held"]
-    if told["failed_part"] is None:
-        pytest.xfail("PART_FAILED from UpdateAborting alone names no part (no ErrorInfo on UpdateAborting)")
     assert (told["failed_part"], told["part_reason"], told["part_code"]) == (1, "BUCKET_CHECKSUM_MISMATCH", "DATA_LOSS")

@@ -423,14 +423,23 @@ class BucketApplied(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class UpdateAborting(_message.Message):
-    __slots__ = ("code", "reason", "message")
+    __slots__ = ("code", "reason", "message", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     code: int
     reason: str
     message: str
-    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class UpdateCommitted(_message.Message):
     __slots__ = ("version", "size_bytes", "duration")

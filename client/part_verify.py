@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
-from weightsync.client.parts import WHOLE, Box, local_box
+from weightsync.client.parts import Box, is_dtensor, local_box, shard_of
 from weightsync.client.server_state import ServerState
 from weightsync.client.servers import ServerSet
 from weightsync.client.store_checksums import _settled as settled_checksums
@@ -56,14 +56,6 @@ class Checked:
                                                                             strict=True)) + "]"
 
 
-def is_dtensor(tensor: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed has no DTensor
-        return False
-    return isinstance(tensor, DTensor)
-
-
 def held_box(placements: Sequence[object], coordinate: Sequence[int], mesh_shape: Sequence[int],
              shape: Sequence[int]) -> Box | str | None:
     """What a rank at `coordinate` holds of a DTensor, in local_box's terms (WHOLE, a Box, or None for
@@ -81,25 +73,10 @@ def checked_here(items: Sequence[tuple[str, torch.Tensor]]) -> list[Checked]:
         if not is_dtensor(tensor):
             out.append(Checked(name, None, ws64(tensor.detach())))
             continue
-        mesh = tensor.device_mesh  # type: ignore[attr-defined]
-        coordinate = mesh.get_coordinate()
-        if coordinate is None:
-            continue  # not in the tensor's mesh: this rank holds none of it
-        shape = tuple(tensor.shape)
-        try:
-            what = held_box(tensor.placements, coordinate, tuple(mesh.shape), shape)  # type: ignore[attr-defined]
-        except ValueError as error:
-            raise ValueError(f"tensor {name!r}: {error}") from None
-        if what is None:
-            continue
-        box = None if what == WHOLE else what
-        local = tensor.to_local().detach()  # type: ignore[attr-defined]
-        expected = shape if box is None else box.sizes  # type: ignore[union-attr]
-        if tuple(local.shape) != tuple(expected):
-            raise ValueError(f"tensor {name!r}: its local shard is {list(local.shape)}, but its placements "
-                             f"{list(tensor.placements)} at mesh coordinate {coordinate} give "  # type: ignore[attr-defined]
-                             f"{list(expected)}; weightsync checks DTensor's default (torch.chunk) layout")
-        out.append(Checked(name, box, ws64(local.contiguous())))  # type: ignore[arg-type]
+        held = shard_of(name, tensor, held_box)
+        if held is not None:
+            box, local = held
+            out.append(Checked(name, box, ws64(local.contiguous())))
     return out
 
 

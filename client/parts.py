@@ -28,7 +28,7 @@ import datetime
 import math
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,29 +156,44 @@ def declare(items: Sequence[tuple[str, torch.Tensor]]) -> list[Declared]:
     (its local shard checked against the box: ValueError naming the tensor when they differ)."""
     out: list[Declared] = []
     for name, tensor in items:
-        if not _is_dtensor(tensor):
+        if not is_dtensor(tensor):
             out.append(Declared(name, tensor, tuple(tensor.shape), None))
             continue
-        mesh = tensor.device_mesh  # type: ignore[attr-defined]
-        coordinate = mesh.get_coordinate()
-        if coordinate is None:
-            continue  # this rank is not in the tensor's mesh: it holds none of it
-        shape = tuple(tensor.shape)
-        try:
-            what = local_box(tensor.placements, coordinate, tuple(mesh.shape), shape)  # type: ignore[attr-defined]
-        except ValueError as error:
-            raise ValueError(f"tensor {name!r}: {error}") from None
-        if what is None:
-            continue
-        local = tensor.to_local().detach()  # type: ignore[attr-defined]
-        box = None if what == WHOLE else what
-        expected = shape if box is None else box.sizes  # type: ignore[union-attr]
-        if tuple(local.shape) != tuple(expected):
-            raise ValueError(f"tensor {name!r}: its local shard is {list(local.shape)}, but its placements "
-                             f"{list(tensor.placements)} at mesh coordinate {coordinate} give "  # type: ignore[attr-defined]
-                             f"{list(expected)}; weightsync sends DTensor's default (torch.chunk) layout")
-        out.append(Declared(name, local if box is None else local.contiguous(), shape, box))  # type: ignore[arg-type]
+        held = shard_of(name, tensor, local_box)
+        if held is not None:
+            box, local = held
+            out.append(Declared(name, local if box is None else local.contiguous(), tuple(tensor.shape), box))
     return out
+
+
+BoxRule = Callable[[Sequence[object], Sequence[int], Sequence[int], Sequence[int]], "Box | str | None"]
+"""What a rank holds of a DTensor from its placements, mesh coordinate, mesh shape and shape: local_box (what
+it sends), or part_verify.held_box (what it checks)."""
+
+
+def shard_of(name: str, tensor: torch.Tensor, rule: BoxRule) -> tuple[Box | None, torch.Tensor] | None:
+    """This rank's piece of DTensor `tensor` as `rule` says: (its box, None for the whole tensor; the local
+    shard, checked against it), or None where this rank holds none of it. ValueError naming the tensor for
+    a placement the rule refuses, or a local shard that is not the box (a layout other than torch.chunk's)."""
+    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None  # this rank is not in the tensor's mesh: it holds none of it
+    shape = tuple(tensor.shape)
+    try:
+        what = rule(tensor.placements, coordinate, tuple(mesh.shape), shape)  # type: ignore[attr-defined]
+    except ValueError as error:
+        raise ValueError(f"tensor {name!r}: {error}") from None
+    if what is None:
+        return None
+    local = tensor.to_local().detach()  # type: ignore[attr-defined]
+    box = None if what == WHOLE else what
+    expected = shape if box is None else box.sizes  # type: ignore[union-attr]
+    if tuple(local.shape) != tuple(expected):
+        raise ValueError(f"tensor {name!r}: its local shard is {list(local.shape)}, but its placements "
+                         f"{list(tensor.placements)} at mesh coordinate {coordinate} give "  # type: ignore[attr-defined]
+                         f"{list(expected)}; weightsync reads DTensor's default (torch.chunk) layout")
+    return box, local  # type: ignore[return-value]
 
 
 def check_key(key: object) -> str:
@@ -222,7 +237,8 @@ def base_refused(reason: str, metadata: Mapping[str, str]) -> bool:
     return reason == BASE_REFUSED or (reason == "PART_FAILED" and metadata.get("part_reason") == BASE_REFUSED)
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor (False where torch has no torch.distributed.tensor)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed has no DTensor

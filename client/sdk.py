@@ -41,8 +41,8 @@ from weightsync.client.link_timings import LinkTimings
 from weightsync.client.packing import PackBuffers
 from weightsync.client.part_agreement import check_group
 from weightsync.client.part_push import push_part
-from weightsync.client.part_verify import checked_here, is_dtensor, verify_parts
-from weightsync.client.parts import Part
+from weightsync.client.part_verify import checked_here, verify_parts
+from weightsync.client.parts import Part, is_dtensor
 from weightsync.client.patched_push import PatchedPlan, plan_patches, send_patches
 from weightsync.client.plan_cache import PlanCache
 from weightsync.client.plan_choice import PlanChoice, choose_plan

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from sdk_parts_trainer import current, generations, mismatches
 
 GLOO_TIMEOUT = datetime.timedelta(seconds=60)
 """Bounds the parts' one collective per push (their agreement)."""
@@ -51,18 +52,6 @@ def model(seed: int) -> dict[str, torch.Tensor]:
 def own(rank: int, seed: int) -> dict[str, torch.Tensor]:
     tensors = model(seed)
     return {name: tensors[name] for name in OWNS[rank]}
-
-
-def generations(result) -> dict[str, int]:
-    return {o.server: o.generation for o in result.servers}
-
-
-def current(client) -> list[int]:
-    return [info.current_version.generation for info in client.server_info()]
-
-
-def mismatches(client, tensors) -> list[str]:
-    return [f"{m.server}:{m.name}" for m in client.verify(tensors).mismatches]
 
 
 def failure(error: Exception) -> dict:

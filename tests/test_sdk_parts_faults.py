@@ -18,9 +18,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,7 +27,14 @@ from sdk_parts_fault_trainer import CORRUPT, KILL_AFTER, model
 from weightsync.client import WeightSyncClient
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-from helpers import local_checksums, run_ranks, server_checksums, start_server
+from helpers import (
+    free_port,
+    local_checksums,
+    ranks_exit_codes,
+    run_ranks,
+    server_checksums,
+    start_server,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,11 +68,6 @@ def servers(nodes):
     return nodes[:2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def argv(servers, out: Path, scenario: str, seeds: list[int]) -> list[str]:
     return [str(TRAINER), "{rank}", "2", str(free_port()), ",".join(s.address for s in servers), str(out),
@@ -86,21 +85,7 @@ def state(servers) -> list[tuple[int, str, dict[str, int]]]:
 
 def run_killed(servers, out: Path, seeds: list[int]) -> tuple[dict, int]:
     """Both ranks of "kill", bounded: rank 0's record, and rank 1's exit status (it kills itself)."""
-    procs, command = [], argv(servers, out, "kill", seeds)  # one port for both
-    for rank in range(2):
-        log = open(out / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed below)
-        args = [a.replace("{rank}", str(rank)) for a in command]
-        procs.append((subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        for proc, _ in procs:
-            proc.wait(TRAINERS_TIMEOUT)
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    zero, one = (proc.returncode for proc, _ in procs)
+    zero, one = ranks_exit_codes(argv(servers, out, "kill", seeds), 2, out, TRAINERS_TIMEOUT)  # one port for both
     assert zero == 0, (out / "rank0.log").read_text()[-4000:]
     return json.loads((out / "rank0.json").read_text()), one
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
@@ -31,7 +30,7 @@ from torch.distributed import TCPStore
 from weightsync.engine import EngineClient
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-from helpers import ServerProcess, run_ranks, start_server
+from helpers import ServerProcess, free_port, run_ranks, start_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,11 +44,6 @@ SHARD_ROWS = {"0.weight": [3, 3, 3, 1], "0.bias": [3, 3, 3, 1], "2.weight": [2, 
               "3.weight": [1, 1, 1, 0], "4.weight": [2, 2, 2, 1], "4.bias": [2, 2, 2, 1]}
 """Each rank's rows of each parameter (torch.chunk over 4): uneven, and empty on rank 3 for two of them."""
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -51,6 +51,7 @@ from weightsync.client import (
     WeightSyncClient,
     WeightSyncClientError,
 )
+from weightsync.client.parts import is_dtensor
 from weightsync.engine import EngineClient, EngineError, StoreSnapshot
 from weightsync.integrations.shares import share_out
 from weightsync.integrations.verl.config import VerlSyncConfig
@@ -81,20 +82,12 @@ async def _drain(weights: Any) -> list[tuple[str, torch.Tensor]]:
     return list(weights)
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without DTensor: nothing is one
-        return False
-    return isinstance(tensor, DTensor)
-
-
 def my_share(named: list[tuple[str, torch.Tensor]], rank: int, world: int) -> list[tuple[str, torch.Tensor]]:
     """What actor `rank` pushes of a step every rank drained alike: every DTensor (the SDK sends its
     local shard as a box), and its share of the plain tensors (share_out: every rank holds them all)."""
-    plain = [(name, t) for name, t in named if not _is_dtensor(t)]
+    plain = [(name, t) for name, t in named if not is_dtensor(t)]
     mine = set(share_out([(name, t.numel() * t.element_size()) for name, t in plain], world)[rank])
-    return [(name, t) for name, t in named if _is_dtensor(t) or name in mine]
+    return [(name, t) for name, t in named if is_dtensor(t) or name in mine]
 
 
 def _outcome_key(sync: int, rank: int) -> str:

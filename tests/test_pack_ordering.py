@@ -9,6 +9,8 @@ checked to come after a wait on every event recorded after the copies into its b
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 from dataclasses import dataclass, field
 
@@ -136,11 +138,7 @@ class Readers:
 
 class FakeLoop:
     def run(self, coro, timeout=None):
-        try:
-            coro.send(None)
-        except StopIteration as stop:
-            return stop.value
-        raise AssertionError("a fake coroutine suspended")
+        return asyncio.run(coro)  # a loop of its own for each call: InlineSink gathers its servers' sends
 
     def call_soon(self, fn, *args):
         fn(*args)
@@ -153,6 +151,8 @@ class FakeStream:
     reported_error = None
 
     def __init__(self, on_announce) -> None:
+        self.ready: concurrent.futures.Future[pb.UpdateReady] = concurrent.futures.Future()
+        self.ready.set_result(pb.UpdateReady())  # no run of slots named: SHM packs into the whole ingress
         self.announced: list[pb.BucketStart] = []
         self._on_announce = on_announce
         self.chunks: list[bytes] = []

@@ -34,7 +34,6 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from weightsync.common import patches
 from weightsync.common.errors import (
     Aborted,
     AlreadyExists,
@@ -161,9 +160,9 @@ def _ranks(ranks: Iterable[int]) -> str:
 def boxes_refused(begin: pb.BeginUpdate, plan: tensor_pb2.WeightPlan) -> Refusal | None:
     """A plan with a box (TensorSpec.box), at begin: a box travels only in the plan of a part
     (BOX_WITHOUT_PART), over INLINE or SHM, the transports this server runs parts over (PARTS_UNAVAILABLE),
-    and dense: a patch of a box, or a box among a deferred bucket's candidates, is not placed
-    (BOX_PATCH_UNAVAILABLE). None for a plan without a box, or with boxes this server places. `plan`: the
-    begin's plan, or the one its plan_id names."""
+    dense or as a patch of the box (its positions row-major in the box), but never among a deferred bucket's
+    candidates (BOX_PATCH_UNAVAILABLE: its layout is routed without boxes). None for a plan without a box, or
+    with boxes this server places. `plan`: the begin's plan, or the one its plan_id names."""
     for index, bucket in enumerate(plan.buckets):
         for spec in bucket.tensors:
             if not spec.HasField("box"):
@@ -177,10 +176,11 @@ def boxes_refused(begin: pb.BeginUpdate, plan: tensor_pb2.WeightPlan) -> Refusal
                 return Unimplemented("PARTS_UNAVAILABLE", f"tensor {spec.name!r} is sent as a box over "
                                      f"{pb.Transport.Name(begin.transport)}: this server places boxes sent over "
                                      "INLINE or SHM only", bucket=index, tensor=name)
-            if bucket.deferred or patches.is_patch(spec.encoding):
-                return Unimplemented("BOX_PATCH_UNAVAILABLE", f"tensor {spec.name!r} is sent as a patch of a box "
-                                     "(or a deferred bucket's candidate): this server places dense boxes only; send "
-                                     "the box dense", bucket=index, tensor=name)
+            if bucket.deferred:
+                return Unimplemented("BOX_PATCH_UNAVAILABLE", f"tensor {spec.name!r} is a box among a deferred "
+                                     "bucket's candidates: this server places a box dense or as a patch in a bucket "
+                                     "of the plan, not in a deferred one; send the box in a plain bucket",
+                                     bucket=index, tensor=name)
     return None
 
 

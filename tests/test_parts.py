@@ -112,14 +112,13 @@ INLINE = pb.TRANSPORT_INLINE
     (pb.BeginUpdate(part=part(rank=1), transport=pb.TRANSPORT_COLLECTIVE, plan=_boxed_plan()),
      ("UNIMPLEMENTED", "PARTS_UNAVAILABLE", {"bucket": "1", "tensor": "c"})),
     (pb.BeginUpdate(part=part(rank=1), transport=INLINE,
-                    plan=_boxed_plan(encoding=tensor_pb2.TENSOR_ENCODING_PATCH_XOR)),
-     ("UNIMPLEMENTED", "BOX_PATCH_UNAVAILABLE", {"bucket": "1", "tensor": "c"})),
+                    plan=_boxed_plan(encoding=tensor_pb2.TENSOR_ENCODING_PATCH_XOR)), None),  # a patch of a box
     (pb.BeginUpdate(part=part(rank=1), transport=INLINE,
                     plan=tensor_pb2.WeightPlan(buckets=[tensor_pb2.BucketSpec(deferred=True, tensors=[
                         tensor_pb2.TensorSpec(name="c", box=tensor_pb2.TensorBox())])])),
      ("UNIMPLEMENTED", "BOX_PATCH_UNAVAILABLE", {"bucket": "0", "tensor": "c"})),
 ])
-def test_a_box_is_placed_only_from_a_part_over_the_ingress_and_dense(begin, expected):
+def test_a_box_is_placed_only_from_a_part_over_the_ingress_and_never_deferred(begin, expected):
     assert decided(boxes_refused(begin, begin.plan)) == expected
 
 

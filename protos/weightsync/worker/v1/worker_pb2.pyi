@@ -126,7 +126,7 @@ class TensorCheck(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., expected: _Optional[int] = ...) -> None: ...
 
 class PatchTarget(_message.Message):
-    __slots__ = ("name", "src_offset_bytes", "size_bytes", "encoding", "count", "expected", "live", "dtype", "shape", "live_checksum", "destination", "scatter_at_commit")
+    __slots__ = ("name", "src_offset_bytes", "size_bytes", "encoding", "count", "expected", "live", "dtype", "shape", "live_checksum", "destination", "scatter_at_commit", "box")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SRC_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class PatchTarget(_message.Message):
     LIVE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     SCATTER_AT_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    BOX_FIELD_NUMBER: _ClassVar[int]
     name: str
     src_offset_bytes: int
     size_bytes: int
@@ -151,7 +152,8 @@ class PatchTarget(_message.Message):
     live_checksum: int
     destination: Region
     scatter_at_commit: bool
-    def __init__(self, name: _Optional[str] = ..., src_offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., encoding: _Optional[_Union[_tensor_pb2.TensorEncoding, str]] = ..., count: _Optional[int] = ..., expected: _Optional[int] = ..., live: _Optional[_Union[Region, _Mapping]] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., live_checksum: _Optional[int] = ..., destination: _Optional[_Union[Region, _Mapping]] = ..., scatter_at_commit: _Optional[bool] = ...) -> None: ...
+    box: _tensor_pb2.TensorBox
+    def __init__(self, name: _Optional[str] = ..., src_offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., encoding: _Optional[_Union[_tensor_pb2.TensorEncoding, str]] = ..., count: _Optional[int] = ..., expected: _Optional[int] = ..., live: _Optional[_Union[Region, _Mapping]] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., live_checksum: _Optional[int] = ..., destination: _Optional[_Union[Region, _Mapping]] = ..., scatter_at_commit: _Optional[bool] = ..., box: _Optional[_Union[_tensor_pb2.TensorBox, _Mapping]] = ...) -> None: ...
 
 class OwnedBucket(_message.Message):
     __slots__ = ("sequence", "size_bytes", "receive_into", "copies", "checks", "patches", "box_copies")

@@ -10,7 +10,8 @@ the backend "weightsync" with verl's CheckpointEngineRegistry:
     +rollout.checkpoint_engine.engine_kwargs.weightsync.servers='[node-a:50051,node-b:50051]'
 
 Other engine_kwargs.weightsync keys: transport, token, mode, delta, timeout_s, node_server,
-outcome_host, senders (config.py: over INLINE every actor rank sends its share by default). Each sync's version label is verl's global_steps. The config and error
+outcome_host, senders (config.py: over INLINE every actor rank sends its share by default), receive
+("tensors", or "served": driver mode, the node's server updates the engine), engine. Each sync's version label is verl's global_steps. The config and error
 modules import without verl; importing this package imports verl.
 """
 

@@ -17,6 +17,8 @@ from weightsync.integrations.verl.errors import WeightSyncVerlError
 Transport = Literal["collective", "inline", "shm"]
 Mode = Literal["staged", "in_place"]
 Senders = Literal["auto", "all", "one"]
+Receive = Literal["tensors", "served"]
+RECEIVES = ("tensors", "served")
 TRANSPORTS = ("collective", "inline", "shm")
 SENDERS = ("auto", "all", "one")
 MODES = ("staged", "in_place")
@@ -56,6 +58,16 @@ class VerlSyncConfig:
     "auto" (default): "all" over "inline" (the one transport the servers run parts over, for
     now), else "one"."""
 
+    receive: Receive = "tensors"
+    """The rollout side. "tensors" (default): receive_weights yields the committed version's tensors
+    (the node's store, mapped) and verl's server adapter loads them. "served" (driver mode): the node's
+    weightsync server drives the engine itself (--engine vllm-http=URL / sglang-http=URL) after each
+    commit, and receive_weights yields nothing: it returns once that engine serves the step (bounded
+    by timeout_s), or raises ENGINE_FAILED / VERSION_NOT_SERVED."""
+    engine: str | None = None
+    """Driver mode: the name of the engine the rollout waits for (GetServerInfo.engines); default: the
+    node server's only driven engine."""
+
     @property
     def all_send(self) -> bool:
         """Every actor rank pushes its share (senders "all", or "auto" over "inline")."""
@@ -65,7 +77,8 @@ class VerlSyncConfig:
     def from_engine_kwargs(*, servers: Sequence[str] | str | None = None, transport: str = "collective",
                            token: str | None = None, mode: str = "staged", delta: bool | str = "auto",
                            timeout_s: float = 120.0, node_server: str | None = None,
-                           outcome_host: str = "127.0.0.1", senders: str = "auto") -> VerlSyncConfig:
+                           outcome_host: str = "127.0.0.1", senders: str = "auto", receive: str = "tensors",
+                           engine: str | None = None) -> VerlSyncConfig:
         """Checked: a wrong value raises WeightSyncVerlError(CONFIG_INVALID) naming it."""
         if servers is None or (not isinstance(servers, str) and not list(servers)):
             raise WeightSyncVerlError("CONFIG_INVALID", "engine_kwargs.weightsync.servers is required "
@@ -89,8 +102,13 @@ class VerlSyncConfig:
         if senders == "all" and transport != "inline":
             raise WeightSyncVerlError("CONFIG_INVALID", f"senders 'all' needs transport 'inline' (the servers run an "
                                       f"update sent by several ranks only over INLINE for now), got {transport!r}")
+        if receive not in RECEIVES:
+            raise WeightSyncVerlError("CONFIG_INVALID", f"receive must be one of {RECEIVES}, got {receive!r}")
+        if engine is not None and (not isinstance(engine, str) or not engine):
+            raise WeightSyncVerlError("CONFIG_INVALID", f"engine must be an engine's name, got {engine!r}")
         if not float(timeout_s) > 0:
             raise WeightSyncVerlError("CONFIG_INVALID", f"timeout_s must be positive, got {timeout_s!r}")
         return VerlSyncConfig(servers=addresses, transport=transport, token=token or None, mode=mode,  # type: ignore[arg-type]
                               delta=DELTAS[delta], timeout_s=float(timeout_s), node_server=node_server,
-                              outcome_host=outcome_host, senders=senders)  # type: ignore[arg-type]
+                              outcome_host=outcome_host, senders=senders, receive=receive,  # type: ignore[arg-type]
+                              engine=engine)

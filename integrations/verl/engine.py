@@ -27,6 +27,10 @@ worker, then `finalize`. What each does here:
   version through the EngineClient (the node's one store, mapped read-only, no copy), checks that the
   leased version is the one asked for, and yields its tensors to verl's server adapter; the lease
   is released (applied) when the adapter has taken them all.
+- driver mode (receive "served"): the node's weightsync server drives the engine itself after each
+  commit; a rollout worker's receive_weights yields nothing and returns once that engine serves the
+  version (its node's WatchWeights events, served.py), or raises ENGINE_FAILED (the engine refused
+  it) / VERSION_NOT_SERVED (not served within timeout_s), PUSH_FAILED at once when a sender failed.
 """
 
 from __future__ import annotations
@@ -34,11 +38,14 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import queue
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+import grpc
 import structlog
 import torch
 from torch.distributed import TCPStore
@@ -56,6 +63,9 @@ from weightsync.engine import EngineClient, EngineError, StoreSnapshot
 from weightsync.integrations.shares import share_out
 from weightsync.integrations.verl.config import VerlSyncConfig
 from weightsync.integrations.verl.errors import WeightSyncVerlError
+from weightsync.integrations.verl.served import ServedWatch
+from weightsync.v1 import weight_sync_service_pb2 as pb
+from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("weightsync.integrations.verl")
 
@@ -128,6 +138,8 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         self._client: WeightSyncClient | None = None
         self._engine_client: EngineClient | None = None
         self._outcomes: TCPStore | None = None
+        self._channel: grpc.Channel | None = None
+        """Driver mode: the rollout's channel to its node's server (WatchWeights)."""
 
     # -- verl's lifecycle ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -175,7 +187,10 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                 except (RuntimeError, ValueError) as error:
                     raise WeightSyncVerlError("SENDER_LOST", f"{role} {rank} cannot reach the sending rank's "
                                               f"outcome store {outcome_store!r}: {error}", rank=SENDER_RANK) from None
-        if role == "rollout" and self._engine_client is None:
+        if role == "rollout" and self.config.receive == "served":
+            if self._channel is None:
+                self._channel = grpc.insecure_channel(self._node_address())
+        elif role == "rollout" and self._engine_client is None:
             try:
                 self._node()
             except NodeUnreachable:  # down for now (restarting): receive_weights connects, bounded
@@ -188,7 +203,9 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         for closable in (self._client, self._engine_client):
             if closable is not None:
                 closable.close()
-        self._client = self._engine_client = self._outcomes = None
+        if self._channel is not None:
+            self._channel.close()
+        self._client = self._engine_client = self._outcomes = self._channel = None
 
     # -- actor side ------------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Any,
@@ -303,6 +320,9 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             raise WeightSyncVerlError("NOT_INITIALIZED", "receive_weights before init_process_group made this a rollout worker")
         version = version_label(global_steps)
         self.syncs += 1
+        if self.config.receive == "served":  # driver mode: the node's server updates the engine
+            await asyncio.to_thread(self._wait_served, version, self.syncs)
+            return
         snapshot = await asyncio.to_thread(self._lease, version, self.syncs)
         try:
             for name in sorted(snapshot.tensors):
@@ -311,6 +331,65 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             snapshot.release(applied=False, error=f"{type(error).__name__}: {error}")
             raise
         snapshot.release(applied=True)
+
+    def _node_address(self) -> str:
+        return self.config.node_server or self.config.servers[0]
+
+    def _wait_served(self, version: str, sync: int) -> None:
+        """Driver mode: returns once the node's driven engine serves `version` (served.py decides on
+        each WatchWeights event); raises at once what a sender published if its push failed; watches
+        again, within the same bound, when the node's server went away."""
+        assert self._channel is not None
+        deadline = time.monotonic() + self.config.timeout_s
+        watch = ServedWatch(version=version, engine=self.config.engine, node=self._node_address())
+        metadata = (("authorization", f"Bearer {self.config.token}"),) if self.config.token else ()
+        unreachable = ""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise watch.timed_out(self.config.timeout_s, unreachable)
+            stream = pb_grpc.WeightSyncServiceStub(self._channel).WatchWeights(
+                pb.WatchWeightsRequest(), metadata=metadata, timeout=left)
+            events: queue.Queue[pb.WatchWeightsResponse | grpc.RpcError | None] = queue.Queue()
+            threading.Thread(target=_read_stream, args=(stream, events), daemon=True,
+                             name=f"verl-watch-{self.rank}").start()
+            try:
+                broken = self._follow(watch, events, deadline, sync)
+            finally:
+                stream.cancel()
+            if broken is None:
+                log.info("verl sync served", version=version, rank=self.rank, engine=watch.engine,
+                         generation=watch.committed)
+                return
+            if broken.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
+                raise WeightSyncVerlError("VERSION_NOT_SERVED", f"rollout worker {self.rank}: the node's server "
+                                          f"refused WatchWeights: {broken.code()}: {broken.details()}",
+                                          version=version)
+            unreachable = f"{broken.code()}: {broken.details()}"
+            watch.restart()
+            self._sender_failed(sync, version)
+            time.sleep(min(RECONNECT_POLL_S, max(0.0, deadline - time.monotonic())))
+
+    def _follow(self, watch: ServedWatch, events: queue.Queue, deadline: float, sync: int) -> grpc.RpcError | None:
+        """Reads one WatchWeights stream until the engine serves the version (None) or the stream
+        breaks (its error); a failed sender's outcome is looked for between events."""
+        while True:
+            try:
+                event = events.get(timeout=STATUS_POLL_S)
+            except queue.Empty:
+                self._sender_failed(sync, watch.version)
+                if time.monotonic() >= deadline:
+                    raise watch.timed_out(self.config.timeout_s, "") from None
+                continue
+            if isinstance(event, grpc.RpcError) or event is None:
+                return event if event is not None else _StreamEnded()
+            try:
+                if watch.see(event) is not None:
+                    return None
+            except WeightSyncVerlError as error:
+                if error.reason != "VERSION_GONE":  # a sender's failure explains a version never served
+                    self._sender_failed(sync, watch.version)
+                raise
 
     def _node(self) -> EngineClient:
         """The node's EngineClient, connected (again) when there is none: its local socket is looked
@@ -406,6 +485,27 @@ UNREACHABLE = ("SERVER_UNREACHABLE", "DEADLINE_EXCEEDED")
 
 class NodeUnreachable(Exception):
     """The rollout's node server (or its local socket) cannot be reached now; retried until the deadline."""
+
+
+def _read_stream(stream: Any, events: queue.Queue) -> None:
+    """Feeds a WatchWeights stream's events into `events`, then its error (or None when it ended)."""
+    try:
+        for event in stream:
+            events.put(event)
+    except grpc.RpcError as error:
+        events.put(error)
+        return
+    events.put(None)
+
+
+class _StreamEnded(grpc.RpcError):
+    """The server ended a WatchWeights stream (it is stopping): watched again, like an unreachable one."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the server ended the WatchWeights stream"
 
 
 def _later(held: str, wanted: str) -> bool:

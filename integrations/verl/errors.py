@@ -19,6 +19,11 @@ class WeightSyncVerlError(RuntimeError):
       VERSION_NOT_COMMITTED  the rollout's node did not commit the asked version within the timeout
                              (or its server could not be reached all that time: stopped, restarting)
       VERSION_GONE           the rollout's node already holds a later step than the one asked for
+      ENGINE_FAILED          driver mode: the engine the node's server drives failed to apply the
+                             version (the message carries its last_error); it keeps serving its last
+      VERSION_NOT_SERVED     driver mode: the engine did not serve the version within the timeout
+      ENGINE_NOT_FOUND       driver mode: the node's server drives no engine of that name (or none,
+                             or several and engine_kwargs names none)
     `rank` is the actor rank at fault for PUSH_FAILED and SENDER_LOST (with every rank sending: the
     part a server blamed, or one that never joined), else -1;
     `version` is the label asked for ("" when none).

@@ -1,0 +1,150 @@
+"""Driver mode (receive "served"): the node's weightsync server drives the engine itself after each
+commit, and verl's rollout worker only waits, bounded, until that engine serves the step.
+
+verl's lifecycle as test_verl_checkpoint_engine drives it (one actor rank pushing with delta, one
+rollout worker, each its own process) over a real weightsync server started with
+--engine vllm-http=URL, where URL is tests/fake_vllm.py's stand-in for vLLM's weight-transfer
+routes: it really attaches to the node's local socket and copies each version's changed tensors
+out of the node's store, so what it serves can be compared bit for bit. Several steps served bit
+for bit, the rollout yielding no tensors; an engine that refuses a step (ENGINE_FAILED on the
+rollout, at once, while the actor's push succeeded; the engine keeps serving the last step); then
+the next step served bit for bit. The decisions over WatchWeights events (a FAILED state left
+from an older version is not this one's failure) are checked on hand-built events.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("verl.checkpoint_engine", reason="verl is not installed here: run make test-verl")
+
+import torch  # noqa: E402
+from fake_vllm import FakeVllm  # noqa: E402
+from test_fsdp_actors import free_port  # noqa: E402
+from test_verl_checkpoint_engine import Worker, sync  # noqa: E402
+from verl_workers import weights_for  # noqa: E402
+
+from weightsync.integrations.verl import WeightSyncVerlError  # noqa: E402
+from weightsync.integrations.verl.served import ServedWatch  # noqa: E402
+from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
+
+from helpers import running_server  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+TIMEOUT_S = 150.0
+"""The engine's timeout_s (the first delta push compiles the SDK's numba kernels: over a minute on a
+loaded 2-core machine, while the rollout waits)."""
+FAILED_WITHIN_S = 60.0
+"""An engine's refusal reaches the rollout within this: at once, not at TIMEOUT_S."""
+
+
+def assert_serves(fake: FakeVllm, step: int) -> None:
+    expected = weights_for(step)
+    assert fake.served == str(step)
+    assert sorted(fake.weights) == sorted(expected)
+    for name, tensor in expected.items():
+        got = fake.weights[name]
+        assert (got.dtype, got.shape) == (tensor.dtype, tensor.shape), name
+        assert torch.equal(got.view(-1).view(torch.uint8), tensor.contiguous().view(-1).view(torch.uint8)), name
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeVllm]:
+    fake = FakeVllm()
+    try:
+        yield fake
+    finally:
+        fake.close()
+
+
+def test_the_driven_engine_serves_each_step_bit_for_bit_a_refusal_is_engine_failed_then_next_step(
+        fake, tmp_path) -> None:
+    # The workers import verl (a minute) while the server starts; they connect at init_process_group.
+    port = free_port()
+    kwargs = {"servers": [f"127.0.0.1:{port}"], "transport": "inline", "senders": "one", "receive": "served",
+              "timeout_s": TIMEOUT_S}
+    actors, rollouts = [Worker("actor", True, kwargs)], [Worker("rollout", False, kwargs)]
+    try:
+        with running_server(tmp_path, "--listen", f"127.0.0.1:{port}", "--engine", f"vllm-http={fake.url}",
+                            workers=1):
+            assert [w.ready() for w in actors + rollouts] == ["WeightSyncCheckpointEngine"] * 2
+            for step in (1, 2, 3):
+                (metrics,), (received,) = sync(actors, rollouts, step)
+                assert received == {}, received  # the rollout yields no tensors: the engine took them
+                assert_serves(fake, step)
+            assert metrics["weightsync/bytes_sent"] < metrics["weightsync/dense_bytes"]  # delta
+
+            # Step 4: the engine refuses it (vLLM's /update_weights answers 500). The actor's push
+            # commits; the rollout raises ENGINE_FAILED at once, naming the engine's error; the engine
+            # keeps serving step 3.
+            fake.script["POST /update_weights"] = [(500, b'{"error": "out of memory"}')]
+            started = time.monotonic()
+            (metrics,), (rollout_result,) = sync(actors, rollouts, 4)
+            assert time.monotonic() - started < FAILED_WITHIN_S
+            assert set(metrics) == {"weightsync/push_s", "weightsync/bytes_sent", "weightsync/dense_bytes"}
+            kind, error = rollout_result
+            assert (kind, error["type"], error["reason"], error["version"]) == (
+                "error", "WeightSyncVerlError", "ENGINE_FAILED", "4"), error
+            assert "ENGINE_REFUSED" in error["message"] and "out of memory" in error["message"], error
+            assert fake.served in ("3", "4")  # the driver may have retried step 4 since (5 s later)
+            if fake.served == "3":
+                assert_serves(fake, 3)
+
+            # The next step is served, bit for bit.
+            _, (received,) = sync(actors, rollouts, 5)
+            assert received == {}
+            assert_serves(fake, 5)
+    finally:
+        for w in actors + rollouts:
+            w.stop()
+
+
+# -- the decisions over WatchWeights events ---------------------------------------------------
+def event(held: str, generation: int, state: int, applied: str = "", applied_generation: int = 0,
+          error: str = "") -> pb.WatchWeightsResponse:
+    engine = pb.EngineStatus(name="vllm-http", kind="vllm-http", endpoint="http://x", state=state, last_error=error)
+    if applied:
+        engine.applied_version.version, engine.applied_version.generation = applied, applied_generation
+    answer = pb.WatchWeightsResponse(engines=[engine])
+    answer.version.version, answer.version.generation = held, generation
+    return answer
+
+
+def test_a_failure_left_from_an_older_version_is_not_this_ones() -> None:
+    watch = ServedWatch(version="5", engine=None, node="n:1")
+    # Step 4 failed; step 5 is committed but the driver has not started on it: FAILED is step 4's.
+    assert watch.see(event("4", 4, pb.ENGINE_STATE_FAILED, "3", 3, "refused 4")) is None
+    assert watch.see(event("5", 5, pb.ENGINE_STATE_FAILED, "3", 3, "refused 4")) is None
+    assert watch.see(event("5", 5, pb.ENGINE_STATE_APPLYING, "3", 3)) is None
+    served = watch.see(event("5", 5, pb.ENGINE_STATE_SERVING, "5", 5))
+    assert served is not None and served.applied_version.version == "5"
+
+
+def test_a_failure_after_the_engine_started_on_this_version_is_engine_failed() -> None:
+    watch = ServedWatch(version="5", engine=None, node="n:1")
+    assert watch.see(event("5", 5, pb.ENGINE_STATE_SERVING, "4", 4)) is None
+    assert watch.see(event("5", 5, pb.ENGINE_STATE_APPLYING, "4", 4)) is None
+    with pytest.raises(WeightSyncVerlError) as raised:
+        watch.see(event("5", 5, pb.ENGINE_STATE_FAILED, "4", 4, "ENGINE_REFUSED: HTTP 500"))
+    assert (raised.value.reason, raised.value.version) == ("ENGINE_FAILED", "5")
+    assert "keeps serving '4': ENGINE_REFUSED: HTTP 500" in str(raised.value)
+    # still failing at the deadline (the stream broke since): ENGINE_FAILED, not a plain timeout
+    watch.restart()
+    assert watch.timed_out(10, "").reason == "ENGINE_FAILED"
+
+
+def test_a_later_version_on_the_node_is_version_gone_and_no_engine_is_engine_not_found() -> None:
+    with pytest.raises(WeightSyncVerlError, match="VERSION_GONE"):
+        ServedWatch(version="5", engine=None, node="n:1").see(event("6", 6, pb.ENGINE_STATE_APPLYING, "5", 5))
+    bare = pb.WatchWeightsResponse()
+    with pytest.raises(WeightSyncVerlError, match="ENGINE_NOT_FOUND: .*--engine vllm-http=URL"):
+        ServedWatch(version="5", engine=None, node="n:1").see(bare)
+    with pytest.raises(WeightSyncVerlError, match="no engine named 'sglang-http'"):
+        ServedWatch(version="5", engine="sglang-http", node="n:1").see(event("5", 5, pb.ENGINE_STATE_SERVING))
+    timed = ServedWatch(version="5", engine=None, node="n:1")
+    timed.see(event("5", 5, pb.ENGINE_STATE_APPLYING, "4", 4))
+    assert timed.timed_out(10, "").reason == "VERSION_NOT_SERVED"

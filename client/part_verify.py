@@ -15,9 +15,12 @@ What a rank checks of each tensor (checked_here):
 The server answers a box with the WS64 of the box's elements in row-major order
 (GetTensorChecksumsRequest.boxes), the checksum of the local shard's contiguous bytes here.
 A box's mismatch names the tensor followed by the box as Python slices (`w[2:4, 0:8]`). A tensor the
-server should hold and does not is reported with remote None; a name outside a `--tensors` subset is
-not its to hold (as verify()), and a server that stores none of what was asked vouches for nothing
-(every check reported missing there).
+server should hold and does not is reported with remote None. What a `--tensors` subset node should hold
+is decided as for a whole process's verify() (store_checksums.not_its_to_hold, share=True): a name
+outside its subset is not its to hold, neither missing nor mismatched there, even when ALL of a rank's
+checks lie outside it (a pipeline stage's rank and the node of another stage: nothing to check there);
+only a node whose store holds nothing at all vouches for nothing (every check reported missing there).
+A name inside the subset that the node lacks or holds with other bytes is reported as on any node.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
 from weightsync.client.parts import Box, is_dtensor, local_box, shard_of
 from weightsync.client.server_state import ServerState
 from weightsync.client.servers import ServerSet
-from weightsync.client.store_checksums import _settled as settled_checksums
+from weightsync.client.store_checksums import not_its_to_hold, settled_checksums
 from weightsync.client.types import TensorMismatch, VerifyResult
 from weightsync.common.checksum import ws64
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -110,18 +113,19 @@ async def fetch_part_checksums(servers: ServerSet, server: ServerState,
 
 
 def part_mismatches(address: str, answer: pb.GetTensorChecksumsResponse, checked: Sequence[Checked],
-                    missing: frozenset[str]) -> list[TensorMismatch]:
-    """Each check the server's answer does not confirm (remote None where it holds no answer for it)."""
+                    missing: frozenset[str], *, share: bool) -> list[TensorMismatch]:
+    """Each check the server's answer does not confirm (remote None where it holds no answer for it),
+    leaving out what is not its to hold (store_checksums.not_its_to_hold; `share`: `checked` is a part
+    rank's share, not what a whole process holds)."""
+    outside = not_its_to_hold(answer, {c.name for c in checked}, share=share)
     not_stored = set(answer.not_stored)
-    if checked and {c.name for c in checked} <= not_stored:
-        return [TensorMismatch(address, c.label, c.local, None) for c in checked]  # it vouches for nothing
     wholes = {t.name: t.checksum.value for t in answer.tensors}
     boxes = {(b.name, tuple(b.box.offsets), tuple(b.box.sizes)): b.checksum.value for b in answer.boxes}
     found = []
     for c in checked:
-        if c.name in not_stored:
+        if c.name in outside:
             continue
-        if c.name in missing:
+        if c.name in missing or c.name in not_stored:  # not_stored and checked: it vouches for nothing
             remote = None
         elif c.box is None:
             remote = wholes.get(c.name)
@@ -135,12 +139,14 @@ def part_mismatches(address: str, answer: pb.GetTensorChecksumsResponse, checked
     return found
 
 
-async def verify_parts(servers: ServerSet, states: Sequence[ServerState], checked: Sequence[Checked]) -> VerifyResult:
-    """Compare `checked` (checked_here) with every server's store, all servers at once."""
+async def verify_parts(servers: ServerSet, states: Sequence[ServerState], checked: Sequence[Checked], *,
+                       share: bool) -> VerifyResult:
+    """Compare `checked` (checked_here) with every server's store, all servers at once (`share`: they are a
+    part rank's share of the model, part_mismatches)."""
     answers = await asyncio.gather(*(fetch_part_checksums(servers, s, checked) for s in states))
     found: list[TensorMismatch] = []
     for state, (answer, missing) in zip(states, answers, strict=True):
-        found.extend(part_mismatches(state.address, answer, checked, missing))
+        found.extend(part_mismatches(state.address, answer, checked, missing, share=share))
     return VerifyResult(len(checked), tuple(found))
 
 

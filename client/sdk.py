@@ -443,7 +443,9 @@ class WeightSyncClient:
         """Compare local WS64 checksums with every server's store. A server started with `--tensors`
         answers for the tensors of its subset only; one that stores none of those asked for (a
         pattern that matches none of them) vouches for nothing, and fails the check: each is
-        reported missing there (TensorMismatch.remote None).
+        reported missing there (TensorMismatch.remote None). With a part, what is asked is this
+        rank's share, which may lie wholly outside a node's subset: that node then vouches for
+        nothing only if it holds nothing at all (store_checksums.not_its_to_hold).
 
         A DTensor (FSDP2, DTensor TP) is checked as this rank's local shard: the box of the whole
         tensor that its push declares, against the server's checksum of that box, with no
@@ -452,10 +454,11 @@ class WeightSyncClient:
         boxes."""
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         check_tensors(items)
-        if any(is_dtensor(t) for _, t in items):
+        if self._part is not None or any(is_dtensor(t) for _, t in items):
             with one_intra_op_thread():
                 checked = checked_here(items)
-            return self._loop.run(verify_parts(self._servers, self._fleet.states, checked))
+            return self._loop.run(verify_parts(self._servers, self._fleet.states, checked,
+                                               share=self._part is not None))
         with one_intra_op_thread():
             local = {name: ws64(t.detach()) for name, t in items}
 
@@ -468,8 +471,6 @@ class WeightSyncClient:
         found: list[TensorMismatch] = []
         for server, answer in zip(self._fleet.states, answers, strict=True):
             found.extend(mismatches(server, answer, local))
-            if local and set(local) <= set(answer.not_stored):
-                found.extend(TensorMismatch(server.address, name, value, None) for name, value in local.items())
         return VerifyResult(len(local), tuple(found))
 
     @_serialized

@@ -2,9 +2,11 @@
 
 A server answers for its one store. A name it lacks is left out of its answer (verify reports
 it as a mismatch) rather than failing the call, and a name outside its `--tensors` subset is
-in `not_stored` (not its to hold: neither a mismatch nor a reason to refuse its base). A
-server that a push of ours gave up on may still be aborting that update when it is asked
-(STORE_UPDATING): that is waited out, within the client's timeout.
+in `not_stored` (not its to hold: neither a mismatch nor a reason to refuse its base), unless
+the server vouches for nothing (not_its_to_hold: the one rule, for verify() of a whole process's
+tensors and of a part rank's, client/part_verify.py). A server that a push of ours gave up on
+may still be aborting that update when it is asked (STORE_UPDATING): that is waited out, within
+the client's timeout (settled_checksums).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Collection
 
 from weightsync.client.errors import WeightSyncRpcError
 from weightsync.client.push import UNSETTLED_RETRY_SECONDS
@@ -25,11 +28,11 @@ async def fetch_checksums(servers: ServerSet, server: ServerState,
                           request: pb.GetTensorChecksumsRequest) -> pb.GetTensorChecksumsResponse:
     """The server's checksums of the named tensors (see the module docstring)."""
     try:
-        return await _settled(servers, server, request)
+        return await settled_checksums(servers, server, request)
     except WeightSyncRpcError as error:
         if error.reason != "TENSOR_NOT_FOUND":
             raise
-    answer = await _settled(servers, server, pb.GetTensorChecksumsRequest())
+    answer = await settled_checksums(servers, server, pb.GetTensorChecksumsRequest())
     held = {t.name for t in answer.tensors}
     wanted = set(request.names)
     kept = [t for t in answer.tensors if t.name in wanted]
@@ -40,11 +43,27 @@ async def fetch_checksums(servers: ServerSet, server: ServerState,
     return answer
 
 
+def not_its_to_hold(answer: pb.GetTensorChecksumsResponse, asked: Collection[str], *, share: bool) -> frozenset[str]:
+    """The names of `asked` that this server does not hold by design, so neither missing nor mismatched
+    there: those its answer lists in not_stored (outside its --tensors subset). None when it vouches for
+    nothing: it stores none of `asked` (a non-empty set) and either `asked` is what a whole process holds
+    (share False: its pattern matches none of the model's names) or its store holds nothing at all
+    (share True, a part rank's share, which may lie wholly outside a node's subset, as a pipeline stage
+    does; a node that holds nothing holds none of its subset either). Every name not returned is checked
+    there, remote None where the server has no checksum of it."""
+    not_stored = frozenset(answer.not_stored) & frozenset(asked)
+    if asked and len(not_stored) == len(set(asked)) and (
+            not share or answer.store_state == pb.STORE_STATE_EMPTY):
+        return frozenset()
+    return not_stored
+
+
 def mismatches(server: ServerState, answer: pb.GetTensorChecksumsResponse, local: dict[str, int]) -> list[TensorMismatch]:
+    """What the server's answer does not confirm of a whole process's `local` checksums (not_its_to_hold)."""
     remote = {t.name: t.checksum.value for t in answer.tensors}
-    not_stored = set(answer.not_stored)
+    outside = not_its_to_hold(answer, local.keys(), share=False)
     return [TensorMismatch(server.address, name, value, remote.get(name))
-            for name, value in local.items() if name not in not_stored and remote.get(name) != value]
+            for name, value in local.items() if name not in outside and remote.get(name) != value]
 
 
 def holds(answer: pb.GetTensorChecksumsResponse, local: dict[str, int]) -> bool:
@@ -65,8 +84,10 @@ async def _outside_subset(servers: ServerSet, server: ServerState, absent: list[
     return sorted(n for n in absent if subset.search(n) is None)
 
 
-async def _settled(servers: ServerSet, server: ServerState,
-                   request: pb.GetTensorChecksumsRequest) -> pb.GetTensorChecksumsResponse:
+async def settled_checksums(servers: ServerSet, server: ServerState,
+                            request: pb.GetTensorChecksumsRequest) -> pb.GetTensorChecksumsResponse:
+    """The server's answer to `request`, a STORE_UPDATING refusal waited out while a push of ours it
+    may still be aborting is unsettled there (within the client's timeout)."""
     timeout = max(servers.timeout, 300)
     deadline = time.monotonic() + servers.timeout
     while True:
@@ -79,3 +100,6 @@ async def _settled(servers: ServerSet, server: ServerState,
             continue
         server.settled()  # it answered a read with no update running: nothing of ours is left there
         return answer
+
+
+__all__ = ["fetch_checksums", "holds", "mismatches", "not_its_to_hold", "settled_checksums"]

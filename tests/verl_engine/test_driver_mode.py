@@ -42,6 +42,18 @@ FAILED_WITHIN_S = 60.0
 """An engine's refusal reaches the rollout within this: at once, not at TIMEOUT_S."""
 
 
+APPLY_S = 1.0
+"""How long the stand-in takes to load a version: a rollout that did not wait for the engine would
+find it still serving the step before."""
+
+
+class SlowVllm(FakeVllm):
+    def _answer(self, path: str, body: dict) -> tuple[int, bytes]:
+        if path == "/update_weights":
+            time.sleep(APPLY_S)  # the engine's load time, not a synchronisation
+        return super()._answer(path, body)
+
+
 def assert_serves(fake: FakeVllm, step: int) -> None:
     expected = weights_for(step)
     assert fake.served == str(step)
@@ -54,7 +66,7 @@ def assert_serves(fake: FakeVllm, step: int) -> None:
 
 @pytest.fixture(scope="module")
 def fake() -> Iterator[FakeVllm]:
-    fake = FakeVllm()
+    fake = SlowVllm()
     try:
         yield fake
     finally:

@@ -184,18 +184,19 @@ def boxes_refused(begin: pb.BeginUpdate, plan: tensor_pb2.WeightPlan) -> Refusal
     return None
 
 
-def parts_not_run(update_key: str, world: int) -> Refusal:
+def parts_not_run(update_key: str, world: int, why: str = "") -> Refusal:
     """What every part of a world > 1 gets once they all joined and their union passed, where this server does
-    not run such a world (COLLECTIVE, or over SHM more parts than ingress slots). Nothing was allocated."""
+    not run such a world (over SHM more parts than ingress slots; over COLLECTIVE a group without one trainer
+    rank per part): `why`. Nothing was allocated."""
     return Unimplemented("PARTS_UNAVAILABLE", f"all {world} parts of update {update_key!r} joined and their "
-                         "declarations agree, but this server runs parts only over INLINE, or over SHM at most "
-                         "as many as its ingress slots: send the update over INLINE",
+                         f"declarations agree, but {why or 'this server does not run them'}",
                          update_key=update_key, world=world)
 
 
-PART_TRANSPORTS = frozenset({pb.TRANSPORT_INLINE, pb.TRANSPORT_SHM})
-"""The transports this server runs parts over: those whose bytes reach the server through its ingress, where
-each part gets a run of slots of its own (update_streams.ingress_shares)."""
+PART_TRANSPORTS = frozenset({pb.TRANSPORT_INLINE, pb.TRANSPORT_SHM, pb.TRANSPORT_COLLECTIVE})
+"""The transports this server runs parts over: INLINE and SHM through its ingress, where each part gets a run
+of slots of its own (update_streams.ingress_shares); COLLECTIVE over a group holding every part's rank, each
+part sending point-to-point to each owner (common/receive_order.py)."""
 
 
 def join_timeout(part: pb.UpdatePart) -> datetime.timedelta:

@@ -289,19 +289,33 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             self.joins.fail(ticket, Aborted("STREAM_CLOSED", "the part's stream ended while its parts joined"))
             raise
         key, world = ticket.rendezvous.key, ticket.rendezvous.world
-        if world > 1 and not self._runs_parts(ticket.rendezvous.first.transport, world):
-            refusal = parts_not_run(key, world)
+        if world > 1 and (why := self._runs_parts(ticket.rendezvous.first, world)) is not None:
+            refusal = parts_not_run(key, world, why)
             self.joins.ended(key, refusal)
             raise refusal
 
-    def _runs_parts(self, transport: int, world: int) -> bool:
-        """This server runs an update of `world` parts over `transport`: INLINE, any world (more parts than
-        ingress slots take turns: update_streams.SlotPool), or SHM, each part with a run of slots of its own
-        (a box over another transport is refused at begin: boxes_refused)."""
+    def _runs_parts(self, begin: pb.BeginUpdate, world: int) -> str | None:
+        """None: this server runs an update of `world` parts as `begin` (the first part's) sends it: INLINE, any
+        world (more parts than ingress slots take turns: update_streams.SlotPool); SHM, each part with a run of
+        slots of its own; COLLECTIVE, over a group whose trainer ranks are the parts (part rank = group rank,
+        each part sending point-to-point, common/receive_order.py). Else why not."""
+        transport = begin.transport
+        if transport not in PART_TRANSPORTS:
+            return f"this server does not run parts over {pb.Transport.Name(transport)}"
+        if transport == pb.TRANSPORT_COLLECTIVE:
+            group = self.node.groups.get(begin.group_id)
+            trainers = group.trainer_ranks if group is not None else 0
+            if trainers != world:
+                return (f"group {begin.group_id!r} holds {trainers} trainer rank(s) "
+                        "(CreateTransferGroupRequest.trainer_ranks): an update of parts over it needs one per part, "
+                        "ranks 0..world-1: create the group from every part (create_group() on each rank)")
+            return None
         ingress = self.node.ingress
-        if transport not in PART_TRANSPORTS or ingress is None:
-            return False
-        return transport == pb.TRANSPORT_INLINE or world <= ingress.slot_count
+        if ingress is None:
+            return "this server has no ingress"
+        if transport == pb.TRANSPORT_SHM and world > ingress.slot_count:
+            return f"over SHM it runs at most as many parts as its {ingress.slot_count} ingress slots"
+        return None
 
     def _stored(self) -> dict[str, TensorMeta]:
         """The dtype and shape of every tensor the store holds (what a part may declare unchanged)."""

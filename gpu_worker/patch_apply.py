@@ -11,19 +11,62 @@ One kept for commit is checked first and applied then (CheckedPatch). The overwr
 (a trainer of another language, or the SDK's CUDA tensors) are checked first, then applied, by
 the torch implementation in common.patches. Patches are decoded on the host: the node store is
 host memory.
+
+A patch of a box (PatchTarget.box, sent by a part) is proved the same way on the box: its positions
+are row-major in the box and `expected` is the WS64 of the box's elements once patched, so it is
+decoded and checked against a contiguous copy of the live box (its WS64 computed there: O(box)),
+writing nothing; its positions are then mapped into the whole tensor (box_positions) and it is
+scattered there like an overwriting patch, in place, into the shadow, or kept for commit. Applied
+now, it keeps the elements it overwrote, so a later refusal in its bucket can take it back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from weightsync.common import patch_kernels
 from weightsync.common.checksum import ws64
 from weightsync.common.errors import DataLoss
-from weightsync.common.patches import XOR, DecodedPatch, apply_patch, decode_patch, ws64_after_patch
+from weightsync.common.patches import (
+    XOR,
+    DecodedPatch,
+    apply_patch,
+    bits_of,
+    decode_patch,
+    ws64_after_patch,
+)
 from weightsync.worker.v1 import worker_pb2 as wpb
+
+Index = tuple[int, ...]
+
+
+def box_positions(positions: torch.Tensor, shape: Index, offsets: Index, sizes: Index) -> torch.Tensor:
+    """Row-major positions in the box (offsets, sizes) of a tensor of `shape` (each in [0, numel(box)))
+    -> the same elements' row-major positions in the whole tensor (int64, in the same order: increasing
+    positions stay increasing)."""
+    rest = positions.to(torch.int64)
+    whole = torch.zeros_like(rest)
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        index = torch.remainder(rest, sizes[dim])
+        rest = torch.div(rest, sizes[dim], rounding_mode="floor")
+        whole.add_(index.add_(offsets[dim]), alpha=stride)
+        stride *= shape[dim]
+    return whole
+
+
+def _box(target: wpb.PatchTarget) -> tuple[Index, Index] | None:
+    return (tuple(target.box.offsets), tuple(target.box.sizes)) if target.HasField("box") else None
+
+
+def _box_view(tensor: torch.Tensor, box: tuple[Index, Index]) -> torch.Tensor:
+    """The box of the tensor, as a (strided) view of it."""
+    view = tensor
+    for dim, (offset, size) in enumerate(zip(*box, strict=True)):
+        view = view.narrow(dim, offset, size)
+    return view
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +109,21 @@ class FusedPatch:
     live: torch.Tensor
     bucket: int
 
+    overwritten: list[DecodedPatch] = field(default_factory=list)
+    """A patch of a box, once applied: the elements it overwrote (undo writes them back)."""
+
     def apply(self, destination: torch.Tensor) -> None:
         """XOR into destination (the live tensor, or its shadow holding the same bits); InvalidArgument
         or DataLoss with destination as it was."""
         target = self.target
+        if target.HasField("box"):  # checked on the box first, then scattered into the whole tensor
+            checked = check_patch(target, self.data, self.live, bucket=self.bucket)
+            assert checked.decoded is not None
+            positions = checked.decoded.positions
+            self.overwritten.append(DecodedPatch(positions, bits_of(destination).index_select(0, positions)
+                                                 .view(torch.uint8)))
+            checked.apply(destination)
+            return
         base = target.live_checksum if target.HasField("live_checksum") else ws64(self.live)
         actual = patch_kernels.apply_checked(self.data, destination, target.count, live_ws64=base, tensor=target.name)
         if actual != target.expected:
@@ -77,7 +131,12 @@ class FusedPatch:
             raise _mismatch(target, actual, self.bucket)
 
     def undo(self, destination: torch.Tensor) -> None:
-        """Take an applied patch back (XOR undoes itself)."""
+        """Take an applied patch back (XOR undoes itself; a box's overwritten elements are written back)."""
+        if self.target.HasField("box"):
+            for old in reversed(self.overwritten):
+                apply_patch(destination, old)
+            self.overwritten.clear()
+            return
         patch_kernels.apply_patch(self.data, destination, self.target.count, tensor=self.target.name)
 
 
@@ -92,7 +151,11 @@ def _mismatch(target: wpb.PatchTarget, actual: int, bucket: int) -> DataLoss:
 
 def check_patch(target: wpb.PatchTarget, data: torch.Tensor, live: torch.Tensor, *, bucket: int) -> CheckedPatch:
     """Parse the patch, refuse it if malformed (INVALID_ARGUMENT) or if the tensor it makes is not the
-    one the plan names (DATA_LOSS); write nothing."""
+    one the plan names (DATA_LOSS); write nothing. A patch of a box is checked on the box and comes back
+    as an overwriting patch of the whole tensor (its positions mapped: box_positions)."""
+    box = _box(target)
+    if box is not None:
+        return _check_box_patch(target, data, live, box, bucket=bucket)
     base = target.live_checksum if target.HasField("live_checksum") else ws64(live)
     if target.encoding == XOR:
         actual = patch_kernels.check_patch(data, live, live.numel(), live.element_size(), target.count,
@@ -106,3 +169,23 @@ def check_patch(target: wpb.PatchTarget, data: torch.Tensor, live: torch.Tensor,
     if actual != target.expected:
         raise _mismatch(target, actual, bucket)
     return checked
+
+
+def _check_box_patch(target: wpb.PatchTarget, data: torch.Tensor, live: torch.Tensor, box: tuple[Index, Index], *,
+                     bucket: int) -> CheckedPatch:
+    """check_patch for a patch of a box: proved against a contiguous copy of the live box (the plan's
+    checksum is the box's), then its positions mapped into the whole tensor."""
+    live_box = _box_view(live, box).contiguous()
+    base = ws64(live_box)
+    if target.encoding == XOR:
+        actual, positions, values = patch_kernels.decode_new_values(data, live_box, target.count, live_ws64=base,
+                                                                    tensor=target.name)
+        decoded = DecodedPatch(positions, values.reshape(-1).view(torch.uint8))
+    else:
+        decoded = decode_patch(data, encoding=target.encoding, numel=live_box.numel(), count=target.count,
+                               itemsize=live_box.element_size(), tensor=target.name)
+        actual = ws64_after_patch(base, live_box, decoded)
+    if actual != target.expected:
+        raise _mismatch(target, actual, bucket)
+    mapped = box_positions(decoded.positions, tuple(live.shape), *box)
+    return CheckedPatch(target.name, target.encoding, target.count, None, DecodedPatch(mapped, decoded.values))

@@ -357,7 +357,11 @@ class NodeStore:
                 scatter_at_commit=self.scatters_at_commit(update, target.name),
                 dtype=dtypes.from_torch(stored.dtype), shape=list(stored.shape))
             known = self.checksums.get(target.name)
-            if known is not None:
+            if target.box is not None:  # a patch of a box: its positions and its WS64 are the box's
+                patch.box.SetInParent()  # set even for a 0-d tensor's box (no offsets, no sizes)
+                patch.box.offsets.extend(target.box[0])
+                patch.box.sizes.extend(target.box[1])
+            elif known is not None:
                 patch.live_checksum = known
         return owned
 
@@ -381,7 +385,8 @@ class NodeStore:
             self.written[name] = generation
         for route in update.routes:
             for target in route.patches:  # proved by every owner's check: the next patch starts from it
-                self.checksums[target.name] = target.expected
+                if target.box is None:  # a box's WS64 is not the tensor's
+                    self.checksums[target.name] = target.expected
         self.dirty -= names
         self.plans.remember(plan, self.layout_version)
         self.update = None

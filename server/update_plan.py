@@ -12,7 +12,9 @@ decides, for each bucket, where its bytes go:
   - into the staging buffer, then one strided copy per sub-box, for a box of a tensor (TensorSpec.box,
     sent by a part): the box's elements (or a piece's range of them) land at their place in the whole
     stored tensor (box_geometry.py); a boxed tensor new to the store gets a segment of its own at its
-    first box, which the other boxes (every one of them sent: parts.check_union) fill;
+    first box, which the other boxes (every one of them sent: parts.check_union) fill; a patch of a box
+    (of a stored tensor) is scattered from staging as a whole tensor's patch is, its positions mapped from
+    the box into the whole tensor by the receiver (PatchTarget.box);
   - nowhere, when the node stores none of its tensors (a server started with
     `--tensors REGEX` holds a subset): the bucket has no owner on this node. A
     bucket with some of the node's tensors takes the general path for those;
@@ -107,7 +109,10 @@ class PatchTarget:
     encoding: int
     count: int
     expected: int
-    """WS64 of the whole tensor once patched."""
+    """WS64 of the whole tensor once patched (of the box's elements, row-major, for a patch of a box)."""
+    box: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    """(offsets, sizes): a patch of this box of the tensor (TensorSpec.box, from a part), its positions
+    row-major in the box; the receiver maps them into the whole tensor. None: the whole tensor."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,8 +375,13 @@ class _Derivation:
         general = self._general(bucket.size_bytes, whole, checks, existing, tuple(patched))
         box_copies: list[BoxCopy] = []
         overwrites = list(general.overwrites)
+        box_patches: list[PatchTarget] = []
         for spec in specs:
             if not spec.HasField("box"):
+                continue
+            if patches.is_patch(spec.encoding):  # never shadowed: written where the tensor's patches go
+                box_patches.append(self._box_patch(index, spec))
+                overwrites.append(spec.name)
                 continue
             target, fresh = self._whole_tensor(index, spec)
             if not fresh:
@@ -384,7 +394,17 @@ class _Derivation:
                                           target.segment, target.offset_bytes, target.dtype, target.shape,
                                           cut.offsets, cut.sizes))
         return BucketRoute(bucket.size_bytes, None, general.copies, checks, tuple(dict.fromkeys(overwrites)),
-                           general.patches, box_copies=tuple(box_copies))
+                           (*general.patches, *box_patches), box_copies=tuple(box_copies))
+
+    def _box_patch(self, index: int, spec: tensor_pb2.TensorSpec) -> PatchTarget:
+        """A patch of a box: of a tensor the store holds (its base), as the plan says it."""
+        stored = self.tensors.get(spec.name)
+        if stored is None:
+            raise InvalidArgument("TENSOR_UNKNOWN", f"tensor {spec.name!r} is sent as a patch of a box but is not "
+                                  "in the store: send the box dense", bucket=index, tensor=spec.name)
+        _check_against_store(index, spec, stored)
+        return PatchTarget(spec.name, spec.offset_bytes, spec.size_bytes, spec.encoding, spec.patch_count,
+                           spec.checksum.value, (tuple(spec.box.offsets), tuple(spec.box.sizes)))
 
     def _whole_tensor(self, index: int, spec: tensor_pb2.TensorSpec) -> tuple[StoredTensor, bool]:
         """The whole tensor a piece or a box lands in, and whether it is new to the store (its first piece

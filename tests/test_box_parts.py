@@ -258,7 +258,7 @@ def _refusal(node, begin_: pb.BeginUpdate) -> tuple[grpc.StatusCode, str, dict[s
 
 def test_boxes_the_server_does_not_place_are_refused_at_begin(node):
     """A box without a part (sent, or in a plan named by its plan_id), over a transport other than INLINE, or
-    as a patch: refused at begin, nothing changes, and the next push commits."""
+    among a deferred bucket's candidates: refused at begin, nothing changes, and the next push commits."""
     base = model(10)
     before = push_boxes(node, base, "base", "k-refusals-base", "r.")
     box = OWNS[0]["w"][0]
@@ -269,11 +269,14 @@ def test_boxes_the_server_does_not_place_are_refused_at_begin(node):
         grpc.StatusCode.INVALID_ARGUMENT, "BOX_WITHOUT_PART", {"bucket": "0", "tensor": "r.w"})
     assert _refusal(node, pb.BeginUpdate(transport=pb.TRANSPORT_COLLECTIVE, part=part, **common)) == (
         grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"bucket": "0", "tensor": "r.w"})
-    patch = tensor_pb2.WeightPlan()
-    patch.CopyFrom(plan)
-    spec = patch.buckets[0].tensors[0]
-    spec.encoding, spec.patch_count = tensor_pb2.TENSOR_ENCODING_PATCH_POSITIONS, 1
-    assert _refusal(node, pb.BeginUpdate(version="v", plan=patch, mode=pb.UPDATE_MODE_STAGED, base_generation=before,
+    epoch = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).current_version.store_epoch
+    candidate = tensor_pb2.TensorSpec(name="r.w", dtype=from_torch(base["w"].dtype), shape=list(base["w"].shape),
+                                      encoding=tensor_pb2.TENSOR_ENCODING_PATCH_XOR,
+                                      box=tensor_pb2.TensorBox(offsets=box[0], sizes=box[1]))
+    deferred = tensor_pb2.WeightPlan(buckets=[tensor_pb2.BucketSpec(deferred=True, size_bytes=1024,
+                                                                    tensors=[candidate])])
+    assert _refusal(node, pb.BeginUpdate(version="v", plan=deferred, mode=pb.UPDATE_MODE_STAGED,
+                                         base_generation=before, base_store_epoch=epoch,
                                          transport=pb.TRANSPORT_INLINE, part=part)) == (
         grpc.StatusCode.UNIMPLEMENTED, "BOX_PATCH_UNAVAILABLE", {"bucket": "0", "tensor": "r.w"})
     held = plan_id_of(part_plan(items_of(OWNS[0], base, "r."))[0])  # part 0's plan, held since its commit

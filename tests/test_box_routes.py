@@ -10,7 +10,7 @@ import torch
 
 from weightsync.common.errors import InvalidArgument
 from weightsync.common.plan_validation import PlanLimits, validate_plan
-from weightsync.server.update_plan import BoxCopy, StoredTensor, derive_update_plan
+from weightsync.server.update_plan import BoxCopy, PatchTarget, StoredTensor, derive_update_plan
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -105,6 +105,42 @@ def test_a_subset_node_routes_the_boxes_of_its_tensors_only():
     derived = derive(plan, {"w": W}, [96], stores=lambda name: name == "w")
     assert [c.name for c in derived.routes[0].box_copies] == ["w"]
     assert derived.not_stored == (1,)
+
+
+def patch(name: str, shape: list[int], offsets: list[int], sizes: list[int], *, count: int, size_bytes: int,
+          offset_bytes: int = 0, checksum: int = 0xABC) -> tensor_pb2.TensorSpec:
+    """A POSITIONS patch of a box: count changed elements, its checksum the box's once patched."""
+    out = spec(name, shape, offsets, sizes, offset_bytes=offset_bytes, size_bytes=size_bytes)
+    out.encoding, out.patch_count = tensor_pb2.TENSOR_ENCODING_PATCH_POSITIONS, count
+    out.checksum.algorithm, out.checksum.value = tensor_pb2.CHECKSUM_ALGORITHM_WS64, checksum
+    return out
+
+
+def test_a_patch_of_a_box_is_scattered_from_staging_with_its_box_and_never_shadowed():
+    plan = plan_of([patch("w", [4, 6], [0, 2], [4, 2], count=2, size_bytes=16),
+                    spec("b", [8], [0], [4], offset_bytes=64)])
+    derived = derive(plan, {"w": W, "b": B}, [160])
+    (route,) = derived.routes
+    assert route.receive_into is None and route.copies == () and route.checks == ()
+    assert route.patches == (PatchTarget("w", 0, 16, tensor_pb2.TENSOR_ENCODING_PATCH_POSITIONS, 2, 0xABC,
+                                         ((0, 2), (4, 2))),)
+    assert [c.name for c in route.box_copies] == ["b"]  # the dense box beside it: strided copies
+    assert route.overwrites == ("w", "b") and derived.staging_bytes == 80
+    # STAGED: b's box writes the segment (shadowed, its shadow starting as live), w's patch goes where the
+    # segment's other writes go; a bucket of patches only shadows nothing (scattered at commit)
+    assert derived.shadowed_segments == (0,) and derived.copied_to_shadow == (0,)
+    alone = derive(plan_of([patch("w", [4, 6], [1, 0], [1, 6], count=1, size_bytes=8)]), {"w": W}, [160])
+    assert alone.shadowed_segments == () and alone.routes[0].overwrites == ("w",)
+    assert alone.routes[0].patches[0].box == ((1, 0), (1, 6))
+
+
+def test_a_patch_of_a_box_of_a_tensor_the_store_lacks_is_refused():
+    with pytest.raises(InvalidArgument) as caught:
+        derive(plan_of([patch("n", [4, 6], [0, 0], [2, 6], count=1, size_bytes=8)]), {"w": W}, [96])
+    assert (caught.value.reason, caught.value.metadata) == ("TENSOR_UNKNOWN", {"bucket": "0", "tensor": "n"})
+    with pytest.raises(InvalidArgument) as caught:  # its shape is the whole tensor's, as the store holds it
+        derive(plan_of([patch("w", [4, 7], [0, 0], [2, 6], count=1, size_bytes=8)]), {"w": W}, [96])
+    assert caught.value.reason == "TENSOR_SHAPE_MISMATCH"
 
 
 # -- plan validation: a spec with a box is checked as the box ------------------------------------------

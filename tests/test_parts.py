@@ -110,7 +110,7 @@ INLINE = pb.TRANSPORT_INLINE
      ("INVALID_ARGUMENT", "BOX_WITHOUT_PART", {"bucket": "1", "tensor": "c"})),
     (pb.BeginUpdate(part=part(rank=1), transport=pb.TRANSPORT_SHM, plan=_boxed_plan()), None),  # on the host
     (pb.BeginUpdate(part=part(rank=1), transport=pb.TRANSPORT_COLLECTIVE, plan=_boxed_plan()),
-     ("UNIMPLEMENTED", "PARTS_UNAVAILABLE", {"bucket": "1", "tensor": "c"})),
+     None),  # a part's box over COLLECTIVE (point-to-point to its owner, as a whole tensor's bucket)
     (pb.BeginUpdate(part=part(rank=1), transport=INLINE,
                     plan=_boxed_plan(encoding=tensor_pb2.TENSOR_ENCODING_PATCH_XOR)), None),  # a patch of a box
     (pb.BeginUpdate(part=part(rank=1), transport=INLINE,

@@ -21,6 +21,8 @@ Receive = Literal["tensors", "served"]
 RECEIVES = ("tensors", "served")
 TRANSPORTS = ("collective", "inline", "shm")
 SENDERS = ("auto", "all", "one")
+ALL_SEND_TRANSPORTS = ("inline", "shm")
+"""What the servers run an update sent by several ranks (parts) over: not COLLECTIVE."""
 MODES = ("staged", "in_place")
 DELTAS = {"auto": "auto", True: True, False: False, "on": True, "off": False}
 
@@ -54,9 +56,12 @@ class VerlSyncConfig:
     senders: Senders = "auto"
     """"all": every actor rank pushes a share of each step (its own part of one version, through
     its own NIC; weightsync.client.Part), its whole tensors with delta, its DTensor shards dense;
+    Over "shm" every actor rank must be on the host of the one server (each part writes its own run
+    of the server's ingress slots).
     "one": actor rank 0 pushes everything, with delta.
-    "auto" (default): "all" over "inline" (the one transport the servers run parts over, for
-    now), else "one"."""
+    "auto" (default): "all" over "inline" (every actor NIC sends), else "one" (over "shm" no NIC is
+    shared, and the ranks share the host's memory bandwidth: name "all" to have each rank write its
+    own share)."""
 
     receive: Receive = "tensors"
     """The rollout side. "tensors" (default): receive_weights yields the committed version's tensors
@@ -99,9 +104,9 @@ class VerlSyncConfig:
             raise WeightSyncVerlError("CONFIG_INVALID", f"delta must be auto, on/true or off/false, got {delta!r}")
         if senders not in SENDERS:
             raise WeightSyncVerlError("CONFIG_INVALID", f"senders must be one of {SENDERS}, got {senders!r}")
-        if senders == "all" and transport != "inline":
-            raise WeightSyncVerlError("CONFIG_INVALID", f"senders 'all' needs transport 'inline' (the servers run an "
-                                      f"update sent by several ranks only over INLINE for now), got {transport!r}")
+        if senders == "all" and transport not in ALL_SEND_TRANSPORTS:
+            raise WeightSyncVerlError("CONFIG_INVALID", f"senders 'all' needs transport 'inline' or 'shm' (the servers "
+                                      f"run an update sent by several ranks over those two for now), got {transport!r}")
         if receive not in RECEIVES:
             raise WeightSyncVerlError("CONFIG_INVALID", f"receive must be one of {RECEIVES}, got {receive!r}")
         if engine is not None and (not isinstance(engine, str) or not engine):

@@ -1,13 +1,15 @@
 """Driver mode (receive "served"): the node's weightsync server drives the engine itself after each
 commit, and verl's rollout worker only waits, bounded, until that engine serves the step.
 
-verl's lifecycle as test_verl_checkpoint_engine drives it (one actor rank pushing with delta, one
-rollout worker, each its own process) over a real weightsync server started with
+verl's lifecycle as test_verl_checkpoint_engine drives it (two actor ranks, each pushing its share
+of every step over SHM with `senders: all`, one commit per step; one rollout worker; each its own
+process) over a real weightsync server started with
 --engine vllm-http=URL, where URL is tests/fake_vllm.py's stand-in for vLLM's weight-transfer
 routes: it really attaches to the node's local socket and copies each version's changed tensors
 out of the node's store, so what it serves can be compared bit for bit. Several steps served bit
-for bit, the rollout yielding no tensors; an engine that refuses a step (ENGINE_FAILED on the
-rollout, at once, while the actor's push succeeded; the engine keeps serving the last step); then
+for bit, the rollout yielding no tensors; a rank whose share is refused (PUSH_FAILED naming it on
+every actor rank and on the waiting rollout, at once); an engine that refuses a step (ENGINE_FAILED
+on the rollout, at once, while the push committed; the engine keeps serving the last step); then
 the next step served bit for bit. The decisions over WatchWeights events (a FAILED state left
 from an older version is not this one's failure) are checked on hand-built events.
 """
@@ -27,6 +29,7 @@ from test_fsdp_actors import free_port  # noqa: E402
 from test_verl_checkpoint_engine import Worker, sync  # noqa: E402
 from verl_workers import weights_for  # noqa: E402
 
+from weightsync.engine import EngineClient  # noqa: E402
 from weightsync.integrations.verl import WeightSyncVerlError  # noqa: E402
 from weightsync.integrations.verl.served import ServedWatch  # noqa: E402
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
@@ -73,43 +76,64 @@ def fake() -> Iterator[FakeVllm]:
         fake.close()
 
 
-def test_the_driven_engine_serves_each_step_bit_for_bit_a_refusal_is_engine_failed_then_next_step(
+def test_shm_parts_served_by_the_driven_engine_bit_for_bit_a_failing_rank_a_refusing_engine_then_next_step(
         fake, tmp_path) -> None:
+    """Two actor ranks, each pushing its share of every step over SHM (its own run of the server's
+    ingress slots), one commit per step; the rollout in driver mode."""
     # The workers import verl (a minute) while the server starts; they connect at init_process_group.
     port = free_port()
-    kwargs = {"servers": [f"127.0.0.1:{port}"], "transport": "inline", "senders": "one", "receive": "served",
+    kwargs = {"servers": [f"127.0.0.1:{port}"], "transport": "shm", "senders": "all", "receive": "served",
               "timeout_s": TIMEOUT_S}
-    actors, rollouts = [Worker("actor", True, kwargs)], [Worker("rollout", False, kwargs)]
+    actors = [Worker("actor", True, kwargs), Worker("actor", False, kwargs)]
+    rollouts = [Worker("rollout", False, kwargs)]
     try:
         with running_server(tmp_path, "--listen", f"127.0.0.1:{port}", "--engine", f"vllm-http={fake.url}",
-                            workers=1):
-            assert [w.ready() for w in actors + rollouts] == ["WeightSyncCheckpointEngine"] * 2
+                            workers=1) as server, EngineClient(server=server.address, name="test") as node:
+            assert [w.ready() for w in actors + rollouts] == ["WeightSyncCheckpointEngine"] * 3
+            generations = []
             for step in (1, 2, 3):
-                (metrics,), (received,) = sync(actors, rollouts, step)
+                actor_results, (received,) = sync(actors, rollouts, step)
                 assert received == {}, received  # the rollout yields no tensors: the engine took them
                 assert_serves(fake, step)
-            assert metrics["weightsync/bytes_sent"] < metrics["weightsync/dense_bytes"]  # delta
+                generations.append(node.status().version.generation)
+                assert actor_results[0] == actor_results[1], actor_results  # the step's totals over both parts
+            assert generations == [generations[0], generations[0] + 1, generations[0] + 2]  # both parts, one commit
+            dense = sum(t.numel() * t.element_size() for t in weights_for(3).values())
+            assert actor_results[0]["weightsync/dense_bytes"] == dense
+            # delta "auto" over SHM from host tensors sends dense (the SDK's rule: patches rarely pay there)
+            assert actor_results[0]["weightsync/bytes_sent"] >= dense, actor_results
 
-            # Step 4: the engine refuses it (vLLM's /update_weights answers 500). The actor's push
-            # commits; the rollout raises ENGINE_FAILED at once, naming the engine's error; the engine
-            # keeps serving step 3.
+            # Step 4: rank 1's share (the norm) has the wrong shape. Both actor ranks and the rollout
+            # raise PUSH_FAILED naming rank 1, at once; nothing is committed, the engine serves step 3.
+            started = time.monotonic()
+            actor_results, (rollout_result,) = sync(actors, rollouts, 4, bad_norm_on=1)
+            assert time.monotonic() - started < FAILED_WITHIN_S
+            for kind, error in [*actor_results, rollout_result]:
+                assert (kind, error["type"], error["reason"], error["rank"], error["version"]) == (
+                    "error", "WeightSyncVerlError", "PUSH_FAILED", 1, "4"), error
+            assert node.status().version.generation == generations[-1]
+            assert_serves(fake, 3)
+
+            # Step 5: the engine refuses it (vLLM's /update_weights answers 500). The parts commit; the
+            # rollout raises ENGINE_FAILED at once, naming the engine's error; the engine keeps step 3.
             fake.script["POST /update_weights"] = [(500, b'{"error": "out of memory"}')]
             started = time.monotonic()
-            (metrics,), (rollout_result,) = sync(actors, rollouts, 4)
+            actor_results, (rollout_result,) = sync(actors, rollouts, 5)
             assert time.monotonic() - started < FAILED_WITHIN_S
-            assert set(metrics) == {"weightsync/push_s", "weightsync/bytes_sent", "weightsync/dense_bytes"}
+            for metrics in actor_results:
+                assert set(metrics) == {"weightsync/push_s", "weightsync/bytes_sent", "weightsync/dense_bytes"}
             kind, error = rollout_result
             assert (kind, error["type"], error["reason"], error["version"]) == (
-                "error", "WeightSyncVerlError", "ENGINE_FAILED", "4"), error
+                "error", "WeightSyncVerlError", "ENGINE_FAILED", "5"), error
             assert "ENGINE_REFUSED" in error["message"] and "out of memory" in error["message"], error
-            assert fake.served in ("3", "4")  # the driver may have retried step 4 since (5 s later)
+            assert fake.served in ("3", "5")  # the driver may have retried step 5 since (5 s later)
             if fake.served == "3":
                 assert_serves(fake, 3)
 
             # The next step is served, bit for bit.
-            _, (received,) = sync(actors, rollouts, 5)
+            _, (received,) = sync(actors, rollouts, 6)
             assert received == {}
-            assert_serves(fake, 5)
+            assert_serves(fake, 6)
     finally:
         for w in actors + rollouts:
             w.stop()

@@ -148,15 +148,19 @@ class GroupTable:
                 raise DeviceLeftBusy(f"group {group.group_id}: its NCCL abort is not done after {now - started:.0f} s; "
                                      "its kernel may still run on this device")
 
-    def transfer(self, group: CollectiveGroup, buffer: torch.Tensor, sequence: int) -> None:
-        """Receive bucket `sequence` from rank 0: Gloo sends each bucket to its owner alone (tag: the
-        sequence); NCCL broadcasts it to every rank. A failure leaves the group (it is unusable) and says so."""
+    def transfer(self, group: CollectiveGroup, buffer: torch.Tensor, receive: wpb.ReceiveBucketCommand, *,
+                 point_to_point: bool) -> None:
+        """Receive one bucket: point-to-point from its sender (ReceiveBucketCommand.source_rank, tag: its index in
+        the sender's plan, source_sequence), which Gloo always is and NCCL is for an update of several parts;
+        else (NCCL, one trainer) the broadcast from rank 0 that every rank joins. A failure leaves the group (it
+        is unusable) and says so."""
         self.check_closing()
+        sequence = receive.sequence
         try:
-            if group.backend == pb.BACKEND_NCCL:
+            if group.backend == pb.BACKEND_NCCL and not point_to_point:
                 group.broadcast(buffer)
             else:
-                group.receive(buffer, 0, bucket_tag(sequence))
+                group.receive(buffer, receive.source_rank, bucket_tag(receive.source_sequence))
         except CollectiveError as error:
             # Reported within the server's bound (the group timeout + its margin: collective.failure_report_bound):
             # the abort goes on in its own thread past FAILED_CLOSE_JOIN_SECONDS.

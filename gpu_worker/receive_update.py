@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.common.receive_order import store_receive_order
 from weightsync.gpu_worker.patch_apply import CheckedPatch
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -49,11 +50,26 @@ class ReceiveUpdate:
     """STAGED: checked patches, scattered at commit."""
     lane_buffers: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     """(staging or wire, lane) -> the receive buffer of a lane but the first, for this update only."""
+    turns: collections.deque[int] = field(default_factory=collections.deque)
+    """COLLECTIVE with several lanes (parts sending point-to-point): the owned buckets not yet received, in the
+    one order this worker receives them (common/receive_order.py); empty otherwise (taken as they come)."""
 
     def __post_init__(self) -> None:
         self.waiting = [collections.deque() for _ in self.lane_starts]
         for sequence in self.order:
             self.waiting[self.lane_of(sequence)].append(sequence)
+        if self.command.group_id and len(self.lane_starts) > 1:
+            self.turns = collections.deque(store_receive_order(self.order, self.lane_starts))
+
+    def in_turn(self, sequence: int) -> bool:
+        """Whether a receive of bucket `sequence` may run now: no order to keep, it is the next turn, or it is
+        none of the turns left (a bucket this worker does not own, or one already taken: refused as it runs)."""
+        return not self.turns or self.turns[0] == sequence or sequence not in self.turns
+
+    def took_turn(self, sequence: int) -> None:
+        """Bucket `sequence`'s receive ran (received, dropped or failed): the next turn is due."""
+        if self.turns and self.turns[0] == sequence:
+            self.turns.popleft()
 
     def lane_of(self, sequence: int) -> int:
         """The lane of the plan's bucket `sequence`: the last whose run starts at or before it."""

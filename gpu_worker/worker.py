@@ -27,7 +27,11 @@ from collections.abc import Callable
 
 import torch
 
-from weightsync.common.collective import CollectiveError, backend_for_device
+from weightsync.common.collective import (
+    FAILED_CLOSE_JOIN_SECONDS,
+    CollectiveError,
+    backend_for_device,
+)
 from weightsync.common.device_identity import cuda_uuid
 from weightsync.common.errors import (
     Aborted,
@@ -83,6 +87,8 @@ class Worker:
         self.receiver = Receiver(self.device, config.memory_limit_bytes)
         self.ingress = map_ingress(config.ingress_fd, config.ingress_bytes)
         self.groups = GroupTable(self.device)
+        self._held: dict[tuple[str, int], bytes] = {}
+        """(update id, sequence) -> a receive command waiting its turn (_held_back)."""
         self._handlers: dict[str, Callable[[wpb.WorkerCommand, wpb.WorkerEvent], None]] = {
             "join_group": self._join_group,
             "leave_group": self._leave_group,
@@ -141,6 +147,59 @@ class Worker:
             stop.wait(HEARTBEAT_SECONDS)
 
     def _dispatch(self, payload: bytes) -> None:
+        """Run one command, unless it is a receive that must wait its turn (held: run, and answered, once every
+        receive before it in the update's one order ran, or failed at the update's abort)."""
+        if self._held_back(payload):
+            return
+        self._execute(payload)
+        while (update := self.receiver.update) is not None and update.turns:
+            due = (update.update_id, update.turns[0])
+            if due not in self._held:
+                return
+            self._execute(self._held.pop(due))  # its receive takes the turn, whatever its outcome
+
+    def _held_back(self, payload: bytes) -> bool:
+        """A receive of a COLLECTIVE update of several parts that is not yet this worker's turn is held
+        (common/receive_order.py: every part sends in bucket order, every worker receives in one global order,
+        so no wait forms a cycle). A payload that does not parse is not held: running it reports why."""
+        update = self.receiver.update
+        if update is None or not update.turns:
+            return False
+        command = wpb.WorkerCommand()
+        try:
+            command.ParseFromString(payload)
+        except Exception:  # noqa: BLE001 - _execute reports it
+            return False
+        if command.WhichOneof("command") != "receive_bucket":
+            return False
+        receive = command.receive_bucket
+        if receive.update_id != update.update_id or update.in_turn(receive.sequence):
+            return False
+        self._held[(update.update_id, receive.sequence)] = payload
+        return True
+
+    def _fail_held(self, why: str) -> None:
+        """The update ends with receives still held: each is answered COLLECTIVE_FAILED, and the group is left,
+        since a part may already be sending those buckets to this rank (a send nobody will receive leaves the
+        group unusable: the server marks it BROKEN from these answers)."""
+        held, self._held = self._held, {}
+        if not held:
+            return
+        update = self.receiver.update
+        group_id = update.group_id if update is not None else ""
+        closed = self.groups.leave(group_id, FAILED_CLOSE_JOIN_SECONDS) if group_id else True
+        log.warning("held_receives_failed", why=why, buckets=sorted(sequence for _, sequence in held), closed=closed)
+        for payload in held.values():
+            command = wpb.WorkerCommand()
+            command.ParseFromString(payload)
+            event = wpb.WorkerEvent(command_id=command.command_id)
+            event.bucket_received.sequence = command.receive_bucket.sequence
+            failure = Aborted("COLLECTIVE_FAILED", f"group {group_id}: bucket {command.receive_bucket.sequence} was "
+                              f"not received: the update ended ({why}) before its turn", group_id=group_id)
+            failure.broken_group_id = group_id
+            self._fail(event, failure)
+
+    def _execute(self, payload: bytes) -> None:
         command = wpb.WorkerCommand()
         event = wpb.WorkerEvent()
         try:
@@ -274,10 +333,15 @@ class Worker:
         if receive.from_ingress:
             applied = self.receiver.receive_from_ingress(receive, self.ingress)
         else:
-            group = self.groups.get(self.receiver.current(receive.update_id).group_id)
-            applied = self.receiver.receive_collective(
-                receive, lambda buffer: self.groups.transfer(group, buffer, receive.sequence),
-                device_lane=group.backend == pb.BACKEND_NCCL)
+            update = self.receiver.current(receive.update_id)
+            try:
+                group = self.groups.get(update.group_id)
+                parts = len(update.lane_starts) > 1  # every part sends its own buckets, point-to-point
+                applied = self.receiver.receive_collective(
+                    receive, lambda buffer: self.groups.transfer(group, buffer, receive, point_to_point=parts),
+                    device_lane=group.backend == pb.BACKEND_NCCL)
+            finally:
+                update.took_turn(receive.sequence)
         if applied is not None:
             event.bucket_received.size_bytes = applied.size_bytes
             event.bucket_received.fast_path = applied.fast_path
@@ -298,6 +362,7 @@ class Worker:
     def _abort(self, why: str) -> None:
         update = self.receiver.update
         assert update is not None
+        self._fail_held(why)
         self.receiver.abort()
         log.info("update_aborted", update_id=update.update_id, why=why)
 

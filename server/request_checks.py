@@ -48,18 +48,27 @@ def group_record(request: pb.CreateTransferGroupRequest, workers: list[WorkerHan
             backend=request.backend,
         )
     workers = len(workers)
-    if request.world_size < 2 or request.rank_offset < 1 or request.rank_offset + workers > request.world_size:
+    trainers = request.trainer_ranks or 1  # 0: one trainer process, rank 0
+    if request.trainer_ranks < 0 or request.rank_offset < trainers:
+        raise InvalidArgument(
+            "RANKS_DO_NOT_FIT",
+            f"the trainer holds ranks 0..{trainers - 1} (trainer_ranks {request.trainer_ranks}): this server's "
+            f"workers must start at rank_offset >= {trainers}, got rank_offset {request.rank_offset}",
+            world_size=request.world_size, rank_offset=request.rank_offset, workers=workers,
+            trainer_ranks=request.trainer_ranks,
+        )
+    if request.world_size < 2 or request.rank_offset + workers > request.world_size:
         raise InvalidArgument(
             "RANKS_DO_NOT_FIT",
             f"this server's {workers} workers need ranks rank_offset..rank_offset+{workers - 1} "
-            f"inside 1..world_size-1; got rank_offset {request.rank_offset}, world_size {request.world_size}",
+            f"inside {trainers}..world_size-1; got rank_offset {request.rank_offset}, world_size {request.world_size}",
             world_size=request.world_size, rank_offset=request.rank_offset, workers=workers,
         )
     timeout = request.timeout.ToTimedelta() if request.HasField("timeout") else DEFAULT_GROUP_TIMEOUT
     if not datetime.timedelta(0) < timeout <= MAX_GROUP_TIMEOUT:
         raise InvalidArgument("TIMEOUT_INVALID", f"timeout must be in (0, 3600] s, got {timeout.total_seconds():g}")
     return GroupRecord(request.group_id, request.world_size, request.rank_offset, request.backend, timeout,
-                       request.store_host, request.store_port)
+                       request.store_host, request.store_port, trainer_ranks=trainers)
 
 
 def check_begin(begin: pb.BeginUpdate, offered: list[int]) -> None:

@@ -27,6 +27,8 @@ class GroupRecord:
     broken_reason: str = ""
     updating: bool = False
     """An update runs on the group (its collective notices a dead trainer itself)."""
+    trainer_ranks: int = 1
+    """The trainer's ranks, 0..trainer_ranks-1: one per part of an update sent in parts over the group."""
 
     def to_proto(self) -> pb.TransferGroup:
         timeout = duration_pb2.Duration()
@@ -39,6 +41,7 @@ class GroupRecord:
             state=self.state,
             timeout=timeout,
             broken_reason=self.broken_reason,
+            trainer_ranks=self.trainer_ranks,
         )
 
 

@@ -118,6 +118,9 @@ class IntakeSession(Protocol):
     sequences (bucket k of the stream's plan); what it puts in the inbox is tagged with the stream."""
 
     update_id: str
+    stream: int
+    """The stream's part rank (0 for an update of one stream): over COLLECTIVE, the group rank that sends its
+    buckets."""
     plan: tensor_pb2.WeightPlan
     """The stream's own plan."""
     inbox: Inbox
@@ -134,7 +137,8 @@ class IntakeSession(Protocol):
 
     @property
     def broadcast_to_all(self) -> bool:
-        """NCCL: every worker joins every broadcast (non-owners drop the bytes)."""
+        """NCCL, one stream: every worker joins every broadcast (non-owners drop the bytes). Parts over NCCL
+        send each bucket point-to-point to its owner, as over Gloo."""
 
     @property
     def owners(self) -> list[int]:
@@ -297,6 +301,9 @@ class Intake:
                                            ingress_offset_bytes=ingress_offset or 0, piece_offset_bytes=piece_offset,
                                            piece_size_bytes=piece_size, last_piece=last, tail=tail,
                                            compression=compression)
+        if self.transport == pb.TRANSPORT_COLLECTIVE:  # who sends it, under which tag (its own plan's index)
+            command.source_rank = self.session.stream
+            command.source_sequence = sequence
         owners = self.session.owners
         owner = owners[sequence] if 0 <= sequence < len(owners) else None
         if not discard and not compression and self.session.route_is_direct(sequence):

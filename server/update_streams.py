@@ -191,7 +191,8 @@ class StreamSide:
 
     @property
     def broadcast_to_all(self) -> bool:
-        return self._session.broadcast_to_all
+        # Parts over NCCL send point-to-point to each owner, as over Gloo (common/receive_order.py).
+        return self._session.broadcast_to_all and len(self._session.streams) == 1
 
     @property
     def owners(self) -> list[int]:

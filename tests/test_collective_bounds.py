@@ -29,6 +29,7 @@ from weightsync.gpu_worker.device_faults import DeviceFault, DeviceLeftBusy, cla
 from weightsync.gpu_worker.group_table import GroupTable, abort_overdue
 from weightsync.server.update_session import BUCKET_MARGIN_SECONDS
 from weightsync.v1 import weight_sync_service_pb2 as pb
+from weightsync.worker.v1 import worker_pb2 as wpb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -255,7 +256,8 @@ def test_a_failed_transfer_is_reported_at_once_and_an_abort_that_never_ends_exit
     table.groups["g"] = stuck
     started = time.monotonic()
     with pytest.raises(Exception) as caught:
-        table.transfer(stuck, torch.empty(4, dtype=torch.uint8), 0)
+        table.transfer(stuck, torch.empty(4, dtype=torch.uint8), wpb.ReceiveBucketCommand(sequence=0),
+                       point_to_point=False)
     assert getattr(caught.value, "reason", "") == "COLLECTIVE_TIMEOUT"
     assert time.monotonic() - started < 5  # the abort's hang did not hold the report (bound: 0.5 s join)
     assert pg.aborted.is_set() and [g for g, _ in table.closing] == [stuck]

@@ -235,7 +235,7 @@ class GetServerInfoResponse(_message.Message):
     def __init__(self, server_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backends: _Optional[_Iterable[_Union[Backend, str]]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., store_state: _Optional[_Union[StoreState, str]] = ..., current_version: _Optional[_Union[WeightVersion, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., draining: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., local_socket: _Optional[str] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ..., bucket_compressions: _Optional[_Iterable[_Union[BucketCompression, str]]] = ..., deferred_buckets: _Optional[bool] = ..., data_plane_revision: _Optional[int] = ..., parts: _Optional[bool] = ...) -> None: ...
 
 class TransferGroup(_message.Message):
-    __slots__ = ("group_id", "world_size", "rank_offset", "backend", "state", "timeout", "broken_reason")
+    __slots__ = ("group_id", "world_size", "rank_offset", "backend", "state", "timeout", "broken_reason", "trainer_ranks")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class TransferGroup(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     BROKEN_REASON_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     world_size: int
     rank_offset: int
@@ -250,10 +251,11 @@ class TransferGroup(_message.Message):
     state: GroupState
     timeout: _duration_pb2.Duration
     broken_reason: str
-    def __init__(self, group_id: _Optional[str] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., state: _Optional[_Union[GroupState, str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., broken_reason: _Optional[str] = ...) -> None: ...
+    trainer_ranks: int
+    def __init__(self, group_id: _Optional[str] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., state: _Optional[_Union[GroupState, str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., broken_reason: _Optional[str] = ..., trainer_ranks: _Optional[int] = ...) -> None: ...
 
 class CreateTransferGroupRequest(_message.Message):
-    __slots__ = ("group_id", "store_host", "store_port", "world_size", "rank_offset", "backend", "timeout")
+    __slots__ = ("group_id", "store_host", "store_port", "world_size", "rank_offset", "backend", "timeout", "trainer_ranks")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +263,7 @@ class CreateTransferGroupRequest(_message.Message):
     RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     store_host: str
     store_port: int
@@ -268,7 +271,8 @@ class CreateTransferGroupRequest(_message.Message):
     rank_offset: int
     backend: Backend
     timeout: _duration_pb2.Duration
-    def __init__(self, group_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    trainer_ranks: int
+    def __init__(self, group_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trainer_ranks: _Optional[int] = ...) -> None: ...
 
 class CreateTransferGroupResponse(_message.Message):
     __slots__ = ("group",)

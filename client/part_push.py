@@ -7,20 +7,22 @@
      group, the caller's part_key is the key and a failed check raises as it is, on this rank only;
   3. plan: the declared tensors as a dense plan would plan them (the boxes as their local shards'
      contiguous bytes: a box larger than a bucket travels as pieces, counted in the box's bytes), or,
-     with delta, the patched plan of the whole tensors (below) with the boxes dense beside them; the
-     plan sent is the same with each boxed spec's shape the whole tensor's and its TensorSpec.box;
+     with delta, the patched plan of them (below); the plan sent is the same with each boxed spec's
+     shape the whole tensor's and its TensorSpec.box (a patch of a box: its positions row-major in the
+     box, its checksum the box's once patched);
   4. run: one stream per server with BeginUpdate.part, Ready once every part joined (bounded by the
      client's timeout plus the join timeout), the buckets, Commit; every part gets the same
      `committed`, one generation per server. A failure is PartUpdateFailed naming this part, and the
      part the server named (PART_FAILED) or the ranks that never came (PARTS_MISSING).
 
 Delta per part (push(delta=...), "auto" by default, as for a whole update: client/delta.py). Each part
-keeps the copy of its own whole tensors (client._delta: this process's) and compares them with it, as
-push() compares a whole update's: unchanged ones are left out of its plan (still declared), sparse
-changes go as patches, and the choice between a patched plan and a dense one is this part's alone (its
-whole tensors' bytes). A box is always sent dense and never kept (servers place dense boxes only:
-BOX_PATCH_UNAVAILABLE). Patches go only when every server holds the last commit (one plan per part to
-all of them). The base is the update's, not the part's: every part names, to each server, the
+keeps the copy of its own whole tensors and boxes (client._delta: this process's; a box as its local
+shard, under the tensor's name) and compares them with it, as push() compares a whole update's:
+unchanged ones are left out of its plan (still declared), sparse changes go as patches (of a box: the
+local shard's patch, which the server maps into the whole tensor), and the choice between a patched
+plan and a dense one is this part's alone (its own bytes). Nothing is compared while the bytes travel
+(a deferred bucket takes no box: BOX_PATCH_UNAVAILABLE). Patches go only when every server holds the
+last commit (one plan per part to all of them). The base is the update's, not the part's: every part names, to each server, the
 generation that server committed last (BeginUpdate.base_generation/base_store_epoch, from its record),
 whether it sends patches or not; every commit gives every part the same generation, so the parts name
 the same base (the server requires it: PART_MISMATCH). A server that refuses the base at Begin
@@ -82,7 +84,7 @@ def push_part(client: WeightSyncClient, part: Part,
               checksums: bool | None, zero_copy_min_bytes: int, progress: Callable[[PushProgress], None] | None,
               show_progress: bool | None, delta: Delta = "auto") -> PushResult:
     """push() with a part (module docstring); the client's lock is held. delta: as push()'s, for this
-    part's whole tensors (its boxes always go dense)."""
+    part's whole tensors and boxes."""
     started = time.perf_counter()
     key = ""
     failure: Exception | None = None
@@ -108,13 +110,15 @@ def push_part(client: WeightSyncClient, part: Part,
     assert sink is not None
     sizes = dict(bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes)
     items = _compared(client, named_tensors, declared, delta, transport)
-    boxes = [(d.name, d.tensor) for d in declared if d.box is not None]
+    boxes = [d.name for d in declared if d.box is not None]
     states = client._fleet.answered()
     # The update's base, named alike by every part (their records agree: each commit gives them all one
     # generation per server), whether this part sends patches or not.
     bases = {s.address: s.generation for s in states if s.generation is not None}
+    # boxes=[]: the boxes are among the items (compared, kept, patched as the whole tensors are), and a
+    # part defers no comparison (a deferred bucket takes no box).
     patched = plan_patches(client._delta, items, delta, servers=states, link=client._links.bytes_per_second(transport),
-                           collective=True, boxes=boxes, **sizes) if items is not None else None
+                           collective=True, boxes=[], **sizes) if items is not None else None
     job = PushJob(loop=client._loop, servers=client._servers, group=None, sink=sink, delta=client._delta,
                   version=version, mode=mode, allow_new_tensors=allow_new_tensors, checksums=checksums,
                   progress=progress, show_progress=show_progress, started=started)
@@ -180,15 +184,16 @@ def _run(client: WeightSyncClient, job: PushJob, part: Part, key: str, declared:
 
 def _compared(client: WeightSyncClient, named_tensors: object, declared: list[Declared], delta: Delta,
               transport: str) -> list[tuple[str, torch.Tensor]] | None:
-    """This part's whole tensors when this push compares them with the kept copy (as push() decides for a
-    whole update: not with delta=False, an iterator, or auto where no patch pays); None, and no copy kept,
-    otherwise, or when the part sends only boxes."""
-    whole = [(d.name, d.tensor) for d in declared if d.box is None]
-    if (delta is False or not isinstance(named_tensors, Mapping | list | tuple) or not whole
-            or (delta == "auto" and client._links.cannot_pay(whole, transport))):
+    """What this part sends, its whole tensors and its boxes (each as its local shard, contiguous, under the
+    tensor's name), when this push compares them with the kept copy (as push() decides for a whole update:
+    not with delta=False, an iterator, or auto where no patch pays); None, and no copy kept, otherwise, or
+    when the part sends nothing."""
+    mine = [(d.name, d.tensor) for d in declared]
+    if (delta is False or not isinstance(named_tensors, Mapping | list | tuple) or not mine
+            or (delta == "auto" and client._links.cannot_pay(mine, transport))):
         client._delta.drop()
         return None
-    return whole
+    return mine
 
 
 def _checked(client: WeightSyncClient, named_tensors, transport: str) -> tuple[list[Declared], Sink]:

@@ -64,10 +64,10 @@ def plan_patches(delta: DeltaBase, items: list[tuple[str, torch.Tensor]], mode: 
     """The patched plan, or None: all dense (no server holds our last commit, a new layout, nothing
     or too much changed). COLLECTIVE sends one plan to the whole group: patches only if every
     server can take them. link: the transport's dense bytes per second (LinkTimings). The deferred
-    comparison, if any, is started here. boxes: a part's boxes (part_push.py), each as its local
-    shard's bytes: planned dense with the tensors sent whole, never compared or deferred (servers
-    place dense boxes only), and no part of the choice between patches and dense (either sends
-    them whole); the plan's box specs are the caller's to complete. None: no part, deferring allowed."""
+    comparison, if any, is started here. boxes: tensors planned dense beside the items, never compared
+    and no part of the choice between patches and dense (either sends them whole); the plan's box specs
+    are the caller's to complete. Not None (a part, part_push.py, which passes its boxes among the items
+    and [] here): nothing is deferred (a deferred bucket takes no box). None: no part, deferring allowed."""
     targets = patch_targets(servers, claims=delta.claims, collective=collective)
     if not targets:
         return None

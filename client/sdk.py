@@ -112,7 +112,7 @@ class WeightSyncClient:
         (a second copy of the model in GPU memory).
         part: this process is one of several trainer processes that push each version together, each
         its own tensors (client/parts.py: Part; over INLINE, or SHM on the server's host; its whole
-        tensors with delta, its boxes dense). Construct the client with its Part on every rank."""
+        tensors and its boxes with delta). Construct the client with its Part on every rank."""
         addresses = [servers] if isinstance(servers, str) else list(servers)
         if not addresses:
             raise ValueError("at least one server address is required")
@@ -287,7 +287,8 @@ class WeightSyncClient:
         one version to every server, one INLINE (or SHM) stream each (client/part_push.py): plain
         tensors whole, with delta as above (each rank keeps the copy of its own; a refused base makes
         every rank resend the version dense under "<key>.dense"), DTensors as their local shards'
-        boxes (client/parts.py), always dense; compress does not apply; the plan is sent in full. With Part.group the ranks
+        boxes (client/parts.py), with delta as its plain tensors (a patch of a box is the local shard's);
+        compress does not apply; the plan is sent in full. With Part.group the ranks
         share the key and check their inputs together first: one rank's bad input fails every rank
         at once (PartInputsRefused); the one collective is bounded by the group's timeout. Inside
         the push the ranks do not wait for each other except through the servers, which commit

@@ -4,8 +4,8 @@ step with the SDK's default delta ("auto").
     python sdk_parts_delta_trainer.py RANK WORLD PORT SERVERS(comma-separated) OUT_DIR
 
 Rank 0 owns `a` and `c` whole, rank 1 `b` and `d` whole (`d` never changes), and each rank a box of `rows`
-(a DTensor, Shard(0): its half of the rows). Every step after the first changes 0.5% of the elements of `a`,
-`b`, `c` and `rows`. Steps 1 to 3 are pushed; then rank 0 pushes `d` once more, alone, to the second server
+(a DTensor, Shard(0): its half of the rows) and one of `cols` (Shard(1): its half of the columns, a box in
+dimension 1). Every step after the first changes 0.5% of the elements of `a`, `b`, `c`, `rows` and `cols`. Steps 1 to 3 are pushed; then rank 0 pushes `d` once more, alone, to the second server
 (the "intruder": that store moves on a generation, so the base the parts name there is refused), and steps 4
 and 5 are pushed. Then rank 1's record of the first server forgets its generation (as if it had lost
 that server's Committed): step 6 fails on both ranks (their bases differ there), both forget every base, and
@@ -22,8 +22,9 @@ import torch.distributed as dist
 from trainer_rank import join_group
 
 OWNS = (("a", "c"), ("b", "d"))
-BOXED = "rows"
-CHANGING = ("a", "b", "c", "rows")
+BOXED = {"rows": 0, "cols": 1}
+"""The DTensors (Shard(dim)), each rank holding its half along dim."""
+CHANGING = ("a", "b", "c", "rows", "cols")
 CHANGED_FRACTION = 200
 """Each step changes numel // CHANGED_FRACTION positions (0.5%, drawn with repetition) of each changing tensor."""
 BUCKET_BYTES = 64 << 10
@@ -37,7 +38,7 @@ def full(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     tensors = {"a": torch.randn(256, 256, generator=g), "b": torch.randn(65536, generator=g),
                "c": torch.randn(300, 64, generator=g).to(torch.bfloat16), "d": torch.arange(4096, dtype=torch.int64),
-               "rows": torch.randn(64, 128, generator=g)}
+               "rows": torch.randn(64, 128, generator=g), "cols": torch.randn(96, 80, generator=g)}
     for later in range(2, step + 1):
         for index, name in enumerate(CHANGING):
             flat = tensors[name].view(-1)
@@ -48,12 +49,15 @@ def full(step: int) -> dict[str, torch.Tensor]:
 
 
 def own(rank: int, world: int, step: int, mesh) -> dict[str, torch.Tensor]:
-    """This rank's part of step `step`: its whole tensors and its rows as a DTensor shard (no collective)."""
+    """This rank's part of step `step`: its whole tensors, and its rows and columns as DTensor shards (no
+    collective)."""
     from torch.distributed.tensor import DTensor, Shard
 
     tensors = full(step)
     mine = {name: tensors[name] for name in OWNS[rank]}
-    mine[BOXED] = DTensor.from_local(tensors[BOXED].chunk(world)[rank].clone(), mesh, [Shard(0)], run_check=False)
+    for name, dim in BOXED.items():
+        local = tensors[name].chunk(world, dim=dim)[rank].contiguous()
+        mine[name] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
     return mine
 
 

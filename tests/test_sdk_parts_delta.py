@@ -1,28 +1,32 @@
-"""Delta per part (client/part_push.py): each part compares its own whole tensors with its own kept copy and
-sends patches of them, its boxes dense; every part names the update's base; a refused base makes every part
+"""Delta per part (client/part_push.py): each part compares its own whole tensors and boxes (DTensor shards: a
+row box, a box in dimension 1) with its own kept copy and sends patches of them; every part names the update's
+base; a refused base makes every part
 send the whole version dense, under a key each derives alone (parts.dense_key); a failed push makes every
 part forget its bases, so parts whose records diverged agree again.
 
 Real processes: two trainer ranks (tests/sdk_parts_delta_trainer.py, one Gloo group) push five steps of one
 model into two servers over INLINE, with the SDK's default delta, a store that moves on between two
 steps, and a rank whose record of a server is lost. Then the rules' tables, and the patched plan
-of a part (boxes dense beside the patches, never compared while the bytes travel)."""
+of a part (never compared while the bytes travel)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from sdk_parts_delta_trainer import BOXED, OWNS, full
 
 from weightsync.client.delta import DeltaBase
-from weightsync.client.parts import KEY_PATTERN, base_refused, check_key, dense_key
+from weightsync.client.part_push import _boxed, _compared
+from weightsync.client.parts import KEY_PATTERN, Box, Declared, base_refused, check_key, dense_key
 from weightsync.client.patched_push import plan_patches
 from weightsync.client.server_state import ServerState
 from weightsync.client.servers import Server
 from weightsync.client.types import StoreGeneration
+from weightsync.common.checksum import ws64
 from weightsync.common.patches import is_patch
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -47,12 +51,13 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def test_two_parts_send_patches_of_their_whole_tensors_and_a_refused_base_goes_dense_from_both(servers, tmp_path):
+def test_two_parts_send_patches_of_their_whole_tensors_and_boxes_and_a_refused_base_goes_dense_from_both(
+        servers, tmp_path):
     addresses = [s.address for s in servers]
     records = run_ranks([str(TRAINER), "{rank}", "2", str(free_port()), ",".join(addresses), str(tmp_path)], 2,
                         tmp_path, TRAINERS_TIMEOUT)
     model = full(8)
-    box_bytes = nbytes(model[BOXED]) // 2  # each rank's half of the rows, always dense
+    box_bytes = sum(nbytes(model[name]) for name in BOXED) // 2  # each rank's half of the rows and of the columns
     dense = [sum(nbytes(model[n]) for n in OWNS[rank]) + box_bytes for rank in (0, 1)]
     (tmp_path / "records.json").write_text(json.dumps(records))  # for the report's table
 
@@ -68,10 +73,11 @@ def test_two_parts_send_patches_of_their_whole_tensors_and_a_refused_base_goes_d
         if step in (1, 4, 7):  # the first push, the one whose base the second server refused, the one after a
             # failed push (no base named): dense, whole
             assert [r["bytes_sent"] for r in (zero, one)] == dense, step
-        else:  # the box whole; of the whole tensors (0.5% changed), patches under 2% of their bytes
+        else:  # 0.5% changed: patches of the whole tensors and of the boxes, under 2% of the part's dense bytes
+            # (each box alone is over 2% of it: a box sent dense fails this)
+            assert box_bytes // 2 > 0.02 * max(dense)
             for rank, record in enumerate((zero, one)):
-                patches = record["bytes_sent"] - box_bytes
-                assert 0 < patches < 0.02 * (dense[rank] - box_bytes), (step, rank, record["bytes_sent"])
+                assert 0 < record["bytes_sent"] < 0.02 * dense[rank], (step, rank, record["bytes_sent"])
 
     generations = [records[0][f"step{s}"]["generations"] for s in (1, 2, 3, 4, 5, 7, 8)]
     first, second = addresses
@@ -124,14 +130,20 @@ def _server(address: str, *, workers: int, generation: StoreGeneration | None) -
     return ServerState(Server(address, None, None, None), info=info, generation=generation)  # type: ignore[arg-type]
 
 
-def test_a_parts_patched_plan_sends_its_boxes_dense_beside_the_patches_and_defers_nothing():
+def test_a_parts_patched_plan_patches_its_boxes_as_their_local_shards_and_defers_nothing():
+    """What push_part plans (its items: the whole tensors and each box's local shard; boxes=[]): a box's patch
+    has the local shard's positions and checksum, and goes with the whole tensor's shape and its box."""
     g = torch.Generator().manual_seed(3)
-    items = [("w", torch.randn(4096, generator=g)), ("v", torch.randn(2048, generator=g))]
-    box = ("rows", torch.randn(8, 16, generator=g))
+    whole = torch.randn(64, 256, generator=g)
+    local = whole[:, 128:].contiguous()  # the box [0:64, 128:256]: a box in dimension 1
+    items = [("w", torch.randn(4096, generator=g)), ("v", torch.randn(2048, generator=g)), ("cols", local)]
+    declared = [Declared("w", items[0][1], (4096,), None), Declared("v", items[1][1], (2048,), None),
+                Declared("cols", local, (64, 256), Box((0, 128), (64, 128)))]
     delta = DeltaBase()
     delta.committed(items, None)
     changed = [(name, t.clone()) for name, t in items]
     changed[0][1][::512] += 1  # 8 of 4096 changed; v unchanged
+    changed[2][1].view(-1)[::512] += 1  # 16 of the box's 8192 elements
     servers = [_server("s:1", workers=2, generation=StoreGeneration(5, 3))]
     slow = 1e6  # a link slow enough that a whole update compares while its bytes travel (deferred buckets)
     sizes = dict(bucket_size_bytes=1 << 20, zero_copy_min_bytes=1 << 20)
@@ -142,12 +154,19 @@ def test_a_parts_patched_plan_sends_its_boxes_dense_beside_the_patches_and_defer
 
     delta = DeltaBase()
     delta.committed(items, None)
-    patched = plan_patches(delta, changed, True, servers=servers, link=slow, collective=True, boxes=[box], **sizes)
+    client = SimpleNamespace(_delta=delta, _links=SimpleNamespace(cannot_pay=lambda items, transport: False))
+    now = [Declared(d.name, t, d.shape, d.box) for d, (_, t) in zip(declared, changed, strict=True)]
+    compared = _compared(client, dict(changed), now, True, "inline")  # type: ignore[arg-type]
+    assert [name for name, _ in compared or []] == ["w", "v", "cols"]  # the box compared as its local shard
+    patched = plan_patches(delta, compared, True, servers=servers, link=slow, collective=True, boxes=[], **sizes)
     assert patched is not None and patched.compare is None
-    assert set(patched.delta.patches) == {"w"} and patched.delta.unchanged == {"v"}
-    specs = {s.name: s for b in patched.choice.cached.plan.buckets for s in b.tensors}
-    assert sorted(specs) == ["rows", "w"]  # v left out, the box sent, w as its patch
-    assert not is_patch(specs["rows"].encoding) and specs["rows"].patch_count == 0
-    assert list(specs["rows"].shape) == [8, 16] and specs["rows"].size_bytes == nbytes(box[1])
-    assert specs["w"].patch_count == 8
+    assert set(patched.delta.patches) == {"w", "cols"} and patched.delta.unchanged == {"v"}
+    plan = _boxed(patched.choice.planned, patched.choice.source, declared).cached.plan
+    specs = {s.name: s for b in plan.buckets for s in b.tensors}
+    assert sorted(specs) == ["cols", "w"]  # v left out, w and the box as their patches
+    cols = specs["cols"]
+    assert is_patch(cols.encoding) and cols.patch_count == 16 and list(cols.shape) == [64, 256]
+    assert (list(cols.box.offsets), list(cols.box.sizes)) == ([0, 128], [64, 128])
+    assert cols.checksum.value == ws64(changed[2][1])  # the box's WS64 once patched
+    assert specs["w"].patch_count == 8 and not specs["w"].HasField("box")
     assert patched.bases == {"s:1": StoreGeneration(5, 3)}

@@ -119,7 +119,8 @@ def push_part(client: WeightSyncClient, part: Part,
     # part defers no comparison (a deferred bucket takes no box).
     patched = plan_patches(client._delta, items, delta, servers=states, link=client._links.bytes_per_second(transport),
                            collective=True, boxes=[], **sizes) if items is not None else None
-    job = PushJob(loop=client._loop, servers=client._servers, group=None, sink=sink, delta=client._delta,
+    group = client._group if transport == "collective" else None  # the parts' group (create_group on every rank)
+    job = PushJob(loop=client._loop, servers=client._servers, group=group, sink=sink, delta=client._delta,
                   version=version, mode=mode, allow_new_tensors=allow_new_tensors, checksums=checksums,
                   progress=progress, show_progress=show_progress, started=started)
     log.info("part_push", version=version, update_key=key, rank=part.rank, world=part.world,
@@ -199,8 +200,8 @@ def _compared(client: WeightSyncClient, named_tensors: object, declared: list[De
 def _checked(client: WeightSyncClient, named_tensors, transport: str) -> tuple[list[Declared], Sink]:
     """This rank's own checks, before any byte moves: what it declares, and the sink its bytes go to."""
     if transport not in PART_TRANSPORTS:
-        raise PartsUnavailable(f"a part is pushed over INLINE, or SHM from the server's host (servers run parts "
-                               f"over those two for now), not {transport!r}: push(..., transport='inline')")
+        raise PartsUnavailable(f"a part is pushed over INLINE, SHM from the server's host, or COLLECTIVE over a "
+                               f"group of every part (create_group() on each rank), not {transport!r}")
     items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
     check_tensors(items)
     declared = declare(items)
@@ -213,9 +214,10 @@ def _checked(client: WeightSyncClient, named_tensors, transport: str) -> tuple[l
     return declared, client._sink(transport)[1]
 
 
-PART_TRANSPORTS = ("inline", "shm")
-"""What a part is pushed over: INLINE (one stream per part per server), or SHM (parts on the server's host,
-each writing its own share of the ingress slots: UpdateReady.ingress_slot_first/_count)."""
+PART_TRANSPORTS = ("inline", "shm", "collective")
+"""What a part is pushed over: INLINE (one stream per part per server), SHM (parts on the server's host,
+each writing its own share of the ingress slots: UpdateReady.ingress_slot_first/_count), or COLLECTIVE (a group
+holding every part's rank, from create_group() on each: each bucket point-to-point to its owners)."""
 
 
 def runs_parts(info) -> bool:

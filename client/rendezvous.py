@@ -1,4 +1,4 @@
-"""Rank 0's side of a transfer group's rendezvous, in a thread of its own.
+"""A trainer rank's side of a transfer group's rendezvous, in a thread of its own (rank 0's, or each part's).
 
 torch builds a process group by blocking until every rank joined or the
 timeout passed. Run inline, that would hold up a server's immediate refusal
@@ -33,10 +33,10 @@ from weightsync.v1 import weight_sync_service_pb2 as pb
 
 
 class Rendezvous:
-    """One rank-0 join, started at construction."""
+    """One trainer rank's join (rank 0, or a part's rank among trainer_ranks), started at construction."""
 
     def __init__(self, *, group_id: str, backend: int, store, world_size: int, timeout: datetime.timedelta,
-                 device: torch.device, local_address: str) -> None:
+                 device: torch.device, local_address: str, rank: int = 0, trainer_ranks: int = 1) -> None:
         self._group_id = group_id
         self._settings: TrainerSettings | None = None
         if backend == pb.BACKEND_NCCL:
@@ -50,8 +50,9 @@ class Rendezvous:
             try:
                 if device.type == "cuda":
                     torch.cuda.set_device(device)  # per thread: NCCL binds the current device
-                return open_group(group_id=group_id, backend=backend, store=store, rank=0, world_size=world_size,
-                                  timeout=timeout, device=device, local_address=local_address)
+                return open_group(group_id=group_id, backend=backend, store=store, rank=rank, world_size=world_size,
+                                  timeout=timeout, device=device, local_address=local_address,
+                                  trainer_ranks=trainer_ranks)
             finally:
                 self._end(joined=True)
 

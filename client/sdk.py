@@ -34,7 +34,7 @@ from weightsync.client import transfer_group
 from weightsync.client._loop import LoopThread
 from weightsync.client.compression import Frames, worth_compressing
 from weightsync.client.delta import Delta, DeltaBase
-from weightsync.client.errors import PartsUnavailable, WeightSyncClientError
+from weightsync.client.errors import WeightSyncClientError
 from weightsync.client.fleet import Fleet
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.link_timings import LinkTimings
@@ -169,16 +169,27 @@ class WeightSyncClient:
         failure only the groups this call created are deleted. Returns the group id.
         store_host/store_port: where this process's rendezvous store listens (default:
         the address that routes to the first server, a free port); a fixed port lets a
-        mesh or firewall rule name it. A client with a part needs no group (its pushes go over
-        INLINE): PartsUnavailable.
+        mesh or firewall rule name it.
+
+        A client with a part calls it on every rank, at once: the group holds every part's rank (group
+        rank = part rank) and then the workers; part 0 hosts the store, chooses the backend and the id
+        and creates the group on the servers, and the parts learn them through Part.group (needed:
+        ValueError without it); each part then pushes over transport="collective", sending its
+        buckets point-to-point to their owners (transfer_group.create_for_part).
         """
-        if self._part is not None:
-            raise PartsUnavailable("a client with a part pushes over INLINE or SHM (servers run parts over those "
-                                   "for now): it needs no transfer group")
         if self._group is not None:
             raise WeightSyncClientError(f"group {self._group.group_id} exists; delete_group() first")
-        group = transfer_group.create(self._servers, backend=backend, timeout=timeout, group_id=group_id,
-                              store_host=store_host, store_port=store_port)
+        part = self._part
+        if part is not None and part.world > 1:
+            if part.group is None:
+                raise ValueError("create_group() with a part needs Part.group: the parts agree on the group's id, "
+                                 "backend and rendezvous store through it")
+            group = transfer_group.create_for_part(self._servers, rank=part.rank, world=part.world,
+                                                   part_group=part.group, backend=backend, timeout=timeout,
+                                                   group_id=group_id, store_host=store_host, store_port=store_port)
+        else:
+            group = transfer_group.create(self._servers, backend=backend, timeout=timeout, group_id=group_id,
+                                          store_host=store_host, store_port=store_port)
         self._group = group
         if self._collective_buffers is None or self._collective_buffers.device != group.device:
             self._collective_buffers = PackBuffers(group.device)

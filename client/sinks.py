@@ -9,9 +9,12 @@ overtake the copies into them (read_order.py).
 
   COLLECTIVE  pack into pack buffer k % 2 while bucket k-1 is on the wire;
               bucket k is announced and started before k-1 is waited for (two in
-              flight at most). NCCL: a broadcast to the group.
-              Gloo: a send to each server's owner of the bucket alone (the
-              rank its Ready named), so a node receives each byte once.
+              flight at most). NCCL, one trainer: a broadcast to the group.
+              Gloo, and NCCL for a part of several: a send to each server's owner
+              of the bucket alone (the rank its Ready named; tag k, from this
+              part's rank), in increasing owner rank, so a node receives each byte
+              once and every worker can take its buckets in one global order
+              (common/receive_order.py).
   INLINE      pack, then cut into BucketChunks queued on every stream (gRPC
               flow control holds the trainer back when the server is slower;
               a server that stops taking chunks fails its stream, streams.py).
@@ -81,7 +84,8 @@ def announce(loop: LoopThread, streams: list[UpdateStream], index: int, size: in
 
 
 class CollectiveSink:
-    """Send each bucket to the group (rank 0 is us): a broadcast (NCCL), or to its owners (Gloo)."""
+    """Send each bucket to the group (rank 0 is us, or our part's rank): a broadcast (NCCL, one trainer), or to
+    its owners, point-to-point (Gloo; NCCL when the group holds several parts' ranks)."""
 
     transport = pb.TRANSPORT_COLLECTIVE
 
@@ -115,9 +119,12 @@ class CollectiveSink:
         announce(self._loop, streams, index, data.numel(), checksum, bucket_tail(data), compression, payload.layout)
         try:
             deadline = self._collective.deadline()
-            if self._collective.backend == pb.BACKEND_NCCL:
+            if self._collective.backend == pb.BACKEND_NCCL and self._collective.trainer_ranks == 1:
                 started = [(self._collective.broadcast_async(data), deadline)]
             else:
+                # In increasing owner rank (owner_ranks): over NCCL this rank's sends run one after another on
+                # its stream, each after the pack copies into `data` (read() ordered them), and the owners
+                # receive in one global order, so none waits on a later one (common/receive_order.py).
                 started = [(self._collective.send_async(data, rank, bucket_tag(index)), deadline)
                            for rank in owner_ranks(streams, index)]
         except CollectiveError:
@@ -160,8 +167,8 @@ class CollectiveSink:
 
 
 def owner_ranks(streams: list[UpdateStream], index: int) -> list[int]:
-    """The group ranks that receive bucket `index`: each server's owner, from its Ready (none on a
-    server that stores none of its tensors: -1)."""
+    """The group ranks that receive bucket `index`, in increasing rank (common/receive_order.send_order): each
+    server's owner, from its Ready (none on a server that stores none of its tensors: -1)."""
     ranks = []
     for stream in streams:
         owners = stream.ready.result().bucket_owner_ranks
@@ -170,7 +177,7 @@ def owner_ranks(streams: list[UpdateStream], index: int) -> list[int]:
                                   "bucket_owner_ranks): a server older than this SDK", timed_out=False)
         if owners[index] >= 0:
             ranks.append(owners[index])
-    return ranks
+    return sorted(ranks)
 
 
 class InlineSink:

@@ -5,6 +5,13 @@ server at once, so a server's refusal comes back at once (rendezvous.py). On
 failure only the servers where this call created the group are cleaned up; a
 group nobody can reach is dropped by its server when it sees the trainer's
 store close.
+
+A client with a part (WeightSyncClient(part=Part(rank, world, group))) calls create_group on every rank:
+the group holds every part's rank (group rank = part rank, 0..world-1; CreateTransferGroupRequest.
+trainer_ranks) and then the servers' workers. Part 0 hosts the rendezvous store, chooses the backend and
+the group id, and creates the group on the servers; the parts learn what it chose through Part.group (one
+all-gather of a fixed-size record per rank, as part_agreement.py does: a rank whose checks failed fails
+every rank at once), then each joins the rendezvous from its own thread.
 """
 
 from __future__ import annotations
@@ -23,7 +30,12 @@ from weightsync.client.rendezvous import Rendezvous
 from weightsync.client.revision import spoken
 from weightsync.client.servers import Server, ServerSet
 from weightsync.common.address import parse_address
-from weightsync.common.collective import CollectiveGroup, host_store, local_address_towards
+from weightsync.common.collective import (
+    CollectiveGroup,
+    connect_store,
+    host_store,
+    local_address_towards,
+)
 from weightsync.common.device_identity import normalize_uuid
 from weightsync.common.logging import get_logger
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -44,6 +56,10 @@ class TransferGroup:
     rank_offsets: dict[str, int]
     """Server address -> the group rank of its worker 0 (its worker w is rank offset + w; rank_offsets)."""
     broken: bool = False
+    rank: int = 0
+    """This process's rank in the group (its part's rank; 0 without a part)."""
+    trainer_ranks: int = 1
+    """The trainer's ranks, 0..trainer_ranks-1: one per part (1 without a part)."""
 
 
 # -- which backend ----------------------------------------------------------------------------
@@ -134,10 +150,10 @@ def workers_sharing_a_gpu(servers: Sequence[ServerDevices]) -> dict[str, list[tu
     return {gpu: where for gpu, where in on.items() if len(where) > 1}
 
 
-def rank_offsets(worker_counts: Sequence[int]) -> list[int]:
-    """Each server's first rank in a group of this trainer (rank 0) and these servers' workers, in
-    order: the servers' workers follow one another."""
-    offsets, offset = [], 1
+def rank_offsets(worker_counts: Sequence[int], trainer_ranks: int = 1) -> list[int]:
+    """Each server's first rank in a group of the trainer's ranks (0..trainer_ranks-1) and these servers'
+    workers, in order: the servers' workers follow one another."""
+    offsets, offset = [], trainer_ranks
     for count in worker_counts:
         offsets.append(offset)
         offset += count
@@ -166,7 +182,7 @@ def create(servers: ServerSet, *, backend: str, timeout: float, group_id: str | 
     rendezvous = Rendezvous(group_id=group_id, backend=chosen, store=store, world_size=world_size,
                             timeout=delta, device=device, local_address=host)
     created, failure = servers.loop.run(_create_everywhere(servers, group_id, host, store.port, world_size, chosen, delta,
-                                                           by_address))
+                                                           by_address, 1))
     if failure is None:
         try:
             collective = rendezvous.result(timeout + 10)
@@ -183,7 +199,7 @@ def create(servers: ServerSet, *, backend: str, timeout: float, group_id: str | 
 
 async def _create_everywhere(
     servers: ServerSet, group_id: str, host: str, port: int, world_size: int, backend: int, timeout: datetime.timedelta,
-    offsets: dict[str, int],
+    offsets: dict[str, int], trainer_ranks: int,
 ) -> tuple[list[Server], BaseException | None]:
     """CreateTransferGroup on every server at once; returns at the first refusal, without
     waiting for the others' rendezvous (they fail at its deadline, and are cleaned up then)."""
@@ -191,7 +207,7 @@ async def _create_everywhere(
     def request(server: Server) -> pb.CreateTransferGroupRequest:
         message = pb.CreateTransferGroupRequest(
             group_id=group_id, store_host=host, store_port=port, world_size=world_size,
-            rank_offset=offsets[server.address], backend=backend,
+            rank_offset=offsets[server.address], backend=backend, trainer_ranks=trainer_ranks,
         )
         message.timeout.FromTimedelta(timeout)
         return message
@@ -258,8 +274,12 @@ def _clean_up(servers: ServerSet, targets: list[Server], group_id: str) -> None:
 
 
 def delete(servers: ServerSet, group: TransferGroup) -> None:
-    """Tear the group down on every server and locally (see WeightSyncClient.delete_group)."""
+    """Tear the group down on every server and locally (see WeightSyncClient.delete_group). A part but
+    part 0 only leaves it: part 0 created it on the servers and deletes it there."""
     group.collective.close()
+    if group.rank != 0:
+        log.info("group_left", group_id=group.group_id, rank=group.rank)
+        return
     failures = _delete_on(servers, servers.servers, group.group_id)
     for error in (e for e in failures if e.code == grpc.StatusCode.UNAVAILABLE):
         # Our rendezvous store closes with the group: the server sees that and drops it itself.
@@ -269,3 +289,122 @@ def delete(servers: ServerSet, group: TransferGroup) -> None:
         where = ", ".join(f"{e.server} ({e.code.name} {e.reason})" for e in refused)
         raise WeightSyncClientError(f"group {group.group_id} could not be deleted on {where}")
     log.info("group_deleted", group_id=group.group_id)
+
+
+# -- a group of parts --------------------------------------------------------------------------
+AGREED_BYTES = 512
+"""The fixed size of each rank's record in create_for_part's all-gather."""
+
+
+@dataclass(frozen=True, slots=True)
+class Agreed:
+    """What part 0 chose for the group, as every part learns it."""
+
+    group_id: str
+    backend: int
+    store_host: str
+    store_port: int
+    world_size: int
+
+
+def encode_agreed(agreed: Agreed | None, failure: BaseException | None) -> torch.Tensor:
+    """One rank's record: what it chose (part 0's is the one read), or that its checks failed and why."""
+    text = (f"ok\n{agreed.group_id}\n{agreed.backend}\n{agreed.store_host}\n{agreed.store_port}\n{agreed.world_size}"
+            if failure is None and agreed is not None
+            else f"failed\n{type(failure).__name__}: {failure}" if failure is not None else "ok")
+    raw = text.encode()[: AGREED_BYTES - 2]
+    record = torch.zeros(AGREED_BYTES, dtype=torch.uint8)
+    record[0], record[1] = len(raw) & 0xFF, len(raw) >> 8
+    record[2 : 2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    return record
+
+
+def decide_agreed(records: list[torch.Tensor], rank: int) -> Agreed:
+    """Every rank's record -> part 0's choice, or WeightSyncClientError naming every rank that failed."""
+    texts = []
+    for record in records:
+        data = bytes(record.cpu().tolist())
+        texts.append(data[2 : 2 + (data[0] | data[1] << 8)].decode("utf-8", errors="replace"))
+    failed = {r: t.split("\n", 1)[1] if "\n" in t else t for r, t in enumerate(texts) if not t.startswith("ok")}
+    if failed:
+        said = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+        raise WeightSyncClientError(f"part {rank}: create_group failed before any rendezvous: {said}")
+    fields = texts[0].split("\n")
+    return Agreed(fields[1], int(fields[2]), fields[3], int(fields[4]), int(fields[5]))
+
+
+def _all_gather(group: object, record: torch.Tensor, world: int) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+              else torch.device("cpu"))
+    mine = record.to(device)
+    records = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(records, mine, group=group)  # bounded by the parts' group's own timeout
+    return records
+
+
+def create_for_part(servers: ServerSet, *, rank: int, world: int, part_group: object, backend: str, timeout: float,
+                    group_id: str | None, store_host: str | None, store_port: int) -> TransferGroup:
+    """One group of every part's rank (0..world-1) and every server's workers (module docstring); called on
+    every part's rank. Part 0 hosts the store, chooses, and creates the group on the servers."""
+    delta = datetime.timedelta(seconds=timeout)
+    trainer_device = trainer_cuda_device(available=torch.cuda.is_available(), initialized=torch.cuda.is_initialized())
+    chosen: Agreed | None = None
+    store = None
+    offsets: dict[str, int] = {}
+    failure: BaseException | None = None
+    try:
+        if rank == 0:
+            infos = [info for _, info in spoken(servers.addresses,
+                                                servers.each("GetServerInfo", pb.GetServerInfoRequest()))]
+            trainer_gpu = gpu_uuid(trainer_device) if trainer_device is not None else None
+            backend_number = choose_backend(backend, trainer_gpu_uuid=trainer_gpu, servers=[
+                ServerDevices.of(s.address, i) for s, i in zip(servers.servers, infos, strict=True)])
+            counts = [len(info.workers) for info in infos]
+            offsets = dict(zip(servers.addresses, rank_offsets(counts, world), strict=True))
+            first = parse_address(servers.servers[0].address)
+            host = store_host or local_address_towards(first.host, first.port)
+            store = host_store(host, delta, store_port)
+            chosen = Agreed(group_id or f"ws-{uuid.uuid4().hex[:12]}", backend_number, host, store.port,
+                            world + sum(counts))
+    except Exception as error:  # every rank learns it through the all-gather, at once
+        failure = error
+    try:
+        agreed = decide_agreed(_all_gather(part_group, encode_agreed(chosen, failure), world), rank)
+    except BaseException:
+        if failure is not None:
+            raise failure from None
+        raise
+    if agreed.backend == pb.BACKEND_NCCL and trainer_device is None:
+        raise WeightSyncClientError(f"part {rank}: the group's backend is NCCL (chosen by part 0) but this process "
+                                    "uses no CUDA device: set it (torch.cuda.set_device) before create_group, or "
+                                    "create the group with backend='gloo'")
+    device = trainer_device if agreed.backend == pb.BACKEND_NCCL and trainer_device is not None else torch.device("cpu")
+    if store is None:
+        store = connect_store(agreed.store_host, agreed.store_port, delta)
+    local = local_address_towards(agreed.store_host, agreed.store_port)
+    log.info("group_creating", group_id=agreed.group_id, world_size=agreed.world_size, rank=rank, parts=world,
+             backend=pb.Backend.Name(agreed.backend))
+    rendezvous = Rendezvous(group_id=agreed.group_id, backend=agreed.backend, store=store,
+                            world_size=agreed.world_size, timeout=delta, device=device, local_address=local,
+                            rank=rank, trainer_ranks=world)
+    created: list[Server] = []
+    if rank == 0:
+        created, failure = servers.loop.run(_create_everywhere(
+            servers, agreed.group_id, agreed.store_host, agreed.store_port, agreed.world_size, agreed.backend, delta,
+            offsets, world))
+        if failure is not None:
+            # The other parts' rendezvous fails at its deadline (the workers never come).
+            rendezvous.abandon()
+            _clean_up(servers, created, agreed.group_id)
+            raise failure
+    try:
+        collective = rendezvous.result(timeout + 10)
+    except BaseException:
+        if rank == 0:
+            _clean_up(servers, created, agreed.group_id)
+        raise
+    log.info("group_ready", group_id=agreed.group_id, rank=rank)
+    return TransferGroup(agreed.group_id, agreed.backend, agreed.world_size, delta, device, collective, store, offsets,
+                         rank=rank, trainer_ranks=world)

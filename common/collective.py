@@ -174,6 +174,8 @@ class CollectiveGroup:
     _pg: object | None
     released: threading.Event = field(default_factory=threading.Event)
     """Set once close() finished releasing the communicator (its abort may outlive close()'s bound)."""
+    trainer_ranks: int = 1
+    """The trainer's ranks, 0..trainer_ranks-1 (CreateTransferGroupRequest.trainer_ranks): one per part."""
 
     def __post_init__(self) -> None:
         if self._pg is None:
@@ -221,12 +223,12 @@ class CollectiveGroup:
         while not work.is_completed():
             now = time.monotonic()
             if now > deadline:
-                raise CollectiveError(f"group {self.group_id}: broadcast not complete after "
+                raise CollectiveError(f"group {self.group_id}: transfer not complete after "
                                       f"{self.timeout.total_seconds():g} s", timed_out=True)
             time.sleep(NCCL_POLL_SECONDS[0] if now < fast_until else NCCL_POLL_SECONDS[1])
         failure = completed_failure(work)
         if failure is not None:
-            raise CollectiveError(f"group {self.group_id}: broadcast failed: {failure}",
+            raise CollectiveError(f"group {self.group_id}: transfer failed: {failure}",
                                   timed_out=_looks_like_timeout(failure))
         # Completed without error: order this thread's current stream after it (WorkNCCL::synchronize
         # blocks the current stream on the work's end event; unlike wait() it never aborts).
@@ -333,6 +335,7 @@ def open_group(
     timeout: datetime.timedelta,
     device: torch.device,
     local_address: str,
+    trainer_ranks: int = 1,
 ) -> CollectiveGroup:
     """Join the group on `store` (blocks until every rank joined or timeout)."""
     prefixed = PrefixStore(f"{RENDEZVOUS_PREFIX}{group_id}", store)
@@ -350,7 +353,8 @@ def open_group(
             deadline = time.monotonic() + timeout.total_seconds()
             options = nccl_options(ProcessGroupNCCL.Options(), timeout)
             pg = ProcessGroupNCCL(prefixed, rank, world_size, options)
-            group = CollectiveGroup(group_id, backend, rank, world_size, timeout, device, pg)
+            group = CollectiveGroup(group_id, backend, rank, world_size, timeout, device, pg,
+                                    trainer_ranks=trainer_ranks)
             try:
                 connect(group, deadline)
             except BaseException:
@@ -363,7 +367,7 @@ def open_group(
         if _looks_like_timeout(error):
             raise RendezvousTimeout(str(error)) from error
         raise
-    return CollectiveGroup(group_id, backend, rank, world_size, timeout, device, pg)
+    return CollectiveGroup(group_id, backend, rank, world_size, timeout, device, pg, trainer_ranks=trainer_ranks)
 
 
 def connect(group: CollectiveGroup, deadline: float) -> None:

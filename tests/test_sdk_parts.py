@@ -85,11 +85,13 @@ def test_a_part_over_another_transport_or_to_a_server_without_parts_is_refused_b
     before = [s.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).current_version for s in servers]
     tensors = {"a": torch.ones(4)}
     with WeightSyncClient([s.address for s in servers], part=Part(rank=0, world=2)) as client:
-        with pytest.raises(PartsUnavailable, match="over INLINE, or SHM from the server's host"):
+        with pytest.raises(PartsUnavailable, match="not 'broadcast'"):
+            client.push(tensors, version="x", transport="broadcast", part_key="k-broadcast")
+        with pytest.raises(WeightSyncClientError, match="no transfer group: call create_group"):
             client.push(tensors, version="x", transport="collective", part_key="k-collective")
         with pytest.raises(WeightSyncClientError, match="SHM pushes to one server"):
             client.push(tensors, version="x", transport="shm", part_key="k-shm")
-        with pytest.raises(PartsUnavailable, match="needs no transfer group"):
+        with pytest.raises(ValueError, match="needs Part.group"):  # the parts agree on the group through it
             client.create_group()
         assert client.list_groups() == {s.address: [] for s in servers}
         with pytest.raises(ValueError, match="needs push\\(part_key=...\\)"):

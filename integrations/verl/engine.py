@@ -100,6 +100,28 @@ def my_share(named: list[tuple[str, torch.Tensor]], rank: int, world: int) -> li
     return [(name, t) for name, t in named if is_dtensor(t) or name in mine]
 
 
+LORA_UNSUPPORTED = "LORA_UNSUPPORTED"
+ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B", ".lora_magnitude_vector")
+"""Parts of the names PEFT gives a LoRA adapter's tensors (get_peft_model_state_dict, as verl's
+collect_lora_params yields them once the base model is synced)."""
+
+
+def refuse_lora(named: list[tuple[str, torch.Tensor]], peft_config: Any, version: str) -> None:
+    """LORA_UNSUPPORTED, before a byte moves, when verl hands over a LoRA adapter (its config, or its
+    tensors): weightsync stores the tensors it gets, but no engine loader of weightsync loads an
+    adapter from the node's store, so the rollout would keep serving the model without it."""
+    adapter = [name for name, _ in named if any(marker in name for marker in ADAPTER_MARKERS)]
+    if peft_config is None and not adapter:
+        return
+    what = (f"{len(adapter)} LoRA adapter tensors ({', '.join(adapter[:3])}{', ...' if len(adapter) > 3 else ''})"
+            if adapter else "a LoRA adapter's config (peft_config)")
+    raise WeightSyncVerlError(
+        LORA_UNSUPPORTED, f"version {version}: verl handed over {what}; weightsync cannot have the rollout's engine "
+        "load an adapter (its loaders load full weights, not a LoRA adapter and its config). Merge the adapter "
+        "into the weights before the sync (actor_rollout_ref.model.lora.merge=True: verl then sends full "
+        "weights), or use a checkpoint engine that loads adapters", version=version)
+
+
 def _outcome_key(sync: int, rank: int) -> str:
     return f"weightsync/outcome/{sync}/{rank}"
 
@@ -209,18 +231,23 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
 
     # -- actor side ------------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Any,
-                           global_steps: int | None = None) -> dict[str, float]:
+                           global_steps: int | None = None, peft_config: Any = None,
+                           **_verl_kwargs: Any) -> dict[str, float]:
+        """peft_config: a LoRA adapter's config, as verl hands it to its rollouts' update_weights (verl
+        0.9.1 passes none to a checkpoint engine): LORA_UNSUPPORTED, as for adapter tensors in `weights`."""
         if self.role != "actor":
             raise WeightSyncVerlError("NOT_INITIALIZED", "send_weights before init_process_group made this an actor rank")
         version = version_label(global_steps)
         self.syncs += 1
         sync = self.syncs
         if self.rank not in self.senders:
-            await _drain(weights)  # the gathers of a sharded model run on every rank
+            named = await _drain(weights)  # the gathers of a sharded model run on every rank
+            refuse_lora(named, peft_config, version)  # every rank drained the same names: every rank refuses
             return await asyncio.to_thread(self._await_outcomes, sync, version)
         outcome: dict[str, Any] = {"ok": False, "reason": "PUSH_FAILED", "cause_reason": "", "message": ""}
         try:
             named = await _drain(weights)
+            refuse_lora(named, peft_config, version)
             key = None
             if self.config.all_send:
                 key = await asyncio.to_thread(self._update_key, sync, version)
@@ -228,7 +255,9 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             result = await asyncio.to_thread(self._push, named, version, key)
             outcome = {"ok": True, "seconds": result.seconds, "bytes_sent": result.bytes_sent,
                        "dense_bytes": result.dense_bytes}
-        except WeightSyncVerlError as error:  # SENDER_LOST: rank 0's key never came
+        except WeightSyncVerlError as error:  # SENDER_LOST (rank 0's key never came), LORA_UNSUPPORTED
+            if error.reason == LORA_UNSUPPORTED:  # published as such: the rollout raises the same at once
+                outcome["reason"] = LORA_UNSUPPORTED
             outcome["cause_reason"], outcome["message"] = error.reason, str(error)
             self._publish(_outcome_key(sync, self.rank), outcome)
             raise
@@ -303,6 +332,10 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
 
     def _raise_failed(self, failed: dict[int, dict[str, Any]], version: str) -> None:
         """PUSH_FAILED naming the rank at fault (blamed_rank), with its own outcome when it published one."""
+        refused = [o for o in failed.values() if o.get("reason") == LORA_UNSUPPORTED]
+        if refused:  # nothing was pushed, no rank at fault: verl handed over a LoRA adapter
+            raise WeightSyncVerlError(LORA_UNSUPPORTED, refused[0]["message"].removeprefix(f"{LORA_UNSUPPORTED}: "),
+                                      version=version)
         rank = blamed_rank(failed)
         reporter = rank if rank in failed else min(failed)
         outcome = failed[reporter]

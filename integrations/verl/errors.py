@@ -22,6 +22,8 @@ class WeightSyncVerlError(RuntimeError):
       ENGINE_FAILED          driver mode: the engine the node's server drives failed to apply the
                              version (the message carries its last_error); it keeps serving its last
       VERSION_NOT_SERVED     driver mode: the engine did not serve the version within the timeout
+      LORA_UNSUPPORTED       verl handed over a LoRA adapter (its tensors, or its peft_config): refused on
+                             every actor rank and every rollout worker before anything is pushed
       ENGINE_NOT_FOUND       driver mode: the node's server drives no engine of that name (or none,
                              or several and engine_kwargs names none)
     `rank` is the actor rank at fault for PUSH_FAILED and SENDER_LOST (with every rank sending: the

@@ -8,7 +8,9 @@ the manager (verl's own manager needs Ray worker groups; the calls and their ord
 
 Several steps, bit-exact against the actor's full tensors; a refused push fails every actor rank
 and the rollout with PUSH_FAILED naming rank 0 at once, and the node keeps the last version;
-the next step and a verify then pass; a sender that dies is SENDER_LOST on the other rank.
+the next step and a verify then pass; a LoRA adapter handed over (its tensors, or its peft_config)
+is LORA_UNSUPPORTED on every worker at once, nothing pushed, then the next step; a sender that dies
+is SENDER_LOST on the other rank.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class Worker:
 
 
 def sync(actors: list[Worker], rollouts: list[Worker], step: int, *, bad_shape: bool = False,
-         bad_norm_on: int | None = None):
+         bad_norm_on: int | None = None, lora: str = ""):
     """One update_weights, in CheckpointEngineManager's order (its steps 4 to 6); the backend class
     found as its __init__ finds it (the custom module imported, then the registry)."""
     import_external_libs("weightsync.integrations.verl")
@@ -90,7 +92,8 @@ def sync(actors: list[Worker], rollouts: list[Worker], step: int, *, bad_shape: 
             w.call("init_process_group", **{k: v[i] for k, v in kwargs.items()})
     assert [w.answer() for w in workers] == [None] * len(workers)
     for rank, w in enumerate(actors):
-        w.call("update_weights", step=step, bad_shape=bad_shape, bad_norm=rank == bad_norm_on)
+        w.call("update_weights", step=step, bad_shape=bad_shape, bad_norm=rank == bad_norm_on,
+               **({"lora": lora} if lora else {}))
     for w in rollouts:
         w.call("update_weights", step=step)
     results = [w.answer() for w in workers]
@@ -189,14 +192,42 @@ def test_steps_bit_exact_a_refused_push_fails_every_actor_rank_then_next_step(fl
         assert client.verify(weights_for(5)).ok
 
 
+def test_a_lora_adapter_is_refused_on_every_worker_before_anything_moves_then_next_step(fleet, server) -> None:
+    """verl 0.9.1's disaggregated path hands a checkpoint engine no adapter (README); a verl that hands
+    over the adapter's tensors or its peft_config is refused at once, on both actor ranks and on the
+    rollout (not at its 200 s bound), and the node keeps step 5."""
+    actors, rollouts = fleet
+    for step, lora, what in ((6, "tensors", "1 LoRA adapter tensors (base_model.model.model.layers.0.self_attn."
+                                            "q_proj.lora_A.weight)"),
+                             (7, "config", "a LoRA adapter's config (peft_config)")):
+        started = time.monotonic()
+        actor_results, (rollout_result,) = sync(actors, rollouts, step, lora=lora)
+        assert time.monotonic() - started < 60
+        for kind, error in [*actor_results, rollout_result]:
+            assert (kind, error["type"], error["reason"], error["rank"], error["version"]) == (
+                "error", "WeightSyncVerlError", "LORA_UNSUPPORTED", -1, str(step)), error
+            assert error["message"] == (
+                f"LORA_UNSUPPORTED: version {step}: verl handed over {what}; weightsync cannot have the rollout's "
+                "engine load an adapter (its loaders load full weights, not a LoRA adapter and its config). Merge "
+                "the adapter into the weights before the sync (actor_rollout_ref.model.lora.merge=True: verl then "
+                "sends full weights), or use a checkpoint engine that loads adapters"), error
+        with EngineClient(server=server.address, name="test") as engine:
+            assert engine.status().version.version == "5"
+
+    _, (received,) = sync(actors, rollouts, 8)
+    assert_bit_exact(received, weights_for(8))
+    with WeightSyncClient(server.address) as client:
+        assert client.verify(weights_for(8)).ok
+
+
 def test_a_dead_sender_is_sender_lost_on_the_other_actor_rank(fleet) -> None:
     actors, _ = fleet
     sender, other = actors
     sender.process.kill()
     sender.process.join(10)
-    other.call("update_weights", step=6)
+    other.call("update_weights", step=9)
     kind, error = other.answer()
-    assert (kind, error["reason"], error["rank"], error["version"]) == ("error", "SENDER_LOST", 0, "6")
+    assert (kind, error["reason"], error["rank"], error["version"]) == ("error", "SENDER_LOST", 0, "9")
 
 
 def test_every_actor_rank_sends_its_part_one_commit_per_step_and_a_failing_rank_is_named(

@@ -123,9 +123,20 @@ def serve(conn: Connection, role: str, is_master: bool, engine_kwargs: dict[str,
                                  "cause_reason": getattr(error, "cause_reason", None), "message": str(error)}))
 
 
-async def _update(engine, role: str, step: int, bad_shape: bool = False, bad_norm: bool = False) -> Any:
+LORA_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+"""A LoRA adapter tensor as PEFT names it (get_peft_model_state_dict)."""
+
+
+async def _update(engine, role: str, step: int, bad_shape: bool = False, bad_norm: bool = False,
+                  lora: str = "") -> Any:
+    """lora "tensors": the adapter's tensors among the weights; "config": a peft_config beside them."""
     if role == "actor":
         named = weights_for(step, bad_shape=bad_shape, bad_norm=bad_norm)
+        if lora == "tensors":
+            named[LORA_A] = torch.ones(8, 64)
+        if lora == "config":
+            return await engine.send_weights(_generate(named), global_steps=step,
+                                             peft_config={"r": 8, "target_modules": ["q_proj"]})
         return await engine.send_weights(_generate(named), global_steps=step)
     received = {}
     async for name, tensor in engine.receive_weights(global_steps=step):

@@ -3,11 +3,14 @@
 One LinkTimings per WeightSyncClient. A push reads the figure of its own transport
 (`bytes_per_second`) and, once committed, adds what it measured (`dense_push_timed` for a dense
 push into stores that existed, `link_timed` for a patched one that spent most of its time waiting
-on the transport). Until a transport is timed, the benchmark machine's figure is assumed
+on the transport, `node_timed` for a dense push of a part: what the nodes measured of the whole
+update, every part's bytes). Until a transport is timed, the benchmark machine's figure is assumed
 (delta_policy.ASSUMED_BYTES_PER_SECOND).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 
@@ -16,6 +19,7 @@ from weightsync.client.delta_policy import (
     LOOPBACK_BYTES_PER_SECOND,
     host_crossover,
 )
+from weightsync.client.types import ServerOutcome
 
 DENSE_TIMING_MIN_BYTES = 64 << 20
 """Smaller dense pushes are timed by their fixed costs, not the link."""
@@ -37,6 +41,16 @@ class LinkTimings:
         """A dense push's bytes and seconds: what the link and the servers take, for auto's thresholds."""
         if size_bytes >= DENSE_TIMING_MIN_BYTES and seconds > 0:
             self._add(transport, size_bytes / seconds)
+
+    def node_timed(self, transport: str, outcomes: Iterable[ServerOutcome]) -> None:
+        """A dense update sent in parts, into stores that existed: what each node measured of the whole
+        update (UpdateCommitted: the bytes it received from every part, over the seconds from this part's
+        Begin to the commit), the slowest node's figure. A part's own bytes over those seconds would
+        understate the link by the number of parts."""
+        rates = [(o.size_bytes / o.seconds, o) for o in outcomes if o.seconds > 0]
+        if rates:
+            _, slowest = min(rates, key=lambda r: r[0])
+            self.dense_push_timed(transport, slowest.size_bytes, slowest.seconds)
 
     def link_timed(self, transport: str, size_bytes: int, wire_seconds: float, seconds: float) -> None:
         """A push that sent patches but spent a good part of its time waiting on the transport: its

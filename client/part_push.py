@@ -32,8 +32,10 @@ whole version dense, naming no base, to every server, under parts.dense_key(key)
 derives alone: no collective. (A part reads the failure of the first server, in the client's order,
 that failed its Begin: give every rank its servers in one order.) A part whose push fails, for any reason, forgets every server's
 generation (the next push names no base: the parts that failed agree again); the copy is taken again
-from the tensors pushed. A part's pushes are not timed for auto's thresholds (a part's bytes
-over the whole update's seconds understate the link); the assumed rate of the transport holds.
+from the tensors pushed. A part's dense push into stores that held its last commit is timed for auto's
+thresholds by what each node measured of the whole update (UpdateCommitted: every part's bytes over
+the seconds from Begin to commit, the slowest node's: LinkTimings.node_timed), not by the part's own
+bytes, which understate the link by the number of parts; until then the transport's assumed rate holds.
 
 Nothing here is a collective once the push starts: the ranks do not wait for each other inside a
 push except through the servers, so a rank that fails mid-way fails the others through them. The
@@ -142,7 +144,7 @@ def push_part(client: WeightSyncClient, part: Part,
         log.info("part_base_refused_sending_dense", server=error.server, update_key=key, retry_key=retry,
                  rank=part.rank)
         client._delta.base_refused()
-        patched, key = None, retry
+        patched, key, bases = None, retry, {}  # no base: a store that moved on, or restarted (allocating)
         try:
             ran = _run(client, job, part, key, declared, _plan(declared, **sizes), {}, items, None)
         except UpdateFailed as again:
@@ -151,6 +153,10 @@ def push_part(client: WeightSyncClient, part: Part,
         client._fleet.by_address(outcome.server).committed(None, outcome.committed)
     if items is not None:
         client._delta.committed(items, patched.delta if patched is not None else None)
+    if patched is None and bases and len(bases) == len(states):
+        # Dense into stores that held our last commit (no allocation timed): the nodes' figure of the whole
+        # update, what auto's thresholds read next push (not this part's share over those seconds).
+        client._links.node_timed(transport, ran.outcomes)
     return push_result([ran], version, started, dense_bytes=sum(d.tensor.numel() * d.tensor.element_size()
                                                                 for d in declared))
 

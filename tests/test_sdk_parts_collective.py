@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from sdk_parts_collective_trainer import KILL_AFTER, OWNS, SHARDED, model
+from sdk_parts_collective_trainer import GROUP_TIMEOUT, KILL_AFTER, OWNS, SHARDED, model
 
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -40,9 +40,10 @@ pytestmark = pytest.mark.timeout(420)
 
 TRAINER = Path(__file__).parent / "sdk_parts_collective_trainer.py"
 TRAINERS_TIMEOUT = 200
-FAILED_WITHIN = 40.0
-"""Seconds from rank 1's death to rank 0's PartUpdateFailed: the servers learn it from the stream's end (or a
-worker's receive from the dead rank), and every transfer is bounded by the group's timeout (30 s) besides."""
+FAILED_WITHIN = GROUP_TIMEOUT + 15.0
+"""Seconds from rank 1's death to rank 0's PartUpdateFailed. The servers learn it at once (a worker's receive
+from the dead rank fails, or its stream ends) and abort; rank 0 may still sit in a Gloo send to a worker that
+left the group, which ends at its deadline, the group's timeout (30 s; measured: 30.0 s)."""
 NAMES = sorted({*OWNS[0], *OWNS[1], *SHARDED})
 
 

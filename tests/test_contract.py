@@ -266,8 +266,9 @@ def _push_whole(stub, model: dict[str, torch.Tensor], version: str) -> wpb.Updat
 def test_a_boxed_plan_is_refused_where_the_store_does_not_place_boxes(tmp_path):
     """GetServerInfo.parts is true (parts over INLINE, whole tensors and boxes), and a plan sending a box is
     refused before the part joins where the server does not place it: without a part (INVALID_ARGUMENT
-    BOX_WITHOUT_PART: a box's bytes would otherwise pass for the whole tensor's) and over COLLECTIVE
-    (UNIMPLEMENTED PARTS_UNAVAILABLE): nothing changes, and the next whole push commits and verifies.
+    BOX_WITHOUT_PART: a box's bytes would otherwise pass for the whole tensor's). A part's box over COLLECTIVE is
+    placed (parts send point-to-point to its owner): it needs a group (NOT_FOUND GROUP_NOT_FOUND here). Nothing
+    changes, and the next whole push commits and verifies.
     (Boxes placed: test_box_parts; the join of parts: test_part_joins.)"""
     server = start_server(tmp_path, workers=1)
     try:
@@ -284,7 +285,7 @@ def test_a_boxed_plan_is_refused_where_the_store_does_not_place_boxes(tmp_path):
         common = dict(version="v2", mode=wpb.UPDATE_MODE_STAGED)
         assert _refusal(stub, wpb.BeginUpdate(plan=boxed, part=part, transport=wpb.TRANSPORT_COLLECTIVE,
                                               **common)) == (  # before the part joins
-            grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"bucket": "0", "tensor": "w"})
+            grpc.StatusCode.NOT_FOUND, "GROUP_NOT_FOUND", {})
         assert _refusal(stub, wpb.BeginUpdate(plan=boxed, transport=wpb.TRANSPORT_INLINE, **common)) == (
             grpc.StatusCode.INVALID_ARGUMENT, "BOX_WITHOUT_PART", {"bucket": "0", "tensor": "w"})
         after = stub.GetServerInfo(wpb.GetServerInfoRequest(), timeout=10)

@@ -75,6 +75,8 @@ SENDER_RANK = 0
 with senders "one", the only rank that pushes."""
 STATUS_POLL_S = 0.02
 """How often a waiting rollout worker asks its node's local socket for the committed version."""
+STREAM_GRACE_S = 5.0
+"""A WatchWeights stream's gRPC deadline runs this much past the sync's bound, which decides first."""
 RECONNECT_POLL_S = 0.25
 """How often a waiting rollout worker tries again to reach its node's server while it cannot."""
 
@@ -381,8 +383,8 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise watch.timed_out(self.config.timeout_s, unreachable)
-            stream = pb_grpc.WeightSyncServiceStub(self._channel).WatchWeights(
-                pb.WatchWeightsRequest(), metadata=metadata, timeout=left)
+            stream = pb_grpc.WeightSyncServiceStub(self._channel).WatchWeights(  # our deadline decides first
+                pb.WatchWeightsRequest(), metadata=metadata, timeout=left + STREAM_GRACE_S)
             events: queue.Queue[pb.WatchWeightsResponse | grpc.RpcError | None] = queue.Queue()
             threading.Thread(target=_read_stream, args=(stream, events), daemon=True,
                              name=f"verl-watch-{self.rank}").start()
@@ -394,7 +396,9 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                 log.info("verl sync served", version=version, rank=self.rank, engine=watch.engine,
                          generation=watch.committed)
                 return
-            if broken.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
+            if broken.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the stream's own deadline: ours has passed
+                raise watch.timed_out(self.config.timeout_s, unreachable)
+            if broken.code() not in (grpc.StatusCode.UNAVAILABLE, None):
                 raise WeightSyncVerlError("VERSION_NOT_SERVED", f"rollout worker {self.rank}: the node's server "
                                           f"refused WatchWeights: {broken.code()}: {broken.details()}",
                                           version=version)
@@ -423,6 +427,9 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                 if error.reason != "VERSION_GONE":  # a sender's failure explains a version never served
                     self._sender_failed(sync, watch.version)
                 raise
+            if time.monotonic() >= deadline:  # events that keep coming do not stretch the bound
+                self._sender_failed(sync, watch.version)
+                raise watch.timed_out(self.config.timeout_s, "")
 
     def _node(self) -> EngineClient:
         """The node's EngineClient, connected (again) when there is none: its local socket is looked

@@ -10,12 +10,14 @@ out of the node's store, so what it serves can be compared bit for bit. Several 
 for bit, the rollout yielding no tensors; a rank whose share is refused (PUSH_FAILED naming it on
 every actor rank and on the waiting rollout, at once); an engine that refuses a step (ENGINE_FAILED
 on the rollout, at once, while the push committed; the engine keeps serving the last step); then
-the next step served bit for bit. The decisions over WatchWeights events (a FAILED state left
+the next step served bit for bit; an engine slower than a rollout worker's bound (VERSION_NOT_SERVED
+on that worker, while one with a longer bound sees the step served), then the next step. The decisions over WatchWeights events (a FAILED state left
 from an older version is not this one's failure) are checked on hand-built events.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
@@ -27,6 +29,8 @@ import torch  # noqa: E402
 from fake_vllm import FakeVllm  # noqa: E402
 from test_fsdp_actors import free_port  # noqa: E402
 from test_verl_checkpoint_engine import Worker, sync  # noqa: E402
+from verl.checkpoint_engine import CheckpointEngineRegistry  # noqa: E402
+from verl.utils.import_utils import import_external_libs  # noqa: E402
 from verl_workers import weights_for  # noqa: E402
 
 from weightsync.engine import EngineClient  # noqa: E402
@@ -51,10 +55,38 @@ find it still serving the step before."""
 
 
 class SlowVllm(FakeVllm):
+    apply_s = APPLY_S
+
     def _answer(self, path: str, body: dict) -> tuple[int, bytes]:
         if path == "/update_weights":
-            time.sleep(APPLY_S)  # the engine's load time, not a synchronisation
+            time.sleep(self.apply_s)  # the engine's load time, not a synchronisation
         return super()._answer(path, body)
+
+
+class InProcessRollout:
+    """A rollout worker in the test process (a Worker's call/answer), with its own engine_kwargs: its
+    call runs when its answer is asked for."""
+
+    def __init__(self, kwargs: dict) -> None:
+        import_external_libs("weightsync.integrations.verl")
+        self.engine = CheckpointEngineRegistry.new("weightsync", bucket_size=64 << 20, **kwargs)
+        self.pending: tuple[str, dict] | None = None
+
+    def call(self, method: str, **args) -> None:
+        self.pending = (method, args)
+
+    def answer(self):
+        assert self.pending is not None
+        (method, args), self.pending = self.pending, None
+        try:
+            if method == "update_weights":
+                async def receive() -> dict:
+                    return {name: t async for name, t in self.engine.receive_weights(global_steps=args["step"])}
+                return asyncio.run(receive())
+            return getattr(self.engine, method)(**args)
+        except WeightSyncVerlError as error:
+            return "error", {"type": type(error).__name__, "reason": error.reason, "rank": error.rank,
+                             "version": error.version, "message": str(error)}
 
 
 def assert_serves(fake: FakeVllm, step: int) -> None:
@@ -134,6 +166,25 @@ def test_shm_parts_served_by_the_driven_engine_bit_for_bit_a_failing_rank_a_refu
             _, (received,) = sync(actors, rollouts, 6)
             assert received == {}
             assert_serves(fake, 6)
+
+            # Step 7: the engine takes 8 s to load it. A second rollout worker whose bound is 2 s raises
+            # VERSION_NOT_SERVED (the engine still APPLYING, serving step 6) once its bound is out; the
+            # first one, bounded by TIMEOUT_S, returns once the engine serves step 7.
+            impatient = InProcessRollout({**kwargs, "timeout_s": 2.0})
+            fake.apply_s = 8.0
+            try:
+                _, (short, received) = sync(actors, [impatient, *rollouts], 7)
+            finally:
+                fake.apply_s = APPLY_S
+                impatient.engine.close()
+            kind, error = short
+            assert (kind, error["reason"], error["version"]) == ("error", "VERSION_NOT_SERVED", "7"), error
+            assert "engine 'vllm-http' is ENGINE_STATE_APPLYING, serving '6'" in error["message"], error
+            assert received == {}
+            assert_serves(fake, 7)
+            _, (received,) = sync(actors, rollouts, 8)
+            assert received == {}
+            assert_serves(fake, 8)
     finally:
         for w in actors + rollouts:
             w.stop()

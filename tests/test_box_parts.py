@@ -257,8 +257,8 @@ def _refusal(node, begin_: pb.BeginUpdate) -> tuple[grpc.StatusCode, str, dict[s
 
 
 def test_boxes_the_server_does_not_place_are_refused_at_begin(node):
-    """A box without a part (sent, or in a plan named by its plan_id), over a transport other than INLINE, or
-    among a deferred bucket's candidates: refused at begin, nothing changes, and the next push commits."""
+    """A box without a part (sent, or in a plan named by its plan_id), a part's box over COLLECTIVE without a
+    group, or among a deferred bucket's candidates: refused at begin, nothing changes, and the next push commits."""
     base = model(10)
     before = push_boxes(node, base, "base", "k-refusals-base", "r.")
     box = OWNS[0]["w"][0]
@@ -267,8 +267,9 @@ def test_boxes_the_server_does_not_place_are_refused_at_begin(node):
     common = dict(version="v", plan=plan, mode=pb.UPDATE_MODE_STAGED)
     assert _refusal(node, pb.BeginUpdate(transport=pb.TRANSPORT_INLINE, **common)) == (
         grpc.StatusCode.INVALID_ARGUMENT, "BOX_WITHOUT_PART", {"bucket": "0", "tensor": "r.w"})
+    # A part's box over COLLECTIVE is placed (point-to-point to its owner): it needs a group, none named here.
     assert _refusal(node, pb.BeginUpdate(transport=pb.TRANSPORT_COLLECTIVE, part=part, **common)) == (
-        grpc.StatusCode.UNIMPLEMENTED, "PARTS_UNAVAILABLE", {"bucket": "0", "tensor": "r.w"})
+        grpc.StatusCode.NOT_FOUND, "GROUP_NOT_FOUND", {})
     epoch = node.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).current_version.store_epoch
     candidate = tensor_pb2.TensorSpec(name="r.w", dtype=from_torch(base["w"].dtype), shape=list(base["w"].shape),
                                       encoding=tensor_pb2.TENSOR_ENCODING_PATCH_XOR,

@@ -333,7 +333,8 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                 "weightsync/dense_bytes": sum(float(o["dense_bytes"]) for o in outcomes.values())}
 
     def _raise_failed(self, failed: dict[int, dict[str, Any]], version: str) -> None:
-        """PUSH_FAILED naming the rank at fault (blamed_rank), with its own outcome when it published one."""
+        """PUSH_FAILED naming the rank at fault (blamed_rank), with its own outcome when it published one;
+        LORA_UNSUPPORTED (no rank) when a sender refused the step's LoRA adapter."""
         refused = [o for o in failed.values() if o.get("reason") == LORA_UNSUPPORTED]
         if refused:  # nothing was pushed, no rank at fault: verl handed over a LoRA adapter
             raise WeightSyncVerlError(LORA_UNSUPPORTED, refused[0]["message"].removeprefix(f"{LORA_UNSUPPORTED}: "),

@@ -177,6 +177,8 @@ class FakeStream:
 
 class FakeCollective:
     backend = pb.BACKEND_NCCL
+    trainer_ranks = 1
+    """One trainer: NCCL broadcasts (parts send point-to-point)."""
 
     def __init__(self, readers: Readers) -> None:
         self._readers = readers

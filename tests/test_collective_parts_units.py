@@ -1,0 +1,108 @@
+"""Parts over COLLECTIVE, piece by piece without processes: a part's CollectiveSink (sends point-to-point to its
+owners in increasing rank, over NCCL too, never a broadcast with several trainer ranks; one trainer still
+broadcasts over NCCL), and a worker's turns (gpu_worker/receive_update.py: the receives of an update of several
+parts held to one global order; an update of one part, or not COLLECTIVE, takes them as they come)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from weightsync.client.packing import PackBuffers, Payload
+from weightsync.client.sinks import CollectiveSink
+from weightsync.gpu_worker.receive_update import ReceiveUpdate
+from weightsync.v1 import tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
+from weightsync.worker.v1 import worker_pb2 as wpb
+
+
+class Loop:
+    def call_soon(self, fn, *args):
+        fn(*args)
+
+
+class Stream:
+    """One server's stream: its Ready names each bucket's owner rank (-1: none there)."""
+
+    def __init__(self, owners: list[int]) -> None:
+        self.ready: Future = Future()
+        self.ready.set_result(pb.UpdateReady(bucket_owner_ranks=owners))
+        self.server = "s:1"
+        self.sent: list[pb.UpdateWeightsRequest] = []
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+
+class Collective:
+    def __init__(self, backend: int, trainer_ranks: int) -> None:
+        self.backend = backend
+        self.trainer_ranks = trainer_ranks
+        self.calls: list[tuple] = []
+
+    def deadline(self) -> float:
+        return float("inf")
+
+    def broadcast_async(self, tensor):
+        self.calls.append(("broadcast",))
+        return object()
+
+    def send_async(self, tensor, destination: int, tag: int):
+        self.calls.append(("send", destination, tag))
+        return object()
+
+    def wait(self, work, deadline=None) -> None:
+        pass
+
+
+@pytest.mark.parametrize("backend", [pb.BACKEND_NCCL, pb.BACKEND_GLOO])
+def test_a_part_sends_each_bucket_to_its_owners_in_increasing_rank(backend):
+    collective = Collective(backend, trainer_ranks=2)
+    sink = CollectiveSink(Loop(), collective, PackBuffers(torch.device("cpu")))
+    # Two servers: the second's workers have the lower ranks here; bucket 1 is stored by the first alone.
+    streams = [Stream([7, 6, 7]), Stream([3, -1, 4])]
+    for index in range(3):
+        data = torch.arange(16, dtype=torch.uint8) + index
+        payload = Payload(data, packed=True, source_devices=frozenset({torch.device("cpu")}))
+        assert sink.send(index, payload, tensor_pb2.Checksum(), streams) is None
+    assert sink.finish() is None
+    assert collective.calls == [("send", 3, 0), ("send", 7, 0), ("send", 6, 1), ("send", 4, 2), ("send", 7, 2)]
+    assert [m.bucket_start.sequence for m in streams[0].sent] == [0, 1, 2]  # every bucket announced first
+
+
+def test_one_trainer_over_nccl_still_broadcasts():
+    collective = Collective(pb.BACKEND_NCCL, trainer_ranks=1)
+    sink = CollectiveSink(Loop(), collective, PackBuffers(torch.device("cpu")))
+    payload = Payload(torch.zeros(16, dtype=torch.uint8), packed=True, source_devices=frozenset({torch.device("cpu")}))
+    sink.send(0, payload, tensor_pb2.Checksum(), [Stream([1]), Stream([2])])
+    assert collective.calls == [("broadcast",)]
+
+
+def update(owned: list[int], lane_starts: list[int], group_id: str = "g") -> ReceiveUpdate:
+    command = wpb.PrepareUpdateCommand(update_id="u", group_id=group_id, lane_starts=lane_starts,
+                                       buckets=[wpb.OwnedBucket(sequence=s) for s in owned])
+    return ReceiveUpdate(command, {s: b for s, b in zip(owned, command.buckets, strict=True)}, sorted(owned),
+                         lane_starts=lane_starts or [0])
+
+
+def test_a_workers_receives_of_several_parts_take_turns_in_the_global_order():
+    # Part 0's buckets are the store's 0..2, part 1's 3..5: owned 0, 2 (part 0's 0 and 2), 3, 4 (part 1's 0, 1).
+    receiving = update([0, 2, 3, 4], [0, 3])
+    assert list(receiving.turns) == [0, 3, 4, 2]
+    assert receiving.in_turn(0) and not receiving.in_turn(3) and not receiving.in_turn(2)
+    assert receiving.in_turn(5)  # not one of its turns (not owned): runs at once, and is refused as it runs
+    receiving.took_turn(0)
+    assert receiving.in_turn(3) and not receiving.in_turn(4)
+    receiving.took_turn(2)  # not its turn: nothing moves
+    assert list(receiving.turns) == [3, 4, 2]
+    for sequence in (3, 4, 2):
+        receiving.took_turn(sequence)
+    assert not receiving.turns and receiving.in_turn(0)  # taken already: runs, and is refused as it runs
+
+
+@pytest.mark.parametrize(("lanes", "group"), [([], "g"), ([0, 3], "")], ids=["one part", "not collective"])
+def test_receives_of_one_part_or_over_the_ingress_take_no_turns(lanes, group):
+    receiving = update([0, 2, 3, 4], lanes, group)
+    assert not receiving.turns and all(receiving.in_turn(s) for s in (4, 3, 2, 0))

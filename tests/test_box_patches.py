@@ -7,7 +7,8 @@ tests/test_box_parts.py: row ranges, column boxes, a rank-3 box, boxes larger th
 their boxes in every encoding, STAGED and IN_PLACE: the store equals the whole tensors bit for bit. A patch
 of a box whose checksum is not the box's once patched is refused (DATA_LOSS TENSOR_CHECKSUM_MISMATCH) and the
 store stays bit for bit, STAGED and IN_PLACE (where another box patch of the same bucket, already applied, is
-taken back), and the next push commits. (How the server routes a patch of a box: tests/test_box_routes.py.)"""
+taken back), and the next push commits. Patches of boxes beside another part's dense boxes of the same tensors
+(STAGED: into the shadows those boxes open) land too. (How the server routes a patch of a box: tests/test_box_routes.py.)"""
 
 from __future__ import annotations
 
@@ -18,7 +19,19 @@ import grpc
 import pytest
 import torch
 from raw_updates import generation, refused
-from test_box_parts import OWNS, Box, _cut, declared, model, named, push_boxes, send, stored
+from test_box_parts import (
+    OWNS,
+    Box,
+    _cut,
+    declared,
+    items_of,
+    model,
+    named,
+    part_plan,
+    push_boxes,
+    send,
+    stored,
+)
 from test_part_updates import past_keepalives
 
 from weightsync.common import patch_kernels
@@ -169,10 +182,12 @@ def begin_patches(node, key: str, mode: int, plans: list[tensor_pb2.WeightPlan],
 
 
 def push_patches(node, base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], key: str, prefix: str, *,
-                 mode: int) -> int:
-    """Both parts send patches of every box and whole tensor they own, from base to new; the generation."""
+                 mode: int, dense: int | None = None) -> int:
+    """Both parts send patches of every box and whole tensor they own, from base to new (but part `dense`,
+    which sends its boxes and tensors dense); the generation."""
     before = generation(node)
-    built = [patch_plan(patch_items(rank, base, new, prefix)) for rank in range(2)]
+    built = [part_plan(items_of(OWNS[rank], new, prefix)) if rank == dense
+             else patch_plan(patch_items(rank, base, new, prefix)) for rank in range(2)]
     streams = begin_patches(node, key, mode, [plan for plan, _ in built], prefix, before)
     for stream, (_, datas) in zip(streams, built, strict=True):
         assert send(stream, datas) == ["bucket_applied"] * len(datas)
@@ -208,6 +223,19 @@ def test_patches_of_boxes_land_at_their_place_in_the_whole_tensor(node, mode):
     assert all(s.encoding != tensor_pb2.TENSOR_ENCODING_UNSPECIFIED for b in plan.buckets for s in b.tensors)
     assert sum(d.numel() for d in datas) < 0.5 * sum(as_bytes(_cut(steps[-1][n], box)).numel()
                                                      for n, boxes in OWNS[0].items() for box in boxes or [None])
+
+
+def test_patches_of_boxes_beside_dense_boxes_of_the_same_tensors_go_into_their_shadows(node):
+    """STAGED, part 1 dense: its boxes write the boxed tensors' segments, which the update then shadows (a copy
+    of live first: part 0's boxes are not rewritten), and part 0's box patches go into those shadows at once
+    (the other test's patches-only updates shadow nothing and scatter at commit)."""
+    prefix = "m."
+    steps = [model(50)]
+    push_boxes(node, steps[0], "v0", "k-mixed-dense", prefix)
+    for step, dense in ((1, 1), (2, 0)):
+        steps.append(changed(steps[-1], step))
+        push_patches(node, steps[-2], steps[-1], f"k-mixed-{step}", prefix, mode=pb.UPDATE_MODE_STAGED, dense=dense)
+        assert stored(node, named(steps[-1], prefix)), step
 
 
 @pytest.mark.parametrize("mode", [pb.UPDATE_MODE_STAGED, pb.UPDATE_MODE_IN_PLACE], ids=["staged", "in_place"])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import mmap
+import time
 import warnings
 from collections.abc import Coroutine
 from typing import Any, Protocol
@@ -43,6 +44,7 @@ from weightsync.client.streams import UpdateStream
 from weightsync.client.wire import encode_bucket_chunk
 from weightsync.common.checksum import tensor_checksum
 from weightsync.common.collective import CollectiveError, CollectiveGroup, bucket_tag, bucket_tail
+from weightsync.common.threads import ThreadCall
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -101,6 +103,8 @@ class CollectiveSink:
         """A broadcast of ours failed or timed out: the group is unusable on every rank."""
         self.frames = Frames()
         """Buckets of patches as zstd frames (Gloo only; client/compression.py)."""
+        self._streams: list[UpdateStream] = []
+        """The push's streams (a part's waits stop once a server says the update is aborting)."""
 
     def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
         self.frames.planned(index, bucket.spec)
@@ -109,6 +113,7 @@ class CollectiveSink:
 
     def send(self, index: int, payload: Payload, checksum: tensor_pb2.Checksum,
              streams: list[UpdateStream]) -> BaseException | None:
+        self._streams = streams
         data, compression, frame = payload.read(), pb.BUCKET_COMPRESSION_UNSPECIFIED, None
         if self._collective.backend != pb.BACKEND_NCCL:
             # While bucket k-1 is on the wire; the owners decompress it (BucketStart.compression).
@@ -144,19 +149,41 @@ class CollectiveSink:
         NCCL's is closed at once (its other transfers end with it, never waited for again: a second
         group timeout), Gloo's remaining sends are waited for until their own deadline only (a Gloo
         send ends when its receiver leaves the group, which the servers do once the update is aborted:
-        push.py aborts it as soon as a server reports a failure)."""
+        push.py aborts it as soon as a server reports a failure). A part stops waiting as soon as a
+        server says the update is aborting (_wait)."""
         transfers, self._in_flight = self._in_flight, []
         failure: BaseException | None = None
         for work, deadline in transfers:
             if self.broken and self._collective.backend == pb.BACKEND_NCCL:
                 break  # aborted with the group: nothing of it is left to wait for
             try:
-                self._collective.wait(work, deadline)
+                stopped = self._wait(work, deadline)
             except CollectiveError as error:
                 failure = error
                 self._broke()
-        self._frames = []  # their sends completed, or their group is closed
+                continue
+            if stopped is not None:
+                failure = failure or stopped
+                self._broke()
+        self._frames = []  # their sends completed, or their group is closed, or left to their deadline
         return failure
+
+    def _wait(self, work: dist.Work, deadline: float) -> BaseException | None:
+        """Complete one transfer. A part's (several trainer ranks) is waited for in a thread of its own while
+        its streams are watched: once a server says the update is aborting (another part failed), a send to a
+        worker that will never receive it is not waited for to its deadline; the server's word is returned
+        and the group is broken (the abandoned wait ends at its deadline; nothing receives its bytes)."""
+        if self._collective.trainer_ranks == 1 or not self._streams:
+            self._collective.wait(work, deadline)
+            return None
+        call = ThreadCall(lambda: self._collective.wait(work, deadline), name="part-transfer")
+        while not call.done:
+            told = next((stream for stream in self._streams if stream.failed), None)
+            if told is not None:
+                return told.reported_error or CollectiveError("a server ended the update", timed_out=False)
+            time.sleep(PART_WAIT_POLL_SECONDS)
+        call.result(0)  # what the wait raised, if it did
+        return None
 
     def _broke(self) -> None:
         """A transfer of ours failed or timed out: the group is unusable on every rank. NCCL's is aborted
@@ -164,6 +191,10 @@ class CollectiveSink:
         self.broken = True
         if self._collective.backend == pb.BACKEND_NCCL:
             self._collective.close()
+
+
+PART_WAIT_POLL_SECONDS = 0.01
+"""How often a part's wait for a transfer looks at its streams (CollectiveSink._wait)."""
 
 
 def owner_ranks(streams: list[UpdateStream], index: int) -> list[int]:

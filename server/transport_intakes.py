@@ -21,10 +21,17 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from weightsync.common.errors import DeadlineExceeded
+from weightsync.common.errors import Aborted, DeadlineExceeded
 from weightsync.server.announcements import Accepted, Filling, check_chunk, drain_length, incomplete
 from weightsync.server.fleet import WorkerFleet
-from weightsync.server.update_intake import Failed, IngressSlots, Intake, IntakeSession
+from weightsync.server.update_intake import (
+    Abort,
+    Closed,
+    Failed,
+    IngressSlots,
+    Intake,
+    IntakeSession,
+)
 from weightsync.server.wire import ChunkView
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -55,6 +62,20 @@ class CollectiveIntake(Intake):
             await session.inbox.put(Failed(session.failure))
             return
         await session.inbox.put(self.forward(start.sequence, start.checksum, discard=True, size=length))
+
+    def _ended(self, end: Abort | Closed) -> None:
+        """Fail the update now, as the driver would once it reads `end` (the same error, naming this part): a
+        worker of an update of several parts may hold a receive of another part's bucket for the turn of one
+        this stream never sent (common/receive_order.py), and the driver, waiting on that receive, would read
+        `end` only at the bucket timeout. Failing wakes it; the abort answers the held receives. (A whole update
+        from one stream holds nothing: the driver reads `end` in order, as over the other transports.)"""
+        if self.session.parts < 2:
+            return
+        if isinstance(end, Abort):
+            self._refuse(Aborted("ABORTED_BY_CLIENT",
+                                 f"the client aborted the update: {end.reason or 'no reason given'}"))
+        else:
+            self._refuse(Aborted("STREAM_CLOSED", "the client closed the stream before commit"))
 
 
 class ShmIntake(Intake):

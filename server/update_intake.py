@@ -136,6 +136,10 @@ class IntakeSession(Protocol):
     def bucket_timeout(self) -> float: ...
 
     @property
+    def parts(self) -> int:
+        """How many streams feed the update (1: the whole update from one stream)."""
+
+    @property
     def broadcast_to_all(self) -> bool:
         """NCCL, one stream: every worker joins every broadcast (non-owners drop the bytes). Parts over NCCL
         send each bucket point-to-point to its owner, as over Gloo."""
@@ -221,12 +225,14 @@ class Intake:
                         return
                     elif kind == "abort":
                         self._abandon()  # a client abort is an abort, wherever it comes
+                        self._ended(Abort(request.abort.reason))
                         await inbox.put(Abort(request.abort.reason))
                         return
                     else:
                         self._refuse(unexpected(kind))
                 except WeightSyncError as error:  # e.g. a worker is not running
                     self._refuse(error)
+            self._ended(Closed())
             await inbox.put(Closed())
         except asyncio.CancelledError:
             raise
@@ -235,7 +241,13 @@ class Intake:
             await inbox.put(Closed())
         except Exception as error:  # noqa: BLE001 - the stream broke: same as closing it
             log.info("update_stream_broken", error=type(error).__name__)
+            self._ended(Closed())
             await inbox.put(Closed())
+
+    def _ended(self, end: Abort | Closed) -> None:
+        """The stream ended before commit (its client aborted, closed it, or died): the driver learns it from the
+        inbox, in order. A transport whose driver may meanwhile wait on a transfer that only this stream would
+        have started fails the update at once instead (CollectiveIntake)."""
 
     def _refuse(self, error: WeightSyncError) -> None:
         """Fail the update; the driver tells the client at once."""

@@ -190,6 +190,10 @@ class StreamSide:
         return self._session.bucket_timeout
 
     @property
+    def parts(self) -> int:
+        return len(self._session.streams)
+
+    @property
     def broadcast_to_all(self) -> bool:
         # Parts over NCCL send point-to-point to each owner, as over Gloo (common/receive_order.py).
         return self._session.broadcast_to_all and len(self._session.streams) == 1

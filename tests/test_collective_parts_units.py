@@ -30,6 +30,7 @@ class Stream:
         self.ready: Future = Future()
         self.ready.set_result(pb.UpdateReady(bucket_owner_ranks=owners))
         self.server = "s:1"
+        self.failed = False
         self.sent: list[pb.UpdateWeightsRequest] = []
 
     def send(self, message) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,7 @@ from weightsync.common.collective import (
 from weightsync.common.device_identity import cuda_uuid
 from weightsync.common.errors import (
     Aborted,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -87,8 +89,8 @@ class Worker:
         self.receiver = Receiver(self.device, config.memory_limit_bytes)
         self.ingress = map_ingress(config.ingress_fd, config.ingress_bytes)
         self.groups = GroupTable(self.device)
-        self._held: dict[tuple[str, int], bytes] = {}
-        """(update id, sequence) -> a receive command waiting its turn (_held_back)."""
+        self._held: dict[tuple[str, int], tuple[bytes, float]] = {}
+        """(update id, sequence) -> a receive command waiting its turn (_held_back), and since when (monotonic)."""
         self._handlers: dict[str, Callable[[wpb.WorkerCommand, wpb.WorkerEvent], None]] = {
             "join_group": self._join_group,
             "leave_group": self._leave_group,
@@ -113,6 +115,7 @@ class Worker:
         try:
             while True:
                 payload = self.commands.get(timeout=1.0)
+                self._expire_held()
                 if payload is None:
                     if not parent_alive():
                         log.warning("parent_gone_exiting")
@@ -156,7 +159,7 @@ class Worker:
             due = (update.update_id, update.turns[0])
             if due not in self._held:
                 return
-            self._execute(self._held.pop(due))  # its receive takes the turn, whatever its outcome
+            self._execute(self._held.pop(due)[0])  # its receive takes the turn, whatever its outcome
 
     def _held_back(self, payload: bytes) -> bool:
         """A receive of a COLLECTIVE update of several parts that is not yet this worker's turn is held
@@ -175,11 +178,23 @@ class Worker:
         receive = command.receive_bucket
         if receive.update_id != update.update_id or update.in_turn(receive.sequence):
             return False
-        self._held[(update.update_id, receive.sequence)] = payload
+        self._held[(update.update_id, receive.sequence)] = (payload, time.monotonic())
         return True
 
-    def _fail_held(self, why: str) -> None:
-        """The update ends with receives still held: each is answered COLLECTIVE_FAILED, and the group is left,
+    def _expire_held(self) -> None:
+        """A receive held longer than the group's timeout fails as a transfer would have (COLLECTIVE_TIMEOUT), and
+        before the server gives up on this worker (the group's timeout + its margin): the part whose turn it
+        waits for sent nothing in that time."""
+        update = self.receiver.update
+        if not self._held or update is None or update.group_id not in self.groups.groups:
+            return
+        timeout = self.groups.groups[update.group_id].timeout.total_seconds()
+        if time.monotonic() - min(since for _, since in self._held.values()) >= timeout:
+            self._fail_held(f"no transfer came in turn within the group's timeout, {timeout:g} s", timed_out=True)
+
+    def _fail_held(self, why: str, *, timed_out: bool = False) -> None:
+        """The update ends with receives still held (or they waited too long: COLLECTIVE_TIMEOUT): each is answered
+        COLLECTIVE_FAILED, and the group is left,
         since a part may already be sending those buckets to this rank (a send nobody will receive leaves the
         group unusable: the server marks it BROKEN from these answers)."""
         held, self._held = self._held, {}
@@ -189,13 +204,15 @@ class Worker:
         group_id = update.group_id if update is not None else ""
         closed = self.groups.leave(group_id, FAILED_CLOSE_JOIN_SECONDS) if group_id else True
         log.warning("held_receives_failed", why=why, buckets=sorted(sequence for _, sequence in held), closed=closed)
-        for payload in held.values():
+        kind, reason = (DeadlineExceeded, "COLLECTIVE_TIMEOUT") if timed_out else (Aborted, "COLLECTIVE_FAILED")
+        self.receiver.touched = False  # a held receive wrote nothing
+        for payload, _ in held.values():
             command = wpb.WorkerCommand()
             command.ParseFromString(payload)
             event = wpb.WorkerEvent(command_id=command.command_id)
             event.bucket_received.sequence = command.receive_bucket.sequence
-            failure = Aborted("COLLECTIVE_FAILED", f"group {group_id}: bucket {command.receive_bucket.sequence} was "
-                              f"not received: the update ended ({why}) before its turn", group_id=group_id)
+            failure = kind(reason, f"group {group_id}: bucket {command.receive_bucket.sequence} was not received "
+                           f"({why}) before its turn", group_id=group_id)
             failure.broken_group_id = group_id
             self._fail(event, failure)
 

@@ -21,8 +21,9 @@ Receive = Literal["tensors", "served"]
 RECEIVES = ("tensors", "served")
 TRANSPORTS = ("collective", "inline", "shm")
 SENDERS = ("auto", "all", "one")
-ALL_SEND_TRANSPORTS = ("inline", "shm")
-"""What the servers run an update sent by several ranks (parts) over: not COLLECTIVE."""
+ALL_SEND_TRANSPORTS = ("inline", "shm", "collective")
+"""What the servers run an update sent by several ranks (parts) over: every transport (COLLECTIVE since
+the servers take parts over a group of every part's rank and their workers)."""
 MODES = ("staged", "in_place")
 DELTAS = {"auto": "auto", True: True, False: False, "on": True, "off": False}
 
@@ -35,8 +36,8 @@ class VerlSyncConfig:
     """The weightsync servers (host:port), one per rollout node: the sending actor rank pushes
     every step to all of them."""
     transport: Transport = "collective"
-    """"collective" (a Gloo/NCCL broadcast from the sending rank, the group made on the first
-    sync), "inline" (bytes in the gRPC stream), "shm" (one server on the sender's host)."""
+    """"collective" (Gloo/NCCL: a broadcast from the sending rank, or with senders "all" each
+    rank's buckets point-to-point; the group made on the first sync), "inline" (bytes in the gRPC stream), "shm" (one server on the sender's host)."""
     token: str | None = None
     """Bearer token, when the servers have --token-file."""
     mode: Mode = "staged"
@@ -57,11 +58,16 @@ class VerlSyncConfig:
     """"all": every actor rank pushes a share of each step (its own part of one version, through
     its own NIC; weightsync.client.Part), its whole tensors with delta, its DTensor shards dense;
     Over "shm" every actor rank must be on the host of the one server (each part writes its own run
-    of the server's ingress slots).
+    of the server's ingress slots). Over "collective" every actor rank joins one transfer group (the
+    actor ranks, then the servers' workers; created on the first sync, kept across syncs, made again
+    after a failed one) and sends its buckets point-to-point; it needs torch.distributed initialized
+    on every actor rank (verl's actor workers do), its world being the actor ranks.
     "one": actor rank 0 pushes everything, with delta.
     "auto" (default): "all" over "inline" (every actor NIC sends), else "one" (over "shm" no NIC is
     shared, and the ranks share the host's memory bandwidth: name "all" to have each rank write its
-    own share)."""
+    own share; over "collective" rank 0's broadcast sends each byte once whatever the number of
+    servers, while a part sends its share point-to-point to each server: name "all" when the actor
+    ranks outnumber the servers)."""
 
     receive: Receive = "tensors"
     """The rollout side. "tensors" (default): receive_weights yields the committed version's tensors
@@ -104,9 +110,6 @@ class VerlSyncConfig:
             raise WeightSyncVerlError("CONFIG_INVALID", f"delta must be auto, on/true or off/false, got {delta!r}")
         if senders not in SENDERS:
             raise WeightSyncVerlError("CONFIG_INVALID", f"senders must be one of {SENDERS}, got {senders!r}")
-        if senders == "all" and transport not in ALL_SEND_TRANSPORTS:
-            raise WeightSyncVerlError("CONFIG_INVALID", f"senders 'all' needs transport 'inline' or 'shm' (the servers "
-                                      f"run an update sent by several ranks over those two for now), got {transport!r}")
         if receive not in RECEIVES:
             raise WeightSyncVerlError("CONFIG_INVALID", f"receive must be one of {RECEIVES}, got {receive!r}")
         if engine is not None and (not isinstance(engine, str) or not engine):

@@ -14,6 +14,10 @@ worker, then `finalize`. What each does here:
   (integrations/shares.py), the same share each step; rank 0 draws the update key and puts it in its
   outcome store. Each rank's whole tensors go with delta (config.delta) against its own last
   commit, its DTensor shards dense (the SDK's parts).
+  Over "collective" every actor rank joins one transfer group (the actor ranks, then the servers'
+  workers: create_group on every rank, in init_process_group, through the actor ranks' own Gloo
+  group), made on the first sync and kept across syncs, made again after a failed one; each part
+  sends its buckets point-to-point. close() deletes it.
   "one": actor rank 0 (verl's `is_master`) pushes everything, with delta against the last commit;
   every other actor rank drains its generator (the gathers run on every rank) and waits.
   Each sending rank publishes its outcome in the small TCPStore rank 0 hosts, and every actor rank
@@ -48,6 +52,7 @@ from typing import Any
 import grpc
 import structlog
 import torch
+import torch.distributed as dist
 from torch.distributed import TCPStore
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
@@ -164,6 +169,11 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         self._outcomes: TCPStore | None = None
         self._channel: grpc.Channel | None = None
         """Driver mode: the rollout's channel to its node's server (WatchWeights)."""
+        self._parts_group: Any = None
+        """senders "all" over "collective": the actor ranks' own Gloo group (Part.group), bounded by timeout_s."""
+        self._regroup = False
+        """senders "all" over "collective": the last sync failed, so the next init_process_group makes the
+        transfer group again on every actor rank (the servers may have marked it BROKEN)."""
 
     # -- verl's lifecycle ---------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -199,9 +209,14 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         if role == "actor" and rank == SENDER_RANK and not self.is_master:
             raise WeightSyncVerlError("CONFIG_INVALID", "actor rank 0 was built without is_master")
         if role == "actor" and rank in self.senders and self._client is None:
-            part = Part(rank=rank, world=actor_world, join_timeout=self.config.timeout_s) if self.config.all_send else None
+            part = None
+            if self.config.all_send:
+                group = self._actor_group(rank, actor_world) if self._collective_parts else None
+                part = Part(rank=rank, world=actor_world, group=group, join_timeout=self.config.timeout_s)
             self._client = WeightSyncClient(list(self.config.servers), token=self.config.token,
                                             timeout=self.config.timeout_s, part=part)
+        if role == "actor" and self._collective_parts:
+            self._transfer_group(rank)
         if not (role == "actor" and rank == SENDER_RANK):
             if self._outcomes is None:
                 host, _, port = outcome_store.rpartition(":")
@@ -220,8 +235,58 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             except NodeUnreachable:  # down for now (restarting): receive_weights connects, bounded
                 pass
 
+    @property
+    def _collective_parts(self) -> bool:
+        return self.config.all_send and self.config.transport == "collective"
+
+    def _actor_group(self, rank: int, world: int) -> Any:
+        """The actor ranks' own Gloo group, made once (a collective of verl's actor world, which every
+        actor rank's init_process_group runs at once): the parts agree on the transfer group and each
+        sync's key through it, each collective bounded by timeout_s (the trainer's own group may be
+        NCCL, with the trainer's timeout)."""
+        if self._parts_group is None:
+            if not dist.is_initialized() or (dist.get_rank(), dist.get_world_size()) != (rank, world):
+                seen = f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else "not initialized"
+                raise WeightSyncVerlError("CONFIG_INVALID", f"senders 'all' over 'collective' needs torch.distributed "
+                                          f"initialized on every actor rank, its world the actor's ({world} ranks, "
+                                          f"this one {rank}): here it is {seen}")
+            self._parts_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.config.timeout_s))
+        return self._parts_group
+
+    def _transfer_group(self, rank: int) -> None:
+        """senders "all" over "collective": the one transfer group of every actor rank and the servers'
+        workers (create_group on every rank: part 0 creates it on the servers), made on the first sync and
+        kept; after a failed sync every actor rank leaves it (part 0 deletes it on the servers) and makes
+        a new one. The actor ranks decide it together (one all-reduce), so a rank that failed alone (its
+        create, or the sync) has every rank make the group again. GROUP_FAILED when the group cannot be
+        made within timeout_s."""
+        assert self._client is not None
+        try:
+            # Whether any rank lacks the group or failed the last sync (one all-reduce on the actor ranks'
+            # Gloo group, bounded by timeout_s): every rank then makes it again, or none does.
+            need = torch.tensor([int(self._regroup or self._client.group_id is None)])
+            dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self._parts_group)
+            self._regroup = True  # until the group is made: a rank that fails below makes it again next time
+            if not need.item():
+                self._regroup = False
+                return
+            if self._client.group_id is not None:
+                try:
+                    self._client.delete_group()
+                except WeightSyncClientError as error:  # refused: that server drops it when our store closes
+                    log.warning("verl group delete failed", rank=rank, error=str(error))
+            group_id = self._client.create_group(timeout=self.config.timeout_s)
+            self._regroup = False
+        except (WeightSyncClientError, ValueError, RuntimeError) as error:
+            raise WeightSyncVerlError("GROUP_FAILED", f"actor rank {rank}: the transfer group of the actor ranks and "
+                                      f"the servers' workers was not made within {self.config.timeout_s} s: "
+                                      f"{type(error).__name__}: {error}", rank=rank) from None
+        log.info("verl transfer group made", rank=rank, group_id=group_id)
+
     def finalize(self) -> None:
-        """Nothing per step: the client (its delta copy), the group and the store outlive a sync."""
+        """Nothing per step: the client (its delta copy), the group and the store outlive a sync (verl calls
+        finalize after every sync, and nothing when it is done: close() deletes the group, and the servers
+        drop it by themselves once rank 0's process, whose rendezvous store it is, exits)."""
 
     def close(self) -> None:
         for closable in (self._client, self._engine_client):
@@ -262,6 +327,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                 outcome["reason"] = LORA_UNSUPPORTED
             outcome["cause_reason"], outcome["message"] = error.reason, str(error)
             self._publish(_outcome_key(sync, self.rank), outcome)
+            self._regroup = error.reason != LORA_UNSUPPORTED  # LORA_UNSUPPORTED: nothing was sent
             raise
         except UpdateFailed as error:
             outcome["cause_reason"], outcome["message"] = error.reason, str(error)
@@ -273,9 +339,14 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         except BaseException as error:
             outcome["cause_reason"], outcome["message"] = type(error).__name__, str(error)
             self._publish(_outcome_key(sync, self.rank), outcome)
+            self._regroup = True
             raise
         self._publish(_outcome_key(sync, self.rank), outcome)
-        return await asyncio.to_thread(self._await_outcomes, sync, version)
+        try:
+            return await asyncio.to_thread(self._await_outcomes, sync, version)
+        except WeightSyncVerlError as error:
+            self._regroup = error.reason != LORA_UNSUPPORTED  # the next init_process_group makes the group again
+            raise
 
     def _update_key(self, sync: int, version: str) -> str:
         """The update key every rank's part of this sync sends: rank 0 draws it into its store, the
@@ -296,7 +367,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
 
     def _push(self, named: list[tuple[str, torch.Tensor]], version: str, key: str | None):
         assert self._client is not None
-        if self.config.transport == "collective" and self._client.group_id is None:
+        if self.config.transport == "collective" and self._client.group_id is None and not self._collective_parts:
             self._client.create_group(timeout=self.config.timeout_s)
         result = self._client.push(named, version=version, mode=self.config.mode, transport=self.config.transport,
                                    delta=self.config.delta, part_key=key)  # type: ignore[arg-type]

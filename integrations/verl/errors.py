@@ -24,6 +24,9 @@ class WeightSyncVerlError(RuntimeError):
       VERSION_NOT_SERVED     driver mode: the engine did not serve the version within the timeout
       LORA_UNSUPPORTED       verl handed over a LoRA adapter (its tensors, or its peft_config): refused on
                              every actor rank and every rollout worker before anything is pushed
+      GROUP_FAILED           senders "all" over "collective": init_process_group could not make the
+                             transfer group of the actor ranks and the servers' workers within the
+                             timeout (every actor rank tries again at the next sync)
       ENGINE_NOT_FOUND       driver mode: the node's server drives no engine of that name (or none,
                              or several and engine_kwargs names none)
     `rank` is the actor rank at fault for PUSH_FAILED and SENDER_LOST (with every rank sending: the

@@ -40,6 +40,10 @@ ANSWER_S = 240.0
 kernels: over a minute on a loaded 2-core machine)."""
 READY_S = 240.0
 """Bound on a worker's start: importing verl (Ray, transformers) takes a minute on a loaded 2-core machine."""
+FLEET_KWARGS = {"transport": "inline", "timeout_s": 200, "senders": "one"}
+"""The fleet's: actor rank 0 pushes every step, with delta."""
+COLLECTIVE_KWARGS = {"transport": "collective", "senders": "all", "timeout_s": 60}
+"""senders "all" over COLLECTIVE: every actor rank joins one transfer group with the server's workers."""
 
 
 class Worker:
@@ -128,8 +132,7 @@ def start_fleet(kwargs: dict) -> tuple[list[Worker], list[Worker]]:
 @pytest.fixture(scope="module")
 def fleet(server) -> Iterator[tuple[list[Worker], list[Worker]]]:
     """senders "one": actor rank 0 pushes every step, with delta."""
-    actors, rollouts = start_fleet({"servers": [server.address], "transport": "inline", "timeout_s": 200,
-                                    "senders": "one"})
+    actors, rollouts = start_fleet({"servers": [server.address], **FLEET_KWARGS})
     try:
         yield actors, rollouts
     finally:
@@ -218,6 +221,82 @@ def test_a_lora_adapter_is_refused_on_every_worker_before_anything_moves_then_ne
     assert_bit_exact(received, weights_for(8))
     with WeightSyncClient(server.address) as client:
         assert client.verify(weights_for(8)).ok
+
+
+def groups(server) -> list[str]:
+    from weightsync.v1 import weight_sync_service_pb2 as pb
+
+    listed = server.stub().ListTransferGroups(pb.ListTransferGroupsRequest(), timeout=10).groups
+    return [g.group_id for g in listed]
+
+
+def rebuild(actors: list[Worker], rollouts: list[Worker], kwargs: dict, world_port: int | None = None) -> None:
+    """Each worker's engine closed and built again with `kwargs`, in the same processes (verl imported
+    once); the actor ranks' torch.distributed (Gloo) started first when world_port is given."""
+    for rank, w in enumerate(actors):
+        w.call("rebuild", engine_kwargs=kwargs, world=(rank, len(actors), world_port) if world_port else None)
+    for w in rollouts:
+        w.call("rebuild", engine_kwargs=kwargs)
+    assert [w.answer() for w in actors + rollouts] == [None] * (len(actors) + len(rollouts))
+
+
+@pytest.fixture
+def collective_fleet(fleet, server) -> Iterator[tuple[list[Worker], list[Worker]]]:
+    """The senders-one fleet's started processes, their engines built again for senders "all" over
+    "collective" (a worker start costs 13-64 s here); then built back, the group deleted (rank 0's
+    close), and one senders-one step bit for bit so the tests after it find the fleet as it was."""
+    from helpers import free_port
+
+    actors, rollouts = fleet
+    rebuild(actors, rollouts, {"servers": [server.address], **COLLECTIVE_KWARGS}, free_port())
+    yield actors, rollouts
+    rebuild(actors, rollouts, {"servers": [server.address], **FLEET_KWARGS})
+    assert groups(server) == []
+    with EngineClient(server=server.address, name="test") as engine:
+        step = int(engine.status().version.version or 0) + 1
+    _, (received,) = sync(actors, rollouts, step)
+    assert_bit_exact(received, weights_for(step))
+
+
+def test_every_actor_rank_sends_its_part_over_one_transfer_group_kept_across_steps(collective_fleet, server) -> None:
+    """Each actor rank's share goes point-to-point over one group of both actor ranks and the server's
+    workers, made at the first sync's init_process_group and kept; a refused share (rank 1's norm one
+    element short) is PUSH_FAILED naming rank 1 on both actor ranks and the rollout within 60 s, the node
+    keeps its step; the next sync makes a new group and commits bit for bit, and the store verifies."""
+    actors, rollouts = collective_fleet
+    assert groups(server) == []
+    with EngineClient(server=server.address, name="test") as engine:
+        first = int(engine.status().version.version or 0) + 1  # after the steps of the tests before
+        generations, kept = [], []
+        for step in (first, first + 1, first + 2):
+            actor_results, (received,) = sync(actors, rollouts, step)
+            assert_bit_exact(received, weights_for(step))
+            assert actor_results[0] == actor_results[1], actor_results  # both parts' totals
+            generations.append(engine.status().version.generation)
+            kept.extend(groups(server))
+        assert generations == [generations[0], generations[0] + 1, generations[0] + 2]  # one commit per step
+        assert len(kept) == 3 and len(set(kept)) == 1, kept  # one group, made once, kept across steps
+
+        bad = first + 3
+        started = time.monotonic()
+        actor_results, (rollout_result,) = sync(actors, rollouts, bad, bad_norm_on=1)
+        assert time.monotonic() - started < 60
+        for kind, error in [*actor_results, rollout_result]:
+            assert kind == "error", error
+            assert (error["type"], error["reason"], error["rank"], error["version"]) == (
+                "WeightSyncVerlError", "PUSH_FAILED", 1, str(bad)), error["message"]
+        assert engine.status().version.version == str(bad - 1)
+        assert engine.status().version.generation == generations[-1]
+
+        # The next sync: every actor rank makes the group again (the failed one may be BROKEN), then commits.
+        after = bad + 1
+        _, (received,) = sync(actors, rollouts, after)
+        assert_bit_exact(received, weights_for(after))
+        assert engine.status().version.generation == generations[-1] + 1
+        regrouped = groups(server)
+        assert len(regrouped) == 1 and regrouped != kept[:1], (regrouped, kept)
+    with WeightSyncClient(server.address) as client:
+        assert client.verify(weights_for(after)).ok
 
 
 def test_a_dead_sender_is_sender_lost_on_the_other_actor_rank(fleet) -> None:

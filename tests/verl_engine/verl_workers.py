@@ -81,9 +81,7 @@ class FsdpActor:
         return {"metrics": metrics, "full": full, "placements": placements, "pushed": self.pushed[-1]}
 
 
-def serve(conn: Connection, role: str, is_master: bool, engine_kwargs: dict[str, Any],
-          fsdp: tuple[int, int, int] | None = None) -> None:
-    """fsdp (an actor rank): (rank, world, Gloo port): the actor is an FsdpActor, not weights_for."""
+def _engine(role: str, is_master: bool, engine_kwargs: dict[str, Any]):
     from verl.checkpoint_engine import CheckpointEngineRegistry
     from verl.utils.import_utils import import_external_libs
     from verl.workers.config import CheckpointEngineConfig
@@ -98,7 +96,26 @@ def serve(conn: Connection, role: str, is_master: bool, engine_kwargs: dict[str,
                   **config.engine_kwargs.get(config.backend, {}))
     if role == "actor":
         kwargs["is_master"] = is_master
-    engine = CheckpointEngineRegistry.new(config.backend, **kwargs)
+    return CheckpointEngineRegistry.new(config.backend, **kwargs)
+
+
+def _init_actor_world(rank: int, world: int, port: int) -> None:
+    """torch.distributed over Gloo among the actor ranks, as verl's actor workers have it (once a process)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+
+
+def serve(conn: Connection, role: str, is_master: bool, engine_kwargs: dict[str, Any],
+          fsdp: tuple[int, int, int] | None = None) -> None:
+    """fsdp (an actor rank): (rank, world, Gloo port): the actor is an FsdpActor, not weights_for.
+    "rebuild" (this process's verl imports kept): the engine closed and built again with other
+    engine_kwargs, the actor ranks' torch.distributed started first when `world` (rank, world, port) says."""
+    engine = _engine(role, is_master, engine_kwargs)
     actor = FsdpActor(*fsdp) if fsdp is not None and role == "actor" else None
     if actor is not None:
         actor.watch()
@@ -110,8 +127,14 @@ def serve(conn: Connection, role: str, is_master: bool, engine_kwargs: dict[str,
             conn.send(("ok", None))
             return
         try:
-            if method == "update_weights" and actor is not None:
-                result: Any = asyncio.run(actor.update(engine, args["step"]))
+            if method == "rebuild":
+                engine.close()
+                if args.get("world"):
+                    _init_actor_world(*args["world"])
+                engine = _engine(role, is_master, args["engine_kwargs"])
+                result: Any = None
+            elif method == "update_weights" and actor is not None:
+                result = asyncio.run(actor.update(engine, args["step"]))
             elif method == "update_weights":
                 result = asyncio.run(_update(engine, role, **args))
             else:

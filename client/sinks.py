@@ -176,6 +176,16 @@ class CollectiveSink:
         if self._collective.trainer_ranks == 1 or not self._streams:
             self._collective.wait(work, deadline)
             return None
+        if self._collective.backend == pb.BACKEND_NCCL:
+            # Polled here, in the caller's thread: wait() then orders the caller's current stream (the next pack
+            # into this buffer) after the send. A send stopped early is aborted with the group (_broke).
+            while not work.is_completed() and time.monotonic() < deadline:
+                told = next((stream for stream in self._streams if stream.failed), None)
+                if told is not None:
+                    return told.reported_error or CollectiveError("a server ended the update", timed_out=False)
+                time.sleep(PART_WAIT_POLL_SECONDS)
+            self._collective.wait(work, deadline)
+            return None
         call = ThreadCall(lambda: self._collective.wait(work, deadline), name="part-transfer")
         while not call.done:
             told = next((stream for stream in self._streams if stream.failed), None)

@@ -5,11 +5,15 @@ parts held to one global order; an update of one part, or not COLLECTIVE, takes 
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import Future
 
+import grpc
 import pytest
 import torch
 
+from weightsync.client.errors import WeightSyncRpcError
 from weightsync.client.packing import PackBuffers, Payload
 from weightsync.client.sinks import CollectiveSink
 from weightsync.gpu_worker.receive_update import ReceiveUpdate
@@ -37,6 +41,11 @@ class Stream:
         self.sent.append(message)
 
 
+class Work:
+    def is_completed(self) -> bool:
+        return True
+
+
 class Collective:
     def __init__(self, backend: int, trainer_ranks: int) -> None:
         self.backend = backend
@@ -48,11 +57,11 @@ class Collective:
 
     def broadcast_async(self, tensor):
         self.calls.append(("broadcast",))
-        return object()
+        return Work()
 
     def send_async(self, tensor, destination: int, tag: int):
         self.calls.append(("send", destination, tag))
-        return object()
+        return Work()
 
     def wait(self, work, deadline=None) -> None:
         pass
@@ -107,3 +116,48 @@ def test_a_workers_receives_of_several_parts_take_turns_in_the_global_order():
 def test_receives_of_one_part_or_over_the_ingress_take_no_turns(lanes, group):
     receiving = update([0, 2, 3, 4], lanes, group)
     assert not receiving.turns and all(receiving.in_turn(s) for s in (4, 3, 2, 0))
+
+
+class Pending:
+    """A send nobody receives: it completes only when released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def is_completed(self) -> bool:
+        return self.release.is_set()
+
+
+class Stuck(Collective):
+    def __init__(self, backend: int) -> None:
+        super().__init__(backend, trainer_ranks=2)
+        self.work = Pending()
+        self.closed = False
+
+    def send_async(self, tensor, destination: int, tag: int):
+        self.calls.append(("send", destination, tag))
+        return self.work
+
+    def wait(self, work, deadline=None) -> None:
+        work.release.wait(30)
+
+    def close(self, join_seconds: float = 0) -> bool:
+        self.closed = True
+        self.work.release.set()
+        return True
+
+
+@pytest.mark.parametrize("backend", [pb.BACKEND_NCCL, pb.BACKEND_GLOO])
+def test_a_part_stops_waiting_for_its_sends_once_a_server_says_the_update_is_aborting(backend):
+    collective = Stuck(backend)
+    sink = CollectiveSink(Loop(), collective, PackBuffers(torch.device("cpu")))
+    streams = [Stream([5]), Stream([3])]
+    payload = Payload(torch.zeros(16, dtype=torch.uint8), packed=True, source_devices=frozenset({torch.device("cpu")}))
+    assert sink.send(0, payload, tensor_pb2.Checksum(), streams) is None  # on the wire
+    told = WeightSyncRpcError("s:1", grpc.StatusCode.ABORTED, "PART_FAILED", "part 1 failed", {"part": "1"})
+    streams[1].failed, streams[1].reported_error = True, told
+    started = time.monotonic()
+    assert sink.finish() is told  # the server's word, long before the send's deadline (never, here)
+    assert time.monotonic() - started < 5 and sink.broken
+    assert collective.closed == (backend == pb.BACKEND_NCCL)  # NCCL's group aborted with its send
+    collective.work.release.set()

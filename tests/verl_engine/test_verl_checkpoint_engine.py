@@ -11,6 +11,12 @@ and the rollout with PUSH_FAILED naming rank 0 at once, and the node keeps the l
 the next step and a verify then pass; a LoRA adapter handed over (its tensors, or its peft_config)
 is LORA_UNSUPPORTED on every worker at once, nothing pushed, then the next step; a sender that dies
 is SENDER_LOST on the other rank.
+
+Every actor rank sending its part (senders "all"): over INLINE (its own fleet), and over COLLECTIVE (the
+senders-one fleet's processes, their engines built again in place, with torch.distributed over Gloo
+between the actor ranks as verl's actor workers have it): one transfer group of both actor ranks and the
+server's workers, made once and kept across steps, a refused share named on every worker, the next step
+on a new group.
 """
 
 from __future__ import annotations
@@ -356,3 +362,26 @@ def test_a_rank_that_never_sends_its_part_is_named_on_the_other(parts_fleet, par
         "error", "PUSH_FAILED", 1, "5", "PARTS_MISSING"), error
     with EngineClient(server=parts_server.address, name="test") as engine:
         assert engine.status().version.version == "4"
+
+
+def test_every_rank_sending_over_collective_needs_the_actor_ranks_torch_distributed() -> None:
+    """An actor rank without torch.distributed (verl's actor workers have it) cannot agree on the transfer
+    group with the others: CONFIG_INVALID saying so, at init_process_group, before any server is asked."""
+    import torch.distributed as dist
+
+    from weightsync.integrations.verl import WeightSyncCheckpointEngine, WeightSyncVerlError
+
+    assert not dist.is_initialized()
+    engine = WeightSyncCheckpointEngine(bucket_size=1 << 20, is_master=True, servers=["127.0.0.1:1"],
+                                        **COLLECTIVE_KWARGS)
+    try:
+        metadata = [engine.prepare(), {}]
+        actor, _ = WeightSyncCheckpointEngine.build_topology(2, 0, metadata)
+        with pytest.raises(WeightSyncVerlError) as caught:
+            engine.init_process_group(**{k: v[0] for k, v in actor.items()})
+        assert caught.value.reason == "CONFIG_INVALID"
+        assert str(caught.value) == (
+            "CONFIG_INVALID: senders 'all' over 'collective' needs torch.distributed initialized on every actor "
+            "rank, its world the actor's (2 ranks, this one 0): here it is not initialized")
+    finally:
+        engine.close()

@@ -338,9 +338,13 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             outcome["message"] = str(error)
         except BaseException as error:
             outcome["cause_reason"], outcome["message"] = type(error).__name__, str(error)
-            self._publish(_outcome_key(sync, self.rank), outcome)
             self._regroup = True
-            raise
+            if not (self._collective_parts and isinstance(error, RuntimeError)):
+                self._publish(_outcome_key(sync, self.rank), outcome)
+                raise
+            # The actor ranks' Gloo group broke under the parts' agreement (torch's DistBackendError: a rank
+            # died). This rank is not at fault: the sender that never publishes its outcome is named.
+            outcome["peer_lost"] = True
         self._publish(_outcome_key(sync, self.rank), outcome)
         try:
             return await asyncio.to_thread(self._await_outcomes, sync, version)
@@ -391,14 +395,17 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                 self._outcomes.wait([_outcome_key(sync, rank)], datetime.timedelta(seconds=left))
                 outcomes[rank] = json.loads(self._outcomes.get(_outcome_key(sync, rank)))
             except RuntimeError as error:  # torch's DistStoreError / a closed connection: the sender is gone
-                failed = {r: o for r, o in outcomes.items() if not o["ok"]}
-                if failed:  # one that said it failed explains the silence of the others
+                failed = {r: o for r, o in outcomes.items() if not o["ok"] and not o.get("peer_lost")}
+                if failed:  # one that said it failed explains the silence of the others (one that lost a peer not)
                     self._raise_failed(failed, version)
                 raise WeightSyncVerlError("SENDER_LOST", f"actor rank {self.rank}: no outcome of version {version} "
                                           f"from sending rank {rank} within {self.config.timeout_s} s: {error}",
                                           rank=rank, version=version) from None
-            if not outcomes[rank]["ok"]:
+            if not outcomes[rank]["ok"] and not outcomes[rank].get("peer_lost"):
                 self._raise_failed({rank: outcomes[rank]}, version)
+        failed = {r: o for r, o in outcomes.items() if not o["ok"]}
+        if failed:  # every sender said, some only that they lost a peer
+            self._raise_failed(failed, version)
         return {"weightsync/push_s": max(float(o["seconds"]) for o in outcomes.values()),
                 "weightsync/bytes_sent": sum(float(o["bytes_sent"]) for o in outcomes.values()),
                 "weightsync/dense_bytes": sum(float(o["dense_bytes"]) for o in outcomes.values())}
@@ -581,7 +588,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             for rank in self.senders:
                 if self._outcomes.check([_outcome_key(sync, rank)]):
                     outcome = json.loads(self._outcomes.get(_outcome_key(sync, rank)))
-                    if not outcome["ok"]:
+                    if not outcome["ok"] and not outcome.get("peer_lost"):  # a lost peer names no rank at fault
                         failed[rank] = outcome
         except RuntimeError as error:
             raise WeightSyncVerlError("SENDER_LOST", f"rollout worker {self.rank}: the sending rank's outcome store "

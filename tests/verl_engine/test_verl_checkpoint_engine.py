@@ -48,7 +48,7 @@ READY_S = 240.0
 """Bound on a worker's start: importing verl (Ray, transformers) takes a minute on a loaded 2-core machine."""
 FLEET_KWARGS = {"transport": "inline", "timeout_s": 200, "senders": "one"}
 """The fleet's: actor rank 0 pushes every step, with delta."""
-COLLECTIVE_KWARGS = {"transport": "collective", "senders": "all", "timeout_s": 60}
+COLLECTIVE_KWARGS = {"transport": "collective", "senders": "all", "timeout_s": 20}
 """senders "all" over COLLECTIVE: every actor rank joins one transfer group with the server's workers."""
 
 
@@ -256,6 +256,9 @@ def collective_fleet(fleet, server) -> Iterator[tuple[list[Worker], list[Worker]
     actors, rollouts = fleet
     rebuild(actors, rollouts, {"servers": [server.address], **COLLECTIVE_KWARGS}, free_port())
     yield actors, rollouts
+    if not actors[1].process.is_alive():  # the test killed it: a new rank 1 in its place (the fleet's list)
+        actors[1] = Worker("actor", False, {"servers": [server.address], **FLEET_KWARGS})
+        assert actors[1].ready() == "WeightSyncCheckpointEngine"
     rebuild(actors, rollouts, {"servers": [server.address], **FLEET_KWARGS})
     assert groups(server) == []
     with EngineClient(server=server.address, name="test") as engine:
@@ -303,6 +306,18 @@ def test_every_actor_rank_sends_its_part_over_one_transfer_group_kept_across_ste
         assert len(regrouped) == 1 and regrouped != kept[:1], (regrouped, kept)
     with WeightSyncClient(server.address) as client:
         assert client.verify(weights_for(after)).ok
+
+    # Rank 1 dies: rank 0's parts agreement breaks (its Gloo peer is gone), which names no one; rank 1
+    # never publishes its outcome, so rank 0 raises SENDER_LOST naming rank 1 at its 20 s bound.
+    actors[1].process.kill()
+    actors[1].process.join(10)
+    started = time.monotonic()
+    actors[0].call("update_weights", step=after + 1)
+    kind, error = actors[0].answer()
+    assert (kind, error["reason"], error["rank"], error["version"]) == ("error", "SENDER_LOST", 1, str(after + 1)), error
+    assert time.monotonic() - started < COLLECTIVE_KWARGS["timeout_s"] + 10
+    with EngineClient(server=server.address, name="test") as engine:
+        assert engine.status().version.version == str(after)
 
 
 def test_a_dead_sender_is_sender_lost_on_the_other_actor_rank(fleet) -> None:

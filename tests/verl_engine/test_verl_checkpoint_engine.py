@@ -270,8 +270,9 @@ def collective_fleet(fleet, server) -> Iterator[tuple[list[Worker], list[Worker]
 def test_every_actor_rank_sends_its_part_over_one_transfer_group_kept_across_steps(collective_fleet, server) -> None:
     """Each actor rank's share goes point-to-point over one group of both actor ranks and the server's
     workers, made at the first sync's init_process_group and kept; a refused share (rank 1's norm one
-    element short) is PUSH_FAILED naming rank 1 on both actor ranks and the rollout within 60 s, the node
-    keeps its step; the next sync makes a new group and commits bit for bit, and the store verifies."""
+    element short) is PUSH_FAILED naming rank 1 on both actor ranks and the rollout within half their 20 s
+    bound, the node keeps its step; the next sync makes a new group and commits bit for bit, and the store
+    verifies; a killed rank 1 is SENDER_LOST on rank 0."""
     actors, rollouts = collective_fleet
     assert groups(server) == []
     with EngineClient(server=server.address, name="test") as engine:
@@ -289,7 +290,7 @@ def test_every_actor_rank_sends_its_part_over_one_transfer_group_kept_across_ste
         bad = first + 3
         started = time.monotonic()
         actor_results, (rollout_result,) = sync(actors, rollouts, bad, bad_norm_on=1)
-        assert time.monotonic() - started < 60
+        assert time.monotonic() - started < COLLECTIVE_KWARGS["timeout_s"] / 2  # at once, not at the bound
         for kind, error in [*actor_results, rollout_result]:
             assert kind == "error", error
             assert (error["type"], error["reason"], error["rank"], error["version"]) == (

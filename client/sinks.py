@@ -127,9 +127,13 @@ class CollectiveSink:
             if self._collective.backend == pb.BACKEND_NCCL and self._collective.trainer_ranks == 1:
                 started = [(self._collective.broadcast_async(data), deadline)]
             else:
-                # In increasing owner rank (owner_ranks): over NCCL this rank's sends run one after another on
-                # its stream, each after the pack copies into `data` (read() ordered them), and the owners
-                # receive in one global order, so none waits on a later one (common/receive_order.py).
+                # In increasing owner rank (owner_ranks); the owners receive in one global order, so none waits
+                # on a later one (common/receive_order.py). Over NCCL torch runs each single send on a two-rank
+                # communicator of its own per (this rank, owner) pair, built by the first send to that owner
+                # (through the group's store), with a stream of its own: each send's stream waits, when it is
+                # enqueued, for this thread's current stream (the pack copies, read() ordered them), and sends
+                # to several owners may run at once (sends running ahead: the order's proof covers them).
+                # torch records `data` on each send's stream; finish() orders the next pack after every send.
                 started = [(self._collective.send_async(data, rank, bucket_tag(index)), deadline)
                            for rank in owner_ranks(streams, index)]
         except CollectiveError:
@@ -148,8 +152,10 @@ class CollectiveSink:
         """Complete the transfers in flight. At the first failure the group is unusable on every rank:
         NCCL's is closed at once (its other transfers end with it, never waited for again: a second
         group timeout), Gloo's remaining sends are waited for until their own deadline only (a Gloo
-        send ends when its receiver leaves the group, which the servers do once the update is aborted:
-        push.py aborts it as soon as a server reports a failure). A part stops waiting as soon as a
+        send ends, with an error, as soon as its receiver leaves the group, which the servers' workers do
+        once the update is aborted: push.py aborts it as soon as a server reports a failure; a receiver
+        still in the group that never receives holds it to its deadline: test_collective_parts_units,
+        test_a_gloo_send_ends_when_its_receiver_leaves_the_group). A part stops waiting as soon as a
         server says the update is aborting (_wait)."""
         transfers, self._in_flight = self._in_flight, []
         failure: BaseException | None = None

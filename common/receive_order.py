@@ -7,7 +7,9 @@ points at an earlier transfer and no cycle can form: of all pending transfers ta
 (bucket, part, owner); its sender has nothing pending before it (an earlier bucket, or the same bucket to
 a lower owner, would be less), nor has its receiver (an earlier bucket, or the same bucket from a lower
 part, would be less), so both are at it and it completes. This holds where every rank's operations run one
-at a time (NCCL, each rank's ops serialized on its stream) and where sends run ahead (Gloo): no
+at a time and where sends run ahead (Gloo's two buckets in flight; over NCCL torch runs each single
+send/recv on a two-rank communicator and stream per pair of ranks, built at that pair's first transfer, so
+a part's sends to several owners run at once while a worker's receives run one at a time): no
 communicator per part and no rotating broadcast root are needed. tests/test_receive_order.py checks it
 over random plans and delays, and shows that a worker taking its buckets in the order the announcements
 reach it can deadlock.

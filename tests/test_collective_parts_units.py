@@ -161,3 +161,80 @@ def test_a_part_stops_waiting_for_its_sends_once_a_server_says_the_update_is_abo
     assert time.monotonic() - started < 5 and sink.broken
     assert collective.closed == (backend == pb.BACKEND_NCCL)  # NCCL's group aborted with its send
     collective.work.release.set()
+
+
+
+_RECEIVER = """
+import datetime, sys
+import torch
+from torch.distributed import TCPStore
+from weightsync.common.collective import open_group
+from weightsync.v1 import weight_sync_service_pb2 as pb
+port, group_id, timeout_s, leave = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4] == "leave"
+store = TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=30))
+group = open_group(group_id=group_id, backend=pb.BACKEND_GLOO, store=store, rank=1, world_size=2,
+                   timeout=datetime.timedelta(seconds=timeout_s), device=torch.device("cpu"), local_address="127.0.0.1")
+print("joined", flush=True)
+sys.stdin.readline()  # the sender's send is under way
+if leave:
+    assert group.close(5.0)
+print("done", flush=True)
+sys.stdin.readline()  # held in the group (not receiving) until the sender is done
+"""
+
+
+def _gloo_pair(timeout_s: float, *, leave: bool):
+    """Rank 0 of a Gloo group here, rank 1 (which never receives; it closes the group when `leave`) in a process
+    of its own (a Gloo rendezvous holds the GIL: two ranks cannot join from threads of one process)."""
+    import datetime
+    import subprocess
+    import sys
+    import uuid
+
+    from torch.distributed import TCPStore
+
+    from weightsync.common.collective import open_group
+
+    store = TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    group_id = f"leave-{uuid.uuid4().hex}"
+    child = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(store.port), group_id, str(timeout_s),
+                              "leave" if leave else "stay"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    sender = open_group(group_id=group_id, backend=pb.BACKEND_GLOO, store=store, rank=0, world_size=2,
+                        timeout=datetime.timedelta(seconds=timeout_s), device=torch.device("cpu"),
+                        local_address="127.0.0.1")
+    assert child.stdout is not None and child.stdout.readline() == "joined\n"
+    return sender, child, store
+
+
+def _told(child) -> None:
+    child.stdin.write("go\n")
+    child.stdin.flush()
+
+
+@pytest.mark.parametrize("size", [8, 1 << 20])
+def test_a_gloo_send_ends_when_its_receiver_leaves_the_group(size):
+    """What CollectiveSink.finish relies on (and docs/data-plane.md says): a Gloo send nobody receives ends, with
+    a CollectiveError, as soon as its receiver closes the group (the servers' workers do at the update's abort),
+    not at the group's timeout. The control: the same send with the receiver still in the group (not receiving)
+    ends only at its deadline."""
+    from weightsync.common.collective import CollectiveError
+
+    for leave, deadline_s in ((True, 30.0), (False, 1.0)):
+        sender, child, _store = _gloo_pair(30.0, leave=leave)
+        try:
+            work = sender.send_async(torch.ones(size, dtype=torch.uint8), 1, 5)
+            _told(child)
+            assert child.stdout.readline() == "done\n"
+            started = time.monotonic()
+            with pytest.raises(CollectiveError) as failed:
+                sender.wait(work, started + deadline_s)
+            waited = time.monotonic() - started
+            if leave:
+                assert waited < 5.0 and not failed.value.timed_out
+                assert "closed by peer" in str(failed.value)
+            else:
+                assert waited >= 0.9 and failed.value.timed_out
+        finally:
+            _told(child)
+            assert child.wait(30.0) == 0
+            sender.close(5.0)

@@ -11,13 +11,11 @@ end; rank 1 of "kill" never does (it SIGKILLs itself mid-push, having written OU
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 
 import torch
 import torch.distributed as dist
-from trainer_rank import join_group
+from trainer_rank import dies_at, join_group
 
 BUCKET_BYTES = 4096
 """Every part fills several buckets, more than the two a sink keeps in flight, on two servers' owners each."""
@@ -32,10 +30,25 @@ PUSH = dict(mode="staged", transport="collective", allow_new_tensors=True, bucke
 def model(seed: int) -> dict[str, torch.Tensor]:
     """The whole model of version `seed`: whole tensors of four dtypes, and two sharded ones (rows of "rows",
     a box larger than a bucket; rows of "emb")."""
+    if seed >= PATCHED:
+        return patched(model(seed - PATCHED))
     g = torch.Generator().manual_seed(seed)
     return {"p0": torch.randn(3000, generator=g), "p1": torch.randn(70, 50, generator=g).to(torch.bfloat16),
             "q0": torch.randn(2600, generator=g), "q1": torch.arange(2500, dtype=torch.int32) * seed,
             "rows": torch.randn(9, 300, generator=g), "emb": torch.randn(5, 16, generator=g).to(torch.float16)}
+
+
+PATCHED = 1000
+"""Version PATCHED + s is version s with every 97th element of each tensor changed (a patch is far cheaper)."""
+
+
+def patched(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in tensors.items():
+        t = tensor.clone()
+        t.view(-1)[3::97] += 1
+        out[name] = t
+    return out
 
 
 OWNS = (("p0", "p1"), ("q0", "q1"))
@@ -77,8 +90,10 @@ def failure(error: Exception) -> dict:
 def pushes(client, rank: int, seeds: list[int], mesh, out: dict) -> None:
     """Each seed's version pushed over the group in turn, each verified by this rank."""
     for seed in seeds:
-        result = client.push(mine(rank, seed, mesh), version=f"v{seed}", **PUSH)
+        delta = {"delta": True} if seed >= PATCHED else {}  # patches of the whole tensors and of the boxes
+        result = client.push(mine(rank, seed, mesh), version=f"v{seed}", **PUSH, **delta)
         out[f"v{seed}"] = generations(result)
+        out[f"v{seed}_sent"] = [result.bytes_sent, result.dense_bytes]
         out[f"v{seed}_buckets"] = result.bucket_count
         out[f"v{seed}_mismatches"] = [f"{m.server}:{m.name}" for m in client.verify(checked(rank, seed)).mismatches]
 
@@ -88,11 +103,7 @@ def kill(client, rank: int, seeds: list[int], mesh, out: dict, out_dir) -> None:
     before, during = seeds
     pushes(client, rank, [before], mesh, out)
 
-    def die(progress) -> None:
-        if progress.bucket == KILL_AFTER:
-            (out_dir / "killed.json").write_text(json.dumps(
-                {"at": time.monotonic(), "bucket": progress.bucket, "buckets": progress.bucket_count}))
-            os.kill(os.getpid(), signal.SIGKILL)
+    die = dies_at(KILL_AFTER, out_dir)
 
     try:
         client.push(mine(rank, during, mesh), version=f"v{during}", progress=die if rank == 1 else None, **PUSH)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from sdk_parts_collective_trainer import GROUP_TIMEOUT, KILL_AFTER, OWNS, SHARDED, model
+from sdk_parts_collective_trainer import GROUP_TIMEOUT, KILL_AFTER, OWNS, PATCHED, SHARDED, model
 
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -92,6 +92,25 @@ def test_two_parts_push_over_one_group_of_both_ranks_and_the_workers_bit_for_bit
         assert generation(server)[1] == "v2"
         # Part 0 deleted the group on every server when its client closed.
         assert server.stub().ListTransferGroups(pb.ListTransferGroupsRequest(), timeout=10).groups == []
+
+
+def test_two_parts_patch_their_whole_tensors_and_boxes_over_the_group_bit_for_bit(servers, tmp_path):
+    """Box patches over COLLECTIVE (9dc596f placed them, tested over INLINE only): a dense step, then the same model
+    with every 97th element changed pushed with delta on. Each part sends patches of its whole tensors and of its
+    DTensor row boxes (one of them larger than a bucket) point-to-point; every server holds the patched model bit
+    for bit, one generation per step."""
+    addresses = [s.address for s in servers]
+    before = {s.address: generation(s)[0] for s in servers}
+    zero, one = run_ranks(argv(servers, tmp_path, "push", [3, PATCHED + 3]), 2, tmp_path, TRAINERS_TIMEOUT)
+    assert zero[f"v{PATCHED + 3}"] == one[f"v{PATCHED + 3}"] == {a: before[a] + 2 for a in addresses}
+    for record in (zero, one):
+        sent, dense = record[f"v{PATCHED + 3}_sent"]
+        assert 0 < sent < dense / 10, record  # patches, not the dense boxes (those alone are over 20%)
+        assert record["v3_mismatches"] == record[f"v{PATCHED + 3}_mismatches"] == []
+        assert "close" not in record, record["close"]
+    for server in servers:
+        assert server_checksums(server, names=NAMES) == [local_checksums({n: model(PATCHED + 3)[n] for n in NAMES})]
+        assert generation(server)[1] == f"v{PATCHED + 3}"
 
 
 def test_a_part_killed_mid_push_over_the_group_fails_the_other_naming_it_and_nothing_changes(servers, tmp_path):

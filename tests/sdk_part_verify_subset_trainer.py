@@ -23,7 +23,7 @@ import json
 
 import torch
 import torch.distributed as dist
-from trainer_rank import join_group
+from trainer_rank import join_group, verify_record
 
 SUBSET = r"^stage0\."
 TAMPERED = {"stage0.w": 7, "stage1.w": 3}
@@ -35,12 +35,6 @@ def full_model(seed: int) -> dict[str, torch.Tensor]:
     return {"rows": torch.randn(9, 5, generator=g), "norm": torch.randn(5, generator=g),
             "stage0.w": torch.randn(33, generator=g), "stage0.b": torch.randn(4, generator=g),
             "stage1.w": torch.randn(17, generator=g)}
-
-
-def checked(client, tensors) -> dict:
-    result = client.verify(tensors)
-    return {"checked": result.checked,
-            "mismatches": sorted(f"{m.server}|{m.name}|{m.remote is None}" for m in result.mismatches)}
 
 
 def main() -> None:
@@ -61,12 +55,12 @@ def main() -> None:
     out: dict = {}
     with WeightSyncClient(servers, part=Part(rank=rank, world=world, group=dist.group.WORLD, join_timeout=60)) as client:
         v1 = full_model(31)
-        out["fresh"] = checked(client, share(v1))
+        out["fresh"] = verify_record(client, share(v1))
         dist.barrier()  # every rank verified the empty stores before the first push
         client.push(share(v1), version="v1", mode="staged", transport="inline", allow_new_tensors=True)
-        out["v1"] = checked(client, share(v1))
+        out["v1"] = verify_record(client, share(v1))
         if rank == 1:
-            out["v1_plain"] = checked(client, {"stage1.w": v1["stage1.w"]})
+            out["v1_plain"] = verify_record(client, {"stage1.w": v1["stage1.w"]})
         dist.barrier()  # every rank verified v1 before the change
         if rank == 0:
             with WeightSyncClient(servers) as plain:
@@ -76,12 +70,12 @@ def main() -> None:
                     update[name][index] += 1
                 plain.push(update, version="tamper", mode="staged", transport="inline")
         dist.barrier()
-        out["tampered"] = checked(client, share(v1))
+        out["tampered"] = verify_record(client, share(v1))
         dist.barrier()  # every rank verified the change before the next push
         v2 = full_model(32)
         client.push(share(v2), version="v2", mode="staged", transport="inline")
-        out["v2"] = checked(client, share(v2))
-        out["absent"] = checked(client, share(v2) | {f"stage{rank}.absent": torch.ones(6)})
+        out["v2"] = verify_record(client, share(v2))
+        out["absent"] = verify_record(client, share(v2) | {f"stage{rank}.absent": torch.ones(6)})
     (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 

@@ -14,7 +14,7 @@ import json
 
 import torch
 import torch.distributed as dist
-from trainer_rank import join_group
+from trainer_rank import join_group, verify_record
 
 TAMPERED = (("rows", (7, 2)), ("cols", (0, 1)), ("norm", (3,)))
 """The element rank 0 changes on the servers at each tamper step: rows[7, 2] lies in rank 1's Shard(0) box
@@ -32,12 +32,6 @@ def tampered(full: torch.Tensor, index: tuple[int, ...]) -> torch.Tensor:
     changed = full.clone()
     changed[index] += 1
     return changed
-
-
-def checked(client, tensors) -> dict:
-    result = client.verify(tensors)
-    return {"checked": result.checked,
-            "mismatches": sorted(f"{m.server}|{m.name}|{m.remote is None}" for m in result.mismatches)}
 
 
 def main() -> None:
@@ -61,14 +55,14 @@ def main() -> None:
             out[f"{step}_boxes"] = {n: list((t.to_local() if isinstance(t, DTensor) else t).shape)
                                     for n, t in tensors.items()}
             client.push(tensors, version=step, mode="staged", transport="inline", allow_new_tensors=True)
-            out[step] = checked(client, tensors)
+            out[step] = verify_record(client, tensors)
             if step == "v2":
                 # A tensor no server holds, built from this rank's shard alone (no collective): its box is
                 # reported missing (remote None) on every server, the rest still checked.
                 rows = 5 if rank == 0 else 4
                 absent = DTensor.from_local(torch.ones(rows, 2), mesh, [Shard(0)], run_check=False,
                                             shape=torch.Size([9, 2]), stride=(2, 1))
-                out["absent"] = checked(client, tensors | {"absent": absent})
+                out["absent"] = verify_record(client, tensors | {"absent": absent})
                 break
             for name, index in TAMPERED:  # each: one element changed on the servers, then every rank verifies
                 if rank == 0:
@@ -77,7 +71,7 @@ def main() -> None:
                         update = {n: full[n] for n, _ in TAMPERED} | {name: tampered(full[name], index)}
                         plain.push(update, version=f"tamper-{name}", mode="staged", transport="inline")
                 dist.barrier()
-                out[f"tamper_{name}"] = checked(client, tensors)
+                out[f"tamper_{name}"] = verify_record(client, tensors)
                 dist.barrier()  # every rank verified before the next change
     (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()

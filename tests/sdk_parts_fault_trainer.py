@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from sdk_parts_trainer import current, generations, mismatches
+from trainer_rank import dies_at
 
 GLOO_TIMEOUT = datetime.timedelta(seconds=60)
 """Bounds the parts' one collective per push (their agreement)."""
@@ -73,11 +72,7 @@ def kill(client, rank: int, seeds: list[int], out_dir: Path) -> dict:
     out: dict = {"v1": generations(client.push(own(rank, before), version=f"v{before}", **PUSH))}
     out["v1_mismatches"] = mismatches(client, own(rank, before))
 
-    def die(progress) -> None:
-        if progress.bucket == KILL_AFTER:
-            (out_dir / "killed.json").write_text(json.dumps(
-                {"at": time.monotonic(), "bucket": progress.bucket, "buckets": progress.bucket_count}))
-            os.kill(os.getpid(), signal.SIGKILL)
+    die = dies_at(KILL_AFTER, out_dir)
 
     try:
         client.push(own(rank, during), version=f"v{during}", progress=die if rank == 1 else None, **PUSH)

@@ -11,13 +11,11 @@ end; rank 1 of "kill" never does (it SIGKILLs itself mid-push, having written OU
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 
 import torch
 import torch.distributed as dist
-from trainer_rank import join_group
+from trainer_rank import dies_at, join_group
 
 BUCKET_BYTES = 4096
 """Every part fills several buckets, more than the two a sink keeps in flight, on two servers' owners each."""
@@ -105,11 +103,7 @@ def kill(client, rank: int, seeds: list[int], mesh, out: dict, out_dir) -> None:
     before, during = seeds
     pushes(client, rank, [before], mesh, out)
 
-    def die(progress) -> None:
-        if progress.bucket == KILL_AFTER:
-            (out_dir / "killed.json").write_text(json.dumps(
-                {"at": time.monotonic(), "bucket": progress.bucket, "buckets": progress.bucket_count}))
-            os.kill(os.getpid(), signal.SIGKILL)
+    die = dies_at(KILL_AFTER, out_dir)
 
     try:
         client.push(mine(rank, during, mesh), version=f"v{during}", progress=die if rank == 1 else None, **PUSH)

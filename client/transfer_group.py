@@ -333,6 +333,40 @@ def decide_agreed(records: list[torch.Tensor], rank: int) -> Agreed:
     return Agreed(fields[1], int(fields[2]), fields[3], int(fields[4]), int(fields[5]))
 
 
+def parts_backend(requested: str, *, part_gpu_uuids: Sequence[str], servers: Sequence[ServerDevices]) -> int:
+    """choose_backend for a group of several parts' ranks: every part's GPU counts, not part 0's alone (each part
+    is a rank of the group, and over NCCL its sends run on a communicator with each owner: a part on a worker's
+    GPU, or two parts on one GPU, fail there). "auto": NCCL only when every part has a GPU of its own and each
+    passes choose_backend; "nccl" where a part has no GPU, or two share one, is refused naming them."""
+    gpus = [normalize_uuid(u) if u else "" for u in part_gpu_uuids]
+    missing = [rank for rank, gpu in enumerate(gpus) if not gpu]
+    shared = sorted({gpu for gpu in gpus if gpu and gpus.count(gpu) > 1})
+    if requested == "nccl" and missing:
+        raise WeightSyncClientError(f"backend 'nccl': part(s) {missing} use no CUDA device; set it "
+                                    "(torch.cuda.set_device) before create_group on every rank, or use backend='gloo'")
+    if requested == "nccl" and shared:
+        raise WeightSyncClientError(f"backend 'nccl': parts {[r for r, g in enumerate(gpus) if g == shared[0]]} run "
+                                    f"on one GPU ({shared[0]}); NCCL cannot put two ranks of one group on one GPU. "
+                                    "Use backend='gloo' (or 'auto', which then picks Gloo)")
+    if requested == "auto" and (missing or shared):
+        log.info("nccl_not_chosen", reason="a part has no GPU, or two parts share one", without_gpu=missing,
+                 shared=shared)
+        requested = "gloo"
+    chosen = {choose_backend(requested, trainer_gpu_uuid=gpu or None, servers=servers) for gpu in gpus or [""]}
+    return pb.BACKEND_GLOO if pb.BACKEND_GLOO in chosen else pb.BACKEND_NCCL
+
+
+GPU_UUID_BYTES = 64
+"""A part's GPU UUID in create_for_part's all-gather: ASCII, zero-padded ("" for a part without CUDA)."""
+
+
+def _gather_gpu_uuids(part_group: object, mine: str, world: int) -> list[str]:
+    record = torch.zeros(GPU_UUID_BYTES, dtype=torch.uint8)
+    raw = mine.encode("ascii")[:GPU_UUID_BYTES]
+    record[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    return [bytes(r.cpu().tolist()).rstrip(b"\0").decode("ascii") for r in _all_gather(part_group, record, world)]
+
+
 def _all_gather(group: object, record: torch.Tensor, world: int) -> list[torch.Tensor]:
     import torch.distributed as dist
 
@@ -354,12 +388,13 @@ def create_for_part(servers: ServerSet, *, rank: int, world: int, part_group: ob
     store = None
     offsets: dict[str, int] = {}
     failure: BaseException | None = None
+    # Every part's GPU, for part 0's choice (parts_backend): a part on a worker's GPU matters as part 0's would.
+    part_gpus = _gather_gpu_uuids(part_group, gpu_uuid(trainer_device) if trainer_device is not None else "", world)
     try:
         if rank == 0:
             infos = [info for _, info in spoken(servers.addresses,
                                                 servers.each("GetServerInfo", pb.GetServerInfoRequest()))]
-            trainer_gpu = gpu_uuid(trainer_device) if trainer_device is not None else None
-            backend_number = choose_backend(backend, trainer_gpu_uuid=trainer_gpu, servers=[
+            backend_number = parts_backend(backend, part_gpu_uuids=part_gpus, servers=[
                 ServerDevices.of(s.address, i) for s, i in zip(servers.servers, infos, strict=True)])
             counts = [len(info.workers) for info in infos]
             offsets = dict(zip(servers.addresses, rank_offsets(counts, world), strict=True))

@@ -5,7 +5,8 @@ sharded with FSDP2's fully_shard over a CPU mesh, pushing its shards as a part w
 
 Once its model is sharded, the rank reads its phases from the test's store (STORE_PORT), posted as "phases"
 once the servers are up (the ranks start meanwhile): [[TRANSPORT, [SERVER, ...]], ...]. Each phase is a client
-of its own pushing two steps; the steps are numbered v1, v2, ... across the phases, the model carried on. Each step: the state dict's
+of its own pushing two steps (a COLLECTIVE phase's client creates one Gloo transfer group first, posts its
+id as group/{RANK}, pushes both steps through it and deletes it when it closes); the steps are numbered v1, v2, ... across the phases, the model carried on. Each step: the state dict's
 full tensors (full_tensor(), a collective, before the push) are saved by rank 0 to OUT_DIR/full-{step}.pt; the
 push's generation per server is posted to the test's store (STORE_PORT) as pushed/{step}/{rank}; then the rank
 waits (bounded) for the test's read/{step}: "go" once an engine on each server read the committed store,
@@ -29,6 +30,8 @@ READ_TIMEOUT = datetime.timedelta(seconds=90)
 """How long a rank waits for the test's engines to read a step."""
 PHASES_TIMEOUT = datetime.timedelta(seconds=150)
 """How long a rank waits for the test's servers to start (the test posts [] when they did not)."""
+GROUP_TIMEOUT = 60.0
+"""The COLLECTIVE phase's transfer group's timeout: every point-to-point transfer's bound."""
 STEPS_PER_PHASE = 2
 BUCKET_BYTES = 64
 """Every rank's shards (up to 3 rows of 6 floats, 72 bytes) travel as several buckets: each part needs a slot
@@ -68,7 +71,13 @@ def main() -> None:
     go = True
     for transport, servers in phases:
         part = Part(rank=rank, world=world, group=dist.group.WORLD, join_timeout=60)
-        with WeightSyncClient(servers, part=part) as client:
+        with WeightSyncClient(servers, part=part) as client:  # closing it: part 0 deletes a group it created
+            if transport == "collective":  # one transfer group for both steps: the 4 ranks, then the workers
+                out["group_id"] = client.create_group(backend="gloo", timeout=GROUP_TIMEOUT)
+                group = client._group  # the SDK's record of it: this rank's place
+                out["group"] = {"rank": group.rank, "world_size": group.world_size,
+                                "trainer_ranks": group.trainer_ranks}
+                store.set(f"group/{rank}", out["group_id"])
             for step in (next(steps) for _ in range(STEPS_PER_PHASE)):
                 go = go and push_step(client, model, store, step, transport, rank, out_dir, out)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(out))

@@ -10,8 +10,11 @@ changes from one step to the next, so a stale read fails, and versions and gener
 
 The same 4 processes (their start is most of the time on a loaded host) push two steps INLINE to two servers
 with the default 2 ingress slots each, so the 4 parts take turns at them, then two steps over SHM to a third
-server on this host with 4 slots (SHM gives each part a run of its own). Every part's shards travel as several
-64-byte buckets, so each one needs a slot again within a push."""
+server on this host with 4 slots (SHM gives each part a run of its own), then two steps over COLLECTIVE to the
+first two servers again: create_group() on every rank makes one Gloo transfer group (the 4 trainer ranks, then
+each server's 2 workers) that carries both steps, each part's buckets point-to-point to each server's owner; the
+servers' metrics show which transport committed each step, and the group is gone once the parts' clients close.
+Every part's shards travel as several 64-byte buckets, so each one needs a slot again within a push."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import contextlib
 import datetime
 import json
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
 from pathlib import Path
@@ -85,8 +89,30 @@ def read_every_tensor(engines: dict[str, EngineClient], step: str, full: dict[st
             assert wrong == [], f"{address} at {step}: {wrong} differ from full_tensor()"
 
 
-PHASES = (("inline", ("v1", "v2")), ("shm", ("v3", "v4")))
-"""The trainers' two phases (one client each), the steps of each: INLINE to the 2 servers, then SHM to the third."""
+PHASES = (("inline", ("v1", "v2")), ("shm", ("v3", "v4")), ("collective", ("v5", "v6")))
+"""The trainers' phases (one client each), the steps of each: INLINE to the 2 servers, SHM to the third, then
+COLLECTIVE to the first 2 again (their generations 3 and 4) through one Gloo transfer group."""
+
+
+def scrape(server: ServerProcess) -> dict[str, float]:
+    """The server's metrics, sample name (labels included) to value."""
+    url = f"http://127.0.0.1:{server.ready['metrics_port']}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {name: float(value) for name, _, value in
+            (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+def committed(server: ServerProcess, transport: str) -> float:
+    """How many staged updates the server committed over `transport`."""
+    key = ('weightsync_update_duration_seconds_count{mode="staged",outcome="committed",'
+           f'transport="{transport}"}}')
+    return scrape(server).get(key, 0.0)
+
+
+def listed_groups(server: ServerProcess) -> list[tuple[str, int, int, int]]:
+    """The server's transfer groups: id, world size, trainer ranks, state."""
+    return [(g.group_id, g.world_size, g.trainer_ranks, g.state)
+            for g in server.stub().ListTransferGroups(pb.ListTransferGroupsRequest(), timeout=10).groups]
 
 
 def read_steps(phases: list[tuple[str, list[ServerProcess]]], store: TCPStore, out: Path, ranks) -> None:
@@ -94,10 +120,13 @@ def read_steps(phases: list[tuple[str, list[ServerProcess]]], store: TCPStore, o
     engines = {s.address: EngineClient(server=s.address, name=f"fsdp4-reader-{k}", timeout=30)
                for k, s in enumerate(server for _, servers in phases for server in servers)}
     fulls: dict[str, dict[str, torch.Tensor]] = {}
+    last: dict[str, int] = {}  # each server's generation at the last step read
     try:
         store.set("phases", json.dumps([[transport, [s.address for s in servers]] for transport, servers in phases]))
-        for (_, servers), (_, phase_steps) in zip(phases, PHASES, strict=True):
+        for (transport, servers), (_, phase_steps) in zip(phases, PHASES, strict=True):
             previous: dict[str, int] | None = None
+            if all(s.address in last for s in servers):  # a server of an earlier phase: its next generation
+                previous = {s.address: last[s.address] for s in servers}
             for step in phase_steps:
                 posted = wait_for_pushes(store, step, ranks)
                 assert all(p == posted[0] for p in posted), posted
@@ -107,7 +136,14 @@ def read_steps(phases: list[tuple[str, list[ServerProcess]]], store: TCPStore, o
                 fulls[step] = torch.load(out / f"full-{step}.pt")
                 read_every_tensor({s.address: engines[s.address] for s in servers}, step, fulls[step], posted[0],
                                   previous)
+                if transport == "collective":  # the one group every rank created, the same for both steps
+                    store.wait([f"group/{rank}" for rank in range(WORLD)], datetime.timedelta(seconds=10))
+                    ids = {store.get(f"group/{rank}").decode() for rank in range(WORLD)}
+                    assert len(ids) == 1, ids
+                    for server in servers:  # 4 trainer ranks, then 2 workers of each server
+                        assert listed_groups(server) == [(*ids, WORLD + 4, WORLD, pb.GROUP_STATE_READY)]
                 previous = posted[0]
+                last.update(previous)
                 store.set(f"read/{step}", "go")
     finally:
         for engine in engines.values():
@@ -127,9 +163,10 @@ def test_four_fsdp_ranks_push_inline_to_two_servers_then_shm_to_one_each_read_by
         # ranks wait for the phases the test posts once the servers are up.
         ranks = pool.submit(run_ranks, argv, WORLD, tmp_path, TRAINERS_TIMEOUT)
         try:
-            starts = [pool.submit(start_server, tmp_path, workers=2) for _ in range(2)]
-            starts.append(pool.submit(start_server, tmp_path, "--local-socket", "auto", "--ingress-slot-count",
-                                      str(WORLD), workers=2))
+            metrics = ("--metrics-listen", "127.0.0.1:0")  # which transport committed each step
+            starts = [pool.submit(start_server, tmp_path, *metrics, workers=2) for _ in range(2)]
+            starts.append(pool.submit(start_server, tmp_path, *metrics, "--local-socket", "auto",
+                                      "--ingress-slot-count", str(WORLD), workers=2))
             for start in starts:  # start_server is bounded (90 s each)
                 with contextlib.suppress(Exception):
                     started.append(start.result())
@@ -138,7 +175,11 @@ def test_four_fsdp_ranks_push_inline_to_two_servers_then_shm_to_one_each_read_by
             # INLINE: 4 parts, 2 slots a server, so they take turns; SHM: a run of one slot each.
             assert [s.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).limits.ingress_slot_count
                     for s in started] == [2, 2, WORLD]
+            servers["collective"] = servers["inline"]
             read_steps([(transport, servers[transport]) for transport, _ in PHASES], store, tmp_path, ranks)
+            ranks.exception()  # the ranks done: part 0's client deleted the group on closing
+            groups_after = [listed_groups(s) for s in servers["collective"]]
+            counts = {transport: [committed(s, transport) for s in started] for transport, _ in PHASES}
         finally:
             # Whatever failed, the ranks end rather than wait out their bounds: no phases, or no more steps.
             if not store.check(["phases"]):
@@ -151,10 +192,20 @@ def test_four_fsdp_ranks_push_inline_to_two_servers_then_shm_to_one_each_read_by
             codes = list(pool.map(lambda server: server.stop(), started))
         records = ranks.result()
     assert codes == [0, 0, 0], [s.log()[-3000:] for s in started]
+    generations: dict[str, int] = {}
     for transport, (first, second) in PHASES:
+        before = {s.address: generations.get(s.address, 0) for s in servers[transport]}
         for record in records:
-            assert record[first] == {s.address: 1 for s in servers[transport]}
-            assert record[second] == {s.address: 2 for s in servers[transport]}
+            assert record[first] == {a: g + 1 for a, g in before.items()}
+            assert record[second] == {a: g + 2 for a, g in before.items()}
             assert record[f"{first}_buckets"] > 2 and record[f"{second}_buckets"] > 2  # slots needed again
             assert record[f"{first}_placements"] == record[f"{second}_placements"] == ["(Shard(dim=0),)"]
+        generations.update(record[second])
     assert {name: [r["v1_rows"][name] for r in records] for name in SHARD_ROWS} == SHARD_ROWS
+    # Each phase's steps went over its transport: 2 INLINE then 2 COLLECTIVE commits on the first 2 servers, 2 SHM
+    # on the third; each part of a COLLECTIVE step sent its buckets point-to-point through the group.
+    assert counts == {"inline": [2, 2, 0], "shm": [0, 0, 2], "collective": [2, 2, 0]}, counts
+    assert len({r["group_id"] for r in records}) == 1
+    assert [r["group"] for r in records] == [{"rank": rank, "world_size": WORLD + 4, "trainer_ranks": WORLD}
+                                             for rank in range(WORLD)]
+    assert groups_after == [[], []]  # deleted at the end

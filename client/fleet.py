@@ -14,7 +14,7 @@ from weightsync.client.ingress import open_ingress
 from weightsync.client.revision import spoken
 from weightsync.client.server_state import ServerState, ShmIngress
 from weightsync.client.servers import ServerSet
-from weightsync.client.sinks import ShmSink
+from weightsync.client.transports.shm import ShmSink
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 

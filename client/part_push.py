@@ -69,7 +69,7 @@ from weightsync.client.plan_choice import PlanChoice
 from weightsync.client.planning import PlannedBucket, build_plan, check_tensors, plan_proto
 from weightsync.client.push_job import PushJob, Ran, push_result
 from weightsync.client.server_state import ServerState
-from weightsync.client.sinks import Sink
+from weightsync.client.transports.base import Sink
 from weightsync.client.types import PushProgress, PushResult, StoreGeneration
 from weightsync.common.logging import get_logger
 from weightsync.common.plan_id import plan_id_of

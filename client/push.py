@@ -2,7 +2,7 @@
 
 The loop runs in the caller's thread (packing and sending are CPU/GPU work
 that must overlap); the gRPC streams live on the SDK's asyncio loop. How each
-bucket's bytes are placed and sent is the transport's sink (sinks.py).
+bucket's bytes are placed and sent is the transport's sink (transports/).
 Every failure ends the same way: the broadcast in flight is completed (so no
 rank is left inside a collective), every server aborts, and the caller gets
 UpdateFailed with a status code and an ErrorInfo reason.
@@ -29,8 +29,8 @@ from weightsync.client.packing import TensorSource
 from weightsync.client.planning import PlannedBucket
 from weightsync.client.read_order import wants_checksum
 from weightsync.client.server_state import ServerState
-from weightsync.client.sinks import Sink
 from weightsync.client.streams import UpdateStream, as_ended, first_failure, update_failed
+from weightsync.client.transports.base import Sink
 from weightsync.client.types import PushProgress, ServerOutcome, StoreGeneration
 from weightsync.common.checksum import tensor_checksum
 from weightsync.common.collective import CollectiveError
@@ -138,7 +138,7 @@ class PushRun:
             for index, planned in enumerate(self.planned):
                 # A deferred bucket waits for its comparison here, while bucket k-1 is still on the wire.
                 bucket = self.source.laid_out(index, planned)
-                # COLLECTIVE packs bucket k while bucket k-1 is still on the wire (see sinks.py).
+                # COLLECTIVE packs bucket k while bucket k-1 is still on the wire (see client/transports/collective.py).
                 payload = self.sink.fill(index, bucket, self.source, streams)
                 payload.layout = bucket.spec if bucket.laid_out else None
                 self.zero_copy_buckets += not payload.packed

@@ -24,8 +24,8 @@ from weightsync.client.plan_choice import PlanChoice
 from weightsync.client.push import PushRun
 from weightsync.client.server_state import ServerState
 from weightsync.client.servers import ServerSet
-from weightsync.client.sinks import Sink
 from weightsync.client.transfer_group import TransferGroup
+from weightsync.client.transports.base import Sink
 from weightsync.client.types import PushProgress, PushResult, ServerOutcome, StoreGeneration
 from weightsync.common.collective import CollectiveError
 from weightsync.common.logging import get_logger

@@ -50,9 +50,11 @@ from weightsync.client.planning import DEFAULT_ZERO_COPY_MIN_BYTES, check_tensor
 from weightsync.client.push_job import PushJob, Ran, push_result
 from weightsync.client.server_state import ServerState
 from weightsync.client.servers import ServerSet
-from weightsync.client.sinks import CollectiveSink, InlineSink, Sink
 from weightsync.client.store_checksums import fetch_checksums, holds, mismatches
 from weightsync.client.transfer_group import TransferGroup
+from weightsync.client.transports.base import Sink
+from weightsync.client.transports.collective import CollectiveSink
+from weightsync.client.transports.inline import InlineSink
 from weightsync.client.types import (
     PushProgress,
     PushResult,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from weightsync.client.ingress import IngressLease
 from weightsync.client.servers import Server
-from weightsync.client.sinks import ShmSink
+from weightsync.client.transports.shm import ShmSink
 from weightsync.client.types import StoreGeneration
 from weightsync.v1 import weight_sync_service_pb2 as pb
 

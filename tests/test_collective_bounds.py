@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from weightsync.client.sinks import CollectiveSink
+from weightsync.client.transports.collective import CollectiveSink
 from weightsync.common import host_pinning, nccl_env
 from weightsync.common.collective import (
     FAILED_CLOSE_JOIN_SECONDS,

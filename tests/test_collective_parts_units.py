@@ -15,7 +15,7 @@ import torch
 
 from weightsync.client.errors import WeightSyncRpcError
 from weightsync.client.packing import PackBuffers, Payload
-from weightsync.client.sinks import CollectiveSink
+from weightsync.client.transports.collective import CollectiveSink
 from weightsync.gpu_worker.receive_update import ReceiveUpdate
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb

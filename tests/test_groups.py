@@ -236,7 +236,7 @@ def test_a_gloo_send_the_server_refused_ends_as_soon_as_the_server_says_so(serve
     BUCKET_OUT_OF_RANGE) and breaks the group, as no worker can receive it; our Gloo send to bucket 1's owner
     would wait out the group timeout. The SDK aborts the update at the server's word: the workers leave the
     broken group and the send fails at once."""
-    from weightsync.client import sinks
+    from weightsync.client.transports import collective as sinks
 
     real_announce = sinks.announce
 

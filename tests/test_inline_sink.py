@@ -1,4 +1,4 @@
-"""An INLINE bucket reaches each server at that server's own pace (client/sinks.py, InlineSink.send).
+"""An INLINE bucket reaches each server at that server's own pace (client/transports/inline.py, InlineSink.send).
 
 A server may hold its stream back in the middle of a bucket: with more parts than ingress slots, a part's
 stream is not read while the part waits its turn for a slot there. If the part sent its servers the bucket
@@ -17,7 +17,7 @@ import torch
 
 from weightsync.client._loop import LoopThread
 from weightsync.client.packing import PackBuffers, Payload
-from weightsync.client.sinks import InlineSink
+from weightsync.client.transports.inline import InlineSink
 from weightsync.client.wire import encode_bucket_chunk
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb

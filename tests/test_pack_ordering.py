@@ -22,7 +22,9 @@ from weightsync.client.packing import PackBuffers, TensorSource
 from weightsync.client.planning import build_plan, plan_proto
 from weightsync.client.push import PushRun
 from weightsync.client.read_order import BufferFence, ReadOrder, Wait, read_order, wants_checksum
-from weightsync.client.sinks import CollectiveSink, InlineSink, ShmSink
+from weightsync.client.transports.collective import CollectiveSink
+from weightsync.client.transports.inline import InlineSink
+from weightsync.client.transports.shm import ShmSink
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 

@@ -476,7 +476,7 @@ def test_inline_cut_names_the_silent_node(cluster, impaired):
     transfer timeout (10 s) -- as a client with the default 60 s is against servers run with
     --transfer-timeout-seconds under ~20 s (its keepalive notices a dead link after ~20 s).
 
-    The SDK sends each chunk to node-a, then node-b, in turn (client/sinks.py InlineSink.send):
+    The SDK sends each chunk to node-a, then node-b, in turn (client/transports/inline.py InlineSink.send):
     once node-b takes nothing more, the SDK waits on it, so node-a gets nothing either and, at
     its transfer timeout, aborts the update DEADLINE_EXCEEDED CLIENT_IDLE, before the SDK gives up
     on node-b. That CLIENT_IDLE is a symptom of the cut, like a broken broadcast on the healthy

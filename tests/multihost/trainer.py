@@ -43,8 +43,9 @@ import traceback
 import grpc
 import torch
 
-from weightsync.client import TlsConfig, WeightSyncClient, sinks
+from weightsync.client import TlsConfig, WeightSyncClient
 from weightsync.client.errors import UpdateFailed, WeightSyncRpcError
+from weightsync.client.transports import collective as sinks
 from weightsync.common.address import parse_address
 from weightsync.common.logging import configure_logging
 from weightsync.v1 import tensor_pb2
@@ -92,7 +93,7 @@ def server_summary(address: str, info: pb.GetServerInfoResponse) -> dict:
 
 
 class SentTo:
-    """Spy on the SDK's choice of receivers (sinks.owner_ranks, what a Gloo push sends each bucket to):
+    """Spy on the SDK's choice of receivers (transports/collective.py owner_ranks, what a Gloo push sends each bucket to):
     records, per bucket of the current push, the ranks it was sent to. Behaviour is unchanged."""
 
     def __init__(self) -> None:

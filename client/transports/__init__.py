@@ -1,0 +1,1 @@
+"""Where a push's bucket bytes go: one sink per transport (base.py says what a sink does)."""

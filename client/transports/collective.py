@@ -1,0 +1,162 @@
+"""COLLECTIVE: each bucket to the transfer group, a broadcast (NCCL, one trainer) or point-to-point to its
+owners (Gloo; NCCL for a part of several), two buckets in flight at most (see base.py)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from weightsync.client._loop import LoopThread
+from weightsync.client.compression import Frames
+from weightsync.client.packing import PackBuffers, Payload, TensorSource, fill_bucket
+from weightsync.client.planning import PlannedBucket
+from weightsync.client.streams import UpdateStream
+from weightsync.client.transports.base import announce
+from weightsync.common.collective import CollectiveError, CollectiveGroup, bucket_tag, bucket_tail
+from weightsync.common.threads import ThreadCall
+from weightsync.v1 import tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
+
+
+class CollectiveSink:
+    """Send each bucket to the group (rank 0 is us, or our part's rank): a broadcast (NCCL, one trainer), or to
+    its owners, point-to-point (Gloo; NCCL when the group holds several parts' ranks)."""
+
+    transport = pb.TRANSPORT_COLLECTIVE
+
+    def __init__(self, loop: LoopThread, collective: CollectiveGroup, buffers: PackBuffers) -> None:
+        self._loop = loop
+        self._collective = collective
+        self.buffers = buffers
+        self._in_flight: list[tuple[dist.Work, float]] = []
+        """The previous bucket's transfers, still on the wire, each with its deadline (time.monotonic())."""
+        self._frames: list[torch.Tensor] = []
+        """Compressed frames of the transfers in flight (kept alive until they completed)."""
+        self.broken = False
+        """A broadcast of ours failed or timed out: the group is unusable on every rank."""
+        self.frames = Frames()
+        """Buckets of patches as zstd frames (Gloo only; client/compression.py)."""
+        self._streams: list[UpdateStream] = []
+        """The push's streams (a part's waits stop once a server says the update is aborting)."""
+
+    def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
+        self.frames.planned(index, bucket.spec)
+        # Buffer k % 2: bucket k-2 used it, and send(k-1) returned only once its transfers completed.
+        return fill_bucket(self.buffers, bucket, index, source)
+
+    def send(self, index: int, payload: Payload, checksum: tensor_pb2.Checksum,
+             streams: list[UpdateStream]) -> BaseException | None:
+        self._streams = streams
+        data, compression, frame = payload.read(), pb.BUCKET_COMPRESSION_UNSPECIFIED, None
+        if self._collective.backend != pb.BACKEND_NCCL:
+            # While bucket k-1 is on the wire; the owners decompress it (BucketStart.compression).
+            data, compression = self.frames.encode(index, data)
+            frame = data if compression else None
+        # Announce first: workers join only announced broadcasts, at the announced length. The
+        # tail lets them tell a short broadcast from a full one; read() waited for the pack copies.
+        announce(self._loop, streams, index, data.numel(), checksum, bucket_tail(data), compression, payload.layout)
+        try:
+            deadline = self._collective.deadline()
+            if self._collective.backend == pb.BACKEND_NCCL and self._collective.trainer_ranks == 1:
+                started = [(self._collective.broadcast_async(data), deadline)]
+            else:
+                # In increasing owner rank (owner_ranks); the owners receive in one global order, so none waits
+                # on a later one (common/receive_order.py). Over NCCL torch runs each single send on a two-rank
+                # communicator of its own per (this rank, owner) pair, built by the first send to that owner
+                # (through the group's store), with a stream of its own: each send's stream waits, when it is
+                # enqueued, for this thread's current stream (the pack copies, read() ordered them), and sends
+                # to several owners may run at once (sends running ahead: the order's proof covers them).
+                # torch records `data` on each send's stream; finish() orders the next pack after every send.
+                started = [(self._collective.send_async(data, rank, bucket_tag(index)), deadline)
+                           for rank in owner_ranks(streams, index)]
+        except CollectiveError:
+            self._broke()
+            self.finish()  # bucket k-1's transfers too: none is left in flight
+            raise
+        # Bucket k is on its way (its owner posted its receive while k-1's finished: over Gloo
+        # usually another worker), then k-1 is waited for: two in flight at most, and the pack
+        # buffer of k+1 (k-1's) is free once this returns.
+        failure = self.finish()
+        self._in_flight = started
+        self._frames = [frame] if frame is not None else []
+        return failure
+
+    def finish(self) -> BaseException | None:
+        """Complete the transfers in flight. At the first failure the group is unusable on every rank:
+        NCCL's is closed at once (its other transfers end with it, never waited for again: a second
+        group timeout), Gloo's remaining sends are waited for until their own deadline only (a Gloo
+        send ends, with an error, as soon as its receiver leaves the group, which the servers' workers do
+        once the update is aborted: client/push.py aborts it as soon as a server reports a failure; a receiver
+        still in the group that never receives holds it to its deadline: test_collective_parts_units,
+        test_a_gloo_send_ends_when_its_receiver_leaves_the_group). A part stops waiting as soon as a
+        server says the update is aborting (_wait)."""
+        transfers, self._in_flight = self._in_flight, []
+        failure: BaseException | None = None
+        for work, deadline in transfers:
+            if self.broken and self._collective.backend == pb.BACKEND_NCCL:
+                break  # aborted with the group: nothing of it is left to wait for
+            try:
+                stopped = self._wait(work, deadline)
+            except CollectiveError as error:
+                failure = error
+                self._broke()
+                continue
+            if stopped is not None:
+                failure = failure or stopped
+                self._broke()
+        self._frames = []  # their sends completed, or their group is closed, or left to their deadline
+        return failure
+
+    def _wait(self, work: dist.Work, deadline: float) -> BaseException | None:
+        """Complete one transfer. A part's (several trainer ranks) is waited for in a thread of its own while
+        its streams are watched: once a server says the update is aborting (another part failed), a send to a
+        worker that will never receive it is not waited for to its deadline; the server's word is returned
+        and the group is broken (the abandoned wait ends at its deadline; nothing receives its bytes)."""
+        if self._collective.trainer_ranks == 1 or not self._streams:
+            self._collective.wait(work, deadline)
+            return None
+        if self._collective.backend == pb.BACKEND_NCCL:
+            # Polled here, in the caller's thread: wait() then orders the caller's current stream (the next pack
+            # into this buffer) after the send. A send stopped early is aborted with the group (_broke).
+            while not work.is_completed() and time.monotonic() < deadline:
+                told = next((stream for stream in self._streams if stream.failed), None)
+                if told is not None:
+                    return told.reported_error or CollectiveError("a server ended the update", timed_out=False)
+                time.sleep(PART_WAIT_POLL_SECONDS)
+            self._collective.wait(work, deadline)
+            return None
+        call = ThreadCall(lambda: self._collective.wait(work, deadline), name="part-transfer")
+        while not call.done:
+            told = next((stream for stream in self._streams if stream.failed), None)
+            if told is not None:
+                return told.reported_error or CollectiveError("a server ended the update", timed_out=False)
+            time.sleep(PART_WAIT_POLL_SECONDS)
+        call.result(0)  # what the wait raised, if it did
+        return None
+
+    def _broke(self) -> None:
+        """A transfer of ours failed or timed out: the group is unusable on every rank. NCCL's is aborted
+        now (bounded), so no transfer of it runs on and none is waited for twice."""
+        self.broken = True
+        if self._collective.backend == pb.BACKEND_NCCL:
+            self._collective.close()
+
+
+PART_WAIT_POLL_SECONDS = 0.01
+"""How often a part's wait for a transfer looks at its streams (CollectiveSink._wait)."""
+
+
+def owner_ranks(streams: list[UpdateStream], index: int) -> list[int]:
+    """The group ranks that receive bucket `index`, in increasing rank (common/receive_order.send_order): each
+    server's owner, from its Ready (none on a server that stores none of its tensors: -1)."""
+    ranks = []
+    for stream in streams:
+        owners = stream.ready.result().bucket_owner_ranks
+        if index >= len(owners):
+            raise CollectiveError(f"{stream.server} named no receiver for bucket {index} (UpdateReady."
+                                  "bucket_owner_ranks): a server older than this SDK", timed_out=False)
+        if owners[index] >= 0:
+            ranks.append(owners[index])
+    return sorted(ranks)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import mmap
 import os
+import threading
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -153,6 +154,8 @@ class EngineClient:
         self.socket_path = socket_path
         self.name = name
         self._connection = LocalConnection(socket_path, timeout)
+        self._requests = threading.RLock()
+        """One request (and one acquire's mapping) at a time: a vLLM rank stages in a thread of its own."""
         self._mapped: dict[int, _Mapped] = {}
         try:
             self._request(attach_store=local_pb2.AttachStoreRequest(engine_name=name, token=token or ""))
@@ -162,7 +165,8 @@ class EngineClient:
 
     # -- requests --------------------------------------------------------------------
     def _request(self, **kwargs) -> tuple[local_pb2.LocalResponse, list[int]]:
-        response, fds = self._connection.request(local_pb2.LocalRequest(**kwargs))
+        with self._requests:
+            response, fds = self._connection.request(local_pb2.LocalRequest(**kwargs))
         if response.WhichOneof("response") == "error":
             close_fds(fds)
             e = response.error
@@ -175,6 +179,10 @@ class EngineClient:
 
     def acquire(self, *, generation: int = 0, wait: float = 30.0) -> StoreSnapshot:
         """Pin the committed version (0: the current one) and map it."""
+        with self._requests:
+            return self._acquire(generation, wait)
+
+    def _acquire(self, generation: int, wait: float) -> StoreSnapshot:
         request = local_pb2.AcquireVersionRequest(generation=generation)
         request.wait.FromTimedelta(datetime.timedelta(seconds=wait))
         response, fds = self._request(acquire_version=request)

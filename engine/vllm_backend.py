@@ -53,204 +53,35 @@ could ever be applied (update_info "strict": false skips them always).
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.logger import init_logger
 
-from weightsync.engine.checkpoint_shapes import safetensors_shapes, shape_problem
 from weightsync.engine.client import EngineClient, EngineError, StoreSnapshot
+from weightsync.engine.vllm_infos import (  # noqa: F401 - WeightSyncInitInfo and the rest: this module's API
+    ADDRESS,
+    ENGINE_NAME,
+    PHASES,
+    ApplyStats,
+    WeightSyncInitInfo,
+    WeightSyncUpdateError,
+    WeightSyncUpdateInfo,
+)
+from weightsync.engine.vllm_model_names import ModelNames
+from weightsync.engine.vllm_prepare import Preparation, Preparations, PrepareFailed
+from weightsync.engine.vllm_staging import (
+    StagingUnavailable,
+    feed,
+    stage,
+    staging_disabled,
+    staging_room,
+)
 
 # Under "vllm.": vLLM's handler formats and keeps these records in its worker processes.
 logger = init_logger("vllm.plugins.weightsync")
-
-ENGINE_NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
-# Tensors vLLM's AutoWeightsLoader drops by itself (old checkpoints carry them).
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq", "rotary_emb.cos_cached",
-                    "rotary_emb.sin_cached")
-EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
-
-
-class WeightSyncUpdateError(RuntimeError):
-    """An update that was not applied: the engine serves what it served before. `reason` is
-    machine-readable (TENSOR_NOT_IN_MODEL, TENSOR_MISMATCH, VERSION_GONE, STORE_EMPTY, ...)."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.detail = message
-
-    def __reduce__(self):  # survives pickling between vLLM processes
-        return (type(self), (self.reason, self.detail))
-
-
-def _int(value: object, what: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-@dataclass
-class WeightSyncInitInfo(WeightTransferInitInfo):
-    """How the worker reaches the node's store (init_weight_transfer_engine's init_info)."""
-
-    local_socket: str = ""
-    """The server's local socket (GetServerInfo.local_socket); or give `server`."""
-    server: str = ""
-    """The server's gRPC address (host:port); its local socket is looked up."""
-    worker: int = -1
-    """Ignored: the node has one store, which every tensor-parallel rank reads (kept so that drivers of
-    older servers, which name a worker, still attach)."""
-    engine_name: str = ""
-    """Empty when the server drives this vLLM (--engine) and reports for it; else the name the
-    server shows in GetServerInfo.engines (kind "local") for the first rank; every other
-    model-parallel rank shows as NAME:tpR (see rank_engine_name)."""
-    token: str = ""
-    """The server's bearer token, if it has one."""
-    timeout_s: float = 60.0
-    """Connect/request timeout towards the server."""
-
-    def __post_init__(self) -> None:
-        for name in ("local_socket", "server", "engine_name", "token"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"init_info.{name} must be a string, got {getattr(self, name)!r}")
-        if bool(self.local_socket) == bool(self.server):
-            raise ValueError("init_info needs exactly one of local_socket (the server's unix socket) "
-                             "and server (its gRPC host:port)")
-        if self.local_socket and not os.path.isabs(self.local_socket):
-            raise ValueError(f"init_info.local_socket must be an absolute path, got {self.local_socket!r}")
-        if self.server and not ADDRESS.match(self.server):
-            raise ValueError(f"init_info.server must be host:port, got {self.server!r}")
-        self.worker = _int(self.worker, "init_info.worker", -1)
-        if self.engine_name and not ENGINE_NAME.match(self.engine_name):
-            raise ValueError("init_info.engine_name must be empty or 1 to 128 characters of [A-Za-z0-9._:-], "
-                             f"got {self.engine_name!r}")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:
-            raise ValueError(f"init_info.timeout_s must be a positive number, got {self.timeout_s!r}")
-
-
-@dataclass
-class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
-    """Which committed version to apply (update_weights' update_info)."""
-
-    generation: int = 0
-    """The version to apply: 0 = the store's current one; else exactly that generation."""
-    since_generation: int = -1
-    """The generation this engine serves now: only tensors written after it are loaded
-    (-1: every tensor, a warm start)."""
-    wait_s: float = 30.0
-    """How long to wait while an IN_PLACE update is writing the store."""
-    strict: bool = True
-    """False: skip tensors the model does not have instead of refusing the version."""
-
-    def __post_init__(self) -> None:
-        self.generation = _int(self.generation, "update_info.generation", 0)
-        self.since_generation = _int(self.since_generation, "update_info.since_generation", -1)
-        if self.generation and self.since_generation >= self.generation:
-            raise ValueError(f"update_info.since_generation ({self.since_generation}) must be below "
-                             f"generation ({self.generation})")
-        if isinstance(self.wait_s, bool) or not isinstance(self.wait_s, int | float) or self.wait_s < 0:
-            raise ValueError(f"update_info.wait_s must be a number >= 0, got {self.wait_s!r}")
-        if not isinstance(self.strict, bool):
-            raise ValueError(f"update_info.strict must be a boolean, got {self.strict!r}")
-
-
-@dataclass
-class ApplyStats:
-    """What the last update_weights did (logged; tests and benchmarks read it in-process)."""
-
-    version: str = ""
-    generation: int = 0
-    tensors: int = 0
-    bytes: int = 0
-    skipped: list[str] = field(default_factory=list)
-    completed_from_store: int = 0
-    """Tensors loaded beyond the changed ones, to complete fused layers."""
-    acquire_s: float = 0.0
-    check_s: float = 0.0
-    load_s: float = 0.0
-    finalize_s: float = 0.0
-    total_s: float = 0.0
-
-
-class ModelNames:
-    """The checkpoint names a vLLM model's load_weights takes, and their shapes where known.
-
-    Shapes come from the checkpoint vLLM loaded (safetensors headers, read once); names also
-    from the model itself: its parameters and persistent buffers (tied aliases included),
-    reached directly, through the model's hf_to_vllm_mapper, or through packed_modules_mapping
-    (q_proj -> qkv_proj, ...). vLLM's own parameter shapes cannot be used: they are sharded,
-    fused, and on CPU the packed linear weights are empty.
-    """
-
-    def __init__(self, model: torch.nn.Module, model_config) -> None:
-        self.model_class = type(model).__name__
-        self.params = set(model.state_dict(keep_vars=True).keys())
-        self.mapper = getattr(model, "hf_to_vllm_mapper", None)
-        packed = getattr(model, "packed_modules_mapping", None) or {}
-        self.packed = {part: fused for fused, parts in packed.items() for part in parts}
-        self.checkpoint = _checkpoint_shapes(model_config)
-        self._mapped: dict[str, str | None] = {}
-
-    def vllm_name(self, name: str) -> str | None:
-        """The model parameter `name` lands in (None: vLLM drops it on purpose)."""
-        if name in self._mapped:
-            return self._mapped[name]
-        result: str | None = name if name in self.params else ""
-        if result == "" and self.mapper is not None:
-            try:
-                mapped = self.mapper.map_name(name)
-            except Exception:  # noqa: BLE001 - a mapper that cannot map it: try the other ways
-                mapped = ""
-            if mapped is None or mapped in self.params:
-                result = mapped
-        if result == "":
-            module, _, leaf = name.rpartition(".")
-            parent, _, last = module.rpartition(".")
-            fused = self.packed.get(last)
-            if fused is not None and f"{parent}.{fused}.{leaf}".lstrip(".") in self.params:
-                result = f"{parent}.{fused}.{leaf}".lstrip(".")
-        if result == "" and name.endswith(IGNORED_SUFFIXES):
-            result = None
-        self._mapped[name] = result
-        return result
-
-    def known(self, name: str) -> bool:
-        return name in (self.checkpoint or {}) or self.vllm_name(name) != ""
-
-    def shape_problem(self, name: str, tensor: torch.Tensor) -> str | None:
-        return shape_problem(self.checkpoint, name, tensor.shape)
-
-    def group(self, name: str) -> str:
-        """The vLLM layer a checkpoint tensor loads into: names of one group are loaded together."""
-        target = self.vllm_name(name) or name
-        module = target.rpartition(".")[0]
-        return EXPERT_INDEX.sub(".experts.", module + ".").rstrip(".")
-
-
-def _checkpoint_shapes(model_config) -> dict[str, tuple[int, ...]] | None:
-    """name -> shape of the safetensors checkpoint vLLM loaded; None if it cannot be found."""
-    path = str(getattr(model_config, "model", "") or "")
-    directory = path if os.path.isdir(path) else None
-    if directory is None and path:
-        try:  # a hub id: the files vLLM downloaded are in the local cache
-            from huggingface_hub import snapshot_download
-
-            directory = snapshot_download(path, revision=getattr(model_config, "revision", None),
-                                          allow_patterns=["*.safetensors"], local_files_only=True)
-        except Exception:  # noqa: BLE001 - no local copy: names only
-            return None
-    return safetensors_shapes(directory or "")
-
 
 def _described(error: BaseException, text: str) -> str:
     """`text` and the notes a cleanup added to the error (they do not survive pickling otherwise)."""
@@ -311,6 +142,7 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         self._names: ModelNames | None = None
         self._session = False
         self.last_apply: ApplyStats | None = None
+        self._preparations = Preparations(self._stage_preparation)
         self.rank_label = "tp0/1"
         """This worker's place in vLLM's model-parallel groups (tp R/N, pp R/N), for logs."""
 
@@ -346,6 +178,7 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         self._session = False
 
     def shutdown(self) -> None:
+        self._preparations.drop("the engine shuts down")
         client, self._client = self._client, None
         if client is not None:
             try:
@@ -361,40 +194,114 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
     # -- one update --------------------------------------------------------------------
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
         client = self._require_client()
-        stats = ApplyStats()
+        if update_info.phase == "prepare":
+            self._preparations.start(client, self._acquire(client, update_info), update_info, ApplyStats())
+            return
+        if update_info.phase == "apply":
+            self._apply_prepared(update_info)
+            return
+        stats = ApplyStats(apply_started=time.monotonic())
         started = time.perf_counter()
-        try:
-            snapshot = client.acquire(generation=update_info.generation, wait=update_info.wait_s)
-        except EngineError as error:
-            raise WeightSyncUpdateError(error.reason, str(error).partition(": ")[2] or str(error)) from None
+        snapshot = self._acquire(client, update_info)
         stats.acquire_s = time.perf_counter() - started
-        stats.version, stats.generation = snapshot.version.version, snapshot.generation
-        label = f"version {snapshot.version.version!r} (generation {snapshot.generation})"
         try:
             names = self._select(snapshot, update_info, stats)
             stats.check_s = time.perf_counter() - started - stats.acquire_s
             if names:
                 self._load(snapshot, names, stats)
-        except WeightSyncUpdateError as error:
-            message = f"{label} not applied, the engine keeps its weights: {_described(error, error.detail)}"
-            _release_after_failure(snapshot, f"{error.reason}: {message}")
-            logger.warning("weightsync: %s: %s", error.reason, message)
-            raise WeightSyncUpdateError(error.reason, message) from None
         except BaseException as error:
+            raise self._not_applied(snapshot, error) from (None if isinstance(error, WeightSyncUpdateError) else error)
+        self._applied(snapshot, stats, started)
+
+    def _acquire(self, client: EngineClient, info: WeightSyncUpdateInfo) -> StoreSnapshot:
+        try:
+            return client.acquire(generation=info.generation, wait=info.wait_s)
+        except EngineError as error:
+            raise WeightSyncUpdateError(error.reason, str(error).partition(": ")[2] or str(error)) from None
+
+    def _not_applied(self, snapshot: StoreSnapshot, error: BaseException) -> WeightSyncUpdateError:
+        """Release `snapshot` unapplied, saying why; the typed error to raise (the engine keeps its weights)."""
+        label = f"version {snapshot.version.version!r} (generation {snapshot.generation})"
+        if isinstance(error, WeightSyncUpdateError | PrepareFailed):
+            reason = error.reason
+            message = f"{label} not applied, the engine keeps its weights: {_described(error, error.detail)}"
+        else:
+            reason = "LOAD_FAILED"
             message = f"{label} not applied: {type(error).__name__}: {_described(error, str(error))}"
-            _release_after_failure(snapshot, f"LOAD_FAILED: {message}")
-            logger.warning("weightsync: LOAD_FAILED: %s", message)
-            raise WeightSyncUpdateError("LOAD_FAILED", message) from error
+        _release_after_failure(snapshot, f"{reason}: {message}")
+        logger.warning("weightsync: %s: %s", reason, message)
+        return WeightSyncUpdateError(reason, message)
+
+    def _applied(self, snapshot: StoreSnapshot, stats: ApplyStats, started: float) -> None:
         # Finalized: every byte is in the model's own tensors; release() waits for the GPU copies
         # out of the store to finish before the lease goes.
         snapshot.release(applied=True)
+        stats.version, stats.generation = snapshot.version.version, snapshot.generation
         stats.total_s = time.perf_counter() - started
+        stats.apply_ended = time.monotonic()
         self.last_apply = stats
+        label = f"version {snapshot.version.version!r} (generation {snapshot.generation})"
+        how = ""
+        if stats.prepared_s:
+            how = (f"; prepared while serving in {stats.prepared_s:.3f} s, then "
+                   + (f"swapped in {stats.swap_s:.3f} s" if stats.staged else f"loaded in the pause ({stats.fallback})"))
         logger.info("weightsync: rank %s applied %s: %d tensors (%d to complete fused layers), %.1f MB in %.3f s "
-                    "(acquire %.3f, check %.3f, load %.3f, finalize %.3f)%s", self.rank_label, label, stats.tensors,
+                    "(acquire %.3f, check %.3f, load %.3f, finalize %.3f)%s%s", self.rank_label, label, stats.tensors,
                     stats.completed_from_store, stats.bytes / 1e6, stats.total_s, stats.acquire_s, stats.check_s,
                     stats.load_s, stats.finalize_s,
-                    f"; skipped {len(stats.skipped)} stale unknown tensor(s)" if stats.skipped else "")
+                    f"; skipped {len(stats.skipped)} stale unknown tensor(s)" if stats.skipped else "", how)
+
+    def _stage_preparation(self, preparation: Preparation) -> None:
+        """In the preparation's thread, while vLLM steps: check the version, then stage it (or say why not)."""
+        from weightsync.client.intra_op import one_intra_op_thread
+
+        stats = preparation.stats
+        with one_intra_op_thread():  # beside vLLM's own OpenMP threads: no barrier waits on a busy core
+            try:
+                preparation.names = self._select(preparation.reading, preparation.request, stats)
+            except WeightSyncUpdateError as error:
+                raise PrepareFailed(error.reason, error.detail) from None
+            tensors = preparation.reading.tensors
+            needed = sum(tensors[n].numel() * tensors[n].element_size() for n in preparation.names)
+            problem = ("WEIGHTSYNC_VLLM_STAGING=0" if staging_disabled()
+                       else staging_room(self.device, needed) if preparation.names else "nothing to load")
+            if problem is None:
+                fed: set[str] = set()
+                try:
+                    preparation.staged = stage(self.model, self.model_config, feed(tensors, preparation.names, fed))
+                    stats.tensors, stats.bytes = len(fed), needed
+                except StagingUnavailable as error:
+                    problem = str(error)
+                except Exception as error:  # noqa: BLE001 - the live model is untouched: load it in the pause
+                    logger.warning("weightsync: staging generation %d failed, it loads in the pause: %r",
+                                   preparation.generation, error)
+                    problem = f"staging failed: {type(error).__name__}: {error}"
+            preparation.fallback = problem or ""
+
+    def _apply_prepared(self, info: WeightSyncUpdateInfo) -> None:
+        started = time.perf_counter()
+        apply_started = time.monotonic()
+        try:
+            preparation = self._preparations.take(info.generation, info.wait_s)
+        except PrepareFailed as failure:
+            logger.warning("weightsync: rank %s: %s", self.rank_label, failure)
+            raise WeightSyncUpdateError(failure.reason, failure.detail) from None
+        pinned = preparation.pinned
+        stats = preparation.stats
+        stats.apply_started, stats.prepared_s = apply_started, preparation.prepare_s
+        stats.staged, stats.fallback = preparation.staged is not None, preparation.fallback
+        try:
+            if preparation.staged is not None:
+                swap_started = time.perf_counter()
+                preparation.staged.swap()
+                stats.swap_s = time.perf_counter() - swap_started
+                preparation.staged = None
+            elif preparation.names:
+                self._load(pinned, preparation.names, stats)
+        except BaseException as error:
+            raise self._not_applied(pinned, error) from (None if isinstance(error, WeightSyncUpdateError) else error)
+        pinned.applied = True
+        self._applied(pinned, stats, started)
 
     def _model_names(self) -> ModelNames:
         if self._names is None or self.model is not self._default_model:

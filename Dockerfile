@@ -68,8 +68,9 @@ RUN pip install --no-cache-dir /wheels/weightsync-*.whl && rm -rf /wheels
 # uid 10001 owns nothing in the image; HOME is a volume in the manifests (caches).
 RUN groupadd --gid 10001 weightsync \
     && useradd --uid 10001 --gid 10001 --home-dir /home/weightsync --create-home weightsync
-# numba caches the patch kernels it compiles on first use (~13 s, on a thread at start) beside
-# their sources, which uid 10001 cannot write: /tmp is writable (an emptyDir in the manifests).
+# numba caches the patch kernels the SDK compiles (~13-45 s, once per numba version) in a folder per
+# numba version under NUMBA_CACHE_DIR (common/numba_cache.py): their sources' folder is not writable
+# by uid 10001, /tmp is (an emptyDir in the manifests).
 ENV HOME=/home/weightsync \
     PYTHONUNBUFFERED=1 \
     VLLM_NO_USAGE_STATS=1 \
@@ -88,8 +89,10 @@ FROM ${PYTHON_IMAGE} AS server
 COPY --from=build /opt/venv /opt/venv
 RUN groupadd --gid 10001 weightsync \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent weightsync
-# numba caches the patch kernels it compiles on first use (~13 s, on a thread at start) beside
-# their sources, which uid 10001 cannot write: /tmp is writable (an emptyDir in the manifests).
+# numba caches the workers' kernels in a folder per numba version under NUMBA_CACHE_DIR
+# (common/numba_cache.py): their sources' folder is not writable by uid 10001, /tmp is (an emptyDir in
+# the manifests). A container whose /tmp is new compiles them once, in a child process of each worker
+# before the server reports ready (~13-45 s; the startupProbe allows 120 s), never during a push.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -11,8 +11,9 @@ Status codes (returned, not raised: the caller builds the error): 0 ok, then see
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 from numba.cpython.unsafe.numbers import trailing_zeros
+
+from weightsync.common.numba_cache import cached_njit
 
 C = np.uint64(0x9E3779B97F4A7C15)  # checksum.COLUMN_FACTOR
 U0, U1, U3, U7, U8, U9, U255, U511 = (np.uint64(v) for v in (0, 1, 3, 7, 8, 9, 255, 511))
@@ -20,7 +21,7 @@ ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
 OK, MALFORMED, OUT_OF_RANGE, COUNT_MISMATCH = 0, 1, 2, 3
 
 
-@njit(nogil=True, cache=True, inline="always")
+@cached_njit(nogil=True, inline="always")
 def _ws64_change(position, itemsize, old, new):
     """WS64(after) - WS64(before) for one element: its word's weight times the word's change."""
     offset = np.uint64(position) * np.uint64(itemsize)
@@ -42,7 +43,7 @@ than with the branch (15.2 against 18.5 ms; the threshold was 1/16 of the words)
 2% up (branchless either way)."""
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def _changed(a, b, lo, hi, found, branchless):
     """Indices t in lo..hi where a[t] != b[t] into found; how many. Plain loops: LLVM makes them
     ~40 GB/s on one core (blocked "any change in this line?" loops measured 3-5x slower)."""
@@ -60,7 +61,7 @@ def _changed(a, b, lo, hi, found, branchless):
     return count
 
 
-@njit(nogil=True, cache=True, inline="always")
+@cached_njit(nogil=True, inline="always")
 def _put_gap(varints, used, gap):
     """One gap's varint at varints[used:]; returns the new used. Gaps below 2^14 (all but a few
     per tensor at >= 0.1% changed) without a data-dependent branch."""
@@ -77,7 +78,7 @@ def _put_gap(varints, used, gap):
     return used + 1
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def _emit_words(a64, b64, found, m, xors, varints, state, itemsize, advance):
     """Record the changes in the m changed words listed in found: XOR values, gap varints, the
     WS64 delta; advance: and write each changed word of b into a (the base becomes b, its other
@@ -115,7 +116,7 @@ def _emit_words(a64, b64, found, m, xors, varints, state, itemsize, advance):
     return delta
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def _emit_elements(a, b, found, m, xors, varints, state, advance):
     """_emit_words for the changed elements listed in found (off the aligned fast path)."""
     itemsize = a.itemsize
@@ -137,7 +138,7 @@ def _emit_elements(a, b, found, m, xors, varints, state, advance):
     return delta
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def _plane_nonzero(xors, count, nonzero):
     """Nonzero bytes per plane of xors[:count], a pass of its own (counting inside the emit loop
     made a store-to-load chain through memory per change)."""
@@ -149,7 +150,7 @@ def _plane_nonzero(xors, count, nonzero):
         nonzero[j] = ones
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def _grow(xors, varints, state, elements):
     """Room for `elements` more changes (doubling)."""
     while state[0] + elements > xors.size:
@@ -163,7 +164,7 @@ def _grow(xors, varints, state, elements):
     return xors, varints
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def scan(a, b, a64, b64, start, stop, capacity, advance):
     """Compare a[start:stop] with b[start:stop] in one pass, chunk by chunk; advance: and make
     a[start:stop] equal to b[start:stop] in the same pass (only the changed words are written).
@@ -199,7 +200,7 @@ def scan(a, b, a64, b64, start, stop, capacity, advance):
     return state[0], state[2], state[3], varints, state[1], xors, nonzero, delta
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def _put_varint(out, at, value):
     while value >= 128:
         out[at] = (value & 127) | 128
@@ -209,7 +210,7 @@ def _put_varint(out, at, value):
     return at + 1
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def varint_size(value):
     size = 1
     while value >= 128:
@@ -218,7 +219,7 @@ def varint_size(value):
     return size
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def emit(out, start, stop, count, first, varints, used, xors, first_gap, bitmask_at, index_at,
          plane_kinds, plane_at, bit_start, sparse_at, heads):
     """Write one range's share of the patch: its index bytes (gap varints at index_at, or its
@@ -280,7 +281,7 @@ def emit(out, start, stop, count, first, varints, used, xors, first_gap, bitmask
             heads[j] = head
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def count_changed(a, b, blocks, stride, run):
     """How many of the sampled elements (common.patches.SampleLayout: `run` at every `stride`-th,
     `blocks` times) differ between a and b by bits."""
@@ -292,7 +293,7 @@ def count_changed(a, b, blocks, stride, run):
     return changed
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def resample(a, blocks, stride, run, old, fresh):
     """fresh = the sampled elements of a, in order (as count_changed reads them); how many of them
     differ from old by bits."""

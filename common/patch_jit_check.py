@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
 
+from weightsync.common.numba_cache import cached_njit
 from weightsync.common.patch_jit import (
     COUNT_MISMATCH,
     MALFORMED,
@@ -44,7 +45,7 @@ def prefetch(typingctx, array, index):
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], np.int64)
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def structure(data, numel, count, itemsize):
     """Check a patch's structure (patch_format's order, steps 1-2 and the bitmask's step 3).
 
@@ -126,7 +127,7 @@ BATCH = 256
 them in a loop of its own (misses one after another cost ~40 ns per change below 3% changed)."""
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def walk(data, numel, count, index_end, kinds, plane_at, sparse_at, live, mode, positions, values):
     """Decode every (position, XOR) of a structurally valid patch, in k order, and per mode:
     0 check (write nothing), 1 apply (live[p] ^= x), 2 keep (positions[k] = p, values[k] = the
@@ -202,7 +203,7 @@ def walk(data, numel, count, index_end, kinds, plane_at, sparse_at, live, mode, 
     return OK, 0, delta
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def scatter(target, positions, values):
     """target[positions[k]] = values[k] (positions checked already: a kept, decoded patch)."""
     for k in range(positions.size):

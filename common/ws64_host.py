@@ -8,9 +8,9 @@ it keeps for patches, spent seconds per GB. One pass of uint64 multiply-adds run
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from weightsync.common.checksum import COLUMN_FACTOR, ROW_WORDS
+from weightsync.common.numba_cache import cached_njit
 
 _C = np.uint64(COLUMN_FACTOR)
 _ROW = ROW_WORDS
@@ -18,7 +18,7 @@ _U1 = np.uint64(1)
 _MASK = (1 << 64) - 1
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def _weighted_words(words):
     """sum of words[i] * ((r + 1) + C (c + 1)), (r, c) = divmod(i, 512), modulo 2^64: per row a sum
     (times r + 1) and per column a running sum (times C (c + 1) once, at the end): adds only in

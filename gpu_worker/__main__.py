@@ -21,6 +21,11 @@ import sys
 
 import structlog
 
+COMPILE_AHEAD_SECONDS = 90.0
+"""The most a worker's start spends compiling the numba kernels (common/numba_cache.py), within the server's
+bound on a worker's start (STARTUP_TIMEOUT_SECONDS, 120 s, in server/supervisor.py) with room for the
+interpreter's own start."""
+
 
 def _die_with_parent() -> None:
     """Linux: get SIGKILL if the server dies, so no worker is ever orphaned."""
@@ -43,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C reaches the whole process group; the server decides how we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    from weightsync.common import patch_kernels
+    from weightsync.common import numba_cache, patch_kernels
     from weightsync.common.logging import configure_logging, get_logger
     from weightsync.common.shm_queue import AttachedQueue
     from weightsync.gpu_worker.worker import Worker
@@ -83,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(fault.exit_code)
     fd_channel = socket.socket(fileno=config.fd_channel) if config.fd_channel > 0 else None
     worker = Worker(config, commands.queue, events.queue, fd_channel)
-    patch_kernels.warm_up_in_background()  # the first patched bucket finds the kernels loaded
+    # Compiled (if the cache lacks them) in a child process and before this worker says it started: compiling
+    # here would hold the interpreter's lock long enough to stop the heartbeat, and a first push would wait
+    # for it. Then loaded (about a second) in a thread, so the first patched bucket finds them loaded.
+    numba_cache.compile_ahead(COMPILE_AHEAD_SECONDS)
+    patch_kernels.warm_up_in_background()
     code = worker.run(parent_alive=lambda: os.getppid() == config.parent_pid)
     commands.close()
     events.close()

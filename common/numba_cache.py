@@ -1,0 +1,175 @@
+"""Where weightsync's numba kernels are cached, and compiling them ahead, in a child process.
+
+One cache folder per numba version, numpy version and interpreter. numba keeps one index file per
+kernel and drops (then overwrites) an index written by another numba version; by default it keeps
+them beside the sources, which every virtualenv of a checkout shares: .venv (numba 0.68) and the
+engine venvs (0.65) overwrote each other's kernels, so every process compiled them again (31-44 s on
+a loaded host, against 0.9 s to load them). The folder is kernel_cache_dir(): under NUMBA_CACHE_DIR
+when it is set, else beside the sources (__pycache__/numba), else in numba's user-wide cache; numba
+itself then adds a subfolder per source folder. Only the kernels decorated with cached_njit go
+there (numba's own setting, config.CACHE_DIR, is set while each is decorated and put back): other
+libraries' numba caches stay where they were.
+
+Compiling takes tens of seconds and holds the interpreter's lock in long stretches (seen: 0.6 s on an
+idle host; ten times that at load 10-24), long enough for a worker's heartbeat thread to miss its
+bound. compile_ahead() therefore compiles in a child process (`python -m weightsync.common.numba_cache`)
+into the cache, before a worker reports that it started, and leaves a marker (compiled_marker) naming
+what it compiled for: the sources' stamps and the host CPU, as numba's own cache keys them. A process
+whose marker is there only loads the kernels (about a second); one without compiles once: the child
+holds a lock on the folder, so the workers of a node compile once between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+KERNEL_SOURCES = ("patch_jit.py", "patch_jit_check.py", "ws64_host.py")
+"""The modules (in this folder) whose kernels are cached_njit's: a change to any compiles them all again."""
+LOCK_NAME = "compile.lock"
+_decorating = threading.Lock()
+
+
+def cache_folder_name(numba_version: str, numpy_version: str, cache_tag: str | None) -> str:
+    """The folder of one numba version's kernels for one interpreter (sys.implementation.cache_tag, e.g.
+    "cpython-311") and numpy version: what numba's index does not tell apart."""
+    name = f"numba-{numba_version}-numpy-{numpy_version}-{cache_tag or 'no-cache-tag'}"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def cache_root(environment: Mapping[str, str], source_dir: Path, user_wide: Callable[[], Path],
+               writable: Callable[[Path], bool]) -> Path:
+    """Where the per-version folders go: NUMBA_CACHE_DIR if set; else source_dir/__pycache__/numba when
+    that can be written (numba's own first choice, beside the sources); else numba's user-wide cache."""
+    if environment.get("NUMBA_CACHE_DIR"):
+        return Path(environment["NUMBA_CACHE_DIR"])
+    in_tree = source_dir / "__pycache__" / "numba"
+    return in_tree if writable(in_tree) else user_wide()
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
+def _user_wide() -> Path:
+    from numba.misc.appdirs import user_cache_dir
+
+    return Path(user_cache_dir(appname="numba", appauthor=False))
+
+
+@lru_cache(maxsize=1)
+def kernel_cache_dir() -> Path:
+    """This process's folder for weightsync's kernels (module docstring); read once."""
+    import numba
+    import numpy
+
+    root = cache_root(os.environ, Path(__file__).parent, _user_wide, _writable)
+    return root / cache_folder_name(numba.__version__, numpy.__version__, sys.implementation.cache_tag)
+
+
+def cached_njit(**options: Any) -> Callable[[F], F]:
+    """numba.njit(cache=True, **options), cached in kernel_cache_dir(). numba decides a kernel's cache
+    folder when it is decorated (its locator reads config.CACHE_DIR then), so the setting holds only
+    for that moment."""
+    from numba import config, njit
+
+    def decorate(function: F) -> F:
+        with _decorating:
+            before = config.CACHE_DIR
+            config.CACHE_DIR = str(kernel_cache_dir())
+            try:
+                return njit(cache=True, **options)(function)
+            finally:
+                config.CACHE_DIR = before
+
+    return decorate
+
+
+# -- compiling ahead ----------------------------------------------------------------------------------
+def compiled_key(stamps: Mapping[str, tuple[int, int]], cpu_name: str, cpu_features: str) -> str:
+    """What a marker names: the kernels' sources (name -> (mtime in ns, size), as numba stamps them) and the
+    host CPU (numba keys a compiled kernel by its name and features)."""
+    text = "\n".join([*(f"{name} {mtime} {size}" for name, (mtime, size) in sorted(stamps.items())),
+                      cpu_name, cpu_features])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def compiled_marker() -> Path:
+    """The file compile_ahead leaves once every kernel is compiled for these sources on this CPU."""
+    from llvmlite import binding
+
+    here = Path(__file__).parent
+    stamps = {}
+    for name in KERNEL_SOURCES:
+        stat = (here / name).stat()
+        stamps[name] = (stat.st_mtime_ns, stat.st_size)
+    key = compiled_key(stamps, binding.get_host_cpu_name(), binding.get_host_cpu_features().flatten())
+    return kernel_cache_dir() / f"compiled-{key}"
+
+
+def compile_ahead(timeout: float) -> bool:
+    """Make sure the kernels are in the cache, compiling them in a child process if they are not (at most
+    `timeout` seconds: then the child is killed, and a kernel compiles where it is first used, as without
+    this). True when the marker is there afterwards."""
+    from weightsync.common.logging import get_logger
+
+    log = get_logger("weightsync.numba_cache")
+    marker = compiled_marker()
+    if marker.exists():
+        return True
+    log.info("kernels_compiling_ahead", cache_dir=str(kernel_cache_dir()), timeout_s=timeout)
+    try:
+        done = subprocess.run([sys.executable, "-m", "weightsync.common.numba_cache"], capture_output=True,
+                              text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        log.warning("kernels_compile_ahead_timed_out", timeout_s=timeout)
+        return False
+    if done.returncode != 0:
+        log.warning("kernels_compile_ahead_failed", returncode=done.returncode, stderr=done.stderr[-2000:])
+    return marker.exists()
+
+
+def _compile_here() -> None:
+    """The child's work: under the folder's lock, unless another child compiled meanwhile, call every kernel
+    once (each compiles into the cache), then leave the marker."""
+    import numpy as np
+
+    folder = kernel_cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK_NAME, "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+        marker = compiled_marker()
+        if marker.exists():
+            return
+        from weightsync.common import patch_kernels
+        from weightsync.common.ws64_host import ws64_host
+
+        patch_kernels.warm_up()
+        ws64_host(np.arange(24, dtype=np.uint8))
+        partial = marker.with_name(f"{marker.name}.{os.getpid()}")
+        partial.write_text("compiled\n")
+        os.replace(partial, marker)
+
+
+if __name__ == "__main__":
+    # The module the kernels' decorators read (this file runs as __main__, a second copy of it).
+    from weightsync.common import numba_cache
+
+    with contextlib.suppress(KeyboardInterrupt):
+        numba_cache._compile_here()

@@ -218,6 +218,9 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
             return client.acquire(generation=info.generation, wait=info.wait_s)
         except EngineError as error:
             raise WeightSyncUpdateError(error.reason, str(error).partition(": ")[2] or str(error)) from None
+        except OSError as error:  # LocalWireError too: the server went away (restarted): attach again
+            raise WeightSyncUpdateError("SERVER_UNREACHABLE", f"the connection to weightsync at "
+                                        f"{client.socket_path} is gone: {error}") from None
 
     def _not_applied(self, snapshot: StoreSnapshot, error: BaseException) -> WeightSyncUpdateError:
         """Release `snapshot` unapplied, saying why; the typed error to raise (the engine keeps its weights)."""

@@ -1,11 +1,14 @@
-"""vLLM plugin: registers the "weightsync" weight-transfer backend.
+"""vLLM plugin: registers the "weightsync" weight-transfer backend, both sides.
 
 vLLM calls `register()` in every process it starts (API server or driver,
 EngineCore, each worker) through the `vllm.general_plugins` entry point that
 weightsync's pyproject declares. Start vLLM with
 `weight_transfer_config={"backend": "weightsync"}` (CLI:
 `--weight-transfer-config '{"backend": "weightsync"}'`). A deployment that
-sets VLLM_PLUGINS must list `weightsync` in it.
+sets VLLM_PLUGINS must list `weightsync` in it. The trainer side (vLLM's
+WeightTransferTrainerFactory: engine/vllm_trainer.py) is registered under the same
+name, in every process that loads vLLM's plugins (a trainer that imports vLLM's
+trainer API calls `vllm.plugins.load_general_plugins()`, or register() itself).
 
 Nothing is imported from vLLM until vLLM calls register(), so this module
 is importable (and harmless) without vLLM.
@@ -19,11 +22,17 @@ from typing import Any
 BACKEND = "weightsync"
 ENGINE_MODULE = "weightsync.engine.vllm_backend"
 ENGINE_CLASS = "WeightSyncEngine"
+TRAINER_MODULE = "weightsync.engine.vllm_trainer"
+TRAINER_CLASS = "WeightSyncTrainerEngine"
 
 
 def register() -> None:
-    """Register the backend with vLLM's WeightTransferEngineFactory; idempotent."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    """Register the backend with vLLM's WeightTransferEngineFactory and WeightTransferTrainerFactory;
+    idempotent."""
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
     _guard_kernel_override_scan()
 
@@ -31,6 +40,8 @@ def register() -> None:
     # plugin and also call register() itself (tests, VLLM_ENABLE_V1_MULTIPROCESSING=0).
     if BACKEND not in WeightTransferEngineFactory._registry:  # noqa: SLF001 - the factory has no public lookup
         WeightTransferEngineFactory.register_engine(BACKEND, ENGINE_MODULE, ENGINE_CLASS)
+    if BACKEND not in WeightTransferTrainerFactory._registry:  # noqa: SLF001 - likewise
+        WeightTransferTrainerFactory.register_engine(BACKEND, TRAINER_MODULE, TRAINER_CLASS)
 
 
 def _namespace(value: Any) -> Mapping:

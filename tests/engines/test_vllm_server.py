@@ -8,10 +8,7 @@ token ids), a weightsync server started with --engine, and a trainer pushing wit
 
 from __future__ import annotations
 
-import subprocess
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import tiny_model
@@ -27,60 +24,6 @@ from helpers import running_server, sdk_client, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 DRIVEN = "vllm-http"  # the driver's engine name (the first --engine)
-
-
-@dataclass
-class VllmServer:
-    """vLLM's API server as a process group of its own (API server, EngineCore, worker)."""
-
-    model: str
-    port: int
-    log_dir: Path
-    process: subprocess.Popen | None = None
-    startup_seconds: float = 0.0
-    starts: int = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.starts += 1
-        log = open(self.log_dir / f"vllm-{self.starts}.log", "wb")  # noqa: SIM115 - the process writes it
-        self.process = subprocess.Popen(tiny_model.api_server_command(self.model, self.port),
-                                        env=tiny_model.api_server_env(), stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        log.close()
-        try:
-            self.startup_seconds = tiny_model.wait_healthy(self.url, self.process)
-        except BaseException:
-            self.stop()
-            raise RuntimeError("vLLM did not start:\n" + self.log()[-4000:]) from None
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        tiny_model.stop_process_group(process)
-
-    def log(self) -> str:
-        return (self.log_dir / f"vllm-{self.starts}.log").read_text(errors="replace")
-
-    def weight_version(self) -> str:
-        status, body = tiny_model.http(self.url + "/weight_info")
-        assert status == 200, body
-        return body["weight_version"]
-
-    def tokens(self) -> list[list[int]]:
-        return tiny_model.complete(self.url)
-
-
-@pytest.fixture(scope="module")
-def vllm(checkpoints, cold, tmp_path_factory):  # cold first: its in-process LLMs are gone before this starts
-    server = VllmServer(checkpoints["base"], tiny_model.free_port(), tmp_path_factory.mktemp("vllm-server"))
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,20 @@ After every commit (and whenever vLLM reports another version than the node's,
 e.g. it restarted: a warm start) the driver calls vLLM's weight-transfer routes:
 
     /init_weight_transfer_engine (once per vLLM instance)
-    /pause?mode=keep, /start_weight_update,
-    /update_weights {"update_info": {"generation": g, "since_generation": s}},
-    /finish_weight_update {"weight_version": label}, /resume
+    /start_weight_update,
+    /update_weights {"update_info": {"generation": g, "since_generation": s, "phase": "prepare"}},
+        (vLLM's ranks pin generation g and stage it beside the live model while vLLM keeps
+        generating; the driver waits until each rank gives back the lease it read with: the
+        leases on g held when the call returned)
+    /update_weights {"update_info": {"generation": g, "phase": "apply"}}   (the swap: vLLM's pause)
+    /finish_weight_update {"weight_version": label}
 
-vLLM's worker then reads the node's store through weightsync.engine (the
-weightsync backend: engine/vllm_backend.py). What vLLM serves, and since when,
-goes to GetServerInfo.engines and WatchWeights.
+vLLM's worker reads the node's store through weightsync.engine (the weightsync
+backend: engine/vllm_backend.py, engine/vllm_prepare.py). No /pause and /resume:
+vLLM runs each of these calls between two of its steps, and the apply loads a whole
+version in one call, so generation never sees a half-loaded model; the pause is the
+apply alone (docs/engines/vllm.md). What vLLM serves, and since when, goes to
+GetServerInfo.engines and WatchWeights.
 
 The driver is a supervised background task: whatever vLLM answers (an HTTP
 error, a 200 that is not a JSON object, garbage bytes), the attempt fails
@@ -44,6 +51,7 @@ from dataclasses import dataclass, field
 from weightsync.common.logging import get_logger
 from weightsync.server.credentials import Credentials
 from weightsync.server.engines import EngineRegistry
+from weightsync.server.leases import LeaseTable
 from weightsync.server.publisher import Publisher
 
 log = get_logger("weightsync.engine_driver")
@@ -67,6 +75,8 @@ it restarts; a new commit is tried at once."""
 RESUME_AFTER_FAILURE_SECONDS = 30.0
 LOOP_RETRY_SECONDS = (1.0, 5.0, 30.0)
 """After an unexpected error in the driver loop itself (a bug): wait, then carry on."""
+STAGED_POLL_SECONDS = 0.005
+"""How often the leases are looked at while vLLM's ranks stage a version."""
 
 
 class EngineCallFailed(Exception):
@@ -330,6 +340,9 @@ class VllmHttpDriver(HttpEngineDriver):
 
     local_socket: str
     credentials: Credentials
+    leases: LeaseTable | None = None
+    """The node's leases: the driver learns from them that vLLM's ranks staged a version. None: vLLM
+    loads each version in one update_weights call (the pause then holds the load)."""
     _initialized: bool = field(default=False, kw_only=True)
     _initialized_at_reload: int = field(default=-1, kw_only=True)
     """credentials.reloads when vLLM was initialized: a later reload initializes it again."""
@@ -359,22 +372,35 @@ class VllmHttpDriver(HttpEngineDriver):
             await self._call("POST", "/init_weight_transfer_engine", {"init_info": {
                 "local_socket": self.local_socket, "token": self.credentials.token}})
             self._initialized, self._initialized_at_reload = True, reloads
-        await self._call("POST", "/pause?mode=keep")
-        try:
-            await self._call("POST", "/start_weight_update")
-            # vLLM's worker reads generation `generation` (VERSION_GONE if a newer commit replaced it)
-            # and loads what was written since the one it serves; on an error it keeps its weights.
-            await self._call("POST", "/update_weights", {"update_info": {
-                "generation": generation, "since_generation": self._applied_generation}})
-            await self._call("POST", "/finish_weight_update", {"weight_version": label})
-        except BaseException as failure:
-            await self._cleanup(failure, [("POST", "/resume", None)])
-            raise
-        await self._call("POST", "/resume")
+        update = {"generation": generation, "since_generation": self._applied_generation}
+        await self._call("POST", "/start_weight_update")
+        # A failed update_weights ends vLLM's update session itself (its worker resets it), and vLLM keeps
+        # serving what it served; a prepared version it never applies is dropped by its ranks (hold_s).
+        if self.leases is None:
+            await self._call("POST", "/update_weights", {"update_info": update})
+        else:
+            await self._call("POST", "/update_weights", {"update_info": {**update, "phase": "prepare",
+                                                                          "hold_s": self.timeout_s}})
+            await self._staged(generation)
+            await self._call("POST", "/update_weights", {"update_info": {**update, "phase": "apply"}})
+        await self._call("POST", "/finish_weight_update", {"weight_version": label})
+
+    async def _staged(self, generation: int) -> None:
+        """Until every lease on `generation` held now is given back: each vLLM rank holds one (taken in the
+        prepare call, which has returned) and gives it back once staged or failed (the apply then says
+        which). Another engine's read of the same version is waited for too: it is short."""
+        reading = {lease_id for lease_id, lease in self.leases.leases.items() if lease.generation == generation}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while reading & self.leases.leases.keys():
+            if loop.time() > deadline:
+                raise EngineCallFailed(f"vLLM's ranks did not stage generation {generation} within "
+                                       f"{self.timeout_s:g} s")
+            await asyncio.sleep(STAGED_POLL_SECONDS)
 
 
 def build_driver(spec: str, index: int, *, publisher: Publisher, engines: EngineRegistry, local_socket: str,
-                 credentials: Credentials) -> HttpEngineDriver:
+                 credentials: Credentials, leases: LeaseTable | None = None) -> HttpEngineDriver:
     """The driver of one --engine spec (validated by ServerConfig); `index`: its place among them."""
     from weightsync.server.config import parse_engine_spec
     from weightsync.server.sglang_driver import SglangHttpDriver
@@ -384,4 +410,4 @@ def build_driver(spec: str, index: int, *, publisher: Publisher, engines: Engine
     if parsed.kind == "sglang-http":
         return SglangHttpDriver(name, parsed.url, publisher, engines, pause_mode=parsed.pause,
                                 timeout_s=parsed.timeout_s)
-    return VllmHttpDriver(name, parsed.url, publisher, engines, local_socket, credentials)
+    return VllmHttpDriver(name, parsed.url, publisher, engines, local_socket, credentials, leases)

@@ -105,7 +105,8 @@ class Node:
             )
         self.drivers = [
             build_driver(spec, i, publisher=self.publisher, engines=self.engines,
-                         local_socket=self.local.path if self.local else "", credentials=credentials)
+                         local_socket=self.local.path if self.local else "", credentials=credentials,
+                         leases=self.leases)
             for i, spec in enumerate(config.engines)
         ]
         self.draining = False

@@ -24,7 +24,7 @@ class FakeVllm:
         self.inits: list[dict] = []
         """Every init_info the driver sent, in order."""
         self.calls: list[str] = []
-        """Every route called, in order ("GET /weight_info", "POST /pause?mode=keep", ...)."""
+        """Every route called, in order ("GET /weight_info", "POST /start_weight_update", ...)."""
         self.script: dict[str, list[tuple[int, bytes]]] = {}
         """Route -> answers (status, raw body) to give first, one per call."""
         self.served: str | None = None
@@ -101,6 +101,8 @@ class FakeVllm:
             info = body["update_info"]
             if self.client is None:
                 return 400, b'{"error": "NOT_INITIALIZED"}'
+            if info.get("phase") == "prepare":
+                return 200, b"{}"  # the real backend stages here; this fake copies at the apply
             try:
                 with self.client.acquire(generation=info["generation"]) as snapshot:
                     for name in snapshot.changed_since(info["since_generation"]):
@@ -113,4 +115,4 @@ class FakeVllm:
         if path == "/finish_weight_update":
             self.served = body["weight_version"]
             return 200, b"{}"
-        return 200, b"{}"  # /pause?mode=keep, /start_weight_update, /resume
+        return 200, b"{}"  # /start_weight_update

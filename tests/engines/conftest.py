@@ -12,9 +12,7 @@ process of its own, once per module.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -68,60 +66,12 @@ def cold(checkpoints) -> dict[str, list[list[int]]]:
     return by_name
 
 
-@dataclass
-class VllmServer:
-    """vLLM's API server as a process group of its own (API server, EngineCore, worker)."""
-
-    model: str
-    port: int
-    log_dir: Path
-    env: dict = field(default_factory=lambda: {"VLLM_LOGGING_LEVEL": "INFO"})
-    """Extra environment of the API server (INFO: the tests read the ranks' apply lines in its log)."""
-    process: subprocess.Popen | None = None
-    startup_seconds: float = 0.0
-    starts: int = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.starts += 1
-        log = open(self.log_dir / f"vllm-{self.starts}.log", "wb")  # noqa: SIM115 - the process writes it
-        self.process = subprocess.Popen(tiny_model.api_server_command(self.model, self.port),
-                                        env=tiny_model.api_server_env(**self.env), stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        log.close()
-        try:
-            self.startup_seconds = tiny_model.wait_healthy(self.url, self.process)
-        except BaseException:
-            self.stop()
-            raise RuntimeError("vLLM did not start:\n" + self.log()[-4000:]) from None
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        tiny_model.stop_process_group(process)
-
-    def log(self) -> str:
-        return (self.log_dir / f"vllm-{self.starts}.log").read_text(errors="replace")
-
-    def weight_version(self) -> str:
-        status, body = tiny_model.http(self.url + "/weight_info")
-        assert status == 200, body
-        return body["weight_version"]
-
-    def tokens(self) -> list[list[int]]:
-        return tiny_model.complete(self.url)
-
-
 @pytest.fixture(scope="session")
 def vllm(checkpoints, cold, tmp_path_factory):
     """One vLLM API server (TP 1) for test_vllm_server.py (driven by a weightsync server) and then
     test_vllm_server_trainer.py (vLLM's trainer API; the driven node is gone by then). cold first: its
     in-process LLMs are gone before this starts."""
-    server = VllmServer(checkpoints["base"], tiny_model.free_port(), tmp_path_factory.mktemp("vllm-server"))
+    server = tiny_model.VllmServer(checkpoints["base"], tiny_model.free_port(), tmp_path_factory.mktemp("vllm-server"))
     server.start()
     yield server
     server.stop()

@@ -14,8 +14,11 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -245,6 +248,56 @@ def complete(url: str, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> list[li
             raise RuntimeError(f"/v1/completions: HTTP {status}: {body}")
         out.append(list(body["choices"][0]["token_ids"]))
     return out
+
+
+@dataclass
+class VllmServer:
+    """vLLM's API server as a process group of its own (API server, EngineCore, worker)."""
+
+    model: str
+    port: int
+    log_dir: Path
+    env: dict = field(default_factory=lambda: {"VLLM_LOGGING_LEVEL": "INFO"})
+    """Extra environment of the API server (INFO: the tests read the ranks' apply lines in its log)."""
+    command_extra: list = field(default_factory=list)
+    """More arguments of the API server (tensor parallelism)."""
+    process: subprocess.Popen | None = None
+    startup_seconds: float = 0.0
+    starts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.starts += 1
+        log = open(self.log_dir / f"vllm-{self.starts}.log", "wb")  # noqa: SIM115 - the process writes it
+        self.process = subprocess.Popen([*api_server_command(self.model, self.port), *self.command_extra],
+                                        env=api_server_env(**self.env), stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        log.close()
+        try:
+            self.startup_seconds = wait_healthy(self.url, self.process)
+        except BaseException:
+            self.stop()
+            raise RuntimeError("vLLM did not start:\n" + self.log()[-4000:]) from None
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        stop_process_group(process)
+
+    def log(self) -> str:
+        return (self.log_dir / f"vllm-{self.starts}.log").read_text(errors="replace")
+
+    def weight_version(self) -> str:
+        status, body = http(self.url + "/weight_info")
+        assert status == 200, body
+        return body["weight_version"]
+
+    def tokens(self) -> list[list[int]]:
+        return complete(self.url)
 
 
 def push_killed(address: str, seed: int, version: str) -> int:

@@ -1,0 +1,92 @@
+"""The pure rules of vLLM's weightsync backend, by literal tables: which engine records are a vLLM's
+ranks, how a failed call of vLLM's client is typed, what a trainer's init info refuses, and that a
+shadow of a model never shares a tensor table with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from weightsync.engine.vllm_staging import StagedLayer, StagedModel, shadow_model  # noqa: E402
+from weightsync.engine.vllm_trainer import WeightSyncTrainerInitInfo, engine_failure, rank_of  # noqa: E402
+
+
+@pytest.mark.parametrize("record, name, expected", [
+    ("vllm", "vllm", True), ("vllm:tp1", "vllm", True), ("vllm:tp12", "vllm", True), ("vllm:pp1tp0", "vllm", True),
+    ("vllm-http", "vllm", False), ("vllm:tp", "vllm", False), ("vllm:tp1x", "vllm", False), ("vllm2", "vllm", False),
+    ("other:tp1", "vllm", False), ("a.b:tp3", "a.b", True), ("vllm:second", "vllm", False),
+])
+def test_which_records_are_the_ranks_of_an_engine_name(record, name, expected):
+    assert rank_of(record, name) is expected
+
+
+class _Response:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+class _HttpError(OSError):  # what requests raises: an OSError with the answer attached
+    def __init__(self, message: str, body: str) -> None:
+        super().__init__(message)
+        self.response = _Response(body)
+
+
+@pytest.mark.parametrize("error, reason", [
+    (_HttpError("500 Server Error", '{"error": {"message": "Worker failed with error \'TENSOR_NOT_IN_MODEL: 1 '
+                "tensor(s)'\"}}"), "TENSOR_NOT_IN_MODEL"),
+    (_HttpError("500 Server Error", '{"error": "NOT_INITIALIZED: call init_weight_transfer_engine first"}'),
+     "NOT_INITIALIZED"),
+    (_HttpError("500 Server Error", '{"error": "something else"}'), "ENGINE_CALL_FAILED"),
+    (ConnectionRefusedError("[Errno 111] Connection refused"), "ENGINE_UNREACHABLE"),
+    (TimeoutError("timed out"), "ENGINE_UNREACHABLE"),
+    (RuntimeError("RayTaskError: VERSION_GONE: generation 3 is not held"), "VERSION_GONE"),
+    (RuntimeError("a Ray actor died"), "ENGINE_CALL_FAILED"),
+])
+def test_a_failed_call_of_vllms_client_is_typed(error, reason):
+    typed = engine_failure("update_weights", error, pushed=True)
+    assert (typed.reason, typed.pushed) == (reason, True)
+    assert typed.detail.startswith("vLLM's update_weights: ")
+
+
+@pytest.mark.parametrize("fields, complaint", [
+    ({"servers": []}, "at least one weightsync server"),
+    ({"servers": ["no-port"]}, "servers"),
+    ({"servers": ["a:1"], "engine_server": "b:2"}, "must be one of servers"),
+    ({"servers": ["a:1"], "transport": "carrier-pigeon"}, "transport must be one of"),
+    ({"servers": ["a:1"], "mode": "sideways"}, "mode must be one of"),
+    ({"servers": ["a:1"], "delta": "yes"}, "delta must be"),
+    ({"servers": ["a:1"], "trainer_ranks": 0}, "trainer_ranks must be"),
+    ({"servers": ["a:1"], "trainer_ranks": 2, "transport": "collective"}, "not collective"),
+    ({"servers": ["a:1"], "engine_name": ""}, "prepare needs an engine_name"),
+    ({"servers": ["a:1"], "timeout_s": 0}, "timeout_s must be"),
+])
+def test_the_init_info_refuses_what_cannot_work(fields, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        WeightSyncTrainerInitInfo(rank=0, **fields)
+    assert WeightSyncTrainerInitInfo(servers=["a:1"], rank=0).engine_server == "a:1"
+    assert WeightSyncTrainerInitInfo(servers="a:1", rank=0, engine_name="", prepare=False).servers == ["a:1"]
+
+
+def test_a_shadow_shares_no_tensor_table_and_keeps_aliases():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model.tied = model[0]  # an alias, as a tied lm_head is of embed_tokens
+    shadow, live_of = shadow_model(model)
+    assert shadow[0] is shadow.tied and shadow[0] is not model[0]
+    assert live_of[id(shadow[0])] is model[0] and live_of[id(shadow)] is model
+    shadow[0].weight = torch.nn.Parameter(torch.zeros(2, 2))  # loading into the shadow
+    assert model[0].weight is not shadow[0].weight and not torch.equal(model[0].weight, shadow[0].weight)
+    assert shadow[1].weight is model[1].weight  # untouched tables still point at the live tensors
+
+
+def test_the_swap_copies_into_the_live_tensors_and_sets_changed_attributes():
+    live = torch.nn.Linear(2, 2)
+    kernel = live.weight
+    live.handle, live.stale = "old", "gone"
+    staged = torch.full((2, 2), 7.0)
+    model = StagedModel([StagedLayer("layer", live, [(kernel.data, staged)], {"handle": "new"}, ["stale"])])
+    assert model.copy_bytes == 16
+    model.swap()
+    assert live.weight is kernel and torch.equal(kernel, staged)  # the same tensor object, new values
+    assert live.handle == "new" and not hasattr(live, "stale") and model.layers == []

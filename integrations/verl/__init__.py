@@ -2,17 +2,20 @@
 
     pip install 'weightsync[verl]'
 
-Two lines of verl's config choose it; verl imports this module in every worker, which registers
-the backend "weightsync" with verl's CheckpointEngineRegistry:
+Two lines of verl's config choose it (verl's trainer reads actor_rollout_ref.rollout.checkpoint_engine);
+verl imports this module in every worker, which registers the backend "weightsync" with verl's
+CheckpointEngineRegistry:
 
-    rollout.checkpoint_engine.backend=weightsync
-    rollout.checkpoint_engine.custom_backend_module=weightsync.integrations.verl
-    +rollout.checkpoint_engine.engine_kwargs.weightsync.servers='[node-a:50051,node-b:50051]'
+    actor_rollout_ref.rollout.checkpoint_engine.backend=weightsync
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=weightsync.integrations.verl
+    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.weightsync.servers='[node-a:50051,node-b:50051]'
 
 Other engine_kwargs.weightsync keys: transport, token, mode, delta, timeout_s, node_server,
 outcome_host, senders (config.py: over INLINE every actor rank sends its share by default), receive
-("tensors", or "served": driver mode, the node's server updates the engine), engine. Each sync's version label is verl's global_steps. The config and error
-modules import without verl; importing this package imports verl.
+("tensors", or "served": driver mode, the node's server updates the engine), engine. Each sync's
+version label is verl's global_steps; what the rollout reads is the commit of that sync (its
+generation on each server), whatever labels the nodes held before. Importing this package (or
+any module of it) imports verl and registers the backend.
 """
 
 from __future__ import annotations

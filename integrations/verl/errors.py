@@ -7,21 +7,28 @@ class WeightSyncVerlError(RuntimeError):
     """A weight sync of one step did not complete; the rollout keeps the last version it loaded.
 
     `reason` is machine-readable:
-      CONFIG_INVALID         an engine_kwargs entry verl passed is wrong (`message` names it)
+      CONFIG_INVALID         an engine_kwargs entry verl passed is wrong, or unknown (`message` names
+                             it; an outcome_host that does not resolve, or is not actor rank 0's
+                             host's, at once), or the rollout's node server refused the rollout
+                             (a wrong token: `cause_reason` is the server's reason)
       NOT_INITIALIZED        send/receive before verl's init_process_group gave this worker its role
+                             and this sync's id (one init_process_group, one send or receive)
       STEP_MISSING           send/receive without global_steps (the version label)
       PUSH_FAILED            a sending actor rank's push failed (`cause_reason`: the server's
                              ErrorInfo reason, or the SDK error's type); raised on every actor rank
-                             and on every rollout worker waiting for that version
-      SENDER_LOST            a sending rank's outcome (or, with every rank sending, rank 0's update
-                             key) never reached this worker within the timeout, or rank 0's outcome
-                             store went away (it died)
-      VERSION_NOT_COMMITTED  the rollout's node did not commit the asked version within the timeout
-                             (or its server could not be reached all that time: stopped, restarting)
-      VERSION_GONE           the rollout's node already holds a later step than the one asked for
+                             and on every rollout worker of that sync
+      SENDER_LOST            a sending rank's outcome never reached this worker and no sender showed a
+                             sign of life (each beats while it sends) for timeout_s, or rank 0's
+                             outcome store went away (it died)
+      VERSION_NOT_COMMITTED  the push committed, but the rollout's node could not be read within
+                             timeout_s of the commit (its server stopped or restarting all that time)
+      VERSION_GONE           the rollout's node no longer holds what this sync committed there: it
+                             moved on to a later generation, or its store is a new one (its server
+                             restarted after the commit)
       ENGINE_FAILED          driver mode: the engine the node's server drives failed to apply the
                              version (the message carries its last_error); it keeps serving its last
-      VERSION_NOT_SERVED     driver mode: the engine did not serve the version within the timeout
+      VERSION_NOT_SERVED     driver mode: the engine did not serve the version within timeout_s of
+                             its commit
       LORA_UNSUPPORTED       verl handed over a LoRA adapter (its tensors, or its peft_config): refused on
                              every actor rank and every rollout worker before anything is pushed
       GROUP_FAILED           senders "all" over "collective": init_process_group could not make the

@@ -191,19 +191,30 @@ def test_shm_parts_served_by_the_driven_engine_bit_for_bit_a_failing_rank_a_refu
 
 
 # -- the decisions over WatchWeights events ---------------------------------------------------
+EPOCH = 77
+"""The node's store epoch in the hand-built events."""
+
+
 def event(held: str, generation: int, state: int, applied: str = "", applied_generation: int = 0,
-          error: str = "") -> pb.WatchWeightsResponse:
+          error: str = "", epoch: int = EPOCH) -> pb.WatchWeightsResponse:
     engine = pb.EngineStatus(name="vllm-http", kind="vllm-http", endpoint="http://x", state=state, last_error=error)
     if applied:
         engine.applied_version.version, engine.applied_version.generation = applied, applied_generation
+        engine.applied_version.store_epoch = epoch
     answer = pb.WatchWeightsResponse(engines=[engine])
-    answer.version.version, answer.version.generation = held, generation
+    answer.version.version, answer.version.generation, answer.version.store_epoch = held, generation, epoch
     return answer
 
 
+def watch_for(label: str, generation: int, engine: str | None = None) -> ServedWatch:
+    """A rollout's watch for the sync that committed `label` as `generation` in the node's store."""
+    return ServedWatch(version=label, commits={EPOCH: generation}, engine=engine, node="n:1")
+
+
 def test_a_failure_left_from_an_older_version_is_not_this_ones() -> None:
-    watch = ServedWatch(version="5", engine=None, node="n:1")
+    watch = watch_for("5", 5)
     # Step 4 failed; step 5 is committed but the driver has not started on it: FAILED is step 4's.
+    assert watch.see(event("4", 4, pb.ENGINE_STATE_APPLYING, "3", 3)) is None  # applying step 4, not 5
     assert watch.see(event("4", 4, pb.ENGINE_STATE_FAILED, "3", 3, "refused 4")) is None
     assert watch.see(event("5", 5, pb.ENGINE_STATE_FAILED, "3", 3, "refused 4")) is None
     assert watch.see(event("5", 5, pb.ENGINE_STATE_APPLYING, "3", 3)) is None
@@ -212,7 +223,7 @@ def test_a_failure_left_from_an_older_version_is_not_this_ones() -> None:
 
 
 def test_a_failure_after_the_engine_started_on_this_version_is_engine_failed() -> None:
-    watch = ServedWatch(version="5", engine=None, node="n:1")
+    watch = watch_for("5", 5)
     assert watch.see(event("5", 5, pb.ENGINE_STATE_SERVING, "4", 4)) is None
     assert watch.see(event("5", 5, pb.ENGINE_STATE_APPLYING, "4", 4)) is None
     with pytest.raises(WeightSyncVerlError) as raised:
@@ -224,14 +235,40 @@ def test_a_failure_after_the_engine_started_on_this_version_is_engine_failed() -
     assert watch.timed_out(10, "").reason == "ENGINE_FAILED"
 
 
-def test_a_later_version_on_the_node_is_version_gone_and_no_engine_is_engine_not_found() -> None:
-    with pytest.raises(WeightSyncVerlError, match="VERSION_GONE"):
-        ServedWatch(version="5", engine=None, node="n:1").see(event("6", 6, pb.ENGINE_STATE_APPLYING, "5", 5))
+def test_the_commit_decides_not_the_label() -> None:
+    """A label the node or the engine held before (another run's, another push's) is not this sync's
+    commit; a later label from a run before a resume is no reason to give up."""
+    # This sync committed label "0" as generation 9, over a node that held "50" (a run before it).
+    watch = watch_for("0", 9)
+    assert watch.see(event("50", 8, pb.ENGINE_STATE_SERVING, "50", 8)) is None
+    served = watch.see(event("0", 9, pb.ENGINE_STATE_SERVING, "0", 9))
+    assert served is not None
+    # Label "7" pushed again with other bytes (generation 12): the engine serving "7" as generation 11
+    # serves the other push's bytes.
+    again = watch_for("7", 12)
+    assert again.see(event("7", 12, pb.ENGINE_STATE_SERVING, "7", 11)) is None
+    assert again.see(event("7", 12, pb.ENGINE_STATE_SERVING, "7", 12)) is not None
+
+
+def test_a_later_commit_or_another_store_on_the_node_is_version_gone_and_no_engine_is_engine_not_found() -> None:
+    with pytest.raises(WeightSyncVerlError, match="VERSION_GONE: the node moved on to generation 6"):
+        watch_for("5", 5).see(event("6", 6, pb.ENGINE_STATE_APPLYING, "5", 4))
+    # Another store (the node's server restarted): before the commit was seen, from before it (the rollout
+    # watches from the start of its receive); once the node held it, or on a stream opened after it, gone.
+    restarted = watch_for("5", 5)
+    assert restarted.see(event("9", 9, pb.ENGINE_STATE_SERVING, "9", 9, epoch=78)) is None
+    assert restarted.see(event("5", 5, pb.ENGINE_STATE_APPLYING, "4", 4)) is None
+    with pytest.raises(WeightSyncVerlError, match=r"VERSION_GONE: the node's store \(epoch 78\) is not one"):
+        restarted.see(event("", 0, pb.ENGINE_STATE_APPLYING, epoch=78))
+    reopened = watch_for("5", 5)
+    reopened.restart()  # the stream broke: the next one opens after the commit
+    with pytest.raises(WeightSyncVerlError, match=r"VERSION_GONE: the node's store \(epoch 78\) is not one"):
+        reopened.see(event("", 0, pb.ENGINE_STATE_APPLYING, epoch=78))
     bare = pb.WatchWeightsResponse()
     with pytest.raises(WeightSyncVerlError, match="ENGINE_NOT_FOUND: .*--engine vllm-http=URL"):
-        ServedWatch(version="5", engine=None, node="n:1").see(bare)
+        watch_for("5", 5).see(bare)
     with pytest.raises(WeightSyncVerlError, match="no engine named 'sglang-http'"):
-        ServedWatch(version="5", engine="sglang-http", node="n:1").see(event("5", 5, pb.ENGINE_STATE_SERVING))
-    timed = ServedWatch(version="5", engine=None, node="n:1")
+        watch_for("5", 5, "sglang-http").see(event("5", 5, pb.ENGINE_STATE_SERVING))
+    timed = watch_for("5", 5)
     timed.see(event("5", 5, pb.ENGINE_STATE_APPLYING, "4", 4))
     assert timed.timed_out(10, "").reason == "VERSION_NOT_SERVED"

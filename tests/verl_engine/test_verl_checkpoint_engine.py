@@ -85,10 +85,10 @@ class Worker:
             self.process.join(10)
 
 
-def sync(actors: list[Worker], rollouts: list[Worker], step: int, *, bad_shape: bool = False,
-         bad_norm_on: int | None = None, lora: str = ""):
-    """One update_weights, in CheckpointEngineManager's order (its steps 4 to 6); the backend class
-    found as its __init__ finds it (the custom module imported, then the registry)."""
+def build_process_group(actors: list[Worker], rollouts: list[Worker]) -> None:
+    """CheckpointEngineManager.build_process_group: prepare on every worker, the class's build_topology
+    on their answers, init_process_group with each one's part; the backend class found as its __init__
+    finds it (the custom module imported, then the registry)."""
     import_external_libs("weightsync.integrations.verl")
     backend_cls = CheckpointEngineRegistry.get("weightsync")
     workers = actors + rollouts
@@ -101,9 +101,17 @@ def sync(actors: list[Worker], rollouts: list[Worker], step: int, *, bad_shape: 
         for i, w in enumerate(group):
             w.call("init_process_group", **{k: v[i] for k, v in kwargs.items()})
     assert [w.answer() for w in workers] == [None] * len(workers)
+
+
+def sync(actors: list[Worker], rollouts: list[Worker], step: int, *, bad_shape: bool = False,
+         bad_norm_on: int | None = None, lora: str = "", bytes_of: int | None = None):
+    """One update_weights, in CheckpointEngineManager's order (its steps 4 to 6). bytes_of: the actor
+    ranks push weights_for(bytes_of) under the label `step`."""
+    workers = actors + rollouts
+    build_process_group(actors, rollouts)
     for rank, w in enumerate(actors):
         w.call("update_weights", step=step, bad_shape=bad_shape, bad_norm=rank == bad_norm_on,
-               **({"lora": lora} if lora else {}))
+               **({"lora": lora} if lora else {}), **({"bytes_of": bytes_of} if bytes_of is not None else {}))
     for w in rollouts:
         w.call("update_weights", step=step)
     results = [w.answer() for w in workers]
@@ -229,6 +237,90 @@ def test_a_lora_adapter_is_refused_on_every_worker_before_anything_moves_then_ne
         assert client.verify(weights_for(8)).ok
 
 
+def held(server) -> tuple[str, int]:
+    """The node's committed label and generation."""
+    with EngineClient(server=server.address, name="test") as engine:
+        version = engine.status().version
+        return version.version, version.generation
+
+
+def finalize(workers: list[Worker]) -> None:
+    for w in workers:
+        w.call("finalize")
+    assert [w.answer() for w in workers] == [None] * len(workers)
+
+
+def test_a_resumed_run_and_a_new_run_each_commit_their_first_step_over_a_node_holding_a_later_one(
+        fleet, server) -> None:
+    """verl's fit() syncs global_steps right after loading: the checkpoint's step on resume, 0 for a new
+    run. The node's server outlived the run before and holds a later step of it. The engines are built
+    again (a new run: verl builds them anew), and the first sync commits and the rollout reads exactly its
+    bytes (it waits for this sync's commit, not for a label: a label later than the one asked was
+    VERSION_GONE on the rollout while the actors' push committed); then the run goes on."""
+    actors, rollouts = fleet
+    later = int(held(server)[0] or 0) + 50
+    _, (received,) = sync(actors, rollouts, later)  # the run before this one, at a later step
+    assert_bit_exact(received, weights_for(later))
+    for step in (3, 0):  # resumed from a checkpoint at step 3, then a new run
+        rebuild(actors, rollouts, {"servers": [server.address], **FLEET_KWARGS})
+        _, (received,) = sync(actors, rollouts, step)
+        assert_bit_exact(received, weights_for(step))
+        assert held(server)[0] == str(step)
+    _, (received,) = sync(actors, rollouts, 1)
+    assert_bit_exact(received, weights_for(1))
+    with WeightSyncClient(server.address) as client:
+        assert client.verify(weights_for(1)).ok
+
+
+def test_a_repeated_label_with_other_bytes_is_read_as_this_sync_pushed_it(fleet, server) -> None:
+    """A label the node already holds, pushed again with other bytes: the rollout, asked before the
+    actors push, waits for this sync's commit and reads the new bytes (it read the old ones under the
+    label at once, reporting success, while the actors were still gathering)."""
+    actors, rollouts = fleet
+    step = int(held(server)[0] or 0) + 1
+    _, (received,) = sync(actors, rollouts, step)
+    assert_bit_exact(received, weights_for(step))
+    _, generation = held(server)
+
+    build_process_group(actors, rollouts)
+    rollouts[0].call("update_weights", step=step)
+    # Not yet answered: it waits for the actors' push. (Two seconds cannot fail a rollout that waits, however
+    # loaded the machine; one that read the label's old bytes answers within them.)
+    assert not rollouts[0].conn.poll(2.0), "the rollout answered before the actors pushed"
+    for w in actors:
+        w.call("update_weights", step=step, bytes_of=step + 100)
+    results = [w.answer() for w in actors + rollouts]
+    finalize(actors + rollouts)
+    assert all(isinstance(r, dict) for r in results[:2]), results[:2]
+    assert_bit_exact(results[2], weights_for(step + 100))
+    assert held(server) == (str(step), generation + 1)
+    with WeightSyncClient(server.address) as client:
+        assert client.verify(weights_for(step + 100)).ok
+
+
+def test_a_rollout_engine_built_after_the_actors_reads_this_syncs_outcome(fleet, server) -> None:
+    """A rollout engine built after the actor ranks have synced many times (a restarted replica, elastic
+    scale-up) reads this sync's outcome: a refused push is PUSH_FAILED naming rank 0 at once (it counted
+    its own syncs from 1 and read another sync's outcome: then it waited out its 200 s bound for a label,
+    VERSION_NOT_COMMITTED); the next step, bit for bit."""
+    actors, rollouts = fleet
+    step = int(held(server)[0] or 0) + 1
+    _, (received,) = sync(actors, rollouts, step)  # the actor ranks have synced before
+    assert_bit_exact(received, weights_for(step))
+    rebuild([], rollouts, {"servers": [server.address], **FLEET_KWARGS})
+    label, generation = held(server)
+    step += 1
+    started = time.monotonic()
+    actor_results, (rollout_result,) = sync(actors, rollouts, step, bad_shape=True)
+    assert time.monotonic() - started < 60
+    for kind, error in [*actor_results, rollout_result]:
+        assert (kind, error["reason"], error["rank"], error["version"], error["cause_reason"]) == (
+            "error", "PUSH_FAILED", 0, str(step), "TENSOR_SHAPE_MISMATCH"), error
+    assert held(server) == (label, generation)
+    _, (received,) = sync(actors, rollouts, step + 1)
+    assert_bit_exact(received, weights_for(step + 1))
+
+
 def groups(server) -> list[str]:
     from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -308,8 +400,10 @@ def test_every_actor_rank_sends_its_part_over_one_transfer_group_kept_across_ste
     with WeightSyncClient(server.address) as client:
         assert client.verify(weights_for(after)).ok
 
-    # Rank 1 dies: rank 0's parts agreement breaks (its Gloo peer is gone), which names no one; rank 1
-    # never publishes its outcome, so rank 0 raises SENDER_LOST naming rank 1 at its 20 s bound.
+    # Rank 1 dies once the sync began: rank 0's parts agreement breaks (its Gloo peer is gone), which names
+    # no one; rank 1 never publishes its outcome, so rank 0 raises SENDER_LOST naming rank 1 at its 20 s
+    # bound (after its own last beat).
+    build_process_group(actors, rollouts)
     actors[1].process.kill()
     actors[1].process.join(10)
     started = time.monotonic()
@@ -322,8 +416,10 @@ def test_every_actor_rank_sends_its_part_over_one_transfer_group_kept_across_ste
 
 
 def test_a_dead_sender_is_sender_lost_on_the_other_actor_rank(fleet) -> None:
-    actors, _ = fleet
+    """The sender dies once the sync began (after init_process_group): its outcome store goes with it."""
+    actors, rollouts = fleet
     sender, other = actors
+    build_process_group(actors, rollouts)
     sender.process.kill()
     sender.process.join(10)
     other.call("update_weights", step=9)
@@ -368,8 +464,9 @@ def test_every_actor_rank_sends_its_part_one_commit_per_step_and_a_failing_rank_
 
 
 def test_a_rank_that_never_sends_its_part_is_named_on_the_other(parts_fleet, parts_server) -> None:
-    actors, _ = parts_fleet
+    actors, rollouts = parts_fleet
     first, second = actors
+    build_process_group(actors, rollouts)  # rank 1 dies once the sync began
     second.process.kill()
     second.process.join(10)
     first.call("update_weights", step=5)

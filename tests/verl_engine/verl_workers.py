@@ -151,10 +151,11 @@ LORA_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 
 
 async def _update(engine, role: str, step: int, bad_shape: bool = False, bad_norm: bool = False,
-                  lora: str = "") -> Any:
-    """lora "tensors": the adapter's tensors among the weights; "config": a peft_config beside them."""
+                  lora: str = "", bytes_of: int | None = None) -> Any:
+    """lora "tensors": the adapter's tensors among the weights; "config": a peft_config beside them.
+    bytes_of: the actor pushes weights_for(bytes_of) under the label `step` (a repeated label, other bytes)."""
     if role == "actor":
-        named = weights_for(step, bad_shape=bad_shape, bad_norm=bad_norm)
+        named = weights_for(step if bytes_of is None else bytes_of, bad_shape=bad_shape, bad_norm=bad_norm)
         if lora == "tensors":
             named[LORA_A] = torch.ones(8, 64)
         if lora == "config":

@@ -5,7 +5,11 @@ A rank:
 
   1. attaches to the node's store on first use (an EngineClient, read-only mapping of the
      server's arenas) under the name its place gives (NAME for rank 0, NAME:tpR for the others),
-     so GetServerInfo.engines shows what each rank serves;
+     so GetServerInfo.engines shows what each rank serves; when that connection broke (the
+     weightsync server stopped or restarted), it attaches again, looking the server's local
+     socket up anew (a restarted server listens on a new one), until the request's wait_s is out;
+     what it holds as loaded counts only in the store it was loaded from (a restarted server's
+     store is a new one: the rank's next load takes every tensor);
   2. acquires the version the request names (a lease), and checks every tensor written since the
      older of the request's since_generation and the rank's own record against the model (the
      engine's ModelNames: which parameter a name loads into, and whether its shape fits) before a
@@ -49,6 +53,10 @@ ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
 DEFAULT_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Checkpoint tensors the engines' loaders drop on purpose.
 DROPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+RECONNECTABLE = ("SERVER_UNREACHABLE", "DEADLINE_EXCEEDED")
+"""Attaching failed for a server that did not answer (stopped, restarting): tried again within wait_s."""
+RECONNECT_POLL_S = 0.25
+"""How often a rank tries again to attach while the server does not answer."""
 
 
 class LoadError(RuntimeError):
@@ -168,8 +176,8 @@ class RankLoader:
         self.place = place
         self.model_path = model_path
         self.client: EngineClient | None = None
-        self.served: dict[int, int] = {}
-        """id(model) -> the generation it holds as loaded from the store (absent: unknown)."""
+        self.served: dict[int, tuple[int, int]] = {}
+        """id(model) -> (store epoch, generation) it holds as loaded from that store (absent: unknown)."""
         self._names: dict[int, Names] = {}
         self.last: ApplyStats | None = None
 
@@ -248,8 +256,12 @@ class RankLoader:
             self.logger.error(f"{self.ENGINE}_update_failed", rank=self.place.label, message=message)
             raise LoadError("LOAD_FAILED", message)
         snapshot.applied = True
-        snapshot.release(applied=True)
-        self.served[id(model)] = snapshot.generation
+        try:
+            snapshot.release(applied=True)
+        except OSError as error:  # the server went away after the load: the weights are in, the lease with it
+            self.logger.warning(f"{self.ENGINE}_release_lost", rank=self.place.label, error=str(error))
+            self._detach()
+        self.served[id(model)] = (snapshot.version.store_epoch, snapshot.generation)
         self.last = stats
         self.logger.info(f"{self.ENGINE}_update_loaded", rank=self.place.label, version=stats.version,
                          generation=stats.generation, since_generation=stats.since_generation,
@@ -278,19 +290,47 @@ class RankLoader:
                              socket=self.client.socket_path, **options, pid=os.getpid())
         return self.client
 
+    def _detach(self) -> None:
+        """Forget a connection that broke: the next use attaches again."""
+        if self.client is not None:
+            try:
+                self.client.close()
+            except OSError:
+                pass
+            self.client = None
+
     def _acquire(self, model: torch.nn.Module, request: UpdateRequest, stats: ApplyStats) -> StoreSnapshot:
-        client = self._attach(model)
-        try:
-            snapshot = client.acquire(generation=request.generation, wait=request.wait_s)
-        except EngineError as error:
-            raise LoadError(error.reason, str(error).partition(": ")[2] or str(error)) from None
+        """The version the request names, leased; a connection that broke (the server stopped or restarted)
+        is made again, until request.wait_s is out (then SERVER_UNREACHABLE, or what attaching said)."""
+        deadline = time.monotonic() + request.wait_s
+        while True:
+            try:
+                client = self._attach(model)
+                snapshot = client.acquire(generation=request.generation,
+                                          wait=max(0.0, deadline - time.monotonic()))
+                break
+            except EngineError as error:
+                raise LoadError(error.reason, str(error).partition(": ")[2] or str(error)) from None
+            except LoadError as error:  # attaching: the server is not back (yet)
+                if error.reason not in RECONNECTABLE or time.monotonic() >= deadline:
+                    raise
+            except OSError as error:  # the connection broke: the server went away since the last load
+                self._detach()
+                self.logger.warning(f"{self.ENGINE}_reconnecting", rank=self.place.label, error=str(error))
+                if time.monotonic() >= deadline:
+                    raise LoadError("SERVER_UNREACHABLE", f"the connection to weightsync broke ({error}) and "
+                                    f"was not made again within {request.wait_s:g} s") from None
+                continue
+            time.sleep(min(RECONNECT_POLL_S, max(0.0, deadline - time.monotonic())))
         stats.version, stats.generation = snapshot.version.version, snapshot.generation
         return snapshot
 
     def _select(self, model: torch.nn.Module, snapshot: StoreSnapshot, request: UpdateRequest,
                 stats: ApplyStats) -> list[str]:
         """The store tensors to load, checked against the model; raises before anything is touched."""
-        since = min(request.since_generation, self.served.get(id(model), -1))
+        epoch, generation = self.served.get(id(model), (0, -1))
+        own = generation if epoch == snapshot.version.store_epoch else -1  # another store: every tensor
+        since = min(request.since_generation, own)
         stats.since_generation = since
         names = self.names(model)
         changed = snapshot.changed_since(since)

@@ -256,6 +256,39 @@ def test_the_module_map_builds_lmdeploys_class_whose_load_weights_takes_the_requ
     assert malformed.value.reason == "REQUEST_MALFORMED"
 
 
+def test_a_rank_reaches_a_restarted_server_again_and_loads_the_next_version(tmp_path):
+    """The weightsync server stops and starts again on the same address (a new local socket, a new store).
+    LMDeploy's Qwen2 rank attaches again at its next load and takes every tensor of the new store's version
+    (it failed LOAD_FAILED on its dead connection for the life of the engine process), fused byte for byte."""
+    from helpers import free_port, start_server
+
+    arch = "Qwen2ForCausalLM"
+    directory = model_dir(tmp_path, arch)
+    model = build(directory)
+    address = f"127.0.0.1:{free_port()}"
+    rank = RankLoader(lambda: AttachConfig(server=address, engine_name="lmdeploy-restarted"), RankPlace(),
+                      str(directory))
+    server = start_server(tmp_path, "--listen", address, workers=1)
+    try:
+        with sdk_client(server) as trainer:
+            v1 = checkpoint(arch, 1)
+            g1 = trainer.push(v1, version="v1", transport="inline", allow_new_tensors=True).servers[0].generation
+        assert rank.load(model, UpdateRequest(generation=g1)).tensors == len(v1)
+        assert_bytes(model, expected_params(v1, arch))
+        assert server.stop() == 0
+        server = start_server(tmp_path, "--listen", address, workers=1)
+        with sdk_client(server) as trainer:
+            v2 = checkpoint(arch, 2)
+            g2 = trainer.push(v2, version="v2", transport="inline", allow_new_tensors=True).servers[0].generation
+        stats = rank.load(model, UpdateRequest(generation=g2))
+        assert (stats.version, stats.since_generation, stats.tensors) == ("v2", -1, len(v2))
+        assert_bytes(model, expected_params(v2, arch))
+        status = engines(server)["lmdeploy-restarted"]
+        assert (status.applied_version.version, status.applied_version.generation) == ("v2", g2)
+    finally:
+        server.stop()
+
+
 class RankZeroOfTwo(RankLoader):
     """Rank 0 of TP 2, the other rank's verdicts scripted (LMDeploy's Gloo exchange needs its engine)."""
 
@@ -283,7 +316,7 @@ def test_a_failed_load_or_a_refusing_rank_is_typed_and_the_next_load_takes_what_
     with sdk_client(node) as trainer:
         v1 = checkpoint(arch, 8)
         g1 = trainer.push(v1, version="f1", transport="inline", allow_new_tensors=True).servers[0].generation
-        assert rank.load(model, UpdateRequest(generation=g1)).tensors == len(v1) and rank.served[id(model)] == g1
+        assert rank.load(model, UpdateRequest(generation=g1)).tensors == len(v1) and rank.served[id(model)][1] == g1
         # LMDeploy's post-load processing raises after load_weights ran: LOAD_FAILED, the weights a mix.
         failures.append("post-load broke")
         up = {"model.layers.1.mlp.up_proj.weight": checkpoint(arch, 9)["model.layers.1.mlp.up_proj.weight"]}
@@ -304,7 +337,7 @@ def test_a_failed_load_or_a_refusing_rank_is_typed_and_the_next_load_takes_what_
         # Rank 1 refuses: rank 0 loads nothing and says why.
         before = snapshot_bytes(model)
         two = RankZeroOfTwo(rank, ["TENSOR_MISMATCH: rank 1's shard does not fit"])
-        two.served[id(model)] = g3
+        two.served[id(model)] = rank.served[id(model)]  # as rank 0 loaded it: g3, in this store
         g4 = trainer.push({"model.norm.weight": checkpoint(arch, 10)["model.norm.weight"]}, version="f4",
                           transport="inline").servers[0].generation
         with pytest.raises(LoadError) as refused:

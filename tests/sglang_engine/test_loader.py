@@ -199,7 +199,7 @@ def test_a_split_between_ranks_loads_nothing_and_names_every_ranks_outcome(node,
             model.fed.clear()
             with pytest.raises(LoadError) as caught:
                 rank.load(model, named_tensors)
-            assert model.fed == [] and rank.other == [] and rank.served[id(model)] == g1
+            assert model.fed == [] and rank.other == [] and rank.served[id(model)][1] == g1
             assert all(torch.equal(model.as_checkpoint()[n], version(1)[n]) for n in NAMES)
             return caught.value
 
@@ -235,7 +235,7 @@ def test_a_split_between_ranks_loads_nothing_and_names_every_ranks_outcome(node,
         rank.other = [("", None), ("", None)]
         model.fed.clear()
         rank.load(model, entry(UpdateRequest(generation=g2, since_generation=g1)))
-        assert sorted(model.fed) == sorted(NAMES) and rank.served[id(model)] == g2
+        assert sorted(model.fed) == sorted(NAMES) and rank.served[id(model)][1] == g2
         assert all(torch.equal(model.as_checkpoint()[n], version(2)[n]) for n in NAMES)
         status = engines(node)["split"]
         assert (status.applied_version.version, status.last_error) == ("s2", "")
@@ -254,3 +254,48 @@ def test_a_split_between_ranks_loads_nothing_and_names_every_ranks_outcome(node,
         model.fed.clear()
         rank.load(model, entry(UpdateRequest(generation=g3, since_generation=g2)))
         assert sorted(model.fed) == sorted(NAMES)  # since -1: every tensor
+
+
+def test_a_rank_reaches_a_restarted_server_again_and_loads_every_tensor_of_its_new_store(tmp_path):
+    """The weightsync server is stopped and started again on the same address (a new local socket, a new
+    store counting generations from 1 again). A load while it is down is SERVER_UNREACHABLE once the
+    request's wait_s is out, nothing fed; the next load attaches again and, since the new store is not the
+    one its record counts in, takes every tensor, whatever since_generation the caller still knows (it
+    failed LOAD_FAILED on the old connection for the life of the engine process)."""
+    from helpers import free_port, start_server
+
+    address = f"127.0.0.1:{free_port()}"
+    model = StandIn()
+    rank = RankLoader(lambda: AttachConfig(server=address, engine_name="restarted"), RankPlace(), "")
+    server = start_server(tmp_path, "--listen", address, workers=1)
+    try:
+        with sdk_client(server) as trainer:
+            g1 = trainer.push(version(1), version="r1", transport="inline", allow_new_tensors=True).servers[0].generation
+            g2 = trainer.push({"norm.weight": version(2)["norm.weight"]}, version="r2",
+                              transport="inline").servers[0].generation
+        rank.load(model, entry(UpdateRequest(generation=g2)))
+        assert sorted(model.fed) == sorted(NAMES)
+        assert server.stop() == 0
+
+        model.fed.clear()
+        with pytest.raises(LoadError) as down:
+            rank.load(model, entry(UpdateRequest(generation=g2 + 1, since_generation=g2, wait_s=1.0)))
+        assert down.value.reason == "SERVER_UNREACHABLE", down.value
+        assert model.fed == []
+
+        server = start_server(tmp_path, "--listen", address, workers=1)
+        with sdk_client(server) as trainer:
+            trainer.push(version(3), version="r3", transport="inline", allow_new_tensors=True)
+            g_new = trainer.push({"norm.weight": version(4)["norm.weight"]}, version="r4",
+                                 transport="inline").servers[0].generation
+        assert g_new == g2  # a new store counts from the start again: the rank's record of g2 is the old store's
+        stats = rank.load(model, entry(UpdateRequest(generation=g_new, since_generation=g1)))
+        assert (stats.version, stats.since_generation) == ("r4", -1)
+        assert sorted(model.fed) == sorted(NAMES)
+        expected = {**version(3), "norm.weight": version(4)["norm.weight"]}
+        assert all(torch.equal(model.as_checkpoint()[n], expected[n]) for n in NAMES)
+        status = engines(server)["restarted"]
+        assert (status.applied_version.version, status.applied_version.generation) == ("r4", g_new)
+    finally:
+        server.stop()
+

@@ -25,8 +25,10 @@ Every failure is typed as the vLLM driver's are (engine_driver.py): no answer EN
 an error status (SGLang answers 400 with `success: false` and its message, e.g. a loader's
 TENSOR_NOT_IN_MODEL) ENGINE_REFUSED, a 200 that is not a JSON object or lacks a boolean `success`
 ENGINE_ANSWER_MALFORMED, a 200 with `success: false` ENGINE_REFUSED. On any failure after the
-pause, the driver still ends an update it began and continues generation (bounded; their own
-failures are appended to last_error), so SGLang keeps serving its last version and generating.
+pause, the failure is in the driven entry at once (a load stuck past timeout_s shows as
+ENGINE_UNREACHABLE then, not after the cleanup), and the driver still ends an update it began and
+continues generation (bounded; their own failures are appended to last_error), so SGLang keeps
+serving its last version and generating.
 Only the label is set after the weights: SGLang's weight_version changes only when the whole
 update succeeded.
 """
@@ -38,7 +40,13 @@ from dataclasses import dataclass, field
 
 from weightsync.common.logging import get_logger
 from weightsync.engine.sglang.request import UpdateRequest, update_body
-from weightsync.server.engine_driver import EngineAnswerMalformed, EngineRefused, HttpEngineDriver
+from weightsync.server.engine_driver import (
+    EngineAnswerMalformed,
+    EngineCallFailed,
+    EngineRefused,
+    EngineUnreachable,
+    HttpEngineDriver,
+)
 
 log = get_logger("weightsync.sglang_driver")
 
@@ -93,9 +101,19 @@ class SglangHttpDriver(HttpEngineDriver):
             await self._call("POST", "/end_weight_update", {})
             await self._call("POST", "/update_weight_version", {"new_version": label, "abort_all_requests": False})
         except BaseException as failure:
+            self._report_at_once(failure)
             await self._cleanup(failure, cleanup)
             raise
         await self._call("POST", "/continue_generation", {})
+
+    def _report_at_once(self, failure: BaseException) -> None:
+        """A failed call is in the driven entry before the cleanup runs: a stuck SGLang answers the cleanup's
+        calls no sooner than the update (up to RESUME_AFTER_FAILURE_SECONDS more), and the entry would say
+        APPLYING, no error, all that time. The driver's own report after the cleanup adds its notes."""
+        if isinstance(failure, EngineUnreachable):
+            self.engines.unreachable(self.name, str(failure))
+        elif isinstance(failure, EngineCallFailed):
+            self.engines.failed(self.name, str(failure))
 
     async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         answer = await HttpEngineDriver._call(self, method, path, body)

@@ -30,6 +30,8 @@ follow, in client/link_timings.py.
 
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,6 +55,7 @@ from weightsync.client.delta_policy import (
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.common import patch_kernels
 from weightsync.common.checksum import ws64
+from weightsync.common.host_pinning import pinned_host_empty
 from weightsync.common.logging import get_logger
 from weightsync.common.patches import (
     XOR,
@@ -144,13 +147,18 @@ def _changes_across(base: torch.Tensor, new: torch.Tensor) -> Changes:
 
 @dataclass(frozen=True, slots=True)
 class _Home:
-    """Where one kept copy is allocated (delta_policy.kept_copy)."""
+    """Where one kept copy is allocated (delta_policy.kept_copy). Pinned host memory of the copy's own size,
+    given back when the copy goes (common/host_pinning.pinned_host_empty), not torch's pin_memory=True, which
+    rounds every allocation up to a power of two and keeps it for the process's life."""
 
     device: torch.device
     pinned: bool
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=self.device, pin_memory=self.pinned)
+        if not self.pinned:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        numel = math.prod(shape)
+        return pinned_host_empty(numel * dtype.itemsize).view(dtype).view(shape)
 
 
 def _layout(named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
@@ -190,6 +198,9 @@ class DeltaBase:
         self._advanced: set[str] = set()
         """Kept tensors this push's comparison already made equal to the pushed ones (host tensors:
         the compare kernel writes the changes into the copy); the refresh leaves them as they are."""
+        self._refresh_streams: dict[torch.device, torch.cuda.Stream] = {}
+        """The background refresh's own stream per device: its copies out of the device do not queue ahead
+        of the push's pack copies, checks and sends on the caller's stream (each waits for the writes)."""
 
     def went_dense(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """The push chose patches and then went whole-dense (they would move too much): every tensor
@@ -420,7 +431,11 @@ class DeltaBase:
         for device in {t.device for _, t in named if t.is_cuda}:
             written[device] = torch.cuda.Event()
             written[device].record(torch.cuda.current_stream(device))
-        self._taking = ThreadCall(lambda: self._take(named, choice, written), name="weightsync-delta-copy")
+        for device in written:
+            if device not in self._refresh_streams:
+                self._refresh_streams[device] = torch.cuda.Stream(device)
+        streams = {device: self._refresh_streams[device] for device in written}
+        self._taking = ThreadCall(lambda: self._take(named, choice, written, streams), name="weightsync-delta-copy")
 
     def committed(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None,
                   _unused: object = None) -> None:
@@ -450,11 +465,20 @@ class DeltaBase:
             return False
 
     def _take(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None,
-              written: dict[torch.device, torch.cuda.Event] | None = None) -> None:
+              written: dict[torch.device, torch.cuda.Event] | None = None,
+              streams: dict[torch.device, torch.cuda.Stream] | None = None) -> None:
         """Tensors the comparison brought up to date are left alone, unchanged ones too; other patched
-        tensors (CUDA) are patched in the copy (O(changed)), the rest copied whole."""
-        for device, event in (written or {}).items():
-            torch.cuda.current_stream(device).wait_event(event)
+        tensors (CUDA) are patched in the copy (O(changed)), the rest copied whole. In the background
+        (`streams`), every copy runs on the refresh's own stream of its device, after the writes (`written`)."""
+        with contextlib.ExitStack() as on_streams:
+            for stream in (streams or {}).values():
+                on_streams.enter_context(torch.cuda.stream(stream))
+            for device, event in (written or {}).items():
+                torch.cuda.current_stream(device).wait_event(event)
+            self._take_now(named, choice)
+
+    def _take_now(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None) -> None:
+        """_take on this thread's current streams."""
         with one_intra_op_thread():
             layout = _layout(named)
             if layout != self.layout:

@@ -12,11 +12,23 @@ A refused cudaHostRegister also leaves its error as the thread's CUDA "last erro
 the next kernel launch's check (torch's C10_CUDA_KERNEL_LAUNCH_CHECK reads cudaGetLastError)
 would raise as its own: an engine's next forward pass failing with the registration's error.
 The error is read and cleared (cudaGetLastError, in the thread that registered) right away.
+
+cudaHostRegister faults in every page it has to, about ten times slower than the kernel does
+it ahead (bench/results/gpu-h200.md: 2.27 GB/s for a read-only mapping, 23.8 GB/s once
+faulted): `pin_host(prefault=True)` faults the pages in first (`populate`: MADV_POPULATE_READ
+for a read-only mapping, MADV_POPULATE_WRITE for a writable one, through libc so the GIL is
+not held; Linux < 5.14 reads one byte of each page instead).
+
+`pinned_host_empty` is pinned host memory of exactly the size asked (page-rounded), given back
+to the system when the last tensor over it is gone: torch's pin_memory=True rounds every
+allocation up to a power of two and keeps it cached for the process's life (a 2.32 GiB tensor
+pins 4 GiB, never returned).
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +48,11 @@ CHUNK_BYTES = 256 << 30
 registration, so no copy of one of its segments spans two."""
 HOST_REGISTER_READ_ONLY_SUPPORTED = 113
 """cudaDevAttrHostRegisterReadOnlySupported."""
+MADV_POPULATE_READ = 22  # Linux 5.14+; mmap does not name them before Python 3.13
+MADV_POPULATE_WRITE = 23
+POPULATE_CHUNK_BYTES = 64 << 20
+"""Pre-fault in chunks: each madvise call is short even where the GIL would be held."""
+PAGE_BYTES = mmap.PAGESIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,15 +88,18 @@ def registration_chunks(size: int, limit: int = CHUNK_BYTES, boundaries: Sequenc
 
 
 def pin_host(data: torch.Tensor, flags: int = DEFAULT, *, runtime: CudaRuntime | None = None,
-             boundaries: Sequence[int] = ()) -> list[int]:
+             boundaries: Sequence[int] = (), prefault: bool = False) -> list[int]:
     """Register a host mapping (uint8) with CUDA; the base addresses to unpin, or [] where refused.
-    `boundaries`: offsets in `data` where its segments start (see registration_chunks)."""
+    `boundaries`: offsets in `data` where its segments start (see registration_chunks). `prefault`: fault
+    every page in first (populate), unless the registration is not tried at all."""
     cuda = runtime if runtime is not None else cuda_runtime()
     base, size = data.data_ptr(), data.numel()
     if flags & READ_ONLY and not cuda.read_only_supported():
         log.warning("host_pinning_unsupported", size_bytes=size, flags=flags,
                     why="the device does not take read-only registrations: copies from this mapping are synchronous")
         return []
+    if prefault:
+        populate(data, MADV_POPULATE_READ if flags & READ_ONLY else MADV_POPULATE_WRITE)
     registered: list[int] = []
     for offset, length in registration_chunks(size, boundaries=boundaries):
         code = _code(cuda.register(base + offset, length, flags))
@@ -103,6 +123,80 @@ def unpin_host(bases: list[int], *, runtime: CudaRuntime | None = None) -> None:
 
 def _code(result: object) -> int:
     return int(getattr(result, "value", result))  # type: ignore[call-overload]
+
+
+# -- faulting pages in ----------------------------------------------------------------------------
+def _libc_madvise():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_madvise = _libc_madvise()
+
+
+def populate(data: torch.Tensor, advice: int = MADV_POPULATE_WRITE) -> bool:
+    """Fault in every page of a host mapping, without writing it and without holding the GIL.
+
+    `data` is a uint8 tensor over a page-aligned mapping whose bytes may be committed weights: nothing
+    here may change one of them. Chunked, so even the fallback (a kernel without MADV_POPULATE_*: torch
+    reads one byte of each page, which also releases the GIL) lets other threads run between chunks.
+    Returns whether the madvise did the work (False: the pages were touched by reading)."""
+    size = data.numel()
+    base = data.data_ptr()
+    advised = _madvise is not None
+    for start in range(0, size, POPULATE_CHUNK_BYTES):
+        length = min(POPULATE_CHUNK_BYTES, size - start)
+        if advised and _madvise(base + start, length, advice) == 0:
+            continue
+        advised = False  # one refusal is the kernel's answer for every chunk
+        touch_pages(data[start : start + length])
+    return advised
+
+
+def touch_pages(chunk: torch.Tensor) -> None:
+    """Read one byte of each page of `chunk` (page-aligned uint8): a read fault per page, no write."""
+    chunk[::PAGE_BYTES].max()
+
+
+# -- pinned memory of its exact size --------------------------------------------------------------
+class _PinnedPages:
+    """Anonymous pages registered with CUDA, held by the tensors over them (through their buffer): unregistered,
+    then unmapped, once the last of those is gone."""
+
+    def __init__(self, mapping: mmap.mmap, runtime: CudaRuntime | None) -> None:
+        self.mapping = mapping
+        self.runtime = runtime
+        self.bases: list[int] = []
+
+    def __del__(self) -> None:
+        try:
+            unpin_host(self.bases, runtime=self.runtime)
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone; the process frees it all
+            pass
+        self.mapping.close()
+
+
+def pinned_host_empty(size_bytes: int, *, runtime: CudaRuntime | None = None) -> torch.Tensor:
+    """`size_bytes` of pinned host memory (uint8, contents undefined), exactly that size rounded up to a page,
+    given back to the system (unpinned, unmapped) when the last tensor over it is gone. Where the driver
+    refuses the registration it is pageable memory all the same (copies from it synchronous; pin_host warns)."""
+    length = max(1, -(-size_bytes // PAGE_BYTES)) * PAGE_BYTES
+    mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    exported = (ctypes.c_uint8 * length).from_buffer(mapping)
+    address = ctypes.addressof(exported)
+    del exported  # its export of the mapping ends here: the pages' owner closes the mapping
+    pages = _PinnedPages(mapping, runtime)
+    window = type("PinnedWindow", (ctypes.c_uint8 * length,), {}).from_address(address)
+    window.pages = pages  # the tensor's buffer holds the window, the window the pages
+    data = torch.frombuffer(window, dtype=torch.uint8)
+    pages.bases = pin_host(data, DEFAULT, runtime=runtime, prefault=True)  # fresh pages: faulted, then pinned
+    return data[:size_bytes]
 
 
 # -- the real runtime ----------------------------------------------------------------------------

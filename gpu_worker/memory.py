@@ -7,7 +7,8 @@ A mapping's pages are faulted in when it is made, so the first bucket received i
 does not pay a page fault per 4 KiB (on CPU that costs Gloo about 4x its throughput).
 That takes a while for a large arena and must never hold the GIL meanwhile: the worker's
 heartbeat thread has to keep beating, or the server takes a busy worker for a stalled one
-(mmap.madvise holds the GIL for the whole call; madvise through ctypes, in chunks, does not).
+(mmap.madvise holds the GIL for the whole call; madvise through ctypes, in chunks, does not:
+common/host_pinning.populate).
 
 Faulting pages in never writes them: an arena a worker maps may already hold committed
 weights (every mapping after a worker restart does), and only an update may write the
@@ -28,7 +29,6 @@ are tested on CPU.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import warnings
@@ -36,15 +36,11 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.common.host_pinning import pin_host, unpin_host
+from weightsync.common.host_pinning import MADV_POPULATE_WRITE, pin_host, populate, unpin_host
 from weightsync.common.logging import get_logger
 
 log = get_logger("weightsync.worker.memory")
 
-MADV_POPULATE_WRITE = 23  # Linux 5.14+; mmap does not name it before Python 3.13
-POPULATE_CHUNK_BYTES = 64 << 20
-"""Pre-fault in chunks: each madvise call is short even where the GIL would be held."""
-PAGE_BYTES = mmap.PAGESIZE
 
 
 @dataclass(slots=True)
@@ -76,45 +72,6 @@ class MappedArena:
             pass
 
 
-def _libc_madvise():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
-_madvise = _libc_madvise()
-
-
-def populate(data: torch.Tensor) -> bool:
-    """Fault in every page of a host mapping, without writing it and without holding the GIL.
-
-    `data` is a uint8 tensor over a page-aligned mapping whose bytes may be committed
-    weights: nothing here may change one of them. Chunked, so even the fallback (a
-    kernel without MADV_POPULATE_WRITE: torch reads one byte of each page, which also
-    releases the GIL) lets other threads run between chunks. Returns whether the
-    madvise did the work (False: the pages were touched by reading)."""
-    size = data.numel()
-    base = data.data_ptr()
-    advised = _madvise is not None
-    for start in range(0, size, POPULATE_CHUNK_BYTES):
-        length = min(POPULATE_CHUNK_BYTES, size - start)
-        if advised and _madvise(base + start, length, MADV_POPULATE_WRITE) == 0:
-            continue
-        advised = False  # one refusal is the kernel's answer for every chunk
-        touch_pages(data[start : start + length])
-    return advised
-
-
-def touch_pages(chunk: torch.Tensor) -> None:
-    """Read one byte of each page of `chunk` (page-aligned uint8): a read fault per page, no write."""
-    chunk[::PAGE_BYTES].max()
-
-
 def map_arena(arena_id: int, fd: int, size_bytes: int, device: torch.device) -> MappedArena:
     """Map an arena the server sent, fault its pages in, and pin it on a CUDA worker; closes `fd`."""
     try:
@@ -128,7 +85,7 @@ def map_arena(arena_id: int, fd: int, size_bytes: int, device: torch.device) -> 
     # Pages first, then pinning: on the first GPU machine (H200 host, 8 GiB, bench/results/gpu-h200.md)
     # MADV_POPULATE_WRITE then cudaHostRegister took 2.33 + 0.36 s, cudaHostRegister faulting the pages
     # in itself 3.71 s.
-    populated = populate(data)
+    populated = populate(data, MADV_POPULATE_WRITE)
     pinned = pin_host(data) if device.type == "cuda" else []
     if not populated:
         log.info("arena_pages_touched_by_reading", arena_id=arena_id, size_bytes=size_bytes,

@@ -47,3 +47,64 @@ def assert_same_bytes(left: dict[str, torch.Tensor], right: dict[str, torch.Tens
         a = left[name].detach().cpu().contiguous().view(-1).view(torch.uint8)
         b = right[name].detach().cpu().contiguous().view(-1).view(torch.uint8)
         assert torch.equal(a, b), name
+
+
+def record(name: str, **values) -> dict:
+    """A measurement for the run's record: printed (pytest shows it with -rP or on failure) and appended as a
+    JSON line to $GPU_KIT_MEASURES when set (tools/gpu_kit/run.sh sets it to $OUT/measures.jsonl)."""
+    import json
+    import os
+
+    entry = {"measure": name, **values}
+    line = json.dumps(entry, sort_keys=True, default=str)
+    print(line)
+    path = os.environ.get("GPU_KIT_MEASURES")
+    if path:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(line + "\n")
+    return entry
+
+
+def close_while_sending(group, buffer: torch.Tensor, *, close_join: float, blocked_for: float = 1.0) -> dict:
+    """Start a send of `buffer` to rank 1 in a thread of its own (one that blocks: its peer never receives), close
+    the group from this thread once it blocked for `blocked_for` s, and say how each side ended: whether close()
+    finished within `close_join` and took how long, and how (and how soon after the close) the send ended."""
+    import threading
+    import time
+
+    from weightsync.common.collective import CollectiveError
+
+    ended: dict = {}
+
+    def send() -> None:
+        try:
+            group.send_async(buffer, 1, 0, deadline=time.monotonic() + 120.0)
+            ended["outcome"] = "returned"
+        except CollectiveError as error:
+            ended["outcome"] = {"closed": "closed" in str(error), "timed_out": error.timed_out}
+        ended["at"] = time.monotonic()
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    time.sleep(blocked_for)  # not a synchronisation: whatever the send waits in, close() must end it
+    closing = time.monotonic()
+    finished = group.close(close_join)
+    seconds = time.monotonic() - closing
+    sender.join(close_join + 10.0)
+    return {"close_finished": finished, "close_seconds": seconds, "send": ended.get("outcome", "still blocked"),
+            "send_ended_after_close": ended["at"] - closing if "at" in ended else None}
+
+
+def send_with_deadline(group, buffer: torch.Tensor, seconds: float) -> dict | str:
+    """Send `buffer` to rank 1 with a deadline `seconds` from now: how it ended ("returned", or whether it timed out
+    and after how long)."""
+    import time
+
+    from weightsync.common.collective import CollectiveError
+
+    started = time.monotonic()
+    try:
+        group.send_async(buffer, 1, 0, deadline=started + seconds)
+        return "returned"
+    except CollectiveError as error:
+        return {"timed_out": error.timed_out, "seconds": time.monotonic() - started}

@@ -130,3 +130,27 @@ def test_default_pushes_of_cuda_tensors_keep_their_copy_on_the_host_and_land_exa
         assert all(s.device.type == "cpu" for s in client._delta.samples.values())
         client.push(current, version="dense", transport=transport, delta=False)  # and the copy is freed
         assert client._delta.memory_bytes == 0 and client.verify(current).ok
+
+
+def test_the_background_refresh_copies_on_its_own_stream_after_the_writes(monkeypatch):
+    """L3: the refresh of the kept copy runs while the push's bytes move; on the caller's stream its copies out of
+    the device would queue ahead of the push's pack copies, checks and sends. On a stream of its own it still
+    waits for the writes that made the tensors (here: behind a long kernel on the caller's stream)."""
+    base = DeltaBase()
+    current = model(5)
+    base.committed(list(current.items()), None)
+    seen: list[tuple[torch.cuda.Stream, torch.cuda.Stream]] = []
+    take_now = DeltaBase._take_now
+
+    def spy(self, named, choice):
+        seen.append((torch.cuda.current_stream(torch.device("cuda", 0)), torch.cuda.default_stream(0)))
+        take_now(self, named, choice)
+
+    monkeypatch.setattr(DeltaBase, "_take_now", spy)
+    caller = torch.cuda.current_stream()
+    written = sparse_step(current, 1)  # written behind a long kernel on the caller's stream
+    base.take_in_background(list(written.items()), None)
+    base.committed(list(written.items()), None)
+    [(refresh, default)] = seen
+    assert refresh != caller and refresh != default and refresh == base._refresh_streams[torch.device("cuda", 0)]
+    assert_same_bytes({**base.tensors, **base.views}, written)  # every copy after the writes

@@ -53,6 +53,7 @@ could ever be applied (update_info "strict": false skips them always).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator
 
@@ -60,6 +61,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.logger import init_logger
 
+from weightsync.engine import vllm_ranks
 from weightsync.engine.client import EngineClient, EngineError, StoreSnapshot
 from weightsync.engine.vllm_infos import (  # noqa: F401 - WeightSyncInitInfo and the rest: this module's API
     ADDRESS,
@@ -72,6 +74,7 @@ from weightsync.engine.vllm_infos import (  # noqa: F401 - WeightSyncInitInfo an
 )
 from weightsync.engine.vllm_model_names import ModelNames
 from weightsync.engine.vllm_prepare import Preparation, Preparations, PrepareFailed
+from weightsync.engine.vllm_ranks import model_parallel_rank, rank_engine_name
 from weightsync.engine.vllm_staging import (
     StagingUnavailable,
     feed,
@@ -80,6 +83,8 @@ from weightsync.engine.vllm_staging import (
     staging_room,
 )
 
+RELEASE_WAIT_SECONDS = 30.0
+"""The longest a call waits for the previous apply's release (the local socket's own bound is longer)."""
 # Under "vllm.": vLLM's handler formats and keeps these records in its worker processes.
 logger = init_logger("vllm.plugins.weightsync")
 
@@ -98,28 +103,13 @@ def _release_after_failure(snapshot: StoreSnapshot, error: str) -> None:
         logger.error("weightsync: releasing the version failed: %r (after: %s)", release_error, error)
 
 
-def model_parallel_rank() -> tuple[int, int, int, int]:
-    """(tensor-parallel rank, size, pipeline-parallel rank, size) of this vLLM worker; (0, 1, 0, 1)
-    where vLLM's parallel groups are not set up (a model used outside a vLLM worker)."""
+def _release_applied(snapshot: StoreSnapshot) -> None:
+    """Report a swapped-in version as applied; a failure (the server went away) is logged: the model serves
+    the version either way, and the lease goes with the connection."""
     try:
-        from vllm.distributed import parallel_state
-
-        if not parallel_state.model_parallel_is_initialized():
-            return 0, 1, 0, 1
-        tp, pp = parallel_state.get_tp_group(), parallel_state.get_pp_group()
-        return tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size
-    except Exception:  # noqa: BLE001 - no groups: one rank
-        return 0, 1, 0, 1
-
-
-def rank_engine_name(name: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """The name a rank attaches as: `name` for the first rank (and "" stays "": a driven vLLM's
-    ranks attach unnamed), NAME:tpR for the others (NAME:ppPtpR with pipeline parallelism). Each
-    rank releases its own leases, so each reports what it applied under a name of its own: one
-    shared record would show whichever rank released last."""
-    if not name or (tp_rank == 0 and pp_rank == 0):
-        return name
-    return f"{name}:pp{pp_rank}tp{tp_rank}" if pp_size > 1 else f"{name}:tp{tp_rank}"
+        snapshot.release(applied=True)
+    except (EngineError, OSError) as error:
+        logger.warning("weightsync: reporting generation %d as applied failed: %r", snapshot.generation, error)
 
 
 def _device_name(device: torch.device) -> str:
@@ -143,6 +133,7 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         self._session = False
         self.last_apply: ApplyStats | None = None
         self._preparations = Preparations(self._stage_preparation)
+        self._releasing: threading.Thread | None = None
         self.rank_label = "tp0/1"
         """This worker's place in vLLM's model-parallel groups (tp R/N, pp R/N), for logs."""
 
@@ -174,8 +165,10 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         self._session = True
 
     def finish_weight_update(self) -> None:
-        # Everything happened in update_weights; vLLM records the weight_version itself.
+        # Everything happened in update_weights; vLLM records the weight_version itself. A swapped-in
+        # version's lease goes back after its apply returned: by the end of the update it has.
         self._session = False
+        self._released()
 
     def shutdown(self) -> None:
         self._preparations.drop("the engine shuts down")
@@ -186,6 +179,12 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
             except OSError:
                 pass
 
+    def _released(self) -> None:
+        """Wait for the release the last apply left running (bounded: a local-socket round trip)."""
+        releasing, self._releasing = self._releasing, None
+        if releasing is not None:
+            releasing.join(RELEASE_WAIT_SECONDS)
+
     def _require_client(self) -> EngineClient:
         if self._client is None:
             raise WeightSyncUpdateError("NOT_INITIALIZED", "call init_weight_transfer_engine first")
@@ -194,6 +193,7 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
     # -- one update --------------------------------------------------------------------
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
         client = self._require_client()
+        self._released()  # the last apply's lease first: the server sees one engine state at a time
         if update_info.phase == "prepare":
             self._preparations.start(client, self._acquire(client, update_info), update_info, ApplyStats())
             return
@@ -202,16 +202,44 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
             return
         stats = ApplyStats(apply_started=time.monotonic())
         started = time.perf_counter()
-        snapshot = self._acquire(client, update_info)
-        stats.acquire_s = time.perf_counter() - started
+        snapshot, names, refusal = None, [], None
         try:
+            snapshot = self._acquire(client, update_info)
+            stats.acquire_s = time.perf_counter() - started
             names = self._select(snapshot, update_info, stats)
             stats.check_s = time.perf_counter() - started - stats.acquire_s
+        except WeightSyncUpdateError as error:
+            refusal = error if snapshot is None else self._not_applied(snapshot, error)
+        if not self._agreed(refusal, snapshot):
+            return
+        try:
             if names:
                 self._load(snapshot, names, stats)
         except BaseException as error:
             raise self._not_applied(snapshot, error) from (None if isinstance(error, WeightSyncUpdateError) else error)
         self._applied(snapshot, stats, started)
+
+    def _agreed(self, refusal: WeightSyncUpdateError | None, held: StoreSnapshot | None) -> bool:
+        """Whether every one of vLLM's ranks is ready to change its model (engine/vllm_ranks.py). A rank
+        that refused, alone: its error. With several ranks, when any refused: the last rank raises one
+        error naming each rank's outcome, every other rank gives `held` back unapplied, ends vLLM's
+        update session itself and this returns False."""
+        rank, size, group = vllm_ranks.world()
+        if size == 1:
+            if refusal is not None:
+                raise refusal
+            return True
+        outcomes = vllm_ranks.gather(group, size, self.rank_label,
+                                     "" if refusal is None else f"{refusal.reason}: {refusal.detail}")
+        if all(not text for _, text in outcomes):
+            return True
+        reason, message = vllm_ranks.combined(outcomes)
+        if held is not None and not held.released:
+            _release_after_failure(held, f"{reason}: {message}")
+        if rank == size - 1:
+            raise WeightSyncUpdateError(reason, message)
+        vllm_ranks.end_session(self)
+        return False
 
     def _acquire(self, client: EngineClient, info: WeightSyncUpdateInfo) -> StoreSnapshot:
         try:
@@ -235,10 +263,17 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         logger.warning("weightsync: %s: %s", reason, message)
         return WeightSyncUpdateError(reason, message)
 
-    def _applied(self, snapshot: StoreSnapshot, stats: ApplyStats, started: float) -> None:
+    def _applied(self, snapshot: StoreSnapshot, stats: ApplyStats, started: float, *, later: bool = False) -> None:
         # Finalized: every byte is in the model's own tensors; release() waits for the GPU copies
-        # out of the store to finish before the lease goes.
-        snapshot.release(applied=True)
+        # out of the store to finish before the lease goes. later (a swapped-in version, which read
+        # nothing from the store in the apply): the release is a local-socket round trip the pause
+        # need not hold, so it runs beside the engine's next steps, and the next call waits for it.
+        if later:
+            self._releasing = threading.Thread(target=_release_applied, args=(snapshot,), daemon=True,
+                                               name="weightsync-release")
+            self._releasing.start()
+        else:
+            snapshot.release(applied=True)
         stats.version, stats.generation = snapshot.version.version, snapshot.generation
         stats.total_s = time.perf_counter() - started
         stats.apply_ended = time.monotonic()
@@ -284,11 +319,14 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
     def _apply_prepared(self, info: WeightSyncUpdateInfo) -> None:
         started = time.perf_counter()
         apply_started = time.monotonic()
+        preparation, refusal = None, None
         try:
             preparation = self._preparations.take(info.generation, info.wait_s)
         except PrepareFailed as failure:
             logger.warning("weightsync: rank %s: %s", self.rank_label, failure)
-            raise WeightSyncUpdateError(failure.reason, failure.detail) from None
+            refusal = WeightSyncUpdateError(failure.reason, failure.detail)
+        if not self._agreed(refusal, preparation.pinned if preparation else None):
+            return
         pinned = preparation.pinned
         stats = preparation.stats
         stats.apply_started, stats.prepared_s = apply_started, preparation.prepare_s
@@ -304,7 +342,7 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         except BaseException as error:
             raise self._not_applied(pinned, error) from (None if isinstance(error, WeightSyncUpdateError) else error)
         pinned.applied = True
-        self._applied(pinned, stats, started)
+        self._applied(pinned, stats, started, later=stats.staged)
 
     def _model_names(self) -> ModelNames:
         if self._names is None or self.model is not self._default_model:

@@ -51,7 +51,7 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     engine_name: str = ""
     """Empty when the server drives this vLLM (--engine) and reports for it; else the name the
     server shows in GetServerInfo.engines (kind "local") for the first rank; every other
-    model-parallel rank shows as NAME:tpR (see rank_engine_name)."""
+    model-parallel rank shows as NAME:tpR (engine/vllm_ranks.py: rank_engine_name)."""
     token: str = ""
     """The server's bearer token, if it has one."""
     timeout_s: float = 60.0

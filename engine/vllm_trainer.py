@@ -324,7 +324,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
 
 
 def rank_of(record: str, engine_name: str) -> bool:
-    """Whether an engine record is one of the vLLM ranks attached as `engine_name` (engine/vllm_backend.py's
+    """Whether an engine record is one of the vLLM ranks attached as `engine_name` (engine/vllm_ranks.py's
     rank_engine_name: NAME, NAME:tpR, NAME:ppPtpR)."""
     if record == engine_name:
         return True

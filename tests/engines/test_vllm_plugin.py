@@ -1,5 +1,6 @@
 """The weightsync vLLM plugin keeps vLLM's CPU kernel-override scan working in a process where
-numba has compiled weightsync's patch kernels (a trainer that runs vLLM itself)."""
+numba has compiled weightsync's patch kernels (a trainer that runs vLLM itself).
+It registers both sides of the backend, the worker's and the trainer's, idempotently."""
 
 from __future__ import annotations
 
@@ -43,3 +44,20 @@ def test_the_kernel_scan_survives_llvmlite_once_the_plugin_is_registered(monkeyp
         assert module.owner.kernel is wrapper
     finally:
         del sys.modules[module.__name__]
+
+
+def test_register_puts_both_sides_of_weightsync_in_vllms_registries_once():
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # the entry point, as vLLM loads it in each of its processes
+    vllm_plugin.register()  # and again by hand: no "already registered"
+    assert WeightTransferEngineFactory._registry["weightsync"]().__name__ == "WeightSyncEngine"
+    trainer = WeightTransferTrainerFactory._registry["weightsync"]()
+    assert trainer.__name__ == "WeightSyncTrainerEngine"
+    from weightsync.engine.vllm_trainer import WeightSyncTrainerInitInfo
+
+    assert WeightSyncTrainerInitInfo.backend == "weightsync" and trainer.init_info_cls is WeightSyncTrainerInitInfo

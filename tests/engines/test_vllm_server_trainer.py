@@ -9,6 +9,7 @@ driven node of test_vllm_server.py is gone by now); this module's weightsync ser
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import tiny_model
@@ -153,3 +154,43 @@ def test_a_vllm_restarted_between_steps_is_a_typed_error_then_loads_every_tensor
     engine.send_weights()  # attaches the new instance and loads every tensor, not what changed since v1
     assert vllm.tokens() == cold["v1"]
     assert vllm.weight_version() == "step-8"
+
+
+class HeldSource(ModuleSource):
+    """A WeightSource of a rank that holds part of the model (vLLM's contract: metadata() is the whole
+    model on every rank, iteration yields None for what this rank does not hold)."""
+
+    def __init__(self, module, held: set[str]) -> None:
+        super().__init__(module)
+        self.held = held
+
+    def held_names(self):
+        return self.held
+
+    def __iter__(self):
+        for name, tensor in super().__iter__():
+            yield name, tensor if name in self.held else None
+
+
+def test_a_sharded_trainer_pushes_a_part_from_every_rank(vllm, node, versions, cold):
+    model = tiny_model.model(0)
+    set_weights(model, versions["v2"])
+    names = [name for name, _ in model.named_parameters()]
+    halves = [{n for n in names if ".layers.1." not in n}, {n for n in names if ".layers.1." in n}]
+    engines = [WeightTransferTrainerFactory.trainer_init(
+        WeightSyncTrainerInitInfo(servers=[node.address], rank=rank, trainer_ranks=2, version_prefix="parts",
+                                  timeout_s=60.0),
+        client=HTTPVLLMWeightSyncClient(vllm.url, timeout=120), source=HeldSource(model, halves[rank]))
+        for rank in (0, 1)]
+    assert engines[0].is_sender and not engines[1].is_sender
+    try:
+        with ThreadPoolExecutor(2) as ranks:  # every rank calls send_weights, as vLLM's contract says
+            for done in [ranks.submit(e.send_weights) for e in engines]:
+                done.result(timeout=120)
+        assert vllm.tokens() == cold["v2"]
+        assert vllm.weight_version() == "parts-1"
+        info = node.server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        assert (info.current_version.version, info.engines[0].applied_version.version) == ("parts-1", "parts-1")
+    finally:
+        for engine in engines:
+            engine.shutdown()

@@ -90,3 +90,37 @@ def test_the_swap_copies_into_the_live_tensors_and_sets_changed_attributes():
     model.swap()
     assert live.weight is kernel and torch.equal(kernel, staged)  # the same tensor object, new values
     assert live.handle == "new" and not hasattr(live, "stale") and model.layers == []
+
+
+@pytest.mark.parametrize("outcomes, reason, message", [
+    ([("tp0/2", "TENSOR_NOT_IN_MODEL: 1 tensor(s)"), ("tp1/2", "TENSOR_NOT_IN_MODEL: 1 tensor(s)")],
+     "TENSOR_NOT_IN_MODEL", "rank tp0/2, tp1/2 refused: TENSOR_NOT_IN_MODEL: 1 tensor(s)"),
+    ([("tp0/2", ""), ("tp1/2", "NOT_PREPARED: none")], "NOT_PREPARED",
+     "rank tp0/2 ready; rank tp1/2 refused: NOT_PREPARED: none"),
+    ([("tp0/3", "VERSION_GONE: g3"), ("tp1/3", ""), ("tp2/3", "PREPARE_TIMEOUT: slow")], "VERSION_GONE",
+     "rank tp0/3 refused: VERSION_GONE: g3; rank tp1/3 ready; rank tp2/3 refused: PREPARE_TIMEOUT: slow"),
+])
+def test_the_ranks_refusal_names_every_ranks_outcome(outcomes, reason, message):
+    from weightsync.engine.vllm_ranks import combined
+
+    assert combined(outcomes) == (reason, "the version not applied, the engine keeps its weights: " + message)
+
+
+def test_a_rank_that_does_not_raise_ends_vllms_session_on_its_worker():
+    from weightsync.engine.vllm_ranks import end_session
+
+    class Engine:
+        reset = 0
+
+        def reset_weight_update_target(self) -> None:
+            self.reset += 1
+
+    class Worker:  # what vLLM 0.32's worker holds
+        def __init__(self, engine) -> None:
+            self.weight_transfer_engine = engine
+            self._weight_update_active = True
+
+    engine = Engine()
+    worker = Worker(engine)
+    end_session(engine)
+    assert worker._weight_update_active is False and engine.reset == 1

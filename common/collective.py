@@ -9,12 +9,18 @@ the buffers live on); the NCCL branch is kept next to the Gloo one so the two
 stay one small switch apart.
 
 NCCL groups are built so that weightsync's own timeouts decide what a failure
-costs (nccl_env.py: no torch watchdog or heartbeat monitor for our groups):
-  - a broadcast is waited for by polling its completion against its deadline
-    (started + the group's timeout); its result is read with work.exception(), never
-    with torch's work.wait(), which aborts the communicator in the waiting thread
-    when the work failed (TORCH_NCCL_BLOCKING_WAIT=1) or timed out: on a failure the
-    caller closes the group (abort, bounded);
+costs (nccl_env.py: no torch watchdog or heartbeat monitor for our groups; the
+waits themselves are in transfer_waits.py):
+  - every transfer is waited for by polling its completion against its deadline
+    (started + the group's timeout), and against close() from another thread; its
+    result is read with work.exception(), never with torch's work.wait(), which
+    aborts the communicator in the waiting thread when the work failed
+    (TORCH_NCCL_BLOCKING_WAIT=1) or timed out: on a failure the caller closes the
+    group (abort, bounded);
+  - point-to-point transfers (a part's sends, its owners' receives) run as batches
+    of one on the group's own communicator (nccl_p2p.py), never on torch's
+    per-pair communicators; their start, which connects a pair at its first
+    transfer, runs in a thread of its own waited for against the same deadline;
   - the communicator is non-blocking (an abandoned group is aborted, half-built or
     not) and is built inside open_group, by a first 1-byte broadcast waited for
     against the group's timeout: open_group returns a group whose ranks all
@@ -22,7 +28,10 @@ costs (nccl_env.py: no torch watchdog or heartbeat monitor for our groups):
     non-blocking communicator its init cannot be waited for from Python, and the
     first collective then races it (NCCL error 7, "operation in progress");
   - a group is closed (aborted and released) in a thread of its own with a
-    bounded join: ncclCommAbort can hang.
+    bounded join: ncclCommAbort can hang, and nothing in torch can abort a
+    communicator whose init is still being waited for (the connect's broadcast
+    holds its lock, up to TORCH_NCCL_NONBLOCKING_TIMEOUT). A process refuses a new
+    NCCL group while too many earlier ones are still being released (nccl_groups.py).
 
 A broadcast also carries its framing: the trainer announces the bucket's last
 bytes (`bucket_tail`) so every receiver can tell a short broadcast from a full
@@ -37,7 +46,6 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +53,20 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
 from weightsync.common.logging import get_logger
+from weightsync.common.nccl_groups import UNRELEASED, GroupsStillClosing, refuse_while_closing
+from weightsync.common.nccl_p2p import batched, free_device_bytes, on_stream
 from weightsync.common.threads import CallAbandoned, ThreadCall
+from weightsync.common.transfer_waits import (
+    FAILED_CLOSE_JOIN_SECONDS,
+    NCCL_POLL_SECONDS,
+    CollectiveError,
+    Stopped,
+    looks_like_timeout,
+    run_bounded,
+    wait_call,
+    wait_gloo,
+    wait_polled,
+)
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 log = get_logger("weightsync.collective")
@@ -57,14 +78,8 @@ RENDEZVOUS_PREFIX = "weightsync/"
 BUCKET_TAIL_BYTES = 8
 """BucketStart.tail holds a bucket's last min(8, size) bytes."""
 
-NCCL_POLL_SECONDS = (0.0001, 0.001)
-"""Polling a broadcast's completion: first this often, then (after a millisecond) this often."""
 CLOSE_JOIN_SECONDS = 10.0
 """How long closing a group may hold its caller; the abort goes on in its thread after that."""
-FAILED_CLOSE_JOIN_SECONDS = 0.5
-"""How long a worker whose transfer failed waits for the group's abort before it reports the failure: the
-server gives a bucket the group timeout + server/update_session.BUCKET_MARGIN_SECONDS (2 s) and kills a
-worker silent past that (see failure_report_bound)."""
 CONNECT_BYTES = 1
 """open_group's first broadcast, which builds an NCCL communicator and proves every rank connected."""
 
@@ -89,28 +104,6 @@ def bucket_tail(buffer: torch.Tensor) -> bytes:
 def bucket_tag(sequence: int) -> int:
     """The Gloo tag of bucket `sequence`'s send to its owner (tags are 32-bit: they wrap)."""
     return sequence % (1 << 31)
-
-
-# -- running something that may hang -----------------------------------------------------
-def run_bounded(fn: Callable[[], None], timeout: float, name: str) -> bool:
-    """Run fn in a thread of its own and wait for it at most `timeout` seconds; True if it finished
-    (a failure is logged, never raised). What fn does after the timeout is left to it."""
-    try:
-        ThreadCall(fn, name=name).result(timeout)
-    except CallAbandoned:
-        log.warning("bounded_call_abandoned", call=name, timeout=timeout)
-        return False
-    except Exception as error:  # noqa: BLE001 - a failed teardown is logged, never raised
-        log.warning("bounded_call_failed", call=name, error=f"{type(error).__name__}: {error}")
-    return True
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the group is no longer usable."""
-
-    def __init__(self, message: str, *, timed_out: bool) -> None:
-        super().__init__(message)
-        self.timed_out = timed_out
 
 
 class RendezvousTimeout(RuntimeError):
@@ -156,11 +149,6 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def _looks_like_timeout(error: BaseException) -> bool:
-    text = str(error).lower()
-    return "timeout" in text or "timed out" in text or isinstance(error, TimeoutError)
-
-
 @dataclass(slots=True)
 class CollectiveGroup:
     """A joined group: broadcast from rank 0 with the group's timeout."""
@@ -176,6 +164,14 @@ class CollectiveGroup:
     """Set once close() finished releasing the communicator (its abort may outlive close()'s bound)."""
     trainer_ranks: int = 1
     """The trainer's ranks, 0..trainer_ranks-1 (CreateTransferGroupRequest.trainer_ranks): one per part."""
+    peers: set[int] = field(default_factory=set)
+    """NCCL: the ranks a point-to-point transfer of ours connected to (on the group's own communicator)."""
+    nccl_device_bytes: int = 0
+    """NCCL: device memory this process's driver had less of after the connect and after each peer's first
+    transfer (NCCL's buffers, invisible to torch's allocator; measured, so other allocations at the same
+    moment count too)."""
+    unfinished_work: object | None = None
+    """NCCL: the last transfer whose wait failed or timed out; its kernel may still be queued (settled())."""
 
     def __post_init__(self) -> None:
         if self._pg is None:
@@ -192,69 +188,114 @@ class CollectiveGroup:
         try:
             return self._pg.broadcast([tensor], options)  # type: ignore[attr-defined]
         except RuntimeError as error:
-            raise CollectiveError(str(error), timed_out=_looks_like_timeout(error)) from error
+            raise CollectiveError(str(error), timed_out=looks_like_timeout(error)) from error
 
     def deadline(self) -> float:
         """When a transfer started now must have completed (time.monotonic())."""
         return time.monotonic() + self.timeout.total_seconds()
 
-    def wait(self, work: dist.Work, deadline: float | None = None) -> None:
+    @property
+    def closed(self) -> bool:
+        """close() was called (from any thread): nothing of the group is worth waiting for."""
+        return self._pg is None
+
+    def wait(self, work: dist.Work, deadline: float | None = None, *, stopped: Stopped | None = None) -> None:
         """Complete a transfer by `deadline` (time.monotonic(); default: the group's timeout from now,
-        pass the transfer's own when it started earlier); raises CollectiveError on failure or timeout
-        (the group is then unusable: the caller closes it)."""
+        pass the transfer's own when it started earlier); raises CollectiveError on failure, timeout, or
+        close() from another thread (the group is then unusable: the caller closes it), TransferStopped once
+        `stopped` gives a reason (asked every transfer_waits.STOP_CHECK_SECONDS)."""
         deadline = self.deadline() if deadline is None else deadline
         try:
             if self.backend == pb.BACKEND_NCCL:
-                self._wait_polling(work, deadline)
+                self._wait_polling(work, deadline, stopped)
             else:
-                work.wait(datetime.timedelta(seconds=gloo_wait_seconds(deadline - time.monotonic())))
+                wait_gloo(work, deadline, what=f"group {self.group_id}: transfer", timeout=self._seconds,
+                          closed=lambda: self.closed, stopped=stopped)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
         except CollectiveError:
+            self.unfinished_work = work if self.backend == pb.BACKEND_NCCL else None
             raise
         except RuntimeError as error:
-            raise CollectiveError(str(error), timed_out=_looks_like_timeout(error)) from error
+            raise CollectiveError(str(error), timed_out=looks_like_timeout(error)) from error
 
-    def _wait_polling(self, work: dist.Work, deadline: float) -> None:
-        """NCCL: wait for completion against the deadline, then read the result without torch's wait(),
-        which aborts the communicator in this thread when the work failed or timed out (ncclCommAbort
-        can hang: close() bounds it)."""
-        fast_until = time.monotonic() + 0.001
-        while not work.is_completed():
-            now = time.monotonic()
-            if now > deadline:
-                raise CollectiveError(f"group {self.group_id}: transfer not complete after "
-                                      f"{self.timeout.total_seconds():g} s", timed_out=True)
-            time.sleep(NCCL_POLL_SECONDS[0] if now < fast_until else NCCL_POLL_SECONDS[1])
-        failure = completed_failure(work)
-        if failure is not None:
-            raise CollectiveError(f"group {self.group_id}: transfer failed: {failure}",
-                                  timed_out=_looks_like_timeout(failure))
-        # Completed without error: order this thread's current stream after it (WorkNCCL::synchronize
-        # blocks the current stream on the work's end event; unlike wait() it never aborts).
+    def settled(self) -> bool:
+        """Released (close() finished its abort), and no failed transfer of it still queued on the device: a
+        closed group's recorded streams no longer hold torch's cached blocks (gpu_worker/device_lane.py)."""
+        if not self.released.is_set():
+            return False
+        work = self.unfinished_work
+        try:
+            return work is None or bool(work.is_completed())  # type: ignore[attr-defined]
+        except RuntimeError:
+            return True  # its communicator is gone: nothing of it runs
+
+    def _wait_polling(self, work: dist.Work, deadline: float, stopped: Stopped | None = None) -> None:
+        """NCCL: wait for completion against the deadline (transfer_waits.wait_polled), then order this thread's
+        current stream after it: WorkNCCL::synchronize blocks the current stream on the work's end event;
+        unlike wait() it never aborts."""
+        wait_polled(work, deadline, what=f"group {self.group_id}: transfer", timeout=self._seconds,
+                    closed=lambda: self.closed, stopped=stopped)
         work.synchronize()
+
+    @property
+    def _seconds(self) -> float:
+        return self.timeout.total_seconds()
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.wait(self.broadcast_async(tensor))
 
-    def send_async(self, tensor: torch.Tensor, destination: int, tag: int) -> dist.Work:
-        """Start sending to one rank (Gloo: a bucket goes to its owner only); wait() on the result."""
-        if self._pg is None:
-            raise CollectiveError(f"group {self.group_id} is closed", timed_out=False)
-        try:
-            return self._pg.send([tensor], destination, tag)  # type: ignore[attr-defined]
-        except RuntimeError as error:
-            raise CollectiveError(str(error), timed_out=_looks_like_timeout(error)) from error
+    def send_async(self, tensor: torch.Tensor, destination: int, tag: int, *, deadline: float | None = None,
+                   stopped: Stopped | None = None) -> dist.Work:
+        """Start sending to one rank (a bucket goes to its owner only); wait() on the result. Gloo returns at
+        once. NCCL runs it on the group's own communicator (nccl_p2p.py), whose start may wait for
+        `destination` to reach its matching receive (their first transfer connects them): that start is
+        bounded by `deadline` (default: the group's timeout from now), by close() from another thread and
+        by `stopped`."""
+        return self._point_to_point(tensor, destination, tag, send=True, deadline=deadline, stopped=stopped)
 
-    def receive(self, tensor: torch.Tensor, source: int, tag: int) -> None:
-        """Receive what `source` sends with `tag`, within the group's timeout."""
-        if self._pg is None:
+    def receive(self, tensor: torch.Tensor, source: int, tag: int, *, deadline: float | None = None) -> None:
+        """Receive what `source` sends with `tag`, by `deadline` (default: the group's timeout from now: the
+        start and the transfer itself both within it)."""
+        deadline = self.deadline() if deadline is None else deadline
+        self.wait(self._point_to_point(tensor, source, tag, send=False, deadline=deadline, stopped=None), deadline)
+
+    def _point_to_point(self, tensor: torch.Tensor, peer: int, tag: int, *, send: bool, deadline: float | None,
+                        stopped: Stopped | None) -> dist.Work:
+        pg = self._pg
+        if pg is None:
             raise CollectiveError(f"group {self.group_id} is closed", timed_out=False)
+        if self.backend != pb.BACKEND_NCCL:
+            try:
+                op = pg.send if send else pg.recv  # type: ignore[attr-defined]
+                return op([tensor], peer, tag)
+            except RuntimeError as error:
+                raise CollectiveError(str(error), timed_out=looks_like_timeout(error)) from error
+        deadline = self.deadline() if deadline is None else deadline
+        device, first = self.device, peer not in self.peers
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+        def start() -> tuple[dist.Work, int]:
+            with on_stream(device, stream):
+                before = free_device_bytes(device) if first else 0
+                work = batched(pg, send=send, tensor=tensor, peer=peer, tag=tag)
+                return work, (max(0, before - free_device_bytes(device)) if first else 0)
+
+        what = f"group {self.group_id}: {'send to' if send else 'receive from'} rank {peer}"
         try:
-            work = self._pg.recv([tensor], source, tag)  # type: ignore[attr-defined]
+            work, grown = wait_call(ThreadCall(start, name=f"p2p-{self.group_id}"), deadline, what=what,
+                                    timeout=self._seconds, closed=lambda: self.closed, stopped=stopped)
+        except CollectiveError:
+            raise
         except RuntimeError as error:
-            raise CollectiveError(str(error), timed_out=_looks_like_timeout(error)) from error
-        self.wait(work)
+            raise CollectiveError(f"{what}: {error}", timed_out=looks_like_timeout(error)) from error
+        if first:
+            # NCCL's buffers for this peer were allocated while it connected (driver memory, not torch's).
+            self.peers.add(peer)
+            self.nccl_device_bytes += grown
+            log.info("nccl_peer_connected", group_id=self.group_id, peer=peer, device_bytes=grown,
+                     group_device_bytes=self.nccl_device_bytes)
+        return work
 
     def close(self, join_seconds: float = CLOSE_JOIN_SECONDS) -> bool:
         """Abort and release the communicator, waiting at most join_seconds; safe to call twice.
@@ -286,35 +327,10 @@ class CollectiveGroup:
             finally:
                 released.set()
 
-        return run_bounded(release, join_seconds, f"close-{self.group_id}")
-
-
-def completed_failure(work: dist.Work) -> BaseException | None:
-    """What a completed work failed with (None: it succeeded), read without wait(). isCompleted() is
-    true for a work whose communicator reported an error; exception() then holds it.
-
-    torch 2.11 binds exception() without a converter for the std::exception_ptr it returns, so every
-    call raises TypeError, and its is_success() refuses NCCL works ("WorkNCCL::isSuccess() is
-    deprecated"); both seen on an H200 (torch 2.11.0+cu130, NCCL 2.28.9); torch 2.13 returns the
-    exception or None. What is left there is wait() on the completed work: it returns at once on
-    success; on a failure torch aborts the communicator in this thread, then raises (that abort is of a
-    communicator that already failed)."""
-    try:
-        return work.exception()
-    except TypeError:
-        try:
-            work.wait()
-        except RuntimeError as error:
-            return error
-        return None
-    except RuntimeError as error:  # the binding itself raising is a failure too
-        return error
-
-
-def gloo_wait_seconds(remaining: float) -> float:
-    """The timeout a Gloo wait is given for what is left of its transfer's deadline: at least 1 ms
-    (torch reads a zero timeout as "none": the group's default)."""
-    return max(0.001, remaining)
+        finished = run_bounded(release, join_seconds, f"close-{self.group_id}")
+        if not finished and self.backend == pb.BACKEND_NCCL:
+            UNRELEASED.add(self.group_id, self.released)
+        return finished
 
 
 def failure_report_bound(group_timeout: float, *, margin: float, close_join: float = FAILED_CLOSE_JOIN_SECONDS,
@@ -346,6 +362,7 @@ def open_group(
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)]
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
         elif backend == pb.BACKEND_NCCL:
+            refuse_while_closing(UNRELEASED.ids())
             from torch._C._distributed_c10d import ProcessGroupNCCL  # only in CUDA builds
 
             # The environment our group is built with (nccl_env.py) was set by the caller, from the
@@ -358,13 +375,15 @@ def open_group(
             try:
                 connect(group, deadline)
             except BaseException:
-                group.close()  # a communicator still initializing is aborted (bounded)
+                # A communicator still initializing is aborted, but torch holds its init until
+                # TORCH_NCCL_NONBLOCKING_TIMEOUT: not waited for here (the group counts as unreleased).
+                group.close(FAILED_CLOSE_JOIN_SECONDS)
                 raise
             return group
         else:
             raise ValueError(f"unsupported backend {backend}")
     except RuntimeError as error:
-        if _looks_like_timeout(error):
+        if looks_like_timeout(error) and not isinstance(error, (RendezvousTimeout, GroupsStillClosing)):
             raise RendezvousTimeout(str(error)) from error
         raise
     return CollectiveGroup(group_id, backend, rank, world_size, timeout, device, pg, trainer_ranks=trainer_ranks)
@@ -379,9 +398,11 @@ def connect(group: CollectiveGroup, deadline: float) -> None:
     once per process, so a trainer whose own NCCL groups came first keeps its value (torch's default is
     30 min), whatever nccl_env sets for ours: seen on an H200 (torch 2.11, NCCL 2.28.9), a group whose
     second rank never came held open_group past 4x its timeout. The call therefore runs in a thread of
-    its own, waited for until the deadline; past it open_group closes the group, and the abort ends the
-    init (and the abandoned call with it)."""
+    its own, waited for until the deadline; past it open_group closes the group. That abort waits for the
+    init too (torch holds the communicator's lock while it waits for the init): the group is released only
+    then, and counts meanwhile against MAX_UNRELEASED_NCCL_GROUPS."""
     device = group.device
+    before = free_device_bytes(device)
 
     def start() -> dist.Work:
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -392,6 +413,8 @@ def connect(group: CollectiveGroup, deadline: float) -> None:
     try:
         work = ThreadCall(start, name=f"connect-{group.group_id}").result(max(0.0, deadline - time.monotonic()))
         group.wait(work, deadline)
+        group.nccl_device_bytes = max(0, before - free_device_bytes(device))  # the communicator NCCL built
+        log.info("nccl_communicator_built", group_id=group.group_id, device_bytes=group.nccl_device_bytes)
     except CallAbandoned as error:
         raise RendezvousTimeout(f"group {group.group_id}: the communicator was not built within "
                                 f"{group.timeout.total_seconds():g} s (not every rank connected)") from error

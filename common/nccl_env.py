@@ -17,11 +17,17 @@ value present while the constructor runs applies to that group alone. Ours get:
 Two settings are read once per process, not per group, so they cannot be scoped:
   TORCH_NCCL_NONBLOCKING_TIMEOUT     bounds every spin on a non-blocking communicator (ours are), its
                                      init included, which torch waits for inside our group's first
-                                     broadcast (collective.connect): lowered to what ends within the
+                                     broadcast (collective.connect), and the end of a point-to-point
+                                     batch (common/nccl_p2p.py): lowered to what ends within the
                                      group's timeout (collective.nonblocking_timeout_seconds; an
                                      operator's lower value stays) and left set. torch reads it once,
-                                     at the process's first NCCL call: a process that used NCCL
-                                     before keeps its value (the join's own bound still holds).
+                                     at the process's first NCCL collective, whatever its group: a
+                                     trainer that ran one of its own before (FSDP, DDP) keeps its value,
+                                     30 min unless exported (the trainer logs nccl_nonblocking_timeout_
+                                     frozen). Our waits still end at their deadlines; what it bounds
+                                     then is how long an abandoned init or connect lingers in the
+                                     background. Export it (to about the group timeout) before the
+                                     trainer's first NCCL call.
   NCCL_SOCKET_IFNAME                 NCCL reads it at the process's first communicator and keeps it:
                                      set (as an exact match) only while our group is built, and only
                                      when nobody set it. If that group is the process's first NCCL
@@ -62,6 +68,8 @@ OUR_GROUPS = {BLOCKING_WAIT: "1", ERROR_HANDLING: "0", DUMP_ON_TIMEOUT: "0", ENA
 """Read in each ProcessGroupNCCL's constructor: set while ours is built."""
 NONBLOCKING_TIMEOUT_SECONDS = 120
 """How long a non-blocking communicator may take to become ready at its first use (torch: 30 min)."""
+TORCH_NONBLOCKING_DEFAULT_SECONDS = 1800
+"""torch's TORCH_NCCL_NONBLOCKING_TIMEOUT when the variable is not set."""
 
 _lock = threading.Lock()
 
@@ -89,6 +97,31 @@ def lower_nonblocking_timeout(group_timeout: float, environ: MutableMapping[str,
         value = lowered_nonblocking_timeout(env.get(NONBLOCKING_TIMEOUT), group_timeout)
         env[NONBLOCKING_TIMEOUT] = value
         return value
+
+
+def frozen_nonblocking_timeout(current: str | None, group_timeout: float | None, *, nccl_used: bool) -> int | None:
+    """The TORCH_NCCL_NONBLOCKING_TIMEOUT torch most likely kept (it reads it once, at the process's first NCCL
+    collective) when that exceeds what our group would set, in a process that already ran NCCL (`current`:
+    the variable now, before ours); None when ours can still apply or nothing exceeds it."""
+    if not nccl_used:
+        return None
+    try:
+        kept = int(current) if current else TORCH_NONBLOCKING_DEFAULT_SECONDS
+    except ValueError:
+        return None
+    return kept if kept > int(lowered_nonblocking_timeout(None, group_timeout)) else None
+
+
+def process_used_nccl() -> bool:
+    """Whether this process's default process group runs NCCL (FSDP, DDP...): it ran NCCL collectives first."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        return "nccl" in str(dist.get_backend()).lower()
+    except (RuntimeError, ValueError):
+        return False
 
 
 def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -163,6 +196,7 @@ def hold_trainer_settings(interface: str | None, environ: MutableMapping[str, st
         if ifname is not None:
             settings[SOCKET_IFNAME] = ifname
         current = env.get(NONBLOCKING_TIMEOUT)
+        frozen = frozen_nonblocking_timeout(current, group_timeout, nccl_used=process_used_nccl())
         if not current or group_timeout is not None:
             env[NONBLOCKING_TIMEOUT] = lowered_nonblocking_timeout(current, group_timeout)
         held = _held.setdefault(id(env), _Held(environ=env, originals={}, holders=0))
@@ -170,6 +204,12 @@ def hold_trainer_settings(interface: str | None, environ: MutableMapping[str, st
             held.originals.setdefault(key, env.get(key))
         held.holders += 1
         env.update(settings)
+    if frozen is not None:
+        log.warning("nccl_nonblocking_timeout_frozen", seconds=frozen,
+                    why="this process ran NCCL before: torch keeps the TORCH_NCCL_NONBLOCKING_TIMEOUT it read then, so "
+                        "a group that never connects lingers that long in the background after weightsync gave up "
+                        "on it; export TORCH_NCCL_NONBLOCKING_TIMEOUT (about the group timeout) before the first "
+                        "NCCL call")
     if ifname is not None:
         log.warning("nccl_interface_pinned", interface=ifname,
                     why="NCCL keeps the first NCCL_SOCKET_IFNAME it reads: if this group is this process's first "

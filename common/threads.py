@@ -57,6 +57,10 @@ class ThreadCall(Generic[T]):
     def abandoned(self) -> bool:
         return self._abandoned
 
+    def wait(self, timeout: float) -> bool:
+        """Whether the call finished within `timeout` seconds; unlike result(), never abandons it."""
+        return self._done.wait(timeout)
+
     def result(self, timeout: float) -> T:
         """The call's value, or what it raised. Past `timeout` seconds the call is abandoned
         (its value goes to `discard` when it comes) and CallAbandoned is raised."""

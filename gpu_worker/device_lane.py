@@ -3,9 +3,17 @@
 A staging buffer is received into again only once the copy out of it completed (the current stream waits
 on its event), and drain() waits for every copy: nothing reads the store's bytes before they are there
 (gpu_worker/receiver.py's module docstring).
+
+Releasing the staging gives torch's cached blocks back to the device (empty_cache), which first waits for
+every event recorded on a stream that used a freed block: NCCL's stream, behind a receive whose transfer
+failed, until that group's abort ends its kernel (or forever, if the abort hangs). While `hold_cache` says
+such work may still be queued (GroupTable.device_busy), the blocks stay cached and are given back at the
+next release or ensure() after it no longer does: an abort is answered at once, not after the kernel.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -21,12 +29,17 @@ class DeviceLane:
         self.copied: list[torch.cuda.Event | None] = [None, None]
         self._next = 0
         self._stream: torch.cuda.Stream | None = None
+        self.hold_cache: Callable[[], bool] = lambda: False
+        """Whether a failed transfer's work may still be queued on this device (the worker's GroupTable)."""
+        self.cache_release_pending = False
+        """The staging was released while hold_cache held: torch's cached blocks still wait to go back."""
 
     @property
     def held_bytes(self) -> int:
         return sum(s.numel() for s in self.slots)
 
     def ensure(self, size: int) -> None:
+        self.release_cache()
         if self.slots and self.slots[0].numel() >= size:
             return
         self.drain()
@@ -68,8 +81,16 @@ class DeviceLane:
             self._stream.synchronize()
 
     def release(self) -> None:
-        """Every copy out completed, then the staging buffers and torch's cached blocks go back to the device."""
+        """Every copy out completed, then the staging buffers and torch's cached blocks go back to the device
+        (the blocks later, while hold_cache holds: see the module docstring)."""
         self.drain()
         self.slots = []
         self.copied = [None, None]
-        release_cached_device_memory(self.device)
+        self.cache_release_pending = True
+        self.release_cache()
+
+    def release_cache(self) -> None:
+        """Give torch's cached blocks back to the device, if a release asked for it and nothing holds it."""
+        if self.cache_release_pending and not self.hold_cache():
+            self.cache_release_pending = False
+            release_cached_device_memory(self.device)

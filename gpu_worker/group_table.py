@@ -81,6 +81,8 @@ class GroupTable:
         self.abandoned_joins = 0
         self.closing: list[tuple[CollectiveGroup, float]] = []
         """Groups left whose abort had not finished by then, with when it began (check_closing)."""
+        self.settling: list[CollectiveGroup] = []
+        """NCCL groups left on this GPU that are not settled yet (device_busy)."""
 
     def join(self, join: wpb.JoinGroupCommand) -> float:
         """Join a group; returns the seconds it took."""
@@ -132,10 +134,21 @@ class GroupTable:
         """Leave and close a group, waiting for its abort at most `join_seconds`; False if it goes on."""
         self.stores.pop(group_id, None)
         group = self.groups.pop(group_id, None)
-        if group is None or group.close(join_seconds):
+        if group is None:
             return True
-        self.closing.append((group, time.monotonic()))
-        return False
+        closed = group.close(join_seconds)
+        if group.backend == pb.BACKEND_NCCL and group.device.type == "cuda" and not group.settled():
+            self.settling.append(group)
+        if not closed:
+            self.closing.append((group, time.monotonic()))
+        return closed
+
+    def device_busy(self) -> bool:
+        """Whether a group left on this GPU may still have work queued there: its abort not finished, or a
+        failed transfer's kernel not ended (CollectiveGroup.settled). torch's empty_cache would wait for it
+        (the device lane holds its cached blocks meanwhile: gpu_worker/device_lane.py)."""
+        self.settling = [group for group in self.settling if not group.settled()]
+        return bool(self.settling)
 
     def check_closing(self) -> None:
         """Before a group command: a closed NCCL group whose abort is still not done CLOSE_JOIN_SECONDS after
@@ -149,22 +162,24 @@ class GroupTable:
                                      "its kernel may still run on this device")
 
     def transfer(self, group: CollectiveGroup, buffer: torch.Tensor, receive: wpb.ReceiveBucketCommand, *,
-                 point_to_point: bool) -> None:
+                 point_to_point: bool, deadline: float | None = None) -> None:
         """Receive one bucket: point-to-point from its sender (ReceiveBucketCommand.source_rank, tag: its index in
         the sender's plan, source_sequence), which Gloo always is and NCCL is for an update of several parts;
-        else (NCCL, one trainer) the broadcast from rank 0 that every rank joins. A failure leaves the group (it
-        is unusable) and says so."""
+        else (NCCL, one trainer) the broadcast from rank 0 that every rank joins. Done by `deadline`
+        (time.monotonic(); default: the group's timeout from now): the worker passes when the command arrived
+        plus the group's timeout, which a receive held for its turn has partly spent (the server's bound runs
+        from when it forwarded the command). A failure leaves the group (it is unusable) and says so."""
         self.check_closing()
         sequence = receive.sequence
+        deadline = group.deadline() if deadline is None else deadline
         try:
             if group.backend == pb.BACKEND_NCCL and not point_to_point:
-                group.broadcast(buffer)
+                group.wait(group.broadcast_async(buffer), deadline)
             else:
-                group.receive(buffer, receive.source_rank, bucket_tag(receive.source_sequence))
+                group.receive(buffer, receive.source_rank, bucket_tag(receive.source_sequence), deadline=deadline)
         except CollectiveError as error:
             # Reported within the server's bound (the group timeout + its margin: collective.failure_report_bound):
-            # the abort goes on in its own thread past FAILED_CLOSE_JOIN_SECONDS.
-            # The abort goes on in its own thread past FAILED_CLOSE_JOIN_SECONDS; one still running at a later
+            # the abort goes on in its own thread past FAILED_CLOSE_JOIN_SECONDS; one still running at a later
             # group command CLOSE_JOIN_SECONDS after it began ends the worker (check_closing).
             closed = self.leave(group.group_id, FAILED_CLOSE_JOIN_SECONDS)
             kind, reason = (DeadlineExceeded, "COLLECTIVE_TIMEOUT") if error.timed_out else (Aborted, "COLLECTIVE_FAILED")

@@ -19,12 +19,11 @@ from weightsync.common.collective import (
     CollectiveError,
     CollectiveGroup,
     RendezvousTimeout,
-    completed_failure,
     connect,
     failure_report_bound,
-    gloo_wait_seconds,
     nonblocking_timeout_seconds,
 )
+from weightsync.common.transfer_waits import completed_failure, gloo_wait_seconds
 from weightsync.gpu_worker.device_faults import DeviceFault, DeviceLeftBusy, classify
 from weightsync.gpu_worker.group_table import GroupTable, abort_overdue
 from weightsync.server.update_session import BUCKET_MARGIN_SECONDS
@@ -115,7 +114,8 @@ def test_a_failed_nccl_work_raises_without_torchs_wait_which_would_abort_in_this
 # -- 33.11: the first failure closes an NCCL group; nothing in flight is waited for twice -------------------
 def sink_with(collective: CollectiveGroup, transfers: list[tuple[FakeWork, float]]) -> CollectiveSink:
     sink = CollectiveSink.__new__(CollectiveSink)
-    sink._collective, sink._in_flight, sink._frames, sink.broken = collective, transfers, [], False
+    sink._collective, sink._in_flight, sink._frames, sink._broken = collective, transfers, [], False
+    sink._sent_point_to_point_over_nccl = False
     return sink
 
 

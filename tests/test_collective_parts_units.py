@@ -1,10 +1,13 @@
 """Parts over COLLECTIVE, piece by piece without processes: a part's CollectiveSink (sends point-to-point to its
 owners in increasing rank, over NCCL too, never a broadcast with several trainer ranks; one trainer still
-broadcasts over NCCL), and a worker's turns (gpu_worker/receive_update.py: the receives of an update of several
-parts held to one global order; an update of one part, or not COLLECTIVE, takes them as they come)."""
+broadcasts over NCCL; a part that sent over NCCL breaks its group when its push fails), a part told by a server
+that the update is aborting (through a real CollectiveGroup on a fake process group), and a worker's turns
+(gpu_worker/receive_update.py: the receives of an update of several parts held to one global order; an update of
+one part, or not COLLECTIVE, takes them as they come)."""
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 from concurrent.futures import Future
@@ -16,6 +19,7 @@ import torch
 from weightsync.client.errors import WeightSyncRpcError
 from weightsync.client.packing import PackBuffers, Payload
 from weightsync.client.transports.collective import CollectiveSink
+from weightsync.common.collective import CollectiveGroup
 from weightsync.gpu_worker.receive_update import ReceiveUpdate
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -59,11 +63,11 @@ class Collective:
         self.calls.append(("broadcast",))
         return Work()
 
-    def send_async(self, tensor, destination: int, tag: int):
+    def send_async(self, tensor, destination: int, tag: int, *, deadline=None, stopped=None):
         self.calls.append(("send", destination, tag))
         return Work()
 
-    def wait(self, work, deadline=None) -> None:
+    def wait(self, work, deadline=None, *, stopped=None) -> None:
         pass
 
 
@@ -88,6 +92,26 @@ def test_one_trainer_over_nccl_still_broadcasts():
     payload = Payload(torch.zeros(16, dtype=torch.uint8), packed=True, source_devices=frozenset({torch.device("cpu")}))
     sink.send(0, payload, tensor_pb2.Checksum(), [Stream([1]), Stream([2])])
     assert collective.calls == [("broadcast",)]
+
+
+def zeros() -> Payload:
+    return Payload(torch.zeros(16, dtype=torch.uint8), packed=True, source_devices=frozenset({torch.device("cpu")}))
+
+
+@pytest.mark.parametrize(("backend", "trainer_ranks", "breaks"), [
+    (pb.BACKEND_NCCL, 2, True), (pb.BACKEND_GLOO, 2, False), (pb.BACKEND_NCCL, 1, False)],
+    ids=["part over nccl", "part over gloo", "one trainer over nccl"])
+def test_a_part_that_sent_over_nccl_breaks_its_group_if_its_push_fails(backend, trainer_ranks, breaks):
+    """NCCL completes a send that fits the connection's buffer before its receiver posts the receive: if the update
+    then fails, an owner whose receive was never forwarded would take those bytes at its next receive on the same
+    group (the next update's), every later bucket of that pair shifted by one. So a part that sent over NCCL reads
+    as broken (client/push_job.py closes the group and refuses to push on it when the push fails); Gloo sends wait
+    for their receiver, and one trainer broadcasts (every worker joins every broadcast)."""
+    sink = CollectiveSink(Loop(), Collective(backend, trainer_ranks), PackBuffers(torch.device("cpu")))
+    assert not sink.broken  # nothing sent yet
+    assert sink.send(0, zeros(), tensor_pb2.Checksum(), [Stream([3])]) is None
+    assert sink.finish() is None  # every send of this push completed
+    assert sink.broken is breaks
 
 
 def update(owned: list[int], lane_starts: list[int], group_id: str = "g") -> ReceiveUpdate:
@@ -119,7 +143,7 @@ def test_receives_of_one_part_or_over_the_ingress_take_no_turns(lanes, group):
 
 
 class Pending:
-    """A send nobody receives: it completes only when released."""
+    """A transfer nobody receives: it completes only when released (a Gloo wait ends at its timeout)."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -127,41 +151,64 @@ class Pending:
     def is_completed(self) -> bool:
         return self.release.is_set()
 
+    def exception(self) -> None:
+        return None
 
-class Stuck(Collective):
-    def __init__(self, backend: int) -> None:
-        super().__init__(backend, trainer_ranks=2)
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, timeout=None) -> bool:
+        if not self.release.wait(timeout.total_seconds() if timeout is not None else 60):
+            raise RuntimeError("Timed out waiting for send operation to complete")
+        return True
+
+
+class PendingPG:
+    """A process group whose sends are on the wire until released (NCCL: each a batch of one); abort releases."""
+
+    def __init__(self) -> None:
         self.work = Pending()
-        self.closed = False
+        self.sent: list[tuple[int, int]] = []
+        self.aborted = threading.Event()
 
-    def send_async(self, tensor, destination: int, tag: int):
-        self.calls.append(("send", destination, tag))
+    def _start_coalescing(self) -> None:
+        pass
+
+    def _end_coalescing(self) -> Pending:
         return self.work
 
-    def wait(self, work, deadline=None) -> None:
-        work.release.wait(30)
+    def send(self, tensors, destination: int, tag: int) -> Pending:
+        self.sent.append((destination, tag))
+        return self.work
 
-    def close(self, join_seconds: float = 0) -> bool:
-        self.closed = True
-        self.work.release.set()
-        return True
+    def abort(self) -> None:
+        self.aborted.set()
 
 
 @pytest.mark.parametrize("backend", [pb.BACKEND_NCCL, pb.BACKEND_GLOO])
 def test_a_part_stops_waiting_for_its_sends_once_a_server_says_the_update_is_aborting(backend):
-    collective = Stuck(backend)
-    sink = CollectiveSink(Loop(), collective, PackBuffers(torch.device("cpu")))
+    pg = PendingPG()
+    group = CollectiveGroup("g", backend, 0, 4, datetime.timedelta(seconds=60), torch.device("cpu"), pg,
+                            trainer_ranks=2)
+    sink = CollectiveSink(Loop(), group, PackBuffers(torch.device("cpu")))
     streams = [Stream([5]), Stream([3])]
-    payload = Payload(torch.zeros(16, dtype=torch.uint8), packed=True, source_devices=frozenset({torch.device("cpu")}))
-    assert sink.send(0, payload, tensor_pb2.Checksum(), streams) is None  # on the wire
+    assert sink.send(0, zeros(), tensor_pb2.Checksum(), streams) is None  # on the wire
     told = WeightSyncRpcError("s:1", grpc.StatusCode.ABORTED, "PART_FAILED", "part 1 failed", {"part": "1"})
     streams[1].failed, streams[1].reported_error = True, told
     started = time.monotonic()
-    assert sink.finish() is told  # the server's word, long before the send's deadline (never, here)
-    assert time.monotonic() - started < 5 and sink.broken
-    assert collective.closed == (backend == pb.BACKEND_NCCL)  # NCCL's group aborted with its send
-    collective.work.release.set()
-
+    assert sink.finish() is told  # the server's word, long before the send's deadline (60 s)
+    assert time.monotonic() - started < 5 and sink.broken and pg.sent == [(3, 0), (5, 0)]
+    assert group.closed == (backend == pb.BACKEND_NCCL)  # NCCL's group aborted with its send
+    assert pg.aborted.wait(5) == (backend == pb.BACKEND_NCCL)
+    pg.work.release.set()
+    # The next push on a new group goes through, its sends waited for to completion.
+    fresh = PendingPG()
+    fresh.work.release.set()
+    group = CollectiveGroup("g2", backend, 0, 4, datetime.timedelta(seconds=60), torch.device("cpu"), fresh,
+                            trainer_ranks=2)
+    sink = CollectiveSink(Loop(), group, PackBuffers(torch.device("cpu")))
+    assert sink.send(0, zeros(), tensor_pb2.Checksum(), [Stream([5]), Stream([3])]) is None
+    assert sink.finish() is None and fresh.sent == [(3, 0), (5, 0)]
 
 
 _RECEIVER = """

@@ -125,7 +125,7 @@ class PolledWork:
 def test_an_nccl_broadcast_is_waited_for_by_polling_and_never_by_torchs_timed_wait():
     """torch's wait(timeout) aborts the communicator in the waiting thread on expiry (ncclCommAbort can hang);
     ours polls against the group's deadline and leaves the abort to the bounded close."""
-    group = CollectiveGroup("g", pb.BACKEND_NCCL, 1, 2, datetime.timedelta(seconds=0.3), torch.device("cpu"), None)
+    group = CollectiveGroup("g", pb.BACKEND_NCCL, 1, 2, datetime.timedelta(seconds=0.3), torch.device("cpu"), object())
     done = PolledWork(polls=5)
     group.wait(done)
     assert done.waits == [] and done.synced == 1  # completed: its result read, the stream ordered, never wait()

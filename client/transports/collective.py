@@ -3,8 +3,6 @@ owners (Gloo; NCCL for a part of several), two buckets in flight at most (see ba
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -15,7 +13,7 @@ from weightsync.client.planning import PlannedBucket
 from weightsync.client.streams import UpdateStream
 from weightsync.client.transports.base import announce
 from weightsync.common.collective import CollectiveError, CollectiveGroup, bucket_tag, bucket_tail
-from weightsync.common.threads import ThreadCall
+from weightsync.common.transfer_waits import TransferStopped
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -34,12 +32,23 @@ class CollectiveSink:
         """The previous bucket's transfers, still on the wire, each with its deadline (time.monotonic())."""
         self._frames: list[torch.Tensor] = []
         """Compressed frames of the transfers in flight (kept alive until they completed)."""
-        self.broken = False
-        """A broadcast of ours failed or timed out: the group is unusable on every rank."""
+        self._broken = False
+        """A transfer of ours failed or timed out: the group is unusable on every rank."""
+        self._sent_point_to_point_over_nccl = False
+        """This push sent some bucket point-to-point over NCCL (a part of several)."""
         self.frames = Frames()
         """Buckets of patches as zstd frames (Gloo only; client/compression.py)."""
         self._streams: list[UpdateStream] = []
         """The push's streams (a part's waits stop once a server says the update is aborting)."""
+
+    @property
+    def broken(self) -> bool:
+        """Whether the group is unusable on every rank once this push failed: a transfer of ours failed, or
+        (a part over NCCL) any send of ours went out. An NCCL send that fits the connection's buffer completes
+        before its receiver posts the receive (NCCL's p2p semantics): one to an owner whose receive the failed
+        update never forwarded would be taken by that owner's next receive on the same group, the next
+        update's, shifted by one bucket from then on. Only a new group is sure to hold none."""
+        return self._broken or self._sent_point_to_point_over_nccl
 
     def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
         self.frames.planned(index, bucket.spec)
@@ -63,14 +72,21 @@ class CollectiveSink:
                 started = [(self._collective.broadcast_async(data), deadline)]
             else:
                 # In increasing owner rank (owner_ranks); the owners receive in one global order, so none waits
-                # on a later one (common/receive_order.py). Over NCCL torch runs each single send on a two-rank
-                # communicator of its own per (this rank, owner) pair, built by the first send to that owner
-                # (through the group's store), with a stream of its own: each send's stream waits, when it is
-                # enqueued, for this thread's current stream (the pack copies, read() ordered them), and sends
-                # to several owners may run at once (sends running ahead: the order's proof covers them).
-                # torch records `data` on each send's stream; finish() orders the next pack after every send.
-                started = [(self._collective.send_async(data, rank, bucket_tag(index)), deadline)
-                           for rank in owner_ranks(streams, index)]
+                # on a later one (common/receive_order.py). Over NCCL each send runs on the group's own
+                # communicator and stream (common/nccl_p2p.py), after this thread's current stream (the pack
+                # copies, read() ordered them); its start may wait for the owner to reach the matching receive
+                # (their first transfer connects them), within the transfer's deadline and only while no
+                # server said the update is aborting. torch records `data` on the send's stream; finish()
+                # orders the next pack after every send.
+                started = []
+                for rank in owner_ranks(streams, index):
+                    self._sent_point_to_point_over_nccl |= self._collective.backend == pb.BACKEND_NCCL
+                    started.append((self._collective.send_async(data, rank, bucket_tag(index), deadline=deadline,
+                                                                stopped=self._told), deadline))
+        except TransferStopped as stopped:
+            self._broke()
+            self.finish()
+            return stopped.reason
         except CollectiveError:
             self._broke()
             self.finish()  # bucket k-1's transfers too: none is left in flight
@@ -95,7 +111,7 @@ class CollectiveSink:
         transfers, self._in_flight = self._in_flight, []
         failure: BaseException | None = None
         for work, deadline in transfers:
-            if self.broken and self._collective.backend == pb.BACKEND_NCCL:
+            if self._broken and self._collective.backend == pb.BACKEND_NCCL:
                 break  # aborted with the group: nothing of it is left to wait for
             try:
                 stopped = self._wait(work, deadline)
@@ -110,42 +126,34 @@ class CollectiveSink:
         return failure
 
     def _wait(self, work: dist.Work, deadline: float) -> BaseException | None:
-        """Complete one transfer. A part's (several trainer ranks) is waited for in a thread of its own while
-        its streams are watched: once a server says the update is aborting (another part failed), a send to a
-        worker that will never receive it is not waited for to its deadline; the server's word is returned
-        and the group is broken (the abandoned wait ends at its deadline; nothing receives its bytes)."""
+        """Complete one transfer. A part's (several trainer ranks) is waited for while its streams are watched
+        (_told, every transfer_waits.STOP_CHECK_SECONDS): once a server says the update is aborting (another
+        part failed), a send to a worker that will never receive it is not waited for to its deadline; the
+        server's word is returned and the group is broken (NCCL's aborted; a Gloo wait given up on ends at
+        its deadline, or when its receiver leaves the group). Over NCCL it is polled in this thread: wait()
+        then orders this thread's current stream (the next pack into this buffer) after the send."""
         if self._collective.trainer_ranks == 1 or not self._streams:
             self._collective.wait(work, deadline)
             return None
-        if self._collective.backend == pb.BACKEND_NCCL:
-            # Polled here, in the caller's thread: wait() then orders the caller's current stream (the next pack
-            # into this buffer) after the send. A send stopped early is aborted with the group (_broke).
-            while not work.is_completed() and time.monotonic() < deadline:
-                told = next((stream for stream in self._streams if stream.failed), None)
-                if told is not None:
-                    return told.reported_error or CollectiveError("a server ended the update", timed_out=False)
-                time.sleep(PART_WAIT_POLL_SECONDS)
-            self._collective.wait(work, deadline)
-            return None
-        call = ThreadCall(lambda: self._collective.wait(work, deadline), name="part-transfer")
-        while not call.done:
-            told = next((stream for stream in self._streams if stream.failed), None)
-            if told is not None:
-                return told.reported_error or CollectiveError("a server ended the update", timed_out=False)
-            time.sleep(PART_WAIT_POLL_SECONDS)
-        call.result(0)  # what the wait raised, if it did
+        try:
+            self._collective.wait(work, deadline, stopped=self._told)
+        except TransferStopped as stopped:
+            return stopped.reason
         return None
+
+    def _told(self) -> BaseException | None:
+        """What a server said when it ended the update (None while none has)."""
+        told = next((stream for stream in self._streams if stream.failed), None)
+        if told is None:
+            return None
+        return told.reported_error or CollectiveError("a server ended the update", timed_out=False)
 
     def _broke(self) -> None:
         """A transfer of ours failed or timed out: the group is unusable on every rank. NCCL's is aborted
         now (bounded), so no transfer of it runs on and none is waited for twice."""
-        self.broken = True
+        self._broken = True
         if self._collective.backend == pb.BACKEND_NCCL:
             self._collective.close()
-
-
-PART_WAIT_POLL_SECONDS = 0.01
-"""How often a part's wait for a transfer looks at its streams (CollectiveSink._wait)."""
 
 
 def owner_ranks(streams: list[UpdateStream], index: int) -> list[int]:

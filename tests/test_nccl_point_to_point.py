@@ -1,0 +1,393 @@
+"""Parts over NCCL, bounded and cheap (issue 44), decided on CPU against fakes of torch's process groups and works.
+
+What a GPU shows instead is in tests/gpu (docs/gpus.md). Here: every NCCL point-to-point operation runs as a batch
+of one on the group's own communicator (no per-pair communicator), its start bounded by the transfer's deadline,
+by close() from another thread and by a part's streams (C1); torch 2.11's failed work read within a bound (C3); a
+process refusing a new NCCL group while two earlier ones are still being released, a failed connect reported
+without waiting for its abort (C4); a failed transfer's cached device blocks held back until its work can no
+longer be queued (P2); a receive held for its turn gets what is left of its timeout (P3); the device of a torch
+group's collectives (P5); the frozen TORCH_NCCL_NONBLOCKING_TIMEOUT named (F4)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from test_collective_parts_units import Loop, Stream
+
+from weightsync.client.errors import WeightSyncRpcError
+from weightsync.client.packing import PackBuffers, Payload
+from weightsync.client.transports.collective import CollectiveSink
+from weightsync.common import nccl_env, nccl_groups
+from weightsync.common.collective import CollectiveGroup, RendezvousTimeout, open_group
+from weightsync.common.nccl_groups import (
+    GroupsStillClosing,
+    process_group_device,
+    refuse_while_closing,
+)
+from weightsync.common.transfer_waits import (
+    FAILED_CLOSE_JOIN_SECONDS,
+    CollectiveError,
+    completed_failure,
+)
+from weightsync.gpu_worker import device_lane
+from weightsync.gpu_worker.device_lane import DeviceLane
+from weightsync.gpu_worker.group_table import GroupTable
+from weightsync.v1 import tensor_pb2
+from weightsync.v1 import weight_sync_service_pb2 as pb
+from weightsync.worker.v1 import worker_pb2 as wpb
+
+pytestmark = pytest.mark.timeout(120)
+
+NCCL, GLOO = pb.BACKEND_NCCL, pb.BACKEND_GLOO
+
+
+class Work:
+    """An NCCL work: completes when `done` is set."""
+
+    def __init__(self, done: bool = True) -> None:
+        self.done = threading.Event()
+        if done:
+            self.done.set()
+        self.synced = 0
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def exception(self) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        self.synced += 1
+
+
+class Communicator:
+    """A ProcessGroupNCCL as CollectiveGroup drives it. `connects`: how each batch's end waits, the way torch waits in
+    ncclGroupEnd for a peer's first transfer (set: at once; never set: until torch's non-blocking timeout)."""
+
+    def __init__(self, *, connects: bool = True) -> None:
+        self.calls: list[tuple] = []
+        self.threads: list[int] = []
+        """The thread of each call."""
+        self.connected = threading.Event()
+        if connects:
+            self.connected.set()
+        self.aborted = threading.Event()
+        self.work = Work()
+
+    def _note(self, *call) -> None:
+        self.calls.append(call)
+        self.threads.append(threading.get_ident())
+
+    def _start_coalescing(self) -> None:
+        self._note("start")
+
+    def send(self, tensors, peer: int, tag: int) -> None:
+        self._note("send", peer, tag)
+
+    def recv(self, tensors, peer: int, tag: int) -> None:
+        self._note("recv", peer, tag)
+
+    def _end_coalescing(self) -> Work:
+        self._note("end")
+        self.connected.wait(60)  # torch's spin: an abort does not end it (the state it polls stays in progress)
+        return self.work
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+
+def nccl_group(pg: object, *, timeout: float = 30.0, trainer_ranks: int = 2) -> CollectiveGroup:
+    return CollectiveGroup("g", NCCL, 0, 4, datetime.timedelta(seconds=timeout), torch.device("cpu"), pg,
+                           trainer_ranks=trainer_ranks)
+
+
+# -- C1: batched on the group's communicator, its start bounded ----------------------------------------------
+def test_nccl_point_to_point_runs_as_a_batch_of_one_on_the_groups_communicator():
+    """A bare send/recv would make torch build a two-rank communicator per pair inside the call (lazy mode)."""
+    pg = Communicator()
+    group = nccl_group(pg)
+    tensor = torch.zeros(8, dtype=torch.uint8)
+    work = group.send_async(tensor, 2, 5)
+    group.wait(work)
+    group.receive(tensor, 3, 7)
+    assert pg.calls == [("start",), ("send", 2, 5), ("end",), ("start",), ("recv", 3, 7), ("end",)]
+    # Each batch in one thread of its own (torch counts open batches per thread), never the caller's.
+    first, second = pg.threads[:3], pg.threads[3:]
+    assert len(set(first)) == 1 and len(set(second)) == 1 and threading.get_ident() not in pg.threads
+    assert work.synced == 2 and group.peers == {2, 3}  # the caller's stream ordered after each transfer
+    group.send_async(tensor, 2, 6)
+    assert group.peers == {2, 3} and pg.calls[-2] == ("send", 2, 6)
+    # Gloo: torch's own send, at once.
+    gloo = Communicator()
+    gloo_work = CollectiveGroup("g", GLOO, 0, 4, datetime.timedelta(seconds=30), torch.device("cpu"), gloo)
+    gloo.send = lambda tensors, peer, tag: (gloo._note("send", peer, tag), gloo.work)[1]
+    assert gloo_work.send_async(tensor, 2, 5) is gloo.work and gloo.calls == [("send", 2, 5)]
+
+
+def test_a_first_send_whose_peer_never_comes_ends_at_its_deadline():
+    pg = Communicator(connects=False)
+    group = nccl_group(pg)
+    started = time.monotonic()
+    with pytest.raises(CollectiveError) as failed:
+        group.send_async(torch.zeros(8, dtype=torch.uint8), 2, 0, deadline=time.monotonic() + 0.3)
+    assert failed.value.timed_out and time.monotonic() - started < 5  # not torch's spin (60 s here)
+    assert group.close(5.0) and pg.aborted.is_set()  # the caller closes it: nothing of it is used again
+    pg.connected.set()
+    # The next group works: a send, waited for.
+    fresh = Communicator()
+    after = nccl_group(fresh)
+    after.wait(after.send_async(torch.zeros(8, dtype=torch.uint8), 2, 0))
+    assert fresh.calls[-2:] == [("send", 2, 0), ("end",)]
+
+
+@pytest.mark.parametrize("side", ["send", "receive"])
+def test_close_from_another_thread_ends_a_blocked_first_transfer(side):
+    pg = Communicator(connects=False)
+    group = nccl_group(pg)
+    tensor = torch.zeros(8, dtype=torch.uint8)
+    closer = threading.Timer(0.2, group.close)
+    closer.start()
+    started = time.monotonic()
+    with pytest.raises(CollectiveError) as failed:
+        if side == "send":
+            group.send_async(tensor, 2, 0)
+        else:
+            group.receive(tensor, 0, 0)
+    assert not failed.value.timed_out and "closed" in str(failed.value)
+    assert time.monotonic() - started < 5  # the group's 30 s, and torch's spin, not waited for
+    closer.join()
+    assert pg.aborted.wait(5) and group.released.wait(5)
+    pg.connected.set()
+    with pytest.raises(CollectiveError, match="closed"):
+        group.send_async(tensor, 2, 0)  # closed: nothing more runs on it
+    fresh = Communicator()
+    nccl_group(fresh).receive(tensor, 0, 0)  # the next group receives
+    assert fresh.calls == [("start",), ("recv", 0, 0), ("end",)]
+
+
+def test_a_part_told_to_stop_while_its_first_send_connects_returns_the_servers_word():
+    """The owner never reaches its receive (another part failed first): the part learns the server's word while its
+    send's start still waits, not at the transfer's deadline, and the group is aborted."""
+    pg = Communicator(connects=False)
+    group = nccl_group(pg)
+    sink = CollectiveSink(Loop(), group, PackBuffers(torch.device("cpu")))
+    streams = [Stream([4]), Stream([5])]
+    told = WeightSyncRpcError("s:1", grpc.StatusCode.ABORTED, "PART_FAILED", "part 1 failed", {"part": "1"})
+
+    def say() -> None:
+        streams[0].reported_error = told
+        streams[0].failed = True
+
+    threading.Timer(0.2, say).start()
+    payload = Payload(torch.zeros(16, dtype=torch.uint8), packed=True, source_devices=frozenset({torch.device("cpu")}))
+    started = time.monotonic()
+    assert sink.send(0, payload, tensor_pb2.Checksum(), streams) is told
+    assert time.monotonic() - started < 5 and sink.broken and group.closed and pg.aborted.wait(5)
+    pg.connected.set()
+
+
+# -- C3: torch 2.11's failed work, read within a bound ------------------------------------------------------
+class Torch211Work:
+    """torch 2.11: exception() cannot convert its result (TypeError); wait() on a completed failed work aborts the
+    communicator in the waiting thread (here: an abort that hangs), then raises."""
+
+    def __init__(self, *, success: bool) -> None:
+        self.success = success
+        self.release = threading.Event()
+
+    def exception(self):
+        raise TypeError("Unable to convert function return value to a Python type!")
+
+    def wait(self, *args) -> bool:
+        if self.success:
+            return True
+        self.release.wait(30)
+        raise RuntimeError("NCCL communicator was aborted")
+
+
+def test_torch_211s_failed_work_is_read_within_a_bound_even_when_its_abort_hangs():
+    hanging = Torch211Work(success=False)
+    started = time.monotonic()
+    failure = completed_failure(hanging)
+    assert isinstance(failure, CollectiveError) and "abort did not end" in str(failure)
+    assert time.monotonic() - started < FAILED_CLOSE_JOIN_SECONDS + 2  # not the abort's 30 s
+    hanging.release.set()
+    assert completed_failure(Torch211Work(success=True)) is None  # the next, successful one reads as such
+
+
+# -- C4: a failed connect, and the groups still being released ---------------------------------------------
+REFUSALS = [([], False), (["a"], False), (["a", "b"], True), (["a", "b", "c"], True)]  # still closing -> refused
+
+
+@pytest.mark.parametrize(("still", "refused"), REFUSALS)
+def test_a_new_nccl_group_is_refused_while_two_are_still_being_released(still, refused):
+    if refused:
+        with pytest.raises(GroupsStillClosing, match="TORCH_NCCL_NONBLOCKING_TIMEOUT"):
+            refuse_while_closing(still)
+    else:
+        refuse_while_closing(still)
+
+
+class NeverReady:
+    """A ProcessGroupNCCL whose init never completes: the connect's broadcast is held inside torch (waitReady holds the
+    communicator's lock), so its abort waits too, until `release` (torch's non-blocking timeout)."""
+
+    class Options:
+        def __init__(self) -> None:
+            self.config = type("Config", (), {"blocking": 1})()
+            self._timeout = None
+
+    instances: list[NeverReady] = []
+
+    def __init__(self, store, rank, world_size, options) -> None:
+        self.release = threading.Event()
+        NeverReady.instances.append(self)
+
+    def broadcast(self, tensors, options):
+        self.release.wait(60)
+        raise RuntimeError("NCCL communicator was aborted")
+
+    def abort(self) -> None:
+        self.release.wait(60)
+
+
+def test_a_failed_connect_is_reported_without_waiting_for_its_abort_and_counts_until_released(monkeypatch):
+    import torch._C._distributed_c10d as c10d
+    from torch.distributed import TCPStore
+
+    monkeypatch.setattr(c10d, "ProcessGroupNCCL", NeverReady, raising=False)
+    store = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    NeverReady.instances.clear()
+    try:
+        for attempt in ("a", "b"):
+            started = time.monotonic()
+            with pytest.raises(RendezvousTimeout):
+                open_group(group_id=attempt, backend=NCCL, store=store, rank=0, world_size=2,
+                           timeout=datetime.timedelta(seconds=0.3), device=torch.device("cpu"),
+                           local_address="127.0.0.1")
+            # The timeout and the short join (not CLOSE_JOIN_SECONDS: the abort waits for torch's init).
+            assert time.monotonic() - started < 0.3 + FAILED_CLOSE_JOIN_SECONDS + 2
+        assert set(nccl_groups.UNRELEASED.ids()) >= {"a", "b"}
+        with pytest.raises(GroupsStillClosing):
+            open_group(group_id="c", backend=NCCL, store=store, rank=0, world_size=2,
+                       timeout=datetime.timedelta(seconds=0.3), device=torch.device("cpu"), local_address="127.0.0.1")
+        assert len(NeverReady.instances) == 2  # refused before any communicator was made
+    finally:
+        for pg in NeverReady.instances:
+            pg.release.set()
+    deadline = time.monotonic() + 10
+    while {"a", "b"} & set(nccl_groups.UNRELEASED.ids()) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the releases finish in their threads once torch lets go
+    assert not {"a", "b"} & set(nccl_groups.UNRELEASED.ids())
+    refuse_while_closing(nccl_groups.UNRELEASED.ids())  # a new group may be made again
+
+
+# -- P2: a failed transfer's cached blocks ---------------------------------------------------------------------
+class Broadcasting:
+    def __init__(self) -> None:
+        self.work = Work(done=False)
+
+    def broadcast(self, tensors, options) -> Work:
+        return self.work
+
+    def abort(self) -> None:
+        pass
+
+
+def test_the_lanes_cached_blocks_wait_while_a_failed_transfer_may_still_be_queued(monkeypatch):
+    """torch's empty_cache waits for the events recorded on NCCL's stream behind a receive that failed: the abort's
+    answer would wait for that kernel. The blocks go back once its work is done."""
+    released: list[torch.device] = []
+    monkeypatch.setattr(device_lane, "release_cached_device_memory", released.append)
+    device = torch.device("cuda", 0)  # only named: nothing here touches CUDA
+    table = GroupTable(device)
+    pg = Broadcasting()
+    table.groups["g"] = group = CollectiveGroup("g", NCCL, 1, 2, datetime.timedelta(seconds=0.2), device, pg)
+    lane = DeviceLane(device)
+    lane.hold_cache = table.device_busy
+    with pytest.raises(Exception) as failed:
+        table.transfer(group, torch.empty(4, dtype=torch.uint8), wpb.ReceiveBucketCommand(sequence=0),
+                       point_to_point=False)
+    assert getattr(failed.value, "reason", "") == "COLLECTIVE_TIMEOUT" and "g" not in table.groups
+    assert group.released.wait(5) and table.device_busy()  # released, but its broadcast may still be queued
+    lane.release()
+    assert released == [] and lane.cache_release_pending  # the abort is answered without waiting for it
+    pg.work.done.set()  # its kernel ended
+    assert not table.device_busy()
+    lane.release_cache()
+    assert released == [device] and not lane.cache_release_pending
+    lane.release()  # the next release goes straight through
+    assert released == [device, device]
+
+
+# -- P3: a receive held for its turn --------------------------------------------------------------------------
+def test_a_receive_held_for_its_turn_gets_what_is_left_of_the_groups_timeout():
+    """The server's bound for a receive runs from when it forwarded the command: a receive held for its turn and
+    then given a whole new timeout could outlive it (the worker killed, WORKER_TIMEOUT) instead of failing as a
+    timed-out transfer."""
+    from test_worker_part_turns import Harness
+
+    harness = Harness(timeout=5.0)
+    waited: list[float] = []
+
+    class Timed:
+        def wait(self, timeout=None) -> bool:
+            waited.append(timeout.total_seconds())
+            return True
+
+    original = harness.pg.recv
+    harness.pg.recv = lambda tensors, source, tag: (original(tensors, source, tag), Timed())[1]
+    try:
+        harness.prepare()
+        harness.receive(2)  # part 1's bucket 0: held for part 0's bucket 0
+        key, (payload, since) = next(iter(harness.worker._held.items()))
+        harness.worker._held[key] = (payload, since - 4.0)  # it has waited 4 of its 5 s
+        harness.receive(0)
+        assert [e.bucket_received.sequence for e in harness.answers()] == [0, 2]
+        fresh, held = waited
+        assert 4.0 < fresh <= 5.0 and 0 < held <= 1.0, waited
+    finally:
+        harness.close()
+
+
+# -- P5: the device of a torch group's collectives ---------------------------------------------------------
+class TorchGroup:
+    def __init__(self, backend: str, bound: torch.device | None = None) -> None:
+        self.backend, self.bound_device_id = backend, bound
+
+
+DEVICES = [  # group -> device its collectives take
+    (TorchGroup("gloo"), "cpu"),
+    (TorchGroup("nccl", torch.device("cuda", 3)), "cuda:3"),
+    (TorchGroup("nccl"), "cuda:1"),  # unbound: this thread's current device
+]
+
+
+@pytest.mark.parametrize(("group", "device"), DEVICES, ids=["gloo", "nccl bound", "nccl unbound"])
+def test_a_groups_collectives_run_on_its_bound_device(monkeypatch, group, device):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_backend", lambda g: g.backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert process_group_device(group) == torch.device(device)
+
+
+# -- F4: the non-blocking timeout a trainer's own NCCL froze ------------------------------------------------
+FROZEN = [  # variable now, group timeout, process ran NCCL -> what torch kept (None: ours applies)
+    (None, 30.0, True, 1800),
+    ("600", 30.0, True, 600),
+    ("20", 30.0, True, None),
+    (None, 30.0, False, None),
+    ("junk", 30.0, True, None),
+    (None, None, True, 1800),
+]
+
+
+@pytest.mark.parametrize(("current", "timeout", "used", "kept"), FROZEN)
+def test_the_frozen_nonblocking_timeout_is_named(current, timeout, used, kept):
+    assert nccl_env.frozen_nonblocking_timeout(current, timeout, nccl_used=used) == kept

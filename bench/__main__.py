@@ -213,9 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int,
                         help="node_store: rounds per side, run in turn (default: 2 with --before, 1 otherwise or --quick)")
     parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine", "node", "delta",
-                                           "node_store", "multi_sender"],
+                                           "node_store", "multi_sender", "host_path"],
                         action="append",
                         help="run only these parts (repeatable); default: all but node_store and multi_sender ("
+                             "--only host_path writes bench/results/host-path.{md,json}, with --before PYTHON that "
+                             "tree's figures beside; "
                              "--only node_store --before PYTHON writes bench/results/node_store.{md,json}; "
                              "--only multi_sender writes bench/results/multi-sender-cpu.md)")
     parser.add_argument("--link-rate", default="300mbit", help="multi_sender: each sender's link (tc rate, e.g. 300mbit)")
@@ -230,7 +232,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, diagnostics=args.diagnostics)
     # node_store is asked for by name (--only node_store): it compares against another tree (--before), runs
     # three servers per side, and writes node_store.{md,json} of its own.
-    parts = set(args.only or ["main", "latency", "scaling", "load", "transports", "engine", "node", "delta"])
+    parts = set(args.only or ["main", "latency", "scaling", "load", "transports", "engine", "node", "delta",
+                              "host_path"])
+    if "host_path" in parts:  # its own servers; writes bench/results/host-path.{md,json} (bench/host_path.py)
+        from bench import host_path
+
+        host_path.main(["--out", args.out, "--reps", str(max(7, args.reps or 9)),
+                        *(["--before", args.before, "--rounds", str(args.rounds or 1)] if args.before else [])])
+        parts.discard("host_path")
+        if not parts:
+            return 0
     if args.per_tensor_limit is not None:
         cfg = replace(cfg, per_tensor_limit=args.per_tensor_limit)
     if args.trainer_threads is not None:

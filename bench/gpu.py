@@ -5,10 +5,15 @@ tensors), lives on cuda:0. One weightsync server runs with CPU workers (its stor
 started as a user starts it (bench.servers.Server).
 
 (a) trainer -> server. The CUDA trainer pushes the model IN_PLACE over INLINE (bytes in the gRPC
-    stream) and SHM (buckets written into the server's shared memory), against `d2h_pinned`: a
-    plain `copy_(non_blocking=True)` of every tensor into preallocated pinned host tensors, then
-    `torch.cuda.synchronize()`. `d2h_pageable` (the same into ordinary host memory) shows what
-    host memory that is not pinned costs.
+    stream) and SHM (each bucket copied straight into its place in the node store, which the trainer
+    maps and pins: client/store_writes.py), against `d2h_pinned`: a plain `copy_(non_blocking=True)`
+    of every tensor into preallocated pinned host tensors, then `torch.cuda.synchronize()`.
+    `d2h_pageable` (the same into ordinary host memory) shows what host memory that is not pinned
+    costs. Issue 45's goal: push_shm within 2x of d2h_pinned for a 0.5 GB model, 1.1x for 8 GB.
+(c) the colocated round trip, trainer GPU -> store -> engine GPU (verl's hybrid engine): a push over
+    SHM, then an engine on the same host (pinned, as in (b)) applies the committed version into a
+    module on cuda:0, against `d2h_h2d_pinned`: the two plain pinned copies of the same bytes (device
+    to pinned host, then back into other device tensors).
 (b) store -> engine. An engine on the same host (`weightsync.engine.EngineClient`) acquires the
     committed version (the store mapped read-only), copies every tensor into a module on cuda:0
     (`apply_to_module`: queued, asynchronous) and releases (which waits for the copies), measured
@@ -54,6 +59,7 @@ LAYER = (
 
 SECTIONS = {
     "push": ("Trainer -> server: CUDA tensors into a CPU worker's store", "d2h_pinned"),
+    "roundtrip": ("Colocated round trip: trainer GPU -> store -> engine GPU", "d2h_h2d_pinned"),
     "engine": ("Store -> engine: the committed version into a module on the GPU", "h2d_pinned"),
     "map": ("A worker maps a store-sized arena: fault its pages in, or pin it for DMA", "populate"),
 }
@@ -62,6 +68,10 @@ WHAT = {
     "d2h_pageable": "plain copy_ to ordinary host tensors + synchronize",
     "push_inline": "client.push(transport='inline'), to Committed",
     "push_shm": "client.push(transport='shm'), to Committed",
+    "d2h_h2d_pinned": "plain copy_ to pinned host tensors, then from them into other device tensors + synchronize "
+                      "(the baseline)",
+    "push_shm_apply": "client.push(transport='shm') to Committed, then EngineClient(device='cuda:0'): acquire + "
+                      "apply_to_module (CUDA module) + release",
     "h2d_pinned": "plain copy_ from pinned host tensors + synchronize (the baseline)",
     "h2d_pageable": "plain copy_ from ordinary host tensors + synchronize",
     "engine_apply_pinned": "EngineClient(device='cuda:0'), store mapping pinned: acquire + apply_to_module "
@@ -241,6 +251,39 @@ def measure_push(server, model: dict, copies: Copies, args: argparse.Namespace, 
     return section("push", times, size), verified
 
 
+def measure_roundtrip(server, model: dict, copies: Copies, args: argparse.Namespace, size: int) -> tuple[dict, bool]:
+    """Trainer GPU -> store -> engine GPU, against the two plain pinned copies of the same bytes."""
+    import torch
+
+    from bench.engine_apply import module_with
+    from bench.harness import alternate
+    from weightsync.client import WeightSyncClient
+    from weightsync.engine import EngineClient, apply_to_module
+
+    bucket = args.bucket_mib * MIB
+    module = module_with(model)
+    targets = {name: torch.empty_like(t) for name, t in model.items()}
+
+    def two_copies() -> None:
+        _copy_all(copies.pinned, model)
+        _copy_all(targets, copies.pinned)
+
+    with (WeightSyncClient(server.address, timeout=300) as client,
+          EngineClient(server=server.address, name="bench-gpu-roundtrip", device="cuda:0") as engine):
+
+        def round_trip() -> None:
+            client.push(model, delta=False, version=f"roundtrip-{time.monotonic_ns()}", transport="shm",
+                        bucket_size_bytes=bucket)
+            with engine.acquire() as snapshot:
+                apply_to_module(module, snapshot)  # queued; the release waits for the copies
+
+        times = alternate({"d2h_h2d_pinned": _timed(two_copies), "push_shm_apply": _timed(round_trip)},
+                          args.reps, "gpu roundtrip")
+    state = module.state_dict()
+    verified = all(torch.equal(state[name], tensor) for name, tensor in model.items())
+    return section("roundtrip", times, size), verified
+
+
 def measure_engine(server, model: dict, copies: Copies, args: argparse.Namespace, size: int) -> tuple[dict, bool]:
     import torch
 
@@ -355,6 +398,7 @@ def run(args: argparse.Namespace) -> dict:
         server = Server(args.workers, Path(workdir), extra=("--ingress-slot-bytes", str(slot)))
         try:
             push, push_ok = measure_push(server, model, copies, args, size)
+            roundtrip, roundtrip_ok = measure_roundtrip(server, model, copies, args, size)
             _copy_all(copies.pinned, model)  # the h2d baselines copy the model's own bytes
             _copy_all(copies.pageable, model)
             torch.cuda.synchronize()
@@ -370,8 +414,9 @@ def run(args: argparse.Namespace) -> dict:
                       "layers": (len(model) - 2) // len(LAYER)},
             "config": {"reps": args.reps, "bucket_bytes": args.bucket_mib * MIB, "workers": args.workers,
                        "ingress_slot_bytes": slot},
-            "sections": [push, engine, mapped],
+            "sections": [push, roundtrip, engine, mapped],
             "verified": {"server holds the pushed bytes (verify)": push_ok,
+                         "the round trip's module equals the model": roundtrip_ok,
                          "engines' modules equal the model": engine_ok,
                          "cudaHostRegister pinned every fresh arena": map_ok}}
 

@@ -60,7 +60,8 @@ class Fleet:
             info = self.infos()[0]
             lease = open_ingress(state.address, info.local_socket, self.servers.token)
             try:
-                sink = ShmSink(loop, lease.fd, lease.slot_bytes, lease.slot_count, self.servers.timeout)
+                sink = ShmSink(loop, lease.fd, lease.slot_bytes, lease.slot_count, self.servers.timeout,
+                               open_arenas=lambda ids: lease.open_arenas(state.address, ids))
             except BaseException:
                 lease.close()
                 raise

@@ -1,7 +1,9 @@
-"""The SHM transport's side door: map the server's ingress over its local socket."""
+"""The SHM transport's side door: map the server's ingress, and the store's arenas an SHM trainer writes
+buckets into (client/store_writes.py), over its local socket."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
@@ -18,6 +20,15 @@ class IngressLease:
     slot_bytes: int
     slot_count: int
     connection: LocalConnection
+
+    def open_arenas(self, server: str, arena_ids: Sequence[int]) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """The store's arenas `arena_ids` to map read-write: (arena id, size, descriptor) each, the descriptors
+        now the caller's; and every arena the store holds now."""
+        request = local_pb2.LocalRequest(open_store=local_pb2.OpenStoreRequest(arena_ids=list(arena_ids)))
+        response, fds = self.connection.request(request)
+        opened = _expect(server, response, fds, "open_store")
+        return ([(a.arena_id, a.size_bytes, fds[a.fd_index]) for a in opened.arenas],
+                list(opened.store_arena_ids))
 
     def close(self) -> None:
         self.connection.close()

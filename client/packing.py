@@ -19,7 +19,7 @@ from weightsync.client.errors import DuplicateTensor, PlanMismatch
 from weightsync.client.intra_op import one_intra_op_thread
 from weightsync.client.planning import PlannedBucket, check_tensors
 from weightsync.client.read_order import BufferFence, CudaEvents, Events, devices_of, read_order
-from weightsync.common import dtypes
+from weightsync.common import byte_passes, dtypes
 from weightsync.common.patches import is_patch
 from weightsync.v1 import tensor_pb2
 
@@ -88,14 +88,17 @@ class PackBuffers:
 class Payload:
     """One bucket's bytes. Read them only through `read()`: copies into them may still be running."""
 
-    __slots__ = ("_bytes", "_fence", "layout", "packed", "source_devices")
+    __slots__ = ("_bytes", "_fence", "layout", "packed", "sink_checksum", "source_devices")
 
     def __init__(self, data: torch.Tensor, *, packed: bool, source_devices: frozenset[torch.device],
-                 fence: BufferFence | None = None) -> None:
+                 fence: BufferFence | None = None, sink_checksum: bool = False) -> None:
         self._bytes = data
         self._fence = fence
         self.packed = packed
         """False: the caller's own memory, sent as it is (zero copy)."""
+        self.sink_checksum = sink_checksum
+        """The sink computes the bucket's checksum itself, as it writes the bytes (SHM store writes): the push
+        computes none (and `read` has nothing to give: the bytes went straight to the server)."""
         self.source_devices = source_devices
         """Where the bytes came from (their own device when not packed)."""
         self.layout: tensor_pb2.BucketSpec | None = None
@@ -264,6 +267,7 @@ def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source:
         else:
             for target, tensor in zip(destinations, sources, strict=True):
                 target.copy_(tensor, non_blocking=True)
+    byte_passes.copied("trainer.pack", sum(t.numel() * t.element_size() for t in destinations))
     devices = devices_of(sources)
     fence = buffers.fences[slot]
     fence.after_copies(read_order(devices, buffer.device))
@@ -280,6 +284,7 @@ def _fill_piece(buffers: PackBuffers, bucket: PlannedBucket, index: int, source:
     buffer = buffers.slots[slot][: bucket.spec.size_bytes]
     with torch.no_grad():
         buffer.copy_(data, non_blocking=True)
+    byte_passes.copied("trainer.pack", data.numel())
     devices = frozenset({data.device})
     fence = buffers.fences[slot]
     fence.after_copies(read_order(devices, buffer.device))

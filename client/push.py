@@ -31,7 +31,9 @@ from weightsync.client.read_order import wants_checksum
 from weightsync.client.server_state import ServerState
 from weightsync.client.streams import UpdateStream, as_ended, first_failure, update_failed
 from weightsync.client.transports.base import Sink
+from weightsync.client.transports.shm import ShmSink
 from weightsync.client.types import PushProgress, ServerOutcome, StoreGeneration
+from weightsync.common import byte_passes
 from weightsync.common.checksum import tensor_checksum
 from weightsync.common.collective import CollectiveError
 from weightsync.common.logging import get_logger
@@ -143,9 +145,11 @@ class PushRun:
                 payload.layout = bucket.spec if bucket.laid_out else None
                 self.zero_copy_buckets += not payload.packed
                 checksum = tensor_pb2.Checksum()
-                if wants_checksum(self.checksums, payload.source_devices, payload.device):
+                if not payload.sink_checksum and wants_checksum(self.checksums, payload.source_devices,
+                                                                payload.device):
                     with one_intra_op_thread():
                         checksum = tensor_checksum(payload.read())
+                    byte_passes.read("trainer.ws64", payload.size)
                 # A server that failed meanwhile stops us before we announce more.
                 failure = first_failure(streams) or self._timed(self.sink.send, index, payload, checksum, streams)
                 if failure is not None:
@@ -161,6 +165,12 @@ class PushRun:
             return error
         finally:
             self.sink.finish()
+
+    @property
+    def _writes_store(self) -> bool:
+        """SHM, one stream: the sink writes the buckets the server places in its store there
+        (client/store_writes.py); a part's buckets go through its run of slots."""
+        return self.part is None and isinstance(self.sink, ShmSink) and self.sink.writes_store
 
     def _timed(self, call: Callable[..., BaseException | None], *args) -> BaseException | None:
         started = time.perf_counter()
@@ -187,7 +197,8 @@ class PushRun:
             begin = pb.BeginUpdate(group_id=self.group_id, version=self.version, mode=self.mode,
                                    transport=self.sink.transport, allow_new_tensors=self.allow_new_tensors,
                                    base_generation=base.generation if base else 0,
-                                   base_store_epoch=base.store_epoch if base else 0)
+                                   base_store_epoch=base.store_epoch if base else 0,
+                                   store_writes=self._writes_store)
             if self.part is not None:
                 begin.part.CopyFrom(self.part)
             if by_id:

@@ -148,8 +148,6 @@ def compile_ahead(timeout: float) -> bool:
 def _compile_here() -> None:
     """The child's work: under the folder's lock, unless another child compiled meanwhile, call every kernel
     once (each compiles into the cache), then leave the marker."""
-    import numpy as np
-
     folder = kernel_cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / LOCK_NAME, "a+b") as lock:
@@ -158,10 +156,10 @@ def _compile_here() -> None:
         if marker.exists():
             return
         from weightsync.common import patch_kernels
-        from weightsync.common.ws64_host import ws64_host
+        from weightsync.common.ws64_host import warm_up as warm_up_ws64
 
         patch_kernels.warm_up()
-        ws64_host(np.arange(24, dtype=np.uint8))
+        warm_up_ws64()
         partial = marker.with_name(f"{marker.name}.{os.getpid()}")
         partial.write_text("compiled\n")
         os.replace(partial, marker)

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from weightsync.common.checksum import ws64
+from weightsync.common import byte_passes
+from weightsync.common.checksum import ws64, ws64_terms
 from weightsync.common.collective import tail_length
 from weightsync.common.errors import DataLoss, InvalidArgument
 from weightsync.v1 import tensor_pb2
@@ -84,6 +85,7 @@ def verify_bucket(
     """DATA_LOSS naming the bucket or tensor whose bytes do not match their checksum."""
     if bucket_checksum.algorithm == tensor_pb2.CHECKSUM_ALGORITHM_WS64:
         actual = ws64(received)
+        byte_passes.read("worker.check", received.numel())
         if actual != bucket_checksum.value:
             raise DataLoss(
                 "BUCKET_CHECKSUM_MISMATCH",
@@ -105,3 +107,39 @@ def verify_bucket(
                 f"expected {check.expected:#018x}",
                 bucket=sequence, tensor=check.name,
             )
+
+
+def verify_in_store(sequence: int, checks: Sequence[wpb.TensorCheck], pieces: Sequence[tuple[int, torch.Tensor]],
+                    size_bytes: int, bucket_checksum: tensor_pb2.Checksum) -> None:
+    """verify_bucket for a bucket that lies in the store in pieces (the SHM trainer wrote it there:
+    server/store_writes.py): `pieces` are (where it starts in the bucket, a multiple of 8; its bytes),
+    the bytes between them zeros. The bucket's WS64 is its length plus each piece's terms
+    (common/ws64_host.py); a tensor's check reads the piece that holds it."""
+    if bucket_checksum.algorithm != tensor_pb2.CHECKSUM_ALGORITHM_WS64:
+        raise InvalidArgument("BUCKET_CHECKSUM_REQUIRED", f"bucket {sequence}: an SHM bucket needs its WS64 "
+                              "checksum", bucket=sequence)
+    total = size_bytes
+    for offset, data in pieces:
+        total += ws64_terms(data, offset // 8)
+        byte_passes.read("worker.check", data.numel())
+    actual = total & _MASK
+    if actual != bucket_checksum.value:
+        raise DataLoss(
+            "BUCKET_CHECKSUM_MISMATCH",
+            f"bucket {sequence} is in the store with WS64 {actual:#018x}, expected {bucket_checksum.value:#018x}",
+            bucket=sequence, expected=f"{bucket_checksum.value:#018x}", actual=f"{actual:#018x}",
+        )
+    for check in checks:
+        data = next((d[check.offset_bytes - o : check.offset_bytes - o + check.size_bytes] for o, d in pieces
+                     if o <= check.offset_bytes and check.offset_bytes + check.size_bytes <= o + d.numel()), None)
+        actual = ws64(data) if data is not None else None
+        if actual != check.expected:
+            raise DataLoss(
+                "TENSOR_CHECKSUM_MISMATCH",
+                f"tensor {check.name!r} in bucket {sequence} is in the store with WS64 "
+                f"{'(no place)' if actual is None else f'{actual:#018x}'}, expected {check.expected:#018x}",
+                bucket=sequence, tensor=check.name,
+            )
+
+
+_MASK = (1 << 64) - 1

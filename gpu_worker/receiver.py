@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 import torch
 
+from weightsync.common import byte_passes
 from weightsync.common.errors import FailedPrecondition, InvalidArgument, WeightSyncError
 from weightsync.common.patches import XOR
 from weightsync.gpu_worker.bucket_checks import (
@@ -49,6 +50,7 @@ from weightsync.gpu_worker.bucket_checks import (
     check_tail_announced,
     restore_tail,
     verify_bucket,
+    verify_in_store,
 )
 from weightsync.gpu_worker.device_lane import DeviceLane
 from weightsync.gpu_worker.frames import decompress_bucket
@@ -314,9 +316,31 @@ class Receiver:
                 received = self._receive_buffer(owned, device_lane=False, update=update)[1]
                 self.touched = direct
                 received[offset : offset + length].copy_(arrived)
+                byte_passes.copied("worker.from_ingress", length)
             if not whole and not receive.last_piece:
                 return None
             return self._apply(update, owned, received, receive.checksum)
+        except WeightSyncError:
+            update.phase = Phase.FAILED
+            raise
+
+    def receive_in_store(self, receive: wpb.ReceiveBucketCommand) -> Applied | None:
+        """SHM store writes: the trainer wrote the bucket at its places in the store (its receive_into, or its
+        copies' destinations: server/store_writes.py); check it there, copy nothing. None when it is dropped on
+        purpose (the update is failing)."""
+        update = self.current(receive.update_id)
+        self.touched = False
+        if receive.discard or update.phase is Phase.FAILED:
+            return None
+        try:
+            owned = self._expected(update, receive)  # never one with patches or boxes (server/store_writes.py)
+            self.touched = True  # the trainer may have written its places whatever comes of the check
+            if owned.HasField("receive_into"):
+                pieces = [(0, self.maps.bytes_at(owned.receive_into, owned.size_bytes))]
+            else:
+                pieces = [(c.src_offset_bytes, self.maps.bytes_at(c.dst, c.size_bytes)) for c in owned.copies]
+            verify_in_store(owned.sequence, owned.checks, pieces, owned.size_bytes, receive.checksum)
+            return self._done(update, owned)
         except WeightSyncError:
             update.phase = Phase.FAILED
             raise
@@ -333,6 +357,7 @@ class Receiver:
         for copy in owned.copies:
             self.maps.bytes_at(copy.dst, copy.size_bytes).copy_(
                 received[copy.src_offset_bytes : copy.src_offset_bytes + copy.size_bytes])
+            byte_passes.copied("worker.unpack", copy.size_bytes)
         for box in owned.box_copies:
             destination, source = self._box_pair(box, received)
             destination.copy_(source)

@@ -347,7 +347,9 @@ class Worker:
         receive = command.receive_bucket
         event.bucket_received.sequence = receive.sequence
         applied: Applied | None
-        if receive.from_ingress:
+        if receive.in_store:
+            applied = self.receiver.receive_in_store(receive)
+        elif receive.from_ingress:
             applied = self.receiver.receive_from_ingress(receive, self.ingress)
         else:
             update = self.receiver.current(receive.update_id)

@@ -13,7 +13,8 @@ The rules, in the order they are checked for a BucketStart:
   - a compressed bucket: a known compression, on a link that carries it (a Gloo group
     or INLINE), a frame shorter than the bucket, and over a group the frame's tail;
   - otherwise: the planned size (or 0 for "as planned"), a known checksum algorithm,
-    over a group the bucket's tail, and over SHM a WS64 checksum and a free slot.
+    over a group the bucket's tail, and over SHM a WS64 checksum and a free slot (unless
+    the client writes the bucket straight into the store: no slot).
 A BucketChunk continues the bucket being filled (INLINE), in order and within it; any other
 message first needs that bucket complete; a commit needs every bucket applied.
 """
@@ -44,6 +45,8 @@ class Link:
     """An NCCL group: every worker joins every broadcast (no compressed frames there)."""
     slot_count: int = 0
     """SHM: the ingress slots the client writes in turn (bucket k uses slot k % slot_count)."""
+    in_store: frozenset[int] = frozenset()
+    """SHM: the buckets the client writes straight into the store (UpdateReady.store_places): no slot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +146,8 @@ def _check_plain(start: pb.BucketStart, planned: int, link: Link, applied_sent: 
         if start.checksum.algorithm != tensor_pb2.CHECKSUM_ALGORITHM_WS64:
             return InvalidArgument("BUCKET_CHECKSUM_REQUIRED", f"bucket {sequence}: an SHM bucket needs its WS64 "
                                    "checksum", bucket=sequence)
+        if sequence in link.in_store:
+            return None  # written into the store: no slot to wait for
         return check_slot(sequence, link.slot_count, applied_sent)
     return None
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import mmap
 import os
 
+from weightsync.common import byte_passes
+
 
 class Ingress:
     """The server's side: owns the memfd, writes INLINE chunks."""
@@ -43,6 +45,7 @@ class Ingress:
         """Copy an INLINE chunk into bucket `sequence`'s slot (bounds checked by the caller)."""
         start = self.slot_offset(sequence) + offset_bytes
         self.view[start : start + len(data)] = data
+        byte_passes.copied("server.ingress", len(data))
 
     def close(self) -> None:
         self.view.release()

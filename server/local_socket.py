@@ -8,7 +8,9 @@ version (a lease, see leases.py): it gets the node store's arenas as read-only
 descriptors, and every tensor's place in them; it copies what changed into its
 model (a CUDA engine: host to device) and releases, saying whether it now serves
 that version. Every engine process of the node, every tensor-parallel rank,
-reads the same one store. An SHM trainer opens the ingress instead.
+reads the same one store. An SHM trainer opens the ingress instead, and the
+arenas it writes its buckets into when it writes them straight into the store
+(open_store, read-write: server/store_writes.py).
 
 The token is read from the server's Credentials at every check, never
 copied: after a SIGHUP rotation the new token attaches and the old one is
@@ -39,7 +41,7 @@ from weightsync.common.errors import (
     code_number,
 )
 from weightsync.common.fd_passing import peer_uid
-from weightsync.common.local_wire import LocalWireError, read_frame, write_frame
+from weightsync.common.local_wire import MAX_FDS, LocalWireError, read_frame, write_frame
 from weightsync.common.logging import get_logger
 from weightsync.server.credentials import Credentials
 from weightsync.server.engines import EngineRegistry
@@ -199,6 +201,8 @@ class LocalHandoff:
             return await self._release(peer, request.release_version), []
         if kind == "open_ingress":
             return self._open_ingress()
+        if kind == "open_store":
+            return self._open_store(request.open_store)
         if kind == "get_status":
             return local_pb2.LocalResponse(get_status=local_pb2.GetStatusResponse(
                 version=self._publisher.version.to_proto(), store_state=self._store.state)), []
@@ -281,6 +285,26 @@ class LocalHandoff:
         response = local_pb2.OpenIngressResponse(slot_bytes=self._ingress.slot_bytes,
                                                  slot_count=self._ingress.slot_count)
         return local_pb2.LocalResponse(open_ingress=response), [self._ingress.fd]
+
+
+    def _open_store(self, request: local_pb2.OpenStoreRequest) -> tuple[local_pb2.LocalResponse, list[int]]:
+        """Arenas of the store, read-write, for an SHM trainer that writes its buckets straight into them
+        (server/store_writes.py): the same uid, and the token, as the ingress needs."""
+        wanted = list(dict.fromkeys(request.arena_ids))
+        if len(wanted) > MAX_FDS:
+            raise InvalidArgument("ARENA_IDS_TOO_MANY", f"{len(wanted)} arenas asked for at once; at most {MAX_FDS}",
+                                  count=len(wanted), limit=MAX_FDS)
+        held = self._store.arena_ids()
+        response = local_pb2.OpenStoreResponse(store_arena_ids=held)
+        fds: list[int] = []
+        for arena_id in wanted:
+            if arena_id not in held:
+                raise NotFound("ARENA_NOT_FOUND", f"the store holds no arena {arena_id} (any more): ask again after "
+                               "the next ready", arena=arena_id)
+            arena = self._store.arena(arena_id)
+            response.arenas.add(arena_id=arena_id, size_bytes=arena.size_bytes, fd_index=len(fds))
+            fds.append(arena.fd)
+        return local_pb2.LocalResponse(open_store=response), fds
 
 
 def _error(error: WeightSyncError) -> local_pb2.LocalResponse:

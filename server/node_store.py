@@ -31,6 +31,7 @@ from weightsync.common.errors import FailedPrecondition, NotFound
 from weightsync.common.layout import align_segment
 from weightsync.common.ownership import bucket_owners
 from weightsync.server.arenas import ARENA_MAX_BYTES, ArenaTable, HostArena, pack_segments
+from weightsync.server.store_writes import client_regions
 from weightsync.server.update_plan import (
     BucketRoute,
     DerivedPlans,
@@ -89,6 +90,8 @@ class StoreUpdate:
     """Buckets whose bytes may have reached the store (an IN_PLACE abort marks their tensors dirty)."""
     laid_out: dict[int, BucketRoute] = field(default_factory=dict)
     """Deferred buckets announced so far: the route of the layout each was announced with."""
+    client_written: set[int] = field(default_factory=set)
+    """Buckets the SHM trainer writes straight into the store (place_for_client): its owner checks them there."""
 
     @property
     def staged(self) -> bool:
@@ -364,6 +367,26 @@ class NodeStore:
             elif known is not None:
                 patch.live_checksum = known
         return owned
+
+    def place_for_client(self, update: StoreUpdate, buckets) -> list[pb.StorePlace]:
+        """The buckets (the plan's `buckets`) an SHM trainer writes straight into the store (server/
+        store_writes.py), each with its regions at their places: a STAGED update's shadows, the live bytes
+        otherwise. From now on each counts as touched: the trainer may write any of them at any time, so an
+        IN_PLACE abort marks all of their tensors dirty."""
+        places = []
+        for sequence, (route, bucket) in enumerate(zip(update.plan.routes, buckets, strict=True)):
+            regions = client_regions(route, bucket)
+            if regions is None:
+                continue
+            place = pb.StorePlace(sequence=sequence)
+            for region in regions:
+                at = self._place(update, region.segment, region.segment_offset)
+                place.regions.add(bucket_offset_bytes=region.bucket_offset, size_bytes=region.size_bytes,
+                                  arena_id=at.arena_id, offset_bytes=at.offset_bytes)
+            update.client_written.add(sequence)
+            update.touched.add(sequence)
+            places.append(place)
+        return places
 
     def touched(self, update: StoreUpdate, sequence: int) -> None:
         """Bytes of bucket `sequence` may have reached the store."""

@@ -13,7 +13,9 @@ transports differ in where the bytes are when the owner is told to receive them:
     gRPC's back-pressure); a complete bucket, or a full slot of a larger one, is
     forwarded to the owner.
   - SHM: in the ingress slot the client wrote before announcing; forwarded to the
-    owner at once, which checks its copy of the slot against the WS64 checksum.
+    owner at once, which checks its copy of the slot against the WS64 checksum. Or,
+    for a bucket the client writes straight into the store (store_writes.py), in
+    its places there: the owner checks it where it lies and copies nothing.
 """
 
 from __future__ import annotations
@@ -79,11 +81,16 @@ class CollectiveIntake(Intake):
 
 
 class ShmIntake(Intake):
-    """SHM: the client wrote bucket k into slot k % slots before announcing it (announcements.check_slot)."""
+    """SHM: the client wrote bucket k into slot k % slots before announcing it (announcements.check_slot), or
+    into its places in the store (store_writes.py): its owner checks it there."""
 
     transport = pb.TRANSPORT_SHM
 
     async def _accepted(self, start: pb.BucketStart, accepted: Accepted, layout: wpb.OwnedBucket | None) -> None:
+        if start.sequence in self.link.in_store:
+            await self.session.inbox.put(self.forward(start.sequence, start.checksum, discard=False,
+                                                      size=accepted.wire_bytes, in_store=True))
+            return
         assert self.ingress is not None
         await self.session.inbox.put(self.forward(
             start.sequence, start.checksum, discard=False, size=accepted.wire_bytes, tail=start.tail,

@@ -11,7 +11,9 @@ transport (transport_intakes.py), chosen once when the update begins:
     hangs;
   - INLINE writes the BucketChunks that follow into ingress slots and forwards
     each full slot (piece);
-  - SHM forwards the slot the client wrote before announcing.
+  - SHM forwards the slot the client wrote before announcing, or, for a bucket
+    the client writes straight into the store (server/store_writes.py), tells
+    its owner to check it there.
 A deferred bucket (BucketSpec.deferred) comes with its layout: it is checked against
 the plan's candidates, the node store routes its patches, and its owner gets that
 route with the receive command (it replaces the placeholder the prepare gave).
@@ -160,6 +162,10 @@ class IntakeSession(Protocol):
     def stored_here(self, sequence: int) -> bool:
         """Bucket `sequence` holds some of this node's tensors (see the module docstring)."""
 
+    def in_store(self, sequence: int) -> bool:
+        """SHM: the client writes bucket `sequence` straight into the store, not into a slot
+        (UpdateReady.store_places)."""
+
     def lay_out(self, sequence: int, layout: tensor_pb2.BucketSpec) -> wpb.OwnedBucket:
         """Deferred bucket `sequence` is announced with this (valid) layout: its owner's part."""
 
@@ -202,8 +208,10 @@ class Intake:
         self.fleet = fleet
         self.ingress = ingress
         self.max_chunk_bytes = max_chunk_bytes
+        in_store = frozenset(k for k in range(len(session.plan.buckets)) if session.in_store(k)) if (
+            self.transport == pb.TRANSPORT_SHM) else frozenset()
         self.link = Link(self.transport, broadcast_to_all=session.broadcast_to_all,
-                         slot_count=ingress.slot_count if ingress is not None else 0)
+                         slot_count=ingress.slot_count if ingress is not None else 0, in_store=in_store)
         self.announced = 0
         """Buckets announced and accepted: the next BucketStart must name this one."""
         self.pending: list[Bucket] = []
@@ -298,7 +306,7 @@ class Intake:
     def forward(self, sequence: int, checksum: tensor_pb2.Checksum, *, discard: bool, size: int,
                 piece: int | None = None, piece_offset: int = 0, piece_size: int = 0,
                 last: bool = True, tail: bytes = b"", compression: int = pb.BUCKET_COMPRESSION_UNSPECIFIED,
-                layout: wpb.OwnedBucket | None = None) -> Bucket:
+                layout: wpb.OwnedBucket | None = None, in_store: bool = False) -> Bucket:
         """Bucket `sequence` is received now: its owner joins the transfer that follows (NCCL: every other
         worker joins it too and drops the bytes), or copies the bucket (or one piece of it) from the ingress
         slot of this stream's ingress piece `piece` (INLINE: the pieces it forwarded; SHM: the bucket). A worker that cannot take the command (it died) answers with its error; the
@@ -312,7 +320,7 @@ class Intake:
                                            discard=discard, size_bytes=size, from_ingress=ingress_offset is not None,
                                            ingress_offset_bytes=ingress_offset or 0, piece_offset_bytes=piece_offset,
                                            piece_size_bytes=piece_size, last_piece=last, tail=tail,
-                                           compression=compression)
+                                           compression=compression, in_store=in_store)
         if self.transport == pb.TRANSPORT_COLLECTIVE:  # who sends it, under which tag (its own plan's index)
             command.source_rank = self.session.stream
             command.source_sequence = sequence

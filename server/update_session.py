@@ -213,6 +213,10 @@ class UpdateSession:
         update = self.store_update
         return update is None or not 0 <= sequence < len(update.plan.routes) or update.plan.routes[sequence].stored
 
+    def in_store(self, sequence: int) -> bool:
+        """Bucket `sequence` is written straight into the store by the SHM trainer (UpdateReady.store_places)."""
+        return self.store_update is not None and sequence in self.store_update.client_written
+
     def touched(self, sequence: int) -> None:
         """Bytes of bucket `sequence` may have reached the store (an IN_PLACE abort marks them dirty)."""
         if self.store_update is not None:
@@ -412,6 +416,9 @@ class UpdateSession:
         if self.begin.transport == pb.TRANSPORT_SHM and ingress is not None:
             ready.ingress_slot_first = ingress.first_slot
             ready.ingress_slot_count = ingress.slot_count
+        if (self.begin.transport == pb.TRANSPORT_SHM and self.begin.store_writes and len(self.streams) == 1
+                and self.store_update is not None):
+            ready.store_places.extend(self.services.store.place_for_client(self.store_update, self.plan.buckets))
         return pb.UpdateWeightsResponse(ready=ready)
 
     async def _bucket_done(self, stream: Stream, bucket: Bucket) -> pb.UpdateWeightsResponse | None:

@@ -215,6 +215,9 @@ class StreamSide:
     def stored_here(self, sequence: int) -> bool:
         return not 0 <= sequence < self._stream.count or self._session.stored_here(self.store_sequence(sequence))
 
+    def in_store(self, sequence: int) -> bool:
+        return 0 <= sequence < self._stream.count and self._session.in_store(self.store_sequence(sequence))
+
     def lay_out(self, sequence: int, layout: tensor_pb2.BucketSpec) -> wpb.OwnedBucket:
         return self._session.lay_out(self.store_sequence(sequence), layout)
 

@@ -64,6 +64,7 @@ ENGINE_ONLY = {"LEASE_NOT_FOUND", "VERSION_GONE", "STORE_INCONSISTENT", "ENGINE_
 # UPPER_SNAKE_CASE string literals in the source that are no ErrorInfo reason.
 NOT_REASONS = {
     "LOCAL_ALLOW_UID",  # the WEIGHTSYNC_LOCAL_ALLOW_UID environment variable
+    "WEIGHTSYNC_BYTE_PASSES",  # an environment variable: count the bytes each stage copies (common/byte_passes.py)
     "NCCL_SOCKET_IFNAME",  # an environment variable NCCL reads
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",  # environment variables torch's NCCL groups read
     "TORCH_NCCL_NONBLOCKING_TIMEOUT",

@@ -27,7 +27,7 @@ from weightsync.v1 import tensor_pb2 as weightsync_dot_v1_dot_tensor__pb2
 from weightsync.v1 import weight_sync_service_pb2 as weightsync_dot_v1_dot_weight__sync__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19weightsync/v1/local.proto\x12\rweightsync.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1aweightsync/v1/tensor.proto\x1a\'weightsync/v1/weight_sync_service.proto\"\xc8\x02\n\x0cLocalRequest\x12\x39\n\x0c\x61ttach_store\x18\x01 \x01(\x0b\x32!.weightsync.v1.AttachStoreRequestH\x00\x12?\n\x0f\x61\x63quire_version\x18\x02 \x01(\x0b\x32$.weightsync.v1.AcquireVersionRequestH\x00\x12?\n\x0frelease_version\x18\x03 \x01(\x0b\x32$.weightsync.v1.ReleaseVersionRequestH\x00\x12\x39\n\x0copen_ingress\x18\x04 \x01(\x0b\x32!.weightsync.v1.OpenIngressRequestH\x00\x12\x35\n\nget_status\x18\x05 \x01(\x0b\x32\x1f.weightsync.v1.GetStatusRequestH\x00\x42\t\n\x07request\"\xfb\x02\n\rLocalResponse\x12:\n\x0c\x61ttach_store\x18\x01 \x01(\x0b\x32\".weightsync.v1.AttachStoreResponseH\x00\x12@\n\x0f\x61\x63quire_version\x18\x02 \x01(\x0b\x32%.weightsync.v1.AcquireVersionResponseH\x00\x12@\n\x0frelease_version\x18\x03 \x01(\x0b\x32%.weightsync.v1.ReleaseVersionResponseH\x00\x12:\n\x0copen_ingress\x18\x04 \x01(\x0b\x32\".weightsync.v1.OpenIngressResponseH\x00\x12*\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x19.weightsync.v1.LocalErrorH\x00\x12\x36\n\nget_status\x18\x06 \x01(\x0b\x32 .weightsync.v1.GetStatusResponseH\x00\x42\n\n\x08response\"\xa7\x01\n\nLocalError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x39\n\x08metadata\x18\x04 \x03(\x0b\x32\'.weightsync.v1.LocalError.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"J\n\x12\x41ttachStoreRequest\x12\x13\n\x0b\x65ngine_name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\tJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x05\x10\x06\"\x86\x01\n\x13\x41ttachStoreResponse\x12-\n\x07version\x18\x03 \x01(\x0b\x32\x1c.weightsync.v1.WeightVersion\x12.\n\x0bstore_state\x18\x04 \x01(\x0e\x32\x19.weightsync.v1.StoreStateJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x05\x10\x06\"T\n\x15\x41\x63quireVersionRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\'\n\x04wait\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"K\n\x0b\x41renaHandle\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x10\n\x08\x66\x64_index\x18\x03 \x01(\x05J\x04\x08\x04\x10\x05\"\xb0\x01\n\x14StoredTensorLocation\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.weightsync.v1.Dtype\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x10\n\x08\x61rena_id\x18\x04 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x05 \x01(\x03\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\x12\x1a\n\x12written_generation\x18\x07 \x01(\x03\"\xc1\x01\n\x16\x41\x63quireVersionResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12-\n\x07version\x18\x02 \x01(\x0b\x32\x1c.weightsync.v1.WeightVersion\x12*\n\x06\x61renas\x18\x03 \x03(\x0b\x32\x1a.weightsync.v1.ArenaHandle\x12\x34\n\x07tensors\x18\x04 \x03(\x0b\x32#.weightsync.v1.StoredTensorLocationJ\x04\x08\x05\x10\x06\"I\n\x15ReleaseVersionRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x18\n\x16ReleaseVersionResponse\"\x14\n\x12OpenIngressRequest\"=\n\x13OpenIngressResponse\x12\x12\n\nslot_bytes\x18\x01 \x01(\x03\x12\x12\n\nslot_count\x18\x02 \x01(\x05\"\x12\n\x10GetStatusRequest\"r\n\x11GetStatusResponse\x12-\n\x07version\x18\x01 \x01(\x0b\x32\x1c.weightsync.v1.WeightVersion\x12.\n\x0bstore_state\x18\x02 \x01(\x0e\x32\x19.weightsync.v1.StoreStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19weightsync/v1/local.proto\x12\rweightsync.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1aweightsync/v1/tensor.proto\x1a\'weightsync/v1/weight_sync_service.proto\"\xff\x02\n\x0cLocalRequest\x12\x39\n\x0c\x61ttach_store\x18\x01 \x01(\x0b\x32!.weightsync.v1.AttachStoreRequestH\x00\x12?\n\x0f\x61\x63quire_version\x18\x02 \x01(\x0b\x32$.weightsync.v1.AcquireVersionRequestH\x00\x12?\n\x0frelease_version\x18\x03 \x01(\x0b\x32$.weightsync.v1.ReleaseVersionRequestH\x00\x12\x39\n\x0copen_ingress\x18\x04 \x01(\x0b\x32!.weightsync.v1.OpenIngressRequestH\x00\x12\x35\n\nget_status\x18\x05 \x01(\x0b\x32\x1f.weightsync.v1.GetStatusRequestH\x00\x12\x35\n\nopen_store\x18\x06 \x01(\x0b\x32\x1f.weightsync.v1.OpenStoreRequestH\x00\x42\t\n\x07request\"\xb3\x03\n\rLocalResponse\x12:\n\x0c\x61ttach_store\x18\x01 \x01(\x0b\x32\".weightsync.v1.AttachStoreResponseH\x00\x12@\n\x0f\x61\x63quire_version\x18\x02 \x01(\x0b\x32%.weightsync.v1.AcquireVersionResponseH\x00\x12@\n\x0frelease_version\x18\x03 \x01(\x0b\x32%.weightsync.v1.ReleaseVersionResponseH\x00\x12:\n\x0copen_ingress\x18\x04 \x01(\x0b\x32\".weightsync.v1.OpenIngressResponseH\x00\x12*\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x19.weightsync.v1.LocalErrorH\x00\x12\x36\n\nget_status\x18\x06 \x01(\x0b\x32 .weightsync.v1.GetStatusResponseH\x00\x12\x36\n\nopen_store\x18\x07 \x01(\x0b\x32 .weightsync.v1.OpenStoreResponseH\x00\x42\n\n\x08response\"\xa7\x01\n\nLocalError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x39\n\x08metadata\x18\x04 \x03(\x0b\x32\'.weightsync.v1.LocalError.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"J\n\x12\x41ttachStoreRequest\x12\x13\n\x0b\x65ngine_name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\tJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x05\x10\x06\"\x86\x01\n\x13\x41ttachStoreResponse\x12-\n\x07version\x18\x03 \x01(\x0b\x32\x1c.weightsync.v1.WeightVersion\x12.\n\x0bstore_state\x18\x04 \x01(\x0e\x32\x19.weightsync.v1.StoreStateJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x05\x10\x06\"T\n\x15\x41\x63quireVersionRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\'\n\x04wait\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"K\n\x0b\x41renaHandle\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x10\n\x08\x66\x64_index\x18\x03 \x01(\x05J\x04\x08\x04\x10\x05\"\xb0\x01\n\x14StoredTensorLocation\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.weightsync.v1.Dtype\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x10\n\x08\x61rena_id\x18\x04 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x05 \x01(\x03\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\x12\x1a\n\x12written_generation\x18\x07 \x01(\x03\"\xc1\x01\n\x16\x41\x63quireVersionResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12-\n\x07version\x18\x02 \x01(\x0b\x32\x1c.weightsync.v1.WeightVersion\x12*\n\x06\x61renas\x18\x03 \x03(\x0b\x32\x1a.weightsync.v1.ArenaHandle\x12\x34\n\x07tensors\x18\x04 \x03(\x0b\x32#.weightsync.v1.StoredTensorLocationJ\x04\x08\x05\x10\x06\"I\n\x15ReleaseVersionRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x18\n\x16ReleaseVersionResponse\"%\n\x10OpenStoreRequest\x12\x11\n\tarena_ids\x18\x01 \x03(\x03\"X\n\x11OpenStoreResponse\x12*\n\x06\x61renas\x18\x01 \x03(\x0b\x32\x1a.weightsync.v1.ArenaHandle\x12\x17\n\x0fstore_arena_ids\x18\x02 \x03(\x03\"\x14\n\x12OpenIngressRequest\"=\n\x13OpenIngressResponse\x12\x12\n\nslot_bytes\x18\x01 \x01(\x03\x12\x12\n\nslot_count\x18\x02 \x01(\x05\"\x12\n\x10GetStatusRequest\"r\n\x11GetStatusResponse\x12-\n\x07version\x18\x01 \x01(\x0b\x32\x1c.weightsync.v1.WeightVersion\x12.\n\x0bstore_state\x18\x02 \x01(\x0e\x32\x19.weightsync.v1.StoreStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,35 +37,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOCALERROR_METADATAENTRY']._loaded_options = None
   _globals['_LOCALERROR_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_LOCALREQUEST']._serialized_start=146
-  _globals['_LOCALREQUEST']._serialized_end=474
-  _globals['_LOCALRESPONSE']._serialized_start=477
-  _globals['_LOCALRESPONSE']._serialized_end=856
-  _globals['_LOCALERROR']._serialized_start=859
-  _globals['_LOCALERROR']._serialized_end=1026
-  _globals['_LOCALERROR_METADATAENTRY']._serialized_start=979
-  _globals['_LOCALERROR_METADATAENTRY']._serialized_end=1026
-  _globals['_ATTACHSTOREREQUEST']._serialized_start=1028
-  _globals['_ATTACHSTOREREQUEST']._serialized_end=1102
-  _globals['_ATTACHSTORERESPONSE']._serialized_start=1105
-  _globals['_ATTACHSTORERESPONSE']._serialized_end=1239
-  _globals['_ACQUIREVERSIONREQUEST']._serialized_start=1241
-  _globals['_ACQUIREVERSIONREQUEST']._serialized_end=1325
-  _globals['_ARENAHANDLE']._serialized_start=1327
-  _globals['_ARENAHANDLE']._serialized_end=1402
-  _globals['_STOREDTENSORLOCATION']._serialized_start=1405
-  _globals['_STOREDTENSORLOCATION']._serialized_end=1581
-  _globals['_ACQUIREVERSIONRESPONSE']._serialized_start=1584
-  _globals['_ACQUIREVERSIONRESPONSE']._serialized_end=1777
-  _globals['_RELEASEVERSIONREQUEST']._serialized_start=1779
-  _globals['_RELEASEVERSIONREQUEST']._serialized_end=1852
-  _globals['_RELEASEVERSIONRESPONSE']._serialized_start=1854
-  _globals['_RELEASEVERSIONRESPONSE']._serialized_end=1878
-  _globals['_OPENINGRESSREQUEST']._serialized_start=1880
-  _globals['_OPENINGRESSREQUEST']._serialized_end=1900
-  _globals['_OPENINGRESSRESPONSE']._serialized_start=1902
-  _globals['_OPENINGRESSRESPONSE']._serialized_end=1963
-  _globals['_GETSTATUSREQUEST']._serialized_start=1965
-  _globals['_GETSTATUSREQUEST']._serialized_end=1983
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1985
-  _globals['_GETSTATUSRESPONSE']._serialized_end=2099
+  _globals['_LOCALREQUEST']._serialized_end=529
+  _globals['_LOCALRESPONSE']._serialized_start=532
+  _globals['_LOCALRESPONSE']._serialized_end=967
+  _globals['_LOCALERROR']._serialized_start=970
+  _globals['_LOCALERROR']._serialized_end=1137
+  _globals['_LOCALERROR_METADATAENTRY']._serialized_start=1090
+  _globals['_LOCALERROR_METADATAENTRY']._serialized_end=1137
+  _globals['_ATTACHSTOREREQUEST']._serialized_start=1139
+  _globals['_ATTACHSTOREREQUEST']._serialized_end=1213
+  _globals['_ATTACHSTORERESPONSE']._serialized_start=1216
+  _globals['_ATTACHSTORERESPONSE']._serialized_end=1350
+  _globals['_ACQUIREVERSIONREQUEST']._serialized_start=1352
+  _globals['_ACQUIREVERSIONREQUEST']._serialized_end=1436
+  _globals['_ARENAHANDLE']._serialized_start=1438
+  _globals['_ARENAHANDLE']._serialized_end=1513
+  _globals['_STOREDTENSORLOCATION']._serialized_start=1516
+  _globals['_STOREDTENSORLOCATION']._serialized_end=1692
+  _globals['_ACQUIREVERSIONRESPONSE']._serialized_start=1695
+  _globals['_ACQUIREVERSIONRESPONSE']._serialized_end=1888
+  _globals['_RELEASEVERSIONREQUEST']._serialized_start=1890
+  _globals['_RELEASEVERSIONREQUEST']._serialized_end=1963
+  _globals['_RELEASEVERSIONRESPONSE']._serialized_start=1965
+  _globals['_RELEASEVERSIONRESPONSE']._serialized_end=1989
+  _globals['_OPENSTOREREQUEST']._serialized_start=1991
+  _globals['_OPENSTOREREQUEST']._serialized_end=2028
+  _globals['_OPENSTORERESPONSE']._serialized_start=2030
+  _globals['_OPENSTORERESPONSE']._serialized_end=2118
+  _globals['_OPENINGRESSREQUEST']._serialized_start=2120
+  _globals['_OPENINGRESSREQUEST']._serialized_end=2140
+  _globals['_OPENINGRESSRESPONSE']._serialized_start=2142
+  _globals['_OPENINGRESSRESPONSE']._serialized_end=2203
+  _globals['_GETSTATUSREQUEST']._serialized_start=2205
+  _globals['_GETSTATUSREQUEST']._serialized_end=2223
+  _globals['_GETSTATUSRESPONSE']._serialized_start=2225
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2339
 # @@protoc_insertion_point(module_scope)

@@ -12,34 +12,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LocalRequest(_message.Message):
-    __slots__ = ("attach_store", "acquire_version", "release_version", "open_ingress", "get_status")
+    __slots__ = ("attach_store", "acquire_version", "release_version", "open_ingress", "get_status", "open_store")
     ATTACH_STORE_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RELEASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     OPEN_INGRESS_FIELD_NUMBER: _ClassVar[int]
     GET_STATUS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_STORE_FIELD_NUMBER: _ClassVar[int]
     attach_store: AttachStoreRequest
     acquire_version: AcquireVersionRequest
     release_version: ReleaseVersionRequest
     open_ingress: OpenIngressRequest
     get_status: GetStatusRequest
-    def __init__(self, attach_store: _Optional[_Union[AttachStoreRequest, _Mapping]] = ..., acquire_version: _Optional[_Union[AcquireVersionRequest, _Mapping]] = ..., release_version: _Optional[_Union[ReleaseVersionRequest, _Mapping]] = ..., open_ingress: _Optional[_Union[OpenIngressRequest, _Mapping]] = ..., get_status: _Optional[_Union[GetStatusRequest, _Mapping]] = ...) -> None: ...
+    open_store: OpenStoreRequest
+    def __init__(self, attach_store: _Optional[_Union[AttachStoreRequest, _Mapping]] = ..., acquire_version: _Optional[_Union[AcquireVersionRequest, _Mapping]] = ..., release_version: _Optional[_Union[ReleaseVersionRequest, _Mapping]] = ..., open_ingress: _Optional[_Union[OpenIngressRequest, _Mapping]] = ..., get_status: _Optional[_Union[GetStatusRequest, _Mapping]] = ..., open_store: _Optional[_Union[OpenStoreRequest, _Mapping]] = ...) -> None: ...
 
 class LocalResponse(_message.Message):
-    __slots__ = ("attach_store", "acquire_version", "release_version", "open_ingress", "error", "get_status")
+    __slots__ = ("attach_store", "acquire_version", "release_version", "open_ingress", "error", "get_status", "open_store")
     ATTACH_STORE_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RELEASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     OPEN_INGRESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     GET_STATUS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_STORE_FIELD_NUMBER: _ClassVar[int]
     attach_store: AttachStoreResponse
     acquire_version: AcquireVersionResponse
     release_version: ReleaseVersionResponse
     open_ingress: OpenIngressResponse
     error: LocalError
     get_status: GetStatusResponse
-    def __init__(self, attach_store: _Optional[_Union[AttachStoreResponse, _Mapping]] = ..., acquire_version: _Optional[_Union[AcquireVersionResponse, _Mapping]] = ..., release_version: _Optional[_Union[ReleaseVersionResponse, _Mapping]] = ..., open_ingress: _Optional[_Union[OpenIngressResponse, _Mapping]] = ..., error: _Optional[_Union[LocalError, _Mapping]] = ..., get_status: _Optional[_Union[GetStatusResponse, _Mapping]] = ...) -> None: ...
+    open_store: OpenStoreResponse
+    def __init__(self, attach_store: _Optional[_Union[AttachStoreResponse, _Mapping]] = ..., acquire_version: _Optional[_Union[AcquireVersionResponse, _Mapping]] = ..., release_version: _Optional[_Union[ReleaseVersionResponse, _Mapping]] = ..., open_ingress: _Optional[_Union[OpenIngressResponse, _Mapping]] = ..., error: _Optional[_Union[LocalError, _Mapping]] = ..., get_status: _Optional[_Union[GetStatusResponse, _Mapping]] = ..., open_store: _Optional[_Union[OpenStoreResponse, _Mapping]] = ...) -> None: ...
 
 class LocalError(_message.Message):
     __slots__ = ("code", "reason", "message", "metadata")
@@ -137,6 +141,20 @@ class ReleaseVersionRequest(_message.Message):
 class ReleaseVersionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class OpenStoreRequest(_message.Message):
+    __slots__ = ("arena_ids",)
+    ARENA_IDS_FIELD_NUMBER: _ClassVar[int]
+    arena_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, arena_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OpenStoreResponse(_message.Message):
+    __slots__ = ("arenas", "store_arena_ids")
+    ARENAS_FIELD_NUMBER: _ClassVar[int]
+    STORE_ARENA_IDS_FIELD_NUMBER: _ClassVar[int]
+    arenas: _containers.RepeatedCompositeFieldContainer[ArenaHandle]
+    store_arena_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, arenas: _Optional[_Iterable[_Union[ArenaHandle, _Mapping]]] = ..., store_arena_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenIngressRequest(_message.Message):
     __slots__ = ()

@@ -301,7 +301,7 @@ class ListTransferGroupsResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[TransferGroup, _Mapping]]] = ...) -> None: ...
 
 class BeginUpdate(_message.Message):
-    __slots__ = ("group_id", "version", "plan", "plan_id", "mode", "transport", "allow_new_tensors", "base_generation", "base_store_epoch", "part")
+    __slots__ = ("group_id", "version", "plan", "plan_id", "mode", "transport", "allow_new_tensors", "base_generation", "base_store_epoch", "part", "store_writes")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +312,7 @@ class BeginUpdate(_message.Message):
     BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     BASE_STORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
+    STORE_WRITES_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     version: str
     plan: _tensor_pb2.WeightPlan
@@ -322,7 +323,8 @@ class BeginUpdate(_message.Message):
     base_generation: int
     base_store_epoch: int
     part: UpdatePart
-    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., plan_id: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., allow_new_tensors: _Optional[bool] = ..., base_generation: _Optional[int] = ..., base_store_epoch: _Optional[int] = ..., part: _Optional[_Union[UpdatePart, _Mapping]] = ...) -> None: ...
+    store_writes: bool
+    def __init__(self, group_id: _Optional[str] = ..., version: _Optional[str] = ..., plan: _Optional[_Union[_tensor_pb2.WeightPlan, _Mapping]] = ..., plan_id: _Optional[str] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., allow_new_tensors: _Optional[bool] = ..., base_generation: _Optional[int] = ..., base_store_epoch: _Optional[int] = ..., part: _Optional[_Union[UpdatePart, _Mapping]] = ..., store_writes: _Optional[bool] = ...) -> None: ...
 
 class UpdatePart(_message.Message):
     __slots__ = ("update_key", "rank", "world", "whole_tensors", "boxed_tensors", "join_timeout")
@@ -399,7 +401,7 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, begin: _Optional[_Union[BeginUpdate, _Mapping]] = ..., bucket_start: _Optional[_Union[BucketStart, _Mapping]] = ..., commit: _Optional[_Union[CommitUpdate, _Mapping]] = ..., abort: _Optional[_Union[AbortUpdate, _Mapping]] = ..., bucket_chunk: _Optional[_Union[BucketChunk, _Mapping]] = ...) -> None: ...
 
 class UpdateReady(_message.Message):
-    __slots__ = ("update_id", "plan_id", "bucket_count", "fast_path_bucket_count", "bucket_owner_ranks", "not_stored_buckets", "ingress_slot_first", "ingress_slot_count")
+    __slots__ = ("update_id", "plan_id", "bucket_count", "fast_path_bucket_count", "bucket_owner_ranks", "not_stored_buckets", "ingress_slot_first", "ingress_slot_count", "store_places")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -408,6 +410,7 @@ class UpdateReady(_message.Message):
     NOT_STORED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     INGRESS_SLOT_FIRST_FIELD_NUMBER: _ClassVar[int]
     INGRESS_SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    STORE_PLACES_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     plan_id: str
     bucket_count: int
@@ -416,7 +419,28 @@ class UpdateReady(_message.Message):
     not_stored_buckets: _containers.RepeatedScalarFieldContainer[int]
     ingress_slot_first: int
     ingress_slot_count: int
-    def __init__(self, update_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., bucket_count: _Optional[int] = ..., fast_path_bucket_count: _Optional[int] = ..., bucket_owner_ranks: _Optional[_Iterable[int]] = ..., not_stored_buckets: _Optional[_Iterable[int]] = ..., ingress_slot_first: _Optional[int] = ..., ingress_slot_count: _Optional[int] = ...) -> None: ...
+    store_places: _containers.RepeatedCompositeFieldContainer[StorePlace]
+    def __init__(self, update_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., bucket_count: _Optional[int] = ..., fast_path_bucket_count: _Optional[int] = ..., bucket_owner_ranks: _Optional[_Iterable[int]] = ..., not_stored_buckets: _Optional[_Iterable[int]] = ..., ingress_slot_first: _Optional[int] = ..., ingress_slot_count: _Optional[int] = ..., store_places: _Optional[_Iterable[_Union[StorePlace, _Mapping]]] = ...) -> None: ...
+
+class StorePlace(_message.Message):
+    __slots__ = ("sequence", "regions")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    regions: _containers.RepeatedCompositeFieldContainer[StoreRegion]
+    def __init__(self, sequence: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[StoreRegion, _Mapping]]] = ...) -> None: ...
+
+class StoreRegion(_message.Message):
+    __slots__ = ("bucket_offset_bytes", "size_bytes", "arena_id", "offset_bytes")
+    BUCKET_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    bucket_offset_bytes: int
+    size_bytes: int
+    arena_id: int
+    offset_bytes: int
+    def __init__(self, bucket_offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., arena_id: _Optional[int] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
 
 class BucketApplied(_message.Message):
     __slots__ = ("sequence", "size_bytes")

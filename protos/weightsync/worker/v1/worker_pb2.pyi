@@ -202,7 +202,7 @@ class PrepareUpdateCommand(_message.Message):
     def __init__(self, update_id: _Optional[str] = ..., group_id: _Optional[str] = ..., staged: _Optional[bool] = ..., buckets: _Optional[_Iterable[_Union[OwnedBucket, _Mapping]]] = ..., shadow_copies: _Optional[_Iterable[_Union[ShadowCopy, _Mapping]]] = ..., largest_bucket_bytes: _Optional[int] = ..., lane_starts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReceiveBucketCommand(_message.Message):
-    __slots__ = ("update_id", "sequence", "checksum", "discard", "size_bytes", "from_ingress", "ingress_offset_bytes", "piece_offset_bytes", "piece_size_bytes", "last_piece", "tail", "compression", "layout", "source_rank", "source_sequence")
+    __slots__ = ("update_id", "sequence", "checksum", "discard", "size_bytes", "from_ingress", "ingress_offset_bytes", "piece_offset_bytes", "piece_size_bytes", "last_piece", "tail", "compression", "layout", "source_rank", "source_sequence", "in_store")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,7 @@ class ReceiveBucketCommand(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    IN_STORE_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     sequence: int
     checksum: _tensor_pb2.Checksum
@@ -233,7 +234,8 @@ class ReceiveBucketCommand(_message.Message):
     layout: OwnedBucket
     source_rank: int
     source_sequence: int
-    def __init__(self, update_id: _Optional[str] = ..., sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., discard: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., from_ingress: _Optional[bool] = ..., ingress_offset_bytes: _Optional[int] = ..., piece_offset_bytes: _Optional[int] = ..., piece_size_bytes: _Optional[int] = ..., last_piece: _Optional[bool] = ..., tail: _Optional[bytes] = ..., compression: _Optional[_Union[_weight_sync_service_pb2.BucketCompression, str]] = ..., layout: _Optional[_Union[OwnedBucket, _Mapping]] = ..., source_rank: _Optional[int] = ..., source_sequence: _Optional[int] = ...) -> None: ...
+    in_store: bool
+    def __init__(self, update_id: _Optional[str] = ..., sequence: _Optional[int] = ..., checksum: _Optional[_Union[_tensor_pb2.Checksum, _Mapping]] = ..., discard: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., from_ingress: _Optional[bool] = ..., ingress_offset_bytes: _Optional[int] = ..., piece_offset_bytes: _Optional[int] = ..., piece_size_bytes: _Optional[int] = ..., last_piece: _Optional[bool] = ..., tail: _Optional[bytes] = ..., compression: _Optional[_Union[_weight_sync_service_pb2.BucketCompression, str]] = ..., layout: _Optional[_Union[OwnedBucket, _Mapping]] = ..., source_rank: _Optional[int] = ..., source_sequence: _Optional[int] = ..., in_store: _Optional[bool] = ...) -> None: ...
 
 class CommitUpdateCommand(_message.Message):
     __slots__ = ("update_id",)

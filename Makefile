@@ -68,20 +68,24 @@ test-engines: engine-install
 demo-engine: engine-install
 	$(ENGINE_PY) -m weightsync.engine.demo
 
-# The GPU suite (tests/gpu): skips with reasons, and exits 0, on a machine without CUDA. On a GPU
+# The GPU suite (tests/gpu): skips with reasons, and exits 0, on a machine without CUDA; tests that need
+# 2, 3 or 8 GPUs, or a second node, skip with theirs (docs/gpus.md says what each tier shows). On a GPU
 # machine whose own python has a CUDA torch: make test-gpu GPU_PY=python3 (no virtualenv is built).
+# TORCH_NCCL_NONBLOCKING_TIMEOUT is lowered for the run (torch reads it once per process): a
+# communicator that never forms lingers 20 s in the tests' processes, not torch's 30 min.
 GPU_PY ?= $(PY)
 test-gpu: $(if $(filter $(PY),$(GPU_PY)),install)
-	$(GPU_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/gpu
+	TORCH_NCCL_NONBLOCKING_TIMEOUT=$${TORCH_NCCL_NONBLOCKING_TIMEOUT:-20} \
+	  $(GPU_PY) -m pytest -q -rs -p no:cacheprovider -p no:randomly tests/gpu
 
 # The GPU kit: what the lent GPU machine (CPython 3.12, a CUDA torch, grpcio and protobuf, no
 # package registry) lacks to run test-gpu and bench.gpu, as wheels in .gpu-kit/ (ignored): the
 # pinned, hashed files of tools/gpu_kit/requirements.txt, grpcio and protobuf as fallbacks
 # (.gpu-kit/fallback/, used only if the machine's are too old), and a weightsync wheel built from
 # this tree. Carry it with `carry: [".gpu-kit"]` and run `bash tools/gpu_kit/run.sh` there: a
-# 300 s run (a small bench; the call's timeout_s=360), so that a second, corrected run fits in the
-# ~15 minutes a lent machine is there, start-up included. Its summary.txt starts with the GPU,
-# driver, torch, CUDA and NCCL versions.
+# 300 s run (tools/gpu_kit/tests.txt's one-GPU list, then a small bench; the call's timeout_s=360),
+# so that a second, corrected run fits in the ~15 minutes a lent machine is there, start-up
+# included. Its summary.txt starts with the GPU, driver, torch, CUDA and NCCL versions.
 GPU_KIT := .gpu-kit
 GPU_KIT_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
 GPU_KIT_DOWNLOAD := $(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \

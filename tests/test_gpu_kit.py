@@ -219,10 +219,39 @@ def test_the_kit_run_is_short_enough_for_a_corrected_second_run():
     assert f"timeout -s INT -k {kit.STOP_GRACE_SECONDS} " in text
     assert 2 * kit.CALL_TIMEOUT_SECONDS + 3 * 60 <= 15 * 60
     # A small bench by default: well under the budget the run keeps for it.
-    assert "BENCH_ARGS=${GPU_KIT_BENCH_ARGS:---gb 0.5 --reps 3}" in text
-    args = gpu.parse_args(["--out", "x", "--gb", "0.5", "--reps", "3"])
+    assert "BENCH_ARGS=${GPU_KIT_BENCH_ARGS:---gb 0.25 --reps 2}" in text
+    args = gpu.parse_args(["--out", "x", "--gb", "0.25", "--reps", "2"])
     shapes = gpu.model_shapes(int(args.gb * gpu.GB))
-    assert sum(gpu._numel(s) for _, s in shapes) * gpu.DTYPE_BYTES < 0.55 * gpu.GB
+    assert sum(gpu._numel(s) for _, s in shapes) * gpu.DTYPE_BYTES < 0.35 * gpu.GB  # the embedding and one layer
+
+
+def first_run_tests() -> list[str]:
+    return [line.strip() for line in (ROOT / "tools/gpu_kit/tests.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+
+
+def test_the_kits_pytest_runs_the_one_gpu_list_with_a_low_nonblocking_timeout():
+    """docs/gpus.md's one-GPU list, by default, in the time the run keeps for pytest; every id names a test that
+    collects here; torch's TORCH_NCCL_NONBLOCKING_TIMEOUT lowered for the tests' processes (a communicator that
+    never forms lingers that long); the tests' measurements kept in $OUT."""
+    text = (ROOT / "tools/gpu_kit/run.sh").read_text()
+    assert "TESTS=${GPU_KIT_TESTS:-$(grep -v '^#' tools/gpu_kit/tests.txt" in text and '$TESTS \\' in text
+    assert "export TORCH_NCCL_NONBLOCKING_TIMEOUT=${TORCH_NCCL_NONBLOCKING_TIMEOUT:-20}" in text
+    assert 'export GPU_KIT_MEASURES="$OUT/measures.jsonl"' in text
+    listed = (ROOT / "tools/gpu_kit/tests.txt").read_text()
+    estimates = [int(line.split("~")[1].split()[0]) for line in listed.splitlines() if line.startswith("# ~")]
+    assert estimates and sum(estimates) <= 225 and "PYTEST_S=${GPU_KIT_PYTEST_S:-225}" in text
+    tests = first_run_tests()
+    for must in ("tests/gpu/test_nccl_one_gpu.py::", "tests/gpu/test_nccl_pairs.py", "tests/gpu/test_host_memory.py",
+                 "tests/gpu/test_nccl_parts.py::test_two_parts_on_the_workers_gpu_push_over_one_gloo_group",
+                 "tests/gpu/test_gpu_parts.py"):
+        assert any(t.startswith(must) for t in tests), must
+    collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                                "-p", "no:randomly", *tests], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    ids = [line for line in collected.stdout.splitlines() if "::" in line]
+    for test in tests:
+        assert any(i == test or i.startswith(test + "::") or i.startswith(test + "[") for i in ids), test
 
 
 def test_a_run_out_of_time_skips_its_steps_rather_than_overrun(tmp_path):

@@ -27,7 +27,7 @@ from gpukit import record
 pytestmark = pytest.mark.timeout(240)
 
 GIB = 1 << 30
-ARENA_BYTES = 8 * GIB
+ARENA_BYTES = 4 * GIB
 """The memfd each registration test maps (the lent machine has 128 GiB: 256 GiB arenas cannot be tried there)."""
 FLOOR_BYTES_PER_SECOND = MAP_FLOOR_BYTES_PER_SECOND
 """The slowest map the server allows a worker: slower, and the worker is killed."""

@@ -64,9 +64,9 @@ def polled(monkeypatch) -> list[str]:
     calls: list[str] = []
     original = CollectiveGroup._wait_polling
 
-    def spy(self: CollectiveGroup, work, deadline: float) -> None:
+    def spy(self: CollectiveGroup, work, deadline: float, stopped=None) -> None:
         calls.append(self.group_id)
-        original(self, work, deadline)
+        original(self, work, deadline, stopped)
 
     monkeypatch.setattr(CollectiveGroup, "_wait_polling", spy)
     return calls

@@ -5,8 +5,11 @@
 #
 # A lent GPU machine is there for about 15 minutes in all, its start-up included: the whole run
 # is budgeted at 300 s (give the device call timeout_s=360), so a second, corrected run still fits
-# on the same warm machine. The bench is small by default (0.5 GB, 3 reps); pytest gets what the
+# on the same warm machine. The bench is small by default (0.25 GB, 2 reps); pytest gets what the
 # steps before it left, less what the bench needs, and prints its slowest tests for the next plan.
+# pytest runs the list in tools/gpu_kit/tests.txt (docs/gpus.md's one-GPU list), with
+# TORCH_NCCL_NONBLOCKING_TIMEOUT=20 exported: a communicator that never forms lingers 20 s, not
+# torch's 30 min, in the tests' processes.
 #
 # Steps, each recorded in $OUT/summary.txt (which starts with the GPU, driver, torch, CUDA and NCCL
 # versions every figure of the run comes from); a step that fails or runs out of time does not stop
@@ -18,18 +21,19 @@
 #             (a fallback grpcio/protobuf goes on PYTHONPATH for this run only if the machine's is
 #             too old)
 #   check     torch's version and CUDA unchanged, weightsync and the companions import, pip check
-#   pytest    python3 -m pytest -q -rs -p no:cacheprovider --durations=15 tests/gpu
-#             (junit: $OUT/junit-gpu.xml)
-#   bench     python3 -m bench.gpu --out $OUT --gb 0.5 --reps 3  (gpu_bench.json, gpu_bench.md)
-# Files in $OUT: run.log (everything), summary.txt, versions.txt, junit-gpu.xml, gpu_bench.json,
-# gpu_bench.md.
+#   pytest    python3 -m pytest -q -rs -p no:cacheprovider --durations=15 <tools/gpu_kit/tests.txt>
+#             (junit: $OUT/junit-gpu.xml; the tests' measurements: $OUT/measures.jsonl)
+#   bench     python3 -m bench.gpu --out $OUT --gb 0.25 --reps 2  (gpu_bench.json, gpu_bench.md)
+# Files in $OUT: run.log (everything), summary.txt, versions.txt, junit-gpu.xml, measures.jsonl,
+# gpu_bench.json, gpu_bench.md.
 #
 # Environment: OUT (default /tmp/gpu-kit-out), GPU_PY (python3), GPU_KIT (.gpu-kit),
 # GPU_KIT_TOTAL_S (300: the whole run, every step's limit included), GPU_KIT_PYTEST_S (at most
-# this for pytest: 220), GPU_KIT_BENCH_S (kept for the bench: 50), GPU_KIT_BENCH_ARGS (bench.gpu's
-# arguments: "--gb 0.5 --reps 3"), GPU_KIT_TESTS (what pytest runs: tests/gpu, or a rerun's list of
-# test ids, space-separated), GPU_KIT_PYTEST_ARGS (more pytest arguments, e.g. --timeout 60), GPU_KIT_DRY_RUN=1 (info and the install plan only: installs nothing,
-# runs nothing).
+# this for pytest: 225), GPU_KIT_BENCH_S (kept for the bench: 40), GPU_KIT_BENCH_ARGS (bench.gpu's
+# arguments: "--gb 0.25 --reps 2"), GPU_KIT_TESTS (what pytest runs: tools/gpu_kit/tests.txt's list,
+# or tests/gpu, or a rerun's test ids, space-separated), GPU_KIT_PYTEST_ARGS (more pytest arguments,
+# e.g. --timeout 60), TORCH_NCCL_NONBLOCKING_TIMEOUT (20 unless set), GPU_KIT_DRY_RUN=1 (info and the
+# install plan only: installs nothing, runs nothing).
 # Exit status: 0 when every step passed, 1 otherwise.
 
 # shellcheck disable=SC2317  # the step functions run through `bash -c NAME` (export -f)
@@ -40,15 +44,16 @@ OUT=${OUT:-/tmp/gpu-kit-out}
 PY=${GPU_PY:-python3}
 KIT=${GPU_KIT:-.gpu-kit}
 TOTAL=${GPU_KIT_TOTAL_S:-300}
-PYTEST_S=${GPU_KIT_PYTEST_S:-220}
-BENCH_S=${GPU_KIT_BENCH_S:-50}
-BENCH_ARGS=${GPU_KIT_BENCH_ARGS:---gb 0.5 --reps 3}
+PYTEST_S=${GPU_KIT_PYTEST_S:-225}
+BENCH_S=${GPU_KIT_BENCH_S:-40}
+BENCH_ARGS=${GPU_KIT_BENCH_ARGS:---gb 0.25 --reps 2}
+TESTS=${GPU_KIT_TESTS:-$(grep -v '^#' tools/gpu_kit/tests.txt | tr '\n' ' ')}
 DRY_RUN=${GPU_KIT_DRY_RUN:-0}
 STATE=$(mktemp -d /tmp/gpu-kit-state.XXXXXX)
 SUMMARY=$OUT/summary.txt
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
-export OUT PY KIT STATE BENCH_ARGS
+export OUT PY KIT STATE BENCH_ARGS TESTS
 
 failures=0
 
@@ -192,10 +197,15 @@ EOF
 }
 
 run_pytest() {
-  # shellcheck disable=SC2086  # GPU_KIT_PYTEST_ARGS is a list of arguments
-  # shellcheck disable=SC2086  # GPU_KIT_TESTS is a list of test ids
-  "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 ${GPU_KIT_TESTS:-tests/gpu} \
+  # A communicator that never forms lingers this long in the tests' processes (torch reads it once).
+  export TORCH_NCCL_NONBLOCKING_TIMEOUT=${TORCH_NCCL_NONBLOCKING_TIMEOUT:-20}
+  export GPU_KIT_MEASURES="$OUT/measures.jsonl"
+  # shellcheck disable=SC2086  # TESTS and GPU_KIT_PYTEST_ARGS are lists of arguments
+  "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 $TESTS \
     --junitxml="$OUT/junit-gpu.xml" ${GPU_KIT_PYTEST_ARGS:-}
+  local rc=$?
+  [ -s "$GPU_KIT_MEASURES" ] && { echo "measures:"; cat "$GPU_KIT_MEASURES"; }
+  return "$rc"
 }
 
 run_bench() {

@@ -89,6 +89,10 @@ class Worker:
         self.receiver = Receiver(self.device, config.memory_limit_bytes)
         self.ingress = map_ingress(config.ingress_fd, config.ingress_bytes)
         self.groups = GroupTable(self.device)
+        if self.receiver.lane is not None:  # its cached blocks wait while a failed NCCL kernel may be queued
+            self.receiver.lane.hold_cache = self.groups.device_busy
+        self._arrived = 0.0
+        """When the command being executed arrived (time.monotonic()); a held receive's, when it was held."""
         self._held: dict[tuple[str, int], tuple[bytes, float]] = {}
         """(update id, sequence) -> a receive command waiting its turn (_held_back), and since when (monotonic)."""
         self._handlers: dict[str, Callable[[wpb.WorkerCommand, wpb.WorkerEvent], None]] = {
@@ -152,6 +156,7 @@ class Worker:
     def _dispatch(self, payload: bytes) -> None:
         """Run one command, unless it is a receive that must wait its turn (held: run, and answered, once every
         receive before it in the update's one order ran, or failed at the update's abort)."""
+        self._arrived = time.monotonic()
         if self._held_back(payload):
             return
         self._execute(payload)
@@ -159,7 +164,8 @@ class Worker:
             due = (update.update_id, update.turns[0])
             if due not in self._held:
                 return
-            self._execute(self._held.pop(due)[0])  # its receive takes the turn, whatever its outcome
+            payload, self._arrived = self._held.pop(due)
+            self._execute(payload)  # its receive takes the turn, whatever its outcome
 
     def _held_back(self, payload: bytes) -> bool:
         """A receive of a COLLECTIVE update of several parts that is not yet this worker's turn is held
@@ -356,8 +362,11 @@ class Worker:
             try:
                 group = self.groups.get(update.group_id)
                 parts = len(update.lane_starts) > 1  # every part sends its own buckets, point-to-point
+                # Within the group's timeout from the command's arrival, whatever part of it a turn took.
+                deadline = self._arrived + group.timeout.total_seconds()
                 applied = self.receiver.receive_collective(
-                    receive, lambda buffer: self.groups.transfer(group, buffer, receive, point_to_point=parts),
+                    receive, lambda buffer: self.groups.transfer(group, buffer, receive, point_to_point=parts,
+                                                                 deadline=deadline),
                     device_lane=group.backend == pb.BACKEND_NCCL)
             finally:
                 update.took_turn(receive.sequence)

@@ -4,7 +4,7 @@ Agreement: every rank agrees before any of them changes its model, and only the 
 
 Why: vLLM 0.32's multiprocess executor (tensor or pipeline parallel > 1) reads its ranks' answers
 to a collective call in rank order and raises at the first failed one, leaving the later ranks'
-answers in their queues (vllm/v1/executor/multiproc_executor.py, collective_rpc's get_response).
+answers in their queues (vLLM's MultiprocExecutor.collective_rpc, its get_response).
 The next call then reads those stale answers as its own: after one refused update every later
 call would answer with the one before's outcome. So a refusal must reach vLLM from the last rank
 alone. Every rank therefore publishes its outcome first (an all-gather over vLLM's own CPU group

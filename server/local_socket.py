@@ -235,6 +235,11 @@ class LocalHandoff:
         try:
             # Read in the same step as the grant: the store's layout and the lease's version agree.
             version = lease.version
+            if acquire.generation > version.generation:  # never committed here (yet): not gone
+                raise FailedPrecondition("VERSION_NOT_COMMITTED", f"generation {acquire.generation} is not committed; "
+                                         f"the store holds generation {version.generation} (a later one, or one of "
+                                         "the store before this server started)", generation=acquire.generation,
+                                         current=version.generation)
             if acquire.generation and acquire.generation != version.generation:
                 raise FailedPrecondition("VERSION_GONE", f"generation {acquire.generation} is not held; the store "
                                          f"holds generation {version.generation}", generation=acquire.generation,

@@ -59,7 +59,7 @@ INTERNAL_ONLY = {
     "FD_CHANNEL_MISSING",  # a worker started without its fd channel (a server bug)
 }
 # Met only by engines (acquire_version / release_version): in the doc's Engines table instead.
-ENGINE_ONLY = {"LEASE_NOT_FOUND", "VERSION_GONE", "STORE_INCONSISTENT", "ENGINE_ANSWER_MALFORMED", "ENGINE_CALL_FAILED", "ENGINE_REFUSED",
+ENGINE_ONLY = {"LEASE_NOT_FOUND", "VERSION_GONE", "VERSION_NOT_COMMITTED", "STORE_INCONSISTENT", "ENGINE_ANSWER_MALFORMED", "ENGINE_CALL_FAILED", "ENGINE_REFUSED",
                "ENGINE_UNREACHABLE"}
 # UPPER_SNAKE_CASE string literals in the source that are no ErrorInfo reason.
 NOT_REASONS = {

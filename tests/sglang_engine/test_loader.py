@@ -299,3 +299,21 @@ def test_a_rank_reaches_a_restarted_server_again_and_loads_every_tensor_of_its_n
     finally:
         server.stop()
 
+
+def test_a_generation_the_store_has_not_committed_is_not_called_gone(node, tmp_path):
+    """A request naming a later generation than the store's: VERSION_NOT_COMMITTED with both numbers (it was
+    VERSION_GONE, which says the store moved past it); nothing fed; the current one then loads."""
+    model, rank = StandIn(), loader_for(node, tmp_path, "future")
+    with sdk_client(node) as trainer:
+        current = trainer.push(version(7), version="v7", transport="inline",
+                               allow_new_tensors=True).servers[0].generation
+    with pytest.raises(LoadError) as future:
+        rank.load(model, entry(UpdateRequest(generation=current + 5)))
+    assert (future.value.reason, future.value.detail) == (
+        "VERSION_NOT_COMMITTED", f"the version not loaded, the engine keeps its weights: rank tp0/1 refused: "
+        f"VERSION_NOT_COMMITTED: generation {current + 5} is not committed; the store holds generation {current} (a "
+        "later one, or one of the store before this server started)")
+    assert model.fed == []
+    rank.load(model, entry(UpdateRequest(generation=current)))
+    assert sorted(model.fed) == sorted(NAMES)
+    assert all(torch.equal(model.as_checkpoint()[n], version(7)[n]) for n in NAMES)

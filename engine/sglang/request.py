@@ -108,6 +108,13 @@ def encode(request: UpdateRequest) -> str:
 def update_body(request: UpdateRequest, *, tp_size: int, weight_version: str | None = None,
                 flush_cache: bool = True) -> dict:
     """The JSON body of `POST /update_weights_from_tensor`: every rank gets the same request.
+
+    tp_size: SGLang's own (GET /server_info's tp_size), which this function cannot know: a smaller one
+    leaves ranks without an entry, which the plugin refuses on every rank (REQUEST_MALFORMED: SGLang
+    keeps serving, the label unchanged) and SGLang without the plugin dies of (an IndexError in its
+    scheduler); a larger one is harmless (SGLang reads rank R's entry R). The body's load_format must
+    stay weightsync's: under any other (none included) the plugin refuses it (LOAD_FORMAT_MISMATCH),
+    where SGLang's default loader would skip the request and report success.
     weight_version: the label SGLang records if every rank loaded (GET /model_info)."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")

@@ -36,7 +36,7 @@ from weightsync.engine.sglang import LOAD_FORMAT, UpdateRequest, update_body  # 
 from weightsync.engine.sglang.request import REQUEST_NAME, encode  # noqa: E402
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 
-from helpers import running_server, sdk_client  # noqa: E402
+from helpers import sdk_client, start_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 NAME = "sgl"
@@ -56,10 +56,32 @@ class Served:
     history: list[str] = field(default_factory=list)
 
 
+class Node:
+    """The weightsync server SGLang's ranks attach to (WEIGHTSYNC_SERVER: its fixed address), which a test
+    can stop and start again on that address: a new store and a new local socket."""
+
+    def __init__(self, directory, port: int) -> None:
+        self.directory, self.address = directory, f"127.0.0.1:{port}"
+        self.process = start_server(directory, "--listen", self.address, workers=1)
+
+    def stub(self):
+        return self.process.stub()
+
+    def stop(self) -> None:
+        assert self.process.stop() == 0, self.process.log()[-3000:]
+
+    def restart(self) -> None:
+        self.stop()
+        self.process = start_server(self.directory, "--listen", self.address, workers=1)
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("sglang-node"), workers=1) as server:
+    server = Node(tmp_path_factory.mktemp("sglang-node"), tiny_model.free_port())
+    try:
         yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -289,3 +311,55 @@ def _entry(pairs) -> str:
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=4).dump(pairs)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def test_bodies_sglang_would_misread_or_die_of_are_refused_and_the_label_stays(sglang, node, trainer, served):
+    """update_body's body with its load_format left out (or another one): SGLang's default loader would
+    skip weightsync's request and answer success, its label moving over the old weights; a body built for
+    fewer TP ranks than SGLang's: SGLang's scheduler died of an IndexError; an entry SGLang's unpickler
+    refuses under weightsync's load format. Each is refused on both ranks, SGLang serves on, its label
+    where it was; then the next version loads, bytes checked."""
+    state = tiny_model.weights(12)
+    generation = trainer.push(state, version="v12", transport="inline", mode="staged", delta=False).servers[0].generation
+    request = UpdateRequest(generation=generation, since_generation=served.generation)
+    for load_format in (None, "direct"):
+        body = update_body(request, tp_size=TP, weight_version="v12")
+        if load_format is None:
+            del body["load_format"]
+        else:
+            body["load_format"] = load_format
+        answer = update(sglang, request, "v12", body=body)
+        assert_refused(sglang, node, served, answer, "LOAD_FORMAT_MISMATCH: the body carries weightsync's request "
+                       f"under load_format {load_format!r}")
+    short = update_body(request, tp_size=TP - 1, weight_version="v12")
+    assert_refused(sglang, node, served, update(sglang, request, "v12", body=short),
+                   f"REQUEST_MALFORMED: serialized_named_tensors has {TP - 1} entries and this SGLang runs {TP} TP "
+                   "ranks")
+    garbage = dict(update_body(request, tp_size=TP, weight_version="v12"))
+    garbage["serialized_named_tensors"] = [garbage["serialized_named_tensors"][0], "bm90IGEgcGlja2xl"]
+    assert_refused(sglang, node, served, update(sglang, request, "v12", body=garbage),
+                   "REQUEST_MALFORMED: entry 1 of serialized_named_tensors is not one SGLang reads")
+
+    # The same version, as update_body builds it: every tensor of it loads on both ranks.
+    status, answer = update(sglang, request, "v12")
+    assert status == 200 and answer["success"], answer
+    served.state, served.label, served.generation = {**served.state, **state}, "v12", generation
+    assert_serves(sglang, node, served)
+
+
+def test_a_restarted_weightsync_server_is_reached_again_by_every_rank(sglang, node, served):
+    """The weightsync server stops and starts again on the same address (a new local socket, an empty store
+    counting generations anew). Each rank attaches again at its next load and takes every tensor of the new
+    store's version (each failed LOAD_FAILED on its dead connection for the life of SGLang); bytes checked."""
+    node.restart()
+    state = tiny_model.weights(13)
+    with sdk_client(node) as trainer:
+        generation = trainer.push(state, version="restarted", transport="inline", allow_new_tensors=True,
+                                  delta=False).servers[0].generation
+    status, answer = update(sglang, UpdateRequest(generation=generation, since_generation=-1), "restarted")
+    assert status == 200 and answer["success"], answer
+    reports = LOADED.findall(answer["message"])
+    assert reports and all((version, int(gen), int(count)) == ("restarted", generation, len(state))
+                           for _, version, gen, _, count, _ in reports), answer
+    served.state, served.label, served.generation = {**served.state, **state}, "restarted", generation
+    assert_serves(sglang, node, served)

@@ -12,9 +12,11 @@ where LMDeploy lets user code in without pickle:
       load_into_pipeline(pipe, UpdateRequest(generation=G, since_generation=S))  # between generations
 
 - through LMDeploy's own routes (models.py, module_map.py): with `custom_module_map` set to
-  MODULE_MAP_PATH every model agent builds LMDeploy's classes whose load_weights also takes
-  weightsync's request pair (one int64 tensor naming a version) and loads that version from the
-  store on that rank, with LMDeploy's own finalisation afterwards.
+  MODULE_MAP_PATH (Python API only: LMDeploy 0.18's CLI has no flag for it) every model agent
+  builds LMDeploy's classes whose load_weights also takes weightsync's request pair (one int64
+  tensor naming a version) and loads that version from the store on that rank, with LMDeploy's own
+  finalisation afterwards. Of LMDeploy 0.18's routes only `/update_weights_from_distributed` (Ray,
+  NCCL) can hand a rank that pair; `/update_weights` cannot (models.py says why).
 
 Each rank (loader.py) attaches as WEIGHTSYNC_ENGINE_NAME (default "lmdeploy"; rank R: NAME:tpR),
 checks names and shapes before a byte moves, agrees with the other ranks, feeds load_weights what

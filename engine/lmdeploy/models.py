@@ -1,16 +1,21 @@
 """LMDeploy's model classes with weightsync's request understood by their `load_weights`.
 
-LMDeploy loads these in place of its own when started with weightsync's custom module map
-(module_map.py; `PytorchEngineConfig(custom_module_map=MODULE_MAP_PATH)` or
-`lmdeploy serve api_server ... --custom-module-map PATH`). Each is LMDeploy's own class, unchanged,
-except that `load_weights` also takes one pair ("weightsync.update", int64 tensor [format,
-generation, since_generation, wait_ms, strict]) (weightsync.engine.sglang.request's format): on
-it the rank loads that version from the node's store (loader.py), every other pair going to
-LMDeploy's own `load_weights` as before. So whichever of LMDeploy's routes hands a model agent a
-bucket of named tensors (its Ray-only `update_weights_from_distributed`, a JSON list of names,
-dtypes and shapes broadcast as one 40-byte tensor; its checkpoint-engine IPC route) can carry the
-request instead of weights, and LMDeploy's own finalisation (`process_weights_after_loading`,
-graph reset) runs after it as after any bucket. Nothing is unpickled by weightsync.
+LMDeploy loads these in place of its own when its engine is built with weightsync's custom module
+map (module_map.py): `PytorchEngineConfig(custom_module_map=MODULE_MAP_PATH)`, LMDeploy 0.18's Python
+API only (its CLI has no flag for it). Each is LMDeploy's own class, unchanged, except that
+`load_weights` also takes one pair ("weightsync.update", int64 tensor [format, generation,
+since_generation, wait_ms, strict]) (weightsync.engine.sglang.request's format): on it the rank
+loads that version from the node's store (loader.py), every other pair going to LMDeploy's own
+`load_weights` as before, and LMDeploy's own finalisation (`process_weights_after_loading`, graph
+reset) runs after it as after any bucket. Nothing is unpickled by weightsync.
+
+Which of LMDeploy 0.18's routes can hand a model agent that pair: `/update_weights_from_distributed`
+(Ray executor, CUDA: names ["weightsync.update"], dtypes ["int64"], shapes [[5]] in its JSON, the
+five numbers broadcast by the trainer over the NCCL group `/init_weights_update_group` made; not
+run here: it needs Ray and GPUs). Not `/update_weights`: it rebuilds every value from a CUDA IPC
+handle it unpickles, so it cannot carry a plain tensor; not `/update_weights_from_ipc`
+(checkpoint-engine's ZMQ buckets of CUDA memory). What runs on one GPU without any route is
+pipeline.py's in-process load.
 
 This module imports LMDeploy: only LMDeploy imports it (by the qualified names module_map.py lists).
 """

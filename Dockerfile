@@ -91,8 +91,8 @@ RUN groupadd --gid 10001 weightsync \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent weightsync
 # numba caches the workers' kernels in a folder per numba version under NUMBA_CACHE_DIR
 # (common/numba_cache.py): their sources' folder is not writable by uid 10001, /tmp is (an emptyDir in
-# the manifests). A container whose /tmp is new compiles them once, in a child process of each worker
-# before the server reports ready (~13-45 s; the startupProbe allows 120 s), never during a push.
+# the manifests). A container whose /tmp is new compiles them once, in a child process of the server
+# while its workers start, before it serves (~13-45 s; the startupProbe allows 120 s), never in a push.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -12,23 +12,26 @@ libraries' numba caches stay where they were.
 
 Compiling takes tens of seconds and holds the interpreter's lock in long stretches (seen: 0.6 s on an
 idle host; ten times that at load 10-24), long enough for a worker's heartbeat thread to miss its
-bound. compile_ahead() therefore compiles in a child process (`python -m weightsync.common.numba_cache`)
-into the cache, before a worker reports that it started, and leaves a marker (compiled_marker) naming
-what it compiled for: the sources' stamps and the host CPU, as numba's own cache keys them. A process
-whose marker is there only loads the kernels (about a second); one without compiles once: the child
-holds a lock on the folder, so the workers of a node compile once between them.
+bound, and a push that needs a kernel meanwhile waits for it. So nothing that serves compiles:
+compile_ahead() runs a child process (`python -m weightsync.common.numba_cache`) that compiles every
+kernel into the cache and leaves a marker (compiled_marker) naming what it compiled for, the sources'
+stamps and the host CPU, as numba's own cache keys them; with the marker there it exits at once. The
+server runs it while its workers start and serves once it ended (server/supervisor.py); a worker
+loads its kernels once the marker is there (wait_compiled; about a second). Children of several
+servers take turns on a lock on the folder, so they compile once between them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import hashlib
 import os
 import re
-import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -38,6 +41,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 KERNEL_SOURCES = ("patch_jit.py", "patch_jit_check.py", "ws64_host.py")
 """The modules (in this folder) whose kernels are cached_njit's: a change to any compiles them all again."""
+COMPILE_AHEAD_SECONDS = 600.0
+"""The most a server's start waits for the kernels to compile (then it serves, and a kernel compiles where it
+is first used, as without this), and a worker for the marker. A compile takes 13-45 s on 2 cores, over 90 s
+at load 40; what is compiled stays cached kernel by kernel, so a start cut short (the manifests' startupProbe
+allows 120 s; their /tmp, an emptyDir, outlives the container) resumes where it stopped."""
+MARKER_POLL_SECONDS = 0.2
 LOCK_NAME = "compile.lock"
 _decorating = threading.Lock()
 
@@ -123,32 +132,47 @@ def compiled_marker() -> Path:
     return kernel_cache_dir() / f"compiled-{key}"
 
 
-def compile_ahead(timeout: float) -> bool:
-    """Make sure the kernels are in the cache, compiling them in a child process if they are not (at most
-    `timeout` seconds: then the child is killed, and a kernel compiles where it is first used, as without
-    this). True when the marker is there afterwards."""
+async def compile_ahead(timeout: float = COMPILE_AHEAD_SECONDS) -> bool:
+    """The kernels compiled into the cache by a child process (module docstring), at most `timeout` seconds:
+    then, or when cancelled, the child is killed (what it compiled stays cached). True if it succeeded."""
     from weightsync.common.logging import get_logger
 
     log = get_logger("weightsync.numba_cache")
-    marker = compiled_marker()
-    if marker.exists():
-        return True
-    log.info("kernels_compiling_ahead", cache_dir=str(kernel_cache_dir()), timeout_s=timeout)
+    child = await asyncio.create_subprocess_exec(sys.executable, "-m", "weightsync.common.numba_cache",
+                                                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                                                 stderr=asyncio.subprocess.PIPE)
     try:
-        done = subprocess.run([sys.executable, "-m", "weightsync.common.numba_cache"], capture_output=True,
-                              text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
+        _, stderr = await asyncio.wait_for(child.communicate(), timeout)
+    except TimeoutError:
         log.warning("kernels_compile_ahead_timed_out", timeout_s=timeout)
         return False
-    if done.returncode != 0:
-        log.warning("kernels_compile_ahead_failed", returncode=done.returncode, stderr=done.stderr[-2000:])
-    return marker.exists()
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await asyncio.shield(child.wait())
+    if child.returncode != 0:
+        log.warning("kernels_compile_ahead_failed", returncode=child.returncode,
+                    stderr=stderr.decode(errors="replace")[-2000:])
+    return child.returncode == 0
+
+
+def wait_compiled(timeout: float = COMPILE_AHEAD_SECONDS) -> bool:
+    """Wait (sleeping, not holding the interpreter's lock) until the marker is there, at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    marker = compiled_marker()
+    while not marker.exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(MARKER_POLL_SECONDS)
+    return True
 
 
 def _compile_here() -> None:
     """The child's work: under the folder's lock, unless another child compiled meanwhile, call every kernel
     once (each compiles into the cache), then leave the marker."""
     folder = kernel_cache_dir()
+    if compiled_marker().exists():
+        return
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / LOCK_NAME, "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies

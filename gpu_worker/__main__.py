@@ -18,13 +18,9 @@ import os
 import signal
 import socket
 import sys
+import threading
 
 import structlog
-
-COMPILE_AHEAD_SECONDS = 90.0
-"""The most a worker's start spends compiling the numba kernels (common/numba_cache.py), within the server's
-bound on a worker's start (STARTUP_TIMEOUT_SECONDS, 120 s, in server/supervisor.py) with room for the
-interpreter's own start."""
 
 
 def _die_with_parent() -> None:
@@ -88,11 +84,14 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(fault.exit_code)
     fd_channel = socket.socket(fileno=config.fd_channel) if config.fd_channel > 0 else None
     worker = Worker(config, commands.queue, events.queue, fd_channel)
-    # Compiled (if the cache lacks them) in a child process and before this worker says it started: compiling
-    # here would hold the interpreter's lock long enough to stop the heartbeat, and a first push would wait
-    # for it. Then loaded (about a second) in a thread, so the first patched bucket finds them loaded.
-    numba_cache.compile_ahead(COMPILE_AHEAD_SECONDS)
-    patch_kernels.warm_up_in_background()
+    # The kernels are loaded from numba's cache in a thread (about a second), so the first patched bucket finds
+    # them loaded; once the server's child process compiled them into it (common/numba_cache.py): compiling
+    # here would hold the interpreter's lock long enough to stop this worker's heartbeat.
+    def load_kernels() -> None:
+        numba_cache.wait_compiled()  # bounded; past it, the kernels compile here as they load (as without it)
+        patch_kernels.warm_up_in_background()
+
+    threading.Thread(target=load_kernels, name="weightsync-kernels-compiled", daemon=True).start()
     code = worker.run(parent_alive=lambda: os.getppid() == config.parent_pid)
     commands.close()
     events.close()

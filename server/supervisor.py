@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from weightsync.common import numba_cache
 from weightsync.common.errors import Unavailable, WeightSyncError, error_from_code
 from weightsync.common.fd_passing import send_fds
 from weightsync.common.logging import get_logger
@@ -138,7 +139,14 @@ class Supervisor:
             self._loop.add_reader(worker.events.doorbell_fd, self._drain_events, worker)
             self._spawn(worker)
         self._watch = asyncio.ensure_future(supervised("heartbeat_watch", self._watch_heartbeats))
-        await self.wait_started()
+        # The numba kernels, compiled (if the cache lacks them) by a child process while the workers start, not
+        # by a worker (its heartbeat would stop) nor by a first push (it would wait): common/numba_cache.py.
+        compiling = asyncio.ensure_future(numba_cache.compile_ahead())
+        try:
+            await self.wait_started()
+            await compiling
+        finally:
+            compiling.cancel()
 
     async def wait_started(self, timeout: float = STARTUP_TIMEOUT_SECONDS) -> None:
         await asyncio.wait_for(asyncio.gather(*(w.started.wait() for w in self.workers)), timeout)

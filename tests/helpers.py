@@ -25,6 +25,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
+from weightsync.common.numba_cache import COMPILE_AHEAD_SECONDS
+from weightsync.server.supervisor import STARTUP_TIMEOUT_SECONDS
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
@@ -85,6 +87,13 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
 
+INTERPRETER_START_SECONDS = 120.0
+"""A loaded host's allowance for a fresh interpreter importing torch and weightsync (seen: over 100 s at load 70)."""
+SERVER_START_SECONDS = INTERPRETER_START_SECONDS + max(STARTUP_TIMEOUT_SECONDS, COMPILE_AHEAD_SECONDS)
+"""start_server's backstop: the server itself serves, or exits, within its own bounds on its workers' start and
+the kernels' compile (server/supervisor.py), once its interpreter started."""
+
+
 def start_server(tmp_path: Path, *extra: str, workers: int = 2, env: dict | None = None,
                  devices: str = "") -> ServerProcess:
     """A server process; `devices` (e.g. "cuda:0") instead of `workers` CPU workers."""
@@ -95,7 +104,7 @@ def start_server(tmp_path: Path, *extra: str, workers: int = 2, env: dict | None
             "--ready-file", str(ready), *extra]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + SERVER_START_SECONDS
     while not ready.exists():
         if process.poll() is not None:
             raise RuntimeError(f"server exited {process.returncode}:\n{log_path.read_text()}")

@@ -66,6 +66,7 @@ NOT_REASONS = {
     "LOCAL_ALLOW_UID",  # the WEIGHTSYNC_LOCAL_ALLOW_UID environment variable
     "WEIGHTSYNC_BYTE_PASSES",  # an environment variable: count the bytes each stage copies (common/byte_passes.py)
     "NCCL_SOCKET_IFNAME",  # an environment variable NCCL reads
+    "NUMBA_CACHE_DIR",  # numba's cache folder (common/numba_cache.py)
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",  # environment variables torch's NCCL groups read
     "TORCH_NCCL_NONBLOCKING_TIMEOUT",
     "TORCH_NCCL_BLOCKING_WAIT",

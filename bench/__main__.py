@@ -213,13 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int,
                         help="node_store: rounds per side, run in turn (default: 2 with --before, 1 otherwise or --quick)")
     parser.add_argument("--only", choices=["main", "latency", "scaling", "load", "transports", "engine", "node", "delta",
-                                           "node_store", "multi_sender", "host_path"],
+                                           "node_store", "multi_sender", "pause", "host_path"],
                         action="append",
                         help="run only these parts (repeatable); default: all but node_store and multi_sender ("
                              "--only host_path writes bench/results/host-path.{md,json}, with --before PYTHON that "
                              "tree's figures beside; "
                              "--only node_store --before PYTHON writes bench/results/node_store.{md,json}; "
-                             "--only multi_sender writes bench/results/multi-sender-cpu.md)")
+                             "--only multi_sender writes bench/results/multi-sender-cpu.md; --only pause, in "
+                             ".venv-engine, writes bench/results/pause.md: bench/pause.py)")
     parser.add_argument("--link-rate", default="300mbit", help="multi_sender: each sender's link (tc rate, e.g. 300mbit)")
     parser.add_argument("--model-mib", type=int, help="multi_sender: the model's MiB (default 128, 64 with --quick)")
     args = parser.parse_args(argv)
@@ -240,6 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         host_path.main(["--out", args.out, "--reps", str(max(7, args.reps or 9)),
                         *(["--before", args.before, "--rounds", str(args.rounds or 1)] if args.before else [])])
         parts.discard("host_path")
+        if not parts:
+            return 0
+    if "pause" in parts:  # vLLM's pause per update: its own vLLM servers, in the engine virtualenv
+        from bench import pause
+        from weightsync.common.logging import configure_logging
+
+        configure_logging("warning")
+        pause.run(pause.QUICK_SIZES if args.quick else pause.DEFAULT_SIZES, args.quick, Path(args.out))
+        parts.discard("pause")
         if not parts:
             return 0
     if args.per_tensor_limit is not None:

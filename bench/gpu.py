@@ -62,6 +62,8 @@ SECTIONS = {
     "roundtrip": ("Colocated round trip: trainer GPU -> store -> engine GPU", "d2h_h2d_pinned"),
     "engine": ("Store -> engine: the committed version into a module on the GPU", "h2d_pinned"),
     "map": ("A worker maps a store-sized arena: fault its pages in, or pin it for DMA", "populate"),
+    "pause": ("vLLM's pause, staged: the swap into the live tensors against a pinned host-to-device copy",
+              "h2d_pinned"),
 }
 WHAT = {
     "d2h_pinned": "plain copy_ to pinned host tensors + synchronize (the baseline)",
@@ -86,6 +88,11 @@ WHAT |= {
     "populate_register": "the same, pre-faulted, then pinned with cudaHostRegister: a CUDA worker's map "
                          "(gpu_worker/memory.map_arena); GB/s here bounds a large store's map "
                          "(server/arenas.py map_timeout)",
+}
+WHAT |= {
+    "vllm_swap": "engine/vllm_staging.py's StagedModel.swap: the version staged on the device (vLLM's ranks load and "
+                 "process it there while serving) copied into the live tensors: what vLLM's pause holds (goal <= "
+                 "1.2x h2d_pinned)",
 }
 LIKE = {"engine_apply_pinned": "h2d_pinned", "engine_apply_pageable": "h2d_pageable"}
 """The plain copy from the same kind of host memory each engine mode reads: its `x like`."""
@@ -358,6 +365,27 @@ def measure_map(args: argparse.Namespace, size: int) -> tuple[dict, bool]:
     return section("map", times, size), all(pinned_every_time)
 
 
+def measure_pause(model: dict, copies: Copies, args: argparse.Namespace, size: int) -> tuple[dict, bool]:
+    """vLLM's pause with the version staged on the GPU (docs/engines/vllm.md): the swap is a device copy of
+    the staged tensors into the live ones, against a pinned host-to-device copy of the same bytes (what an
+    unstaged apply is bounded by). vLLM itself is not needed: the swap is weightsync's own code."""
+    import torch
+    import torch.nn
+
+    from bench.harness import alternate
+    from weightsync.engine.vllm_staging import StagedLayer, StagedModel
+
+    live = {name: torch.empty_like(tensor) for name, tensor in model.items()}
+
+    def swap() -> None:
+        StagedModel([StagedLayer(name, torch.nn.Module(), [(live[name], staged)], {}, [])
+                     for name, staged in model.items()]).swap()
+
+    modes = {"h2d_pinned": _timed(lambda: _copy_all(live, copies.pinned)), "vllm_swap": _timed(swap)}
+    times = alternate(modes, args.reps, "gpu pause")
+    return section("pause", times, size), all(torch.equal(live[n], t) for n, t in model.items())
+
+
 def nccl_version() -> str:
     """NCCL's version as torch reports it ("-" in a build without NCCL)."""
     import torch
@@ -404,6 +432,7 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
             engine, engine_ok = measure_engine(server, model, copies, args, size)
             mapped, map_ok = measure_map(args, size)
+            paused, pause_ok = measure_pause(model, copies, args, size)
         except BaseException:
             print(server.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
             raise
@@ -414,11 +443,12 @@ def run(args: argparse.Namespace) -> dict:
                       "layers": (len(model) - 2) // len(LAYER)},
             "config": {"reps": args.reps, "bucket_bytes": args.bucket_mib * MIB, "workers": args.workers,
                        "ingress_slot_bytes": slot},
-            "sections": [push, roundtrip, engine, mapped],
+            "sections": [push, roundtrip, engine, mapped, paused],
             "verified": {"server holds the pushed bytes (verify)": push_ok,
                          "the round trip's module equals the model": roundtrip_ok,
                          "engines' modules equal the model": engine_ok,
-                         "cudaHostRegister pinned every fresh arena": map_ok}}
+                         "cudaHostRegister pinned every fresh arena": map_ok,
+                         "the swap left the staged bytes in the live tensors": pause_ok}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,12 +8,14 @@ parsing, model shapes and report are plain Python.
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata as md
 import json
 import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import tomllib
 import zipfile
 from pathlib import Path
@@ -252,6 +254,28 @@ def test_the_kits_pytest_runs_the_one_gpu_list_with_a_low_nonblocking_timeout():
     ids = [line for line in collected.stdout.splitlines() if "::" in line]
     for test in tests:
         assert any(i == test or i.startswith(test + "::") or i.startswith(test + "[") for i in ids), test
+
+
+def dedented_scripts() -> list[tuple[str, int, str]]:
+    """(file, line, script) of every textwrap.dedent(<a string>) under tests/gpu: the child processes' scripts."""
+    found = []
+    for path in sorted((ROOT / "tests/gpu").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dedent"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "textwrap"):
+                [argument] = node.args
+                assert isinstance(argument, ast.Constant), f"{path.name}:{node.lineno}: not a plain string"
+                found.append((path.name, node.lineno, textwrap.dedent(argument.value)))
+    return found
+
+
+def test_every_script_the_gpu_tests_run_in_a_child_compiles():
+    """A child's script that does not compile fails every child at once, and only on the lent machine (one line
+    left at column 0 keeps dedent from removing the indentation of the others)."""
+    scripts = dedented_scripts()
+    assert len(scripts) >= 5 and {"test_host_memory.py", "test_nccl_pairs.py"} <= {name for name, _, _ in scripts}
+    for name, line, script in scripts:
+        compile(script, f"{name}:{line}", "exec")
 
 
 def test_a_run_out_of_time_skips_its_steps_rather_than_overrun(tmp_path):

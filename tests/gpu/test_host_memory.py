@@ -113,7 +113,6 @@ MAPPER = textwrap.dedent('''
     import mmap, sys, time
     import torch
     from weightsync.common import host_pinning
-from weightsync.server.arenas import MAP_FLOOR_BYTES_PER_SECOND
     fd, size = int(sys.argv[1]), int(sys.argv[2])
     torch.cuda.init()
     mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import ast
 import importlib.metadata as md
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import tomllib
 import zipfile
 from pathlib import Path
@@ -190,6 +192,12 @@ def test_the_source_digest_follows_pyprojects_package_dirs_and_sees_a_change():
     assert kit.changed_sources(digest, changed) == ["client/new.py", "client/sdk.py"]
 
 
+def seconds_to_import_torch() -> float:
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.monotonic() - started
+
+
 def test_run_sh_parses_and_its_dry_run_prints_the_plan(tmp_path):
     assert subprocess.run(["bash", "-n", str(ROOT / "tools/gpu_kit/run.sh")]).returncode == 0
     folder = tmp_path / "kit"
@@ -199,11 +207,17 @@ def test_run_sh_parses_and_its_dry_run_prints_the_plan(tmp_path):
             archive.writestr(f"{name}-99.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: " + name
                              + "\nVersion: 99.0\n" + "".join(f"Requires-Dist: {r}\n" for r in requires))
     out = tmp_path / "out"
-    env = dict(os.environ, OUT=str(out), GPU_PY=sys.executable, GPU_KIT=str(folder), GPU_KIT_DRY_RUN="1")
+    # The versions line and the info step each wait for an import of torch (and a few short interpreters): their
+    # limit follows what that import takes on this machine now, and the run's budget follows them.
+    info_s = math.ceil(3 * seconds_to_import_torch()) + 30
+    total = 2 * info_s + 60 + 100  # versions, info, the plan (60), and what the run keeps for pytest and the bench
+    env = dict(os.environ, OUT=str(out), GPU_PY=sys.executable, GPU_KIT=str(folder), GPU_KIT_DRY_RUN="1",
+               GPU_KIT_INFO_S=str(info_s), GPU_KIT_TOTAL_S=str(total))
     done = subprocess.run(["bash", str(ROOT / "tools/gpu_kit/run.sh")], env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=total + 3 * kit.STOP_GRACE_SECONDS)
     assert done.returncode == 0, done.stdout + done.stderr
     log = (out / "run.log").read_text()
+    assert f"=== info (at most {info_s}s) ===" in log
     assert f"INSTALL {folder}/weightsync-99.0-py3-none-any.whl" in log
     assert "KEEP structlog" in log and "+ pip install --no-index --no-deps" in log
     summary = (out / "summary.txt").read_text().splitlines()

@@ -28,8 +28,9 @@
 # gpu_bench.json, gpu_bench.md.
 #
 # Environment: OUT (default /tmp/gpu-kit-out), GPU_PY (python3), GPU_KIT (.gpu-kit),
-# GPU_KIT_TOTAL_S (300: the whole run, every step's limit included), GPU_KIT_PYTEST_S (at most
-# this for pytest: 225), GPU_KIT_BENCH_S (kept for the bench: 40), GPU_KIT_BENCH_ARGS (bench.gpu's
+# GPU_KIT_TOTAL_S (300: the whole run, every step's limit included), GPU_KIT_INFO_S (the versions
+# line and the info step, each at most this: 30; both wait for an import of torch), GPU_KIT_PYTEST_S
+# (at most this for pytest: 225), GPU_KIT_BENCH_S (kept for the bench: 40), GPU_KIT_BENCH_ARGS (bench.gpu's
 # arguments: "--gb 0.25 --reps 2"), GPU_KIT_TESTS (what pytest runs: tools/gpu_kit/tests.txt's list,
 # or tests/gpu, or a rerun's test ids, space-separated), GPU_KIT_PYTEST_ARGS (more pytest arguments,
 # e.g. --timeout 60), TORCH_NCCL_NONBLOCKING_TIMEOUT (20 unless set), GPU_KIT_DRY_RUN=1 (info and the
@@ -44,6 +45,7 @@ OUT=${OUT:-/tmp/gpu-kit-out}
 PY=${GPU_PY:-python3}
 KIT=${GPU_KIT:-.gpu-kit}
 TOTAL=${GPU_KIT_TOTAL_S:-300}
+INFO_S=${GPU_KIT_INFO_S:-30}
 PYTEST_S=${GPU_KIT_PYTEST_S:-225}
 BENCH_S=${GPU_KIT_BENCH_S:-40}
 BENCH_ARGS=${GPU_KIT_BENCH_ARGS:---gb 0.25 --reps 2}
@@ -223,11 +225,11 @@ upto() { min "$1" $(($(left) - $2)); }
 main() {
   : >"$SUMMARY"
   echo "gpu-kit run: $(date -u +%FT%TZ), OUT=$OUT, python=$PY, kit=$KIT, budget ${TOTAL}s"
-  timeout -k 5 30 bash -c gpu_versions >"$OUT/versions.txt" 2>&1 || echo "(unknown: see run.log)" >>"$OUT/versions.txt"
+  timeout -k 5 "$INFO_S" bash -c gpu_versions >"$OUT/versions.txt" 2>&1 || echo "(unknown: see run.log)" >>"$OUT/versions.txt"
   echo "versions $(head -1 "$OUT/versions.txt")" | tee -a "$SUMMARY"
   # What pytest needs at least, and the bench, are kept back from the steps before them.
   local later=$((BENCH_S + 60))
-  step info "$(upto 30 "$later")" info
+  step info "$(upto "$INFO_S" "$later")" info
   if [ "$DRY_RUN" = 1 ]; then
     step plan "$(upto 60 "$later")" install_kit
   else

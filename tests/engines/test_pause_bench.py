@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.pause import pause_in
+from bench.pause import pause_around, pause_in
 from bench.pause_ext import chunk_sizes
 
 STEPS = [[0.0, 1.0], [1.5, 2.0], [5.0, 6.0], [6.1, 7.0]]
@@ -21,6 +21,16 @@ STEPS = [[0.0, 1.0], [1.5, 2.0], [5.0, 6.0], [6.1, 7.0]]
 ])
 def test_the_pause_is_the_longest_gap_that_overlaps_the_window(window, pause):
     assert pause_in(STEPS, window)[0] == pytest.approx(pause)
+
+
+@pytest.mark.parametrize("began, ended, pause", [
+    (2.5, 4.9, 3.0),       # the apply inside the gap 2.0 -> 5.0: that gap
+    (1.2, 1.4, 0.5),
+    (0.5, 1.4, 1.5),       # began inside a step: the gap runs from the step before it (none: 0.0 -> 1.5 here)
+    (7.2, 7.4, float("nan")),  # no step after it yet
+])
+def test_the_pause_is_the_gap_that_holds_the_call_that_changed_the_weights(began, ended, pause):
+    assert pause_around([[0.0, 0.0], *STEPS], began, ended) == pytest.approx(pause, nan_ok=True)
 
 
 @pytest.mark.parametrize("sizes, buffer, counts", [

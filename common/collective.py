@@ -234,9 +234,11 @@ class CollectiveGroup:
         """NCCL: wait for completion against the deadline (transfer_waits.wait_polled), then order this thread's
         current stream after it: WorkNCCL::synchronize blocks the current stream on the work's end event;
         unlike wait() it never aborts."""
-        wait_polled(work, deadline, what=f"group {self.group_id}: transfer", timeout=self._seconds,
-                    closed=lambda: self.closed, stopped=stopped)
+        what = f"group {self.group_id}: transfer"
+        wait_polled(work, deadline, what=what, timeout=self._seconds, closed=lambda: self.closed, stopped=stopped)
         work.synchronize()
+        if self.closed:  # closed between the poll and here: the bytes may be an aborted kernel's
+            raise CollectiveError(f"{what}: the group was closed while it was waited for", timed_out=False)
 
     @property
     def _seconds(self) -> float:

@@ -59,10 +59,14 @@ def looks_like_timeout(error: BaseException) -> bool:
     return "timeout" in text or "timed out" in text or isinstance(error, TimeoutError)
 
 
-def _check(what: str, deadline: float, closed: Closed, stopped: Stopped | None, timeout: float) -> None:
-    """Raise if a wait must end now: its group closed, its deadline passed, or the caller told to stop."""
+def _check_closed(what: str, closed: Closed) -> None:
     if closed():
         raise CollectiveError(f"{what}: the group was closed while it was waited for", timed_out=False)
+
+
+def _check(what: str, deadline: float, closed: Closed, stopped: Stopped | None, timeout: float) -> None:
+    """Raise if a wait must end now: its group closed, its deadline passed, or the caller told to stop."""
+    _check_closed(what, closed)
     if time.monotonic() > deadline:
         raise CollectiveError(f"{what}: not complete after {timeout:g} s", timed_out=True)
     if stopped is not None and (reason := stopped()) is not None:
@@ -73,7 +77,8 @@ def wait_polled(work: dist.Work, deadline: float, *, what: str, timeout: float, 
                 stopped: Stopped | None = None) -> None:
     """Wait for an NCCL work's completion until `deadline` (time.monotonic()), then read its outcome; raises
     CollectiveError (TransferStopped when `stopped` gave a reason). Completion is polled every
-    NCCL_POLL_SECONDS, the deadline and `closed` with it, `stopped` every STOP_CHECK_SECONDS."""
+    NCCL_POLL_SECONDS, the deadline and `closed` with it, `stopped` every STOP_CHECK_SECONDS. A work that
+    completed because its group was closed (its abort ended the kernel) failed, whatever torch says of it."""
     now = time.monotonic()
     fast_until, next_check = now + 0.001, now
     while not work.is_completed():
@@ -84,6 +89,9 @@ def wait_polled(work: dist.Work, deadline: float, *, what: str, timeout: float, 
         elif closed():
             _check(what, deadline, closed, None, timeout)
         time.sleep(NCCL_POLL_SECONDS[0] if now < fast_until else NCCL_POLL_SECONDS[1])
+    # Completed because its group was closed? An aborted kernel exits (its end event completes) with no exception
+    # set, and torch skips reading the communicator's error once it is aborted: a success here would be a lie.
+    _check_closed(what, closed)
     failure = completed_failure(work)
     if failure is not None:
         raise CollectiveError(f"{what}: failed: {failure}", timed_out=looks_like_timeout(failure))
@@ -111,8 +119,7 @@ def wait_gloo(work: dist.Work, deadline: float, *, what: str, timeout: float, cl
     while not call.wait(STOP_CHECK_SECONDS):
         if stopped is not None and (reason := stopped()) is not None:
             raise TransferStopped(reason)
-        if closed():
-            raise CollectiveError(f"{what}: the group was closed while it was waited for", timed_out=False)
+        _check_closed(what, closed)
     call.result(0)
 
 

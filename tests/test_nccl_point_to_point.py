@@ -191,6 +191,49 @@ def test_a_part_told_to_stop_while_its_first_send_connects_returns_the_servers_w
     pg.connected.set()
 
 
+# -- F7 (review H3): a work that completed because its group was closed ------------------------------------------
+class CompletesWhenAborted(Work):
+    """torch after close() from another thread: the abort makes the kernel exit, so the work's end event completes with
+    no exception set (torch reads no communicator error once it is aborted). `closes_at`: the close lands between the
+    first poll and the second ("poll"), or between the last poll and the stream's synchronize ("synchronize")."""
+
+    def __init__(self, closes_at: str) -> None:
+        super().__init__(done=False)
+        self.closes_at = closes_at
+        self.group: CollectiveGroup | None = None
+        self.polls = 0
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        if self.closes_at == "poll" and self.polls == 2:
+            self._close()
+        return self.done.is_set() or self.closes_at == "synchronize"
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        if self.closes_at == "synchronize":
+            self._close()
+
+    def _close(self) -> None:
+        assert self.group is not None
+        self.group.close(5.0)
+        self.done.set()  # the aborted kernel exited
+
+
+@pytest.mark.parametrize("closes_at", ["poll", "synchronize"])
+def test_a_transfer_that_completed_because_its_group_was_closed_is_a_failure_not_a_success(closes_at):
+    pg = Communicator()
+    group = nccl_group(pg)
+    pg.work = work = CompletesWhenAborted(closes_at)
+    work.group = group
+    with pytest.raises(CollectiveError, match="closed") as failed:
+        group.receive(torch.zeros(8, dtype=torch.uint8), 0, 0)
+    assert not failed.value.timed_out and pg.aborted.is_set() and group.unfinished_work is work
+    fresh = Communicator()  # the next group receives
+    nccl_group(fresh).receive(torch.zeros(8, dtype=torch.uint8), 0, 0)
+    assert fresh.work.synced == 1
+
+
 # -- C3: torch 2.11's failed work, read within a bound ------------------------------------------------------
 class Torch211Work:
     """torch 2.11: exception() cannot convert its result (TypeError); wait() on a completed failed work aborts the

@@ -255,16 +255,25 @@ def _boxed(planned: list[PlannedBucket], source: TensorSource, declared: list[De
 
 
 def _named(error: UpdateFailed, part: Part, key: str) -> PartUpdateFailed:
-    """The failure as this part's: which part the server blamed (PART_FAILED), who never came (PARTS_MISSING)."""
+    """The failure as this part's: which other part the server blamed (metadata `part`: PART_FAILED, or the
+    reason of a part refused before it joined), who never came (PARTS_MISSING's `missing`), who went silent
+    (CLIENT_IDLE's `silent`). Lists end in "..." past 20 ranks (docs/data-plane.md)."""
     metadata = getattr(error.cause, "metadata", {}) or {}
-    failed = metadata.get("part")
-    missing = tuple(int(r) for r in metadata.get("missing", "").split(",") if r.strip().isdigit())
-    blame = (f"; part {failed} failed" if failed is not None and error.reason == "PART_FAILED"
-             else f"; ranks {list(missing)} never joined" if missing else "")
+    failed = metadata.get("part", "")
+    failed_part = int(failed) if failed.isdigit() and int(failed) != part.rank else None
+    missing = _ranks(metadata.get("missing", ""))
+    silent = _ranks(metadata.get("silent", ""))
+    blame = (f"; part {failed_part} failed" if failed_part is not None
+             else f"; ranks {list(missing)} never joined" if missing
+             else f"; parts {list(silent)} went silent" if silent else "")
     return PartUpdateFailed(f"part {part.rank} of {part.world} (update key {key!r}): {error}{blame}", error,
-                            rank=part.rank, world=part.world, update_key=key,
-                            failed_part=int(failed) if failed is not None and failed.isdigit() else None,
+                            rank=part.rank, world=part.world, update_key=key, failed_part=failed_part,
                             missing=missing)
+
+
+def _ranks(listed: str) -> tuple[int, ...]:
+    """The ranks of a metadata list ("1,4,..."): its trailing "..." (more than it lists) dropped."""
+    return tuple(int(r) for r in listed.split(",") if r.strip().isdigit())
 
 
 __all__ = ["push_part"]

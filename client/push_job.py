@@ -73,7 +73,8 @@ class PushJob:
             ready_timeout: float = 0.0) -> Ran:
         """Run `choice` to `targets` (bases: server address -> the generation its patches apply to;
         on_ready: called once every target took Begin; part: BeginUpdate.part, with ready_timeout
-        bounding Ready and adding to the commit's bound: the other parts may join and send later). Raises UpdateFailed as PushRun.run does,
+        bounding Ready: the other parts may join later. Committed's bound is a whole push's: it counts from the
+        server's last message, and a part that finished hears PartsWaiting while the others send). Raises UpdateFailed as PushRun.run does,
         once the failure is learnt (module docstring)."""
         _prepare_buffers(self.sink, choice)
         if self.sink.frames is not None:
@@ -82,8 +83,7 @@ class PushJob:
         group = self.group
         run = PushRun(
             loop=self.loop, servers=targets, metadata=self.servers.metadata, rpc_timeout=self.servers.timeout,
-            commit_timeout=(group.timeout.total_seconds() if group else self.servers.timeout) + COMMIT_GRACE_SECONDS
-            + ready_timeout,
+            commit_timeout=(group.timeout.total_seconds() if group else self.servers.timeout) + COMMIT_GRACE_SECONDS,
             group_id=group.group_id if group else "", sink=self.sink, planned=choice.planned,
             plan=choice.cached.plan, plan_id=choice.cached.plan_id, source=choice.source, version=self.version,
             mode=self.mode, allow_new_tensors=self.allow_new_tensors, checksums=self.checksums,

@@ -13,6 +13,9 @@ allocated or the update gate is asked for.
     joins.fail(ticket, error)            this part failed before the outcome: every other part gets
                                          PART_FAILED naming it
     joins.committed(key, generation)     a later part under the key gets PART_KEY_USED
+    joins.refused(part, error)           this part was refused before it joined (its begin, its identity,
+                                         its terms): every part under its key gets that refusal's reason
+                                         at once (parts.key_refused), and so does a later one
 
 When the join deadline passes first, every part that entered gets PARTS_MISSING naming the ranks that
 did not (nothing was allocated), and so does a part that comes later under that key. Everything runs
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from weightsync.common.errors import WeightSyncError
 from weightsync.common.logging import get_logger
 from weightsync.server.parts import (
+    UPDATE_KEY_PATTERN,
     Declaration,
     Owners,
     Sent,
@@ -39,6 +43,7 @@ from weightsync.server.parts import (
     check_join,
     check_union,
     join_timeout,
+    key_refused,
     late_part,
     missing,
     part_failed,
@@ -160,6 +165,22 @@ class PartJoins:
         rendezvous = ticket.rendezvous
         if not rendezvous.outcome.done():
             self._end(rendezvous, part_failed(rendezvous.key, ticket.rank, error))
+
+    def refused(self, part: pb.UpdatePart, refusal: WeightSyncError) -> None:
+        """Part `part` was refused before it joined: its key fails at once for every part (key_refused), the ones
+        waiting and the ones to come, rather than at the join deadline as "never joined". Left alone: a key that
+        cannot be one, a rank already in (PART_DUPLICATE: the update it joined goes on), and a key whose join
+        ended (running, committed or failed: the refusal was the late part's own)."""
+        key = part.update_key
+        if refusal.reason == "PART_DUPLICATE" or not UPDATE_KEY_PATTERN.match(key) or key in self._ended:
+            return
+        failure = key_refused(key, part.rank, refusal)
+        rendezvous = self._open.get(key)
+        if rendezvous is not None:
+            self._end(rendezvous, failure)
+        else:
+            log.info("parts_join_failed", update_key=key, reason=refusal.reason, details=failure.metadata)
+            self._remember(key, failure)
 
     def committed(self, key: str, generation: int) -> None:
         self._remember(key, generation)

@@ -14,7 +14,9 @@ The rules, in the order they are checked:
     (PART_KEY_INVALID, PART_RANK_INVALID, PART_WORLD_INVALID, PART_JOIN_TIMEOUT_INVALID);
   - its join among the parts already in under that key: a rank once, the same terms as the
     first part (PART_DUPLICATE, PART_MISMATCH), or, for a key whose update already ended,
-    that update's outcome (PARTS_MISSING, PART_FAILED, PART_KEY_USED);
+    that update's outcome (PARTS_MISSING, PART_FAILED, PART_KEY_USED); a part refused before it
+    joined (but PART_DUPLICATE: its rank is in) fails every part under its key at once with its
+    own reason (key_refused);
   - once every part joined, the union of their declarations, before anything is allocated:
     names (TENSOR_OWNED_TWICE, TENSOR_WHOLE_AND_BOXED), what each plan sends
     (PART_SENDS_UNOWNED), dtypes and shapes (PART_TENSOR_MISMATCH, PART_TENSOR_UNKNOWN), and the
@@ -159,7 +161,7 @@ def _ranks(ranks: Iterable[int]) -> str:
 # -- what a part is ---------------------------------------------------------------------------------
 def boxes_refused(begin: pb.BeginUpdate, plan: tensor_pb2.WeightPlan) -> Refusal | None:
     """A plan with a box (TensorSpec.box), at begin: a box travels only in the plan of a part
-    (BOX_WITHOUT_PART), over INLINE or SHM, the transports this server runs parts over (PARTS_UNAVAILABLE),
+    (BOX_WITHOUT_PART), over a transport this server runs parts over (PART_TRANSPORTS; else PARTS_UNAVAILABLE),
     dense or as a patch of the box (its positions row-major in the box), but never among a deferred bucket's
     candidates (BOX_PATCH_UNAVAILABLE: its layout is routed without boxes). None for a plan without a box, or
     with boxes this server places. `plan`: the begin's plan, or the one its plan_id names."""
@@ -175,7 +177,7 @@ def boxes_refused(begin: pb.BeginUpdate, plan: tensor_pb2.WeightPlan) -> Refusal
             if begin.transport not in PART_TRANSPORTS:
                 return Unimplemented("PARTS_UNAVAILABLE", f"tensor {spec.name!r} is sent as a box over "
                                      f"{pb.Transport.Name(begin.transport)}: this server places boxes sent over "
-                                     "INLINE or SHM only", bucket=index, tensor=name)
+                                     "INLINE, SHM or COLLECTIVE only", bucket=index, tensor=name)
             if bucket.deferred:
                 return Unimplemented("BOX_PATCH_UNAVAILABLE", f"tensor {spec.name!r} is a box among a deferred "
                                      "bucket's candidates: this server places a box dense or as a patch in a bucket "
@@ -253,11 +255,32 @@ def parts_missing(update_key: str, world: int, joined: Iterable[int], timeout: d
                             missing=_ranks(absent))
 
 
+def client_idle(idle_seconds: float, silent: Sequence[int] = ()) -> Refusal:
+    """What every stream of an update gets when no message came from any of them within the idle bound; with
+    parts, `silent` names the ones still owing a message (neither committed nor ended: the part that stalled;
+    the others wait for it), in the message and in metadata `silent`."""
+    if not silent:
+        return DeadlineExceeded("CLIENT_IDLE", f"no message from the client for {idle_seconds:g} s")
+    return DeadlineExceeded("CLIENT_IDLE", f"no message from any part for {idle_seconds:g} s: part(s) "
+                            f"{_ranks(silent)} had not sent their commit (the others waited for them)",
+                            silent=_ranks(silent))
+
+
 def part_failed(update_key: str, rank: int, failure: WeightSyncError) -> Refusal:
     """What every other part gets when part `rank` fails with `failure`: the update is aborted on this server."""
     return Aborted("PART_FAILED", f"part {rank} of update {update_key!r} failed ({failure.code.name} "
                    f"{failure.reason}: {failure.message}); the whole update was aborted on this server",
                    update_key=update_key, part=rank, part_reason=failure.reason, part_code=failure.code.name)
+
+
+def key_refused(update_key: str, rank: int, refusal: Refusal) -> Refusal:
+    """What every other part under `update_key` gets when part `rank` was refused before it joined (its begin:
+    a mode, a box in a deferred bucket, ...; its identity; other terms than the first part's): the refusal's own
+    code and reason, at once, naming the part (metadata `part`), instead of waiting out the join timeout for a
+    part that will not come. Nothing was allocated."""
+    return type(refusal)(refusal.reason, f"part {rank} of update {update_key!r} was refused before it joined "
+                         f"({refusal.message}); every part of the update fails with its reason, nothing was "
+                         "allocated", **{**refusal.metadata, "update_key": update_key, "part": rank})
 
 
 def late_part(update_key: str, *, committed_generation: int | None = None,

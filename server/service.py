@@ -171,11 +171,16 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         if first.WhichOneof("message") != "begin":
             raise InvalidArgument("BEGIN_MISSING", "the first message must be begin")
         begin = first.begin
-        check_begin(begin, self.node.transports())
-        refusal = boxes_refused(begin, begin.plan)  # a box outside a part, off INLINE, or as a patch
-        if refusal is not None:
-            raise refusal
-        ticket = self.joins.enter(begin) if begin.HasField("part") else None
+        try:
+            check_begin(begin, self.node.transports())
+            refusal = boxes_refused(begin, begin.plan)  # a box outside a part, off the parts' transports, or deferred
+            if refusal is not None:
+                raise refusal
+            ticket = self.joins.enter(begin) if begin.HasField("part") else None
+        except WeightSyncError as error:
+            if begin.HasField("part"):
+                self.joins.refused(begin.part, error)  # the other parts fail at once, with this reason
+            raise
         try:
             group = group_for(begin, self.node.groups)
             plan, plan_id, summary = plan_for(begin, self.node.plans, self.node.config.limits,

@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 
 from weightsync.common.errors import (
     Aborted,
-    DeadlineExceeded,
     Unavailable,
     WeightSyncError,
     code_number,
@@ -57,7 +56,7 @@ from weightsync.server.ingress import Ingress
 from weightsync.server.leases import LeaseTable
 from weightsync.server.metrics import Metrics
 from weightsync.server.node_store import NodeStore, StoreUpdate
-from weightsync.server.parts import part_failed
+from weightsync.server.parts import client_idle, part_failed
 from weightsync.server.publisher import Publisher
 from weightsync.server.state import GroupRecord
 from weightsync.server.tasks import finish_despite_cancel, retrieve_quietly
@@ -309,7 +308,8 @@ class UpdateSession:
                             if self._hand(stream, self._sending()):
                                 yield self._sending()
                         continue
-                    self.fail(DeadlineExceeded("CLIENT_IDLE", f"no message from the client for {idle:g} s"))
+                    silent = [s.rank for s in self.streams if not (s.ended or s.commit_asked)]
+                    self.fail(client_idle(idle, silent if len(self.streams) > 1 else ()))  # names the stalled parts
                     break
                 quiet_until = None
                 stream = self.stream(rank) if rank is not None else self.driving
@@ -449,7 +449,7 @@ class UpdateSession:
             error = next((e for e in errors if isinstance(e, WeightSyncError) and not e.broken_group_id), errors[0])
             if not isinstance(error, WeightSyncError):
                 raise error
-            self.fail(error, part=stream.rank)
+            self.fail(attributed(error, self.streams, stream)[0], part=stream.rank)  # its own bucket index, `part`
             return None
         if not bucket.last:
             return None

@@ -277,21 +277,28 @@ def store_plan(parts: list[tuple[int, tensor_pb2.WeightPlan, str]]) -> tuple[ten
     return plan, streams
 
 
-def attributed(error: WeightSyncError, streams: list[Stream]) -> tuple[WeightSyncError, int | None]:
-    """A refusal of the store's plan (derived in prepare: a tensor's dtype or shape against the store,
-    a new tensor not allowed, ...) as the part whose bucket it names: metadata `part` (its rank) and
-    `bucket` (the index in that part's own plan), so that the part at fault hears its own bucket and the
-    others PART_FAILED naming it. One stream, or no bucket named: the error as it is, and no part."""
+def attributed(error: WeightSyncError, streams: list[Stream],
+               stream: Stream | None = None) -> tuple[WeightSyncError, int | None]:
+    """An error that names a bucket of the store's plan (a refusal of the plan, derived in prepare: a tensor's
+    dtype or shape against the store, a new tensor not allowed, ...; a worker's failure of a bucket: its
+    checksum, its patch, ...) as the part's: metadata `part` (its rank) and `bucket` (the index in that part's
+    own plan), so that the part at fault hears its own bucket and the others PART_FAILED naming it. `stream`:
+    the part whose bucket failed, when known (it gets `part` even where no bucket is named); else the part
+    whose bucket the error names. One stream, or no part found: the error as it is, and no part."""
     sequence = error.metadata.get("bucket", "")
-    if len(streams) < 2 or not sequence.isdigit():
+    if len(streams) < 2:
         return error, None
-    stream = next((s for s in streams if s.owns(int(sequence))), None)
+    named_stream = next((s for s in streams if s.owns(int(sequence))), None) if sequence.isdigit() else None
+    stream = stream or named_stream
     if stream is None:
         return error, None
-    local = int(sequence) - stream.first
     named = type(error).__new__(type(error))  # the same class and attributes, its message and metadata the part's
     named.__dict__.update(error.__dict__)
-    named.metadata = {**error.metadata, "bucket": str(local), "part": str(stream.rank)}
-    named.message = f"part {stream.rank}, bucket {local}: {error.message}"
+    named.metadata = {**error.metadata, "part": str(stream.rank)}
+    named.message = f"part {stream.rank}: {error.message}"
+    if named_stream is stream:
+        local = int(sequence) - stream.first
+        named.metadata["bucket"] = str(local)
+        named.message = f"part {stream.rank}, bucket {local}: {error.message}"
     Exception.__init__(named, named.message)
     return named, stream.rank

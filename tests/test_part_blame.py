@@ -64,6 +64,24 @@ def test_attributed_table(counts, metadata, expected_part, expected_metadata) ->
         assert error.metadata == metadata  # the original is not changed
 
 
+@pytest.mark.parametrize(("counts", "failing", "metadata", "expected_metadata", "prefix"), [
+    # a worker's failure of part 1's bucket: store bucket 3 is its bucket 1
+    ((2, 3), 1, {"bucket": "3", "expected": "0x1"}, {"bucket": "1", "expected": "0x1", "part": "1"},
+     "part 1, bucket 1: "),
+    # no bucket named: the part still is
+    ((2, 3), 0, {"tensor": "w"}, {"tensor": "w", "part": "0"}, "part 0: "),
+    # one stream (no parts): as it was
+    ((4,), 0, {"bucket": "3"}, {"bucket": "3"}, ""),
+])
+def test_attributed_to_the_stream_whose_bucket_failed(counts, failing, metadata, expected_metadata, prefix) -> None:
+    error = InvalidArgument("BUCKET_CHECKSUM_MISMATCH", "the bucket's bytes do not match", **metadata)
+    parts = streams(*counts)
+    named, part = attributed(error, parts, parts[failing])
+    assert named.metadata == expected_metadata
+    assert part == (failing if len(counts) > 1 else None)
+    assert named.message == prefix + error.message
+
+
 def test_attributed_keeps_the_error_s_class_and_attributes() -> None:
     error = FailedPrecondition("TENSOR_NEW", "tensor 'x' is not in the store", bucket=2)
     error.worker_index = 1

@@ -1,5 +1,6 @@
 """The parts of an update join on a real server (server/part_joins.py, over gRPC): keepalives while they
-wait, a rank twice or other terms refused to that part alone, the union refused to every part, a part
+wait, a rank twice refused to that part alone, a part refused before it joins (other terms, its begin)
+failing its key at once for every part with its own reason, the union refused to every part, a part
 that never comes fails every joined part naming it (and a later one too), a part that fails or leaves
 is named to the others, and a one-part update commits. This server runs parts over INLINE (more parts than
 ingress slots take turns) and over SHM with a run of slots each: more SHM parts than slots, once joined and
@@ -14,6 +15,7 @@ import torch
 from google.protobuf import duration_pb2
 from raw_updates import commit_buckets, generation, push_whole, refused
 
+from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import UpdateStream, local_checksums, plan_buckets, server_checksums, start_server
@@ -71,10 +73,7 @@ def test_parts_wait_for_each_other_then_this_server_refuses_more_shm_parts_than_
     shm = {"transport": pb.TRANSPORT_SHM}
     first, _ = begin_part(node, "k-run", 0, 3, whole=["w"], **shm)
     assert waiting(first) == [1, 2]
-    other, _ = begin_part(node, "k-run", 1, 3, whole=["b"], version="v-other", **shm)
-    assert refused(other) == (grpc.StatusCode.INVALID_ARGUMENT, "PART_MISMATCH", {
-        "update_key": "k-run", "rank": "1", "field": "version", "expected": "v-parts", "got": "v-other"})
-    twice, _ = begin_part(node, "k-run", 0, 3, whole=["w"], **shm)
+    twice, _ = begin_part(node, "k-run", 0, 3, whole=["w"], **shm)  # refused alone: rank 0 is in
     assert refused(twice) == (grpc.StatusCode.ALREADY_EXISTS, "PART_DUPLICATE", {"update_key": "k-run", "rank": "0"})
     second, _ = begin_part(node, "k-run", 1, 3, whole=["b"], **shm)
     assert waiting(second) == [2]
@@ -85,6 +84,70 @@ def test_parts_wait_for_each_other_then_this_server_refuses_more_shm_parts_than_
     assert refused(first) == unavailable
     late, _ = begin_part(node, "k-run", 1, 3, whole=["b"], **shm)
     assert refused(late) == unavailable
+
+
+LONG_JOIN_S = 600
+"""The join timeout of the refused-before-joining tests: far past the streams' own deadline (UpdateStream, 120 s),
+so a part that waited for the join deadline would end DEADLINE_EXCEEDED from gRPC, not with the refusal."""
+
+
+def deferred_box_plan() -> tensor_pb2.WeightPlan:
+    """A plan whose only bucket is deferred and holds a box: BOX_PATCH_UNAVAILABLE at begin."""
+    return tensor_pb2.WeightPlan(buckets=[tensor_pb2.BucketSpec(size_bytes=64, deferred=True, tensors=[
+        tensor_pb2.TensorSpec(name="w", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[16, 4], size_bytes=64,
+                              box=tensor_pb2.TensorBox(offsets=[0, 0], sizes=[4, 4]))])])
+
+
+def begin_refused_part(node, key: str, how: str) -> UpdateStream:
+    """Part 1 of 2 under `key`, refused at its begin: other terms (PART_MISMATCH), no mode, or a box in a
+    deferred bucket."""
+    part = pb.UpdatePart(update_key=key, rank=1, world=2, whole_tensors=["b"])
+    part.join_timeout.CopyFrom(duration_pb2.Duration(seconds=LONG_JOIN_S))
+    begin = pb.BeginUpdate(version="v-parts", plan=plan_buckets([("b", model(1)["b"])], 1 << 20),
+                           mode=pb.UPDATE_MODE_STAGED, transport=pb.TRANSPORT_INLINE, allow_new_tensors=True, part=part)
+    if how == "mismatch":
+        begin.version = "v-other"
+    elif how == "no_mode":
+        begin.mode = pb.UPDATE_MODE_UNSPECIFIED
+    else:
+        part.ClearField("whole_tensors")
+        part.boxed_tensors.add(name="w", boxes=[tensor_pb2.TensorBox(offsets=[0, 0], sizes=[4, 4])])
+        begin.plan.CopyFrom(deferred_box_plan())
+    stream = UpdateStream(node.stub())
+    stream.send(begin=begin)
+    return stream
+
+
+REFUSED = {
+    "mismatch": (grpc.StatusCode.INVALID_ARGUMENT, "PART_MISMATCH",
+                 {"rank": "1", "field": "version", "expected": "v-parts", "got": "v-other"}),
+    "no_mode": (grpc.StatusCode.INVALID_ARGUMENT, "MODE_UNSPECIFIED", {}),
+    "deferred_box": (grpc.StatusCode.UNIMPLEMENTED, "BOX_PATCH_UNAVAILABLE", {"bucket": "0", "tensor": "w"}),
+}
+
+
+@pytest.mark.parametrize("how", sorted(REFUSED))
+def test_a_part_refused_before_it_joins_fails_every_part_of_its_key_at_once_with_its_reason(node, committed, how):
+    """Part 0 waits (join timeout 600 s); part 1 is refused at its begin: part 0 ends at once with part 1's code
+    and reason, naming it, and so does a part that comes later under the key (before: part 0 waited out the
+    join timeout, then PARTS_MISSING naming part 1). Nothing changed (`committed`), and the next push commits."""
+    key = f"k-refused-{how}"
+    first, _ = begin_part(node, key, 0, 2, whole=["w"], join_timeout_s=LONG_JOIN_S)
+    assert waiting(first) == [1]
+    code, reason, metadata = REFUSED[how]
+    own = {**metadata, "update_key": key} if how == "mismatch" else metadata
+    assert refused(begin_refused_part(node, key, how)) == (code, reason, own)
+    told = (code, reason, {**metadata, "update_key": key, "part": "1"})
+    assert refused(first) == told
+    late, _ = begin_part(node, key, 1, 2, whole=["b"], join_timeout_s=LONG_JOIN_S)
+    assert refused(late) == told
+
+
+def test_a_part_refused_before_any_other_came_fails_the_ones_that_come(node, committed):
+    key = "k-refused-first"
+    assert refused(begin_refused_part(node, key, "no_mode"))[1] == "MODE_UNSPECIFIED"
+    first, _ = begin_part(node, key, 0, 2, whole=["w"], join_timeout_s=LONG_JOIN_S)
+    assert refused(first) == (grpc.StatusCode.INVALID_ARGUMENT, "MODE_UNSPECIFIED", {"update_key": key, "part": "1"})
 
 
 def test_a_part_that_never_joins_fails_every_joined_part_naming_it(node, committed):

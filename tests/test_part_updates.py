@@ -1,7 +1,9 @@
 """Two parts of one version over real gRPC (server/part_updates.py, the session fed by two streams): each
 part a raw UpdateWeights stream (no SDK), INLINE, whole tensors, disjoint halves. They commit once, with
 one generation, after both asked; GetTensorChecksums shows both halves. A part failing mid-way aborts
-both (the other learns PART_FAILED naming it), the store stays bit for bit, and the next pushes commit."""
+both (the other learns PART_FAILED naming it; the failing part hears its own bucket index and `part`), a
+part that stalls is named to every part in CLIENT_IDLE, the store stays bit for bit, and the next pushes
+commit."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import (
     UpdateStream,
+    error_info,
     local_checksums,
     pack,
     plan_buckets,
@@ -127,13 +130,60 @@ def test_a_part_failing_mid_way_aborts_both_and_the_store_is_unchanged(node):
     assert told.WhichOneof("message") == "aborting" and told.aborting.reason == "PART_FAILED", told
     one.send(abort=pb.AbortUpdate(reason="bucket refused"))
     zero.send(commit=pb.CommitUpdate())
-    assert refused(one)[:2] == (grpc.StatusCode.DATA_LOSS, "BUCKET_CHECKSUM_MISMATCH")
+    code, reason, metadata = refused(one)
+    # Part 1's own bucket 1 (the store's plan has it at 2, after part 0's one bucket), and which part it is.
+    assert (code, reason, metadata["bucket"], metadata["part"]) == (
+        grpc.StatusCode.DATA_LOSS, "BUCKET_CHECKSUM_MISMATCH", "1", "1"), metadata
     assert refused(zero) == (grpc.StatusCode.ABORTED, "PART_FAILED", {
         "update_key": "k-fails", "part": "1", "part_reason": "BUCKET_CHECKSUM_MISMATCH", "part_code": "DATA_LOSS"})
     assert generation(node) == before
     assert server_checksums(node) == [local_checksums(base)]  # bit for bit: nothing of v4
     assert push_parts(node, model(5), "v5", "k-after-failure") == before + 1
     assert push_whole(node, model(6), "after") == before + 2
+
+
+IDLE_SECONDS = 20
+"""The idle node's transfer timeout (its CLIENT_IDLE bound): the time between two messages of a push's parts that
+a loaded machine may take without failing the push that follows the stall."""
+
+
+@pytest.fixture(scope="module")
+def idle_node(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("part-idle"), "--transfer-timeout-seconds", str(IDLE_SECONDS),
+                          workers=1)
+    yield server
+    assert server.stop() == 0, server.log()[-3000:]
+
+
+def test_a_part_that_stalls_is_named_to_every_part_in_client_idle(idle_node):
+    """Part 0 sends everything and asks to commit; part 1 sends nothing: once nothing came from either for the
+    idle bound, both end DEADLINE_EXCEEDED CLIENT_IDLE naming part 1 (`silent`; before: naming no part). Nothing
+    is published, and the next push of both parts commits."""
+    before = push_whole(idle_node, model(1), "base")
+    (zero, plan0, own0), (one, _, _) = begin_parts(idle_node, "k-stalls", model(9), "v9")
+    assert send_buckets(zero, plan0, own0) == ["bucket_applied"]
+    zero.send(commit=pb.CommitUpdate())
+    stalled = (grpc.StatusCode.DEADLINE_EXCEEDED, "CLIENT_IDLE", {"silent": "1"})
+    assert refused_past_keepalives(zero) == stalled
+    assert refused_past_keepalives(one) == stalled
+    assert generation(idle_node) == before
+    assert server_checksums(idle_node) == [local_checksums(model(1))]
+    assert push_parts(idle_node, model(10), "v10", "k-after-stall") == before + 1
+
+
+def refused_past_keepalives(stream: UpdateStream) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    """How the stream ended (its status code, ErrorInfo reason and metadata), past its keepalives and its
+    `aborting` (answered with an abort: the status follows)."""
+    try:
+        while (answer := stream.recv()).WhichOneof("message") == "waiting":
+            pass
+    except grpc.RpcError as error:
+        stream.close()
+        info = error_info(error)
+        return error.code(), info.reason, dict(info.metadata)
+    assert answer.WhichOneof("message") == "aborting", answer
+    stream.send(abort=pb.AbortUpdate(reason="told it is aborting"))
+    return refused(stream)
 
 
 @pytest.mark.parametrize("leaving", [0, 1])

@@ -15,7 +15,7 @@ import pytest
 import torch
 from google.protobuf import duration_pb2
 
-from weightsync.common.errors import InvalidArgument
+from weightsync.common.errors import InvalidArgument, Unimplemented
 from weightsync.common.plan_id import plan_id_of
 from weightsync.server.parts import (
     Box,
@@ -29,7 +29,9 @@ from weightsync.server.parts import (
     check_join,
     check_tiling,
     check_union,
+    client_idle,
     join_timeout,
+    key_refused,
     late_part,
     missing,
     part_failed,
@@ -185,6 +187,41 @@ def test_what_the_other_parts_learn_when_one_fails():
                                                            "part_reason": "BUCKET_OUT_OF_ORDER",
                                                            "part_code": "INVALID_ARGUMENT"})
     assert "part 2 of update 'k' failed (INVALID_ARGUMENT BUCKET_OUT_OF_ORDER: bucket 3 announced" in refusal.message
+
+
+@pytest.mark.parametrize(("refusal", "expected", "message"), [
+    (InvalidArgument("PART_MISMATCH", "rank 1 states version 'b'", update_key="k", rank=1, field="version",
+                     expected="a", got="b"),
+     ("INVALID_ARGUMENT", "PART_MISMATCH", {"update_key": "k", "rank": "1", "field": "version", "expected": "a",
+                                            "got": "b", "part": "1"}),
+     "part 1 of update 'k' was refused before it joined (rank 1 states version 'b'); every part of the update "
+     "fails with its reason, nothing was allocated"),
+    (InvalidArgument("MODE_UNSPECIFIED", "mode is required"),
+     ("INVALID_ARGUMENT", "MODE_UNSPECIFIED", {"update_key": "k", "part": "1"}), None),
+    (Unimplemented("BOX_PATCH_UNAVAILABLE", "a box among a deferred bucket's candidates", bucket=0, tensor="w"),
+     ("UNIMPLEMENTED", "BOX_PATCH_UNAVAILABLE", {"bucket": "0", "tensor": "w", "update_key": "k", "part": "1"}),
+     None),
+])
+def test_a_part_refused_before_it_joins_fails_its_key_with_its_own_reason(refusal, expected, message):
+    failed = key_refused("k", 1, refusal)
+    assert (type(failed), decided(failed)) == (type(refusal), expected)
+    if message is not None:
+        assert failed.message == message
+
+
+@pytest.mark.parametrize(("silent", "expected", "message"), [
+    ((), ("DEADLINE_EXCEEDED", "CLIENT_IDLE", {}), "no message from the client for 60 s"),
+    ((1,), ("DEADLINE_EXCEEDED", "CLIENT_IDLE", {"silent": "1"}),
+     "no message from any part for 60 s: part(s) 1 had not sent their commit (the others waited for them)"),
+    ((3, 0), ("DEADLINE_EXCEEDED", "CLIENT_IDLE", {"silent": "0,3"}), None),
+    (tuple(range(25)), ("DEADLINE_EXCEEDED", "CLIENT_IDLE", {"silent": ",".join(map(str, range(20))) + ",..."}),
+     None),
+])
+def test_client_idle_names_the_silent_parts(silent, expected, message):
+    refusal = client_idle(60, silent)
+    assert decided(refusal) == expected
+    if message is not None:
+        assert refusal.message == message
 
 
 def test_a_joined_world_larger_than_one_is_not_run_here():

@@ -159,3 +159,24 @@ def test_two_ranks_push_an_fsdp2_model_as_it_is_sharded(servers, tmp_path):
 
 
 FSDP_SHAPES = {"0.weight": (7, 5), "0.bias": (7,), "2.weight": (3, 7), "2.bias": (3,)}
+
+
+def test_a_part_waits_for_committed_as_a_whole_push_does(servers, monkeypatch):
+    """Committed's bound (a quiet stretch after the server's last message, client/streams.committed_within) is the
+    client's timeout + 30 s for a part as for a whole push: the parts' join is over once Ready came (before, the
+    part added Ready's own bound, the client's timeout + join_timeout, counting the client's timeout twice)."""
+    from weightsync.client import push_job
+
+    bounds: list[tuple[float, float]] = []
+    real = push_job.PushRun
+
+    def recording(*args, **kwargs):
+        bounds.append((kwargs["ready_timeout"], kwargs["commit_timeout"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(push_job, "PushRun", recording)
+    tensors = {"alone": torch.arange(32, dtype=torch.float32)}
+    with WeightSyncClient([s.address for s in servers], timeout=50, part=Part(rank=0, world=1, join_timeout=45)) as c:
+        c.push(tensors, version="alone", transport="inline", part_key="k-commit-bound", allow_new_tensors=True)
+        assert c.verify(tensors).ok
+    assert bounds == [(50 + 45, 50 + push_job.COMMIT_GRACE_SECONDS)]

@@ -1,6 +1,7 @@
 """weightsync.client: the trainer SDK (see weightsync.client.sdk)."""
 
 from weightsync.client.errors import (
+    PartGroupFailed,
     PartInputsRefused,
     PartsUnavailable,
     PartUpdateFailed,
@@ -22,6 +23,7 @@ from weightsync.client.types import (
 
 __all__ = [
     "Part",
+    "PartGroupFailed",
     "PartInputsRefused",
     "PartUpdateFailed",
     "PartsUnavailable",

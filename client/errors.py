@@ -75,9 +75,9 @@ class DuplicateTensor(PlanMismatch):
 
 
 class PartsUnavailable(WeightSyncClientError):
-    """A push with a part (WeightSyncClient(part=...)) that cannot run: a transport other than INLINE
-    (servers run parts over INLINE only, for now), or a server whose GetServerInfo.parts is false.
-    Raised before any byte moves."""
+    """A push with a part (WeightSyncClient(part=...)) that cannot run: a transport servers run parts over
+    (INLINE, SHM from the server's host, COLLECTIVE over a group of every part), or a server whose
+    GetServerInfo.parts is false. Raised before any byte moves."""
 
     code = grpc.StatusCode.UNIMPLEMENTED
     reason = "PARTS_UNAVAILABLE"
@@ -94,11 +94,31 @@ class PartInputsRefused(WeightSyncClientError):
         self.messages = messages
 
 
+class PartGroupFailed(WeightSyncClientError):
+    """The parts' own group (Part.group) failed one of the SDK's collectives before anything was sent (a push's
+    agreement, create_group's): a part is gone (its connection closed) or did not reach it within the group's
+    timeout. Raised on every rank that saw it; `__cause__` is the backend's error.
+
+    rank, world: this part. during: which collective ("push", "create_group"). peer: the rank or address the
+    backend named (Gloo names an address, "[10.0.0.2]:41234"), else None. timed_out: the backend said it timed
+    out (else a connection closed or broke)."""
+
+    def __init__(self, message: str, *, rank: int, world: int, during: str, peer: str | None,
+                 timed_out: bool) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.world = world
+        self.during = during
+        self.peer = peer
+        self.timed_out = timed_out
+
+
 class PartUpdateFailed(UpdateFailed):
     """A push with a part failed: UpdateFailed (code, reason, server, cause) and which part.
 
-    rank, world, update_key: this part. failed_part: the rank a server named when another part failed
-    (PART_FAILED), else None. missing: the ranks that never joined (PARTS_MISSING), else ()."""
+    rank, world, update_key: this part. failed_part: the other part a server named (metadata `part`: the one
+    that failed, PART_FAILED, or was refused before it joined, with its own reason), else None. missing: the
+    ranks that never joined (PARTS_MISSING, at most the first 20), else ()."""
 
     def __init__(self, message: str, cause: UpdateFailed, *, rank: int, world: int, update_key: str,
                  failed_part: int | None, missing: tuple[int, ...]) -> None:

@@ -8,17 +8,22 @@ Every rank reads every record: all agree on rank 0's key, or all raise PartInput
 ranks that failed, at once, instead of the ranks that passed waiting out the servers' join deadline.
 
 The one collective is bounded by the group's own timeout (init_process_group(timeout=...), or
-new_group(timeout=...)): a rank that never reaches it fails the others when it passes.
+new_group(timeout=...)): a rank that never reaches it fails the others when it passes, and a rank that is
+gone (its process ended) fails them at once. Either way every rank that saw it raises PartGroupFailed
+(gather(), also create_group's all-gathers in client/transfer_group.py), nothing sent, chained to the
+backend's own error, naming the peer where the backend says which.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
-from weightsync.client.errors import PartInputsRefused
+from weightsync.client.errors import PartGroupFailed, PartInputsRefused
 from weightsync.client.parts import Part, check_key
+from weightsync.common.nccl_groups import process_group_device
 
 RECORD_BYTES = 512
 _OK, _KEY_LEN, _KEY = 0, 1, 2
@@ -76,23 +81,53 @@ def decide(records: list[torch.Tensor], rank: int) -> str:
 
 def agree(part: Part, key: str, failure: BaseException | None) -> str:
     """The one all-gather over part.group (module docstring): rank 0's key, or PartInputsRefused on
-    every rank (chained to this rank's own failure, if it had one)."""
-    import torch.distributed as dist
-
-    device = _device(part.group)
-    mine = encode(key, failure).to(device)
-    records = [torch.empty_like(mine) for _ in range(part.world)]
-    dist.all_gather(records, mine, group=part.group)  # bounded by the group's timeout
+    every rank (chained to this rank's own failure, if it had one); PartGroupFailed if the group failed."""
+    records = gather(part.group, encode(key, failure), rank=part.rank, world=part.world, during="push")
     try:
         return decide(records, part.rank)
     except PartInputsRefused as refused:
         raise refused from failure
 
 
-def _device(group: Any) -> torch.device:
-    """Where the group's collectives take tensors: CUDA for NCCL, host memory otherwise."""
+def gather(group: Any, record: torch.Tensor, *, rank: int, world: int, during: str) -> list[torch.Tensor]:
+    """Every rank's `record` (one all-gather over the parts' group, bounded by its timeout), or
+    PartGroupFailed (group_failed) when the backend fails it."""
     import torch.distributed as dist
 
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    mine = record.to(process_group_device(group))
+    records = [torch.empty_like(mine) for _ in range(world)]
+    try:
+        dist.all_gather(records, mine, group=group)
+    except RuntimeError as error:  # what Gloo and NCCL raise (torch's DistError kinds among them)
+        raise group_failed(str(error), rank=rank, world=world, during=during) from error
+    return records
+
+
+GLOO_PEER = re.compile(r"(\[[0-9A-Za-z.:%-]+\]:\d+)")
+"""The peer's address in Gloo's errors ("Connection closed by peer [10.0.0.2]:41234", "Read error
+[10.0.0.2]:41234: Connection reset by peer"): the rank that went (its source location, "[/path/pair.cc:553]",
+has no port after it)."""
+PEER_RANK = re.compile(r"\b(?:peer|remote) rank (\d+)\b", re.IGNORECASE)
+
+
+def named_peer(message: str) -> str | None:
+    """The peer a backend's error names: "rank N" where it names the peer's (remote) rank, else Gloo's address of
+    the peer, else None (a timeout names nobody)."""
+    if (rank := PEER_RANK.search(message)) is not None:
+        return f"rank {rank.group(1)}"
+    if (address := GLOO_PEER.search(message)) is not None:
+        return address.group(1)
+    return None
+
+
+def group_failed(message: str, *, rank: int, world: int, during: str) -> PartGroupFailed:
+    """PartGroupFailed for the backend's error `message` on part `rank` of `world`, during a push's agreement
+    ("push") or create_group's ("create_group")."""
+    peer = named_peer(message)
+    timed_out = "timed out" in message.lower() or "timeout" in message.lower()
+    what = ("did not answer within the group's timeout" if timed_out
+            else f"is gone (the connection to {peer} closed)" if peer is not None else "is gone")
+    said = message.strip().splitlines()[0][:300] if message.strip() else "no message"
+    return PartGroupFailed(f"part {rank} of {world}: {during} failed before anything was sent: a part of the "
+                           f"parts' group (Part.group) {what}; the backend said: {said}", rank=rank,
+                           world=world, during=during, peer=peer, timed_out=timed_out)

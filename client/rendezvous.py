@@ -4,8 +4,12 @@ torch builds a process group by blocking until every rank joined or the
 timeout passed. Run inline, that would hold up a server's immediate refusal
 (a bad group id, a name already taken) for the whole timeout, so it runs in a
 thread (common/threads.py) while the CreateTransferGroup calls go out; at the
-first refusal the rendezvous is abandoned: the thread fails at its own deadline
-and closes what it built.
+first refusal the rendezvous is abandoned. The rank that hosts the store (rank 0,
+part 0) then closes it (HostedStore): every join waiting on it, this rank's and
+every other's, fails at once, and abandon() waits for this rank's join to end, so
+nothing a refused create_group started outlives it (a process that exited while
+a join was still waiting died with SIGABRT when the join's timeout came during the
+interpreter's exit). A join that built its group anyway closes what it built.
 
 An NCCL group is built with weightsync's settings in the environment
 (common/nccl_env.py), set here in the caller's thread before the rendezvous
@@ -25,19 +29,55 @@ import datetime
 import threading
 
 import torch
+from torch.distributed import TCPStore
 
 from weightsync.common.collective import CollectiveGroup, interface_of, open_group
+from weightsync.common.logging import get_logger
 from weightsync.common.nccl_env import TrainerSettings, hold_trainer_settings
 from weightsync.common.threads import CallAbandoned, ThreadCall
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
+log = get_logger("weightsync.client")
+
+
+class HostedStore:
+    """The rendezvous TCPStore this rank hosts, referenced here alone: torch's store server stops with the last
+    reference to it, which fails every wait on it at once (measured: ~0.1 s), so close() ends the joins of a group
+    nobody will use, on every rank, instead of at the group's timeout. A join waits on a connection of its own
+    (client()), so that the join's thread holds no reference to the server."""
+
+    def __init__(self, store: TCPStore) -> None:
+        self._store: TCPStore | None = store
+
+    @property
+    def store(self) -> TCPStore:
+        if self._store is None:
+            raise RuntimeError("the rendezvous store was closed")
+        return self._store
+
+    @property
+    def port(self) -> int:
+        return self.store.port
+
+    def client(self) -> TCPStore:
+        """A connection of its own to the store (a join's)."""
+        return self.store.clone()
+
+    def close(self) -> None:
+        self._store = None
+
 
 class Rendezvous:
-    """One trainer rank's join (rank 0, or a part's rank among trainer_ranks), started at construction."""
+    """One trainer rank's join (rank 0, or a part's rank among trainer_ranks), started at construction.
+    hosted: the store this rank hosts (`store` is then a client() of it), closed when the join is abandoned."""
 
     def __init__(self, *, group_id: str, backend: int, store, world_size: int, timeout: datetime.timedelta,
-                 device: torch.device, local_address: str, rank: int = 0, trainer_ranks: int = 1) -> None:
+                 device: torch.device, local_address: str, rank: int = 0, trainer_ranks: int = 1,
+                 hosted: HostedStore | None = None) -> None:
         self._group_id = group_id
+        self._hosted = hosted
+        self._timeout = timeout
+        self._finished = threading.Event()  # the join's thread is done with the store
         self._settings: TrainerSettings | None = None
         if backend == pb.BACKEND_NCCL:
             self._settings = hold_trainer_settings(interface_of(local_address),
@@ -55,6 +95,7 @@ class Rendezvous:
                                   trainer_ranks=trainer_ranks)
             finally:
                 self._end(joined=True)
+                self._finished.set()
 
         try:
             self._call = ThreadCall(join, name=f"rendezvous-{group_id}", discard=CollectiveGroup.close)
@@ -82,6 +123,12 @@ class Rendezvous:
             self._end(let_go=True)
 
     def abandon(self) -> None:
-        """Nobody will use the group: close it now or as soon as it is built."""
+        """Nobody will use the group: close it now or as soon as it is built. A store this rank hosts is closed,
+        which ends the join (every rank's) at once; the join is then waited for, at most the group's timeout,
+        which bounds it anyway: no thread of this join outlives the call."""
         self._call.abandon()
+        if self._hosted is not None:
+            self._hosted.close()
+            if not self._finished.wait(self._timeout.total_seconds()):
+                log.warning("rendezvous_still_running", group_id=self._group_id)
         self._end(let_go=True)

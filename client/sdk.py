@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from weightsync.client import transfer_group
+from weightsync.client import part_group, transfer_group
 from weightsync.client._loop import LoopThread
 from weightsync.client.compression import Frames, worth_compressing
 from weightsync.client.delta import Delta, DeltaBase
@@ -177,7 +177,7 @@ class WeightSyncClient:
         rank = part rank) and then the workers; part 0 hosts the store, chooses the backend and the id
         and creates the group on the servers, and the parts learn them through Part.group (needed:
         ValueError without it); each part then pushes over transport="collective", sending its
-        buckets point-to-point to their owners (transfer_group.create_for_part).
+        buckets point-to-point to their owners (part_group.create_for_part).
         """
         if self._group is not None:
             raise WeightSyncClientError(f"group {self._group.group_id} exists; delete_group() first")
@@ -186,9 +186,9 @@ class WeightSyncClient:
             if part.group is None:
                 raise ValueError("create_group() with a part needs Part.group: the parts agree on the group's id, "
                                  "backend and rendezvous store through it")
-            group = transfer_group.create_for_part(self._servers, rank=part.rank, world=part.world,
-                                                   part_group=part.group, backend=backend, timeout=timeout,
-                                                   group_id=group_id, store_host=store_host, store_port=store_port)
+            group = part_group.create_for_part(self._servers, rank=part.rank, world=part.world,
+                                               part_group=part.group, backend=backend, timeout=timeout,
+                                               group_id=group_id, store_host=store_host, store_port=store_port)
         else:
             group = transfer_group.create(self._servers, backend=backend, timeout=timeout, group_id=group_id,
                                           store_host=store_host, store_port=store_port)

@@ -1,17 +1,13 @@
 """Creating and deleting a transfer group (COLLECTIVE pushes) across the SDK's servers.
 
 Rank 0's rendezvous runs in a thread while CreateTransferGroup goes to every
-server at once, so a server's refusal comes back at once (rendezvous.py). On
-failure only the servers where this call created the group are cleaned up; a
-group nobody can reach is dropped by its server when it sees the trainer's
-store close.
+server at once, so a server's refusal comes back at once (rendezvous.py), and
+closing the store rank 0 hosts then ends every rank's join: nothing the call
+started outlives it. On failure only the servers where this call created the
+group are cleaned up; a group nobody can reach is dropped by its server when it
+sees the trainer's store close.
 
-A client with a part (WeightSyncClient(part=Part(rank, world, group))) calls create_group on every rank:
-the group holds every part's rank (group rank = part rank, 0..world-1; CreateTransferGroupRequest.
-trainer_ranks) and then the servers' workers. Part 0 hosts the rendezvous store, chooses the backend and
-the group id, and creates the group on the servers; the parts learn what it chose through Part.group (one
-all-gather of a fixed-size record per rank, as part_agreement.py does: a rank whose checks failed fails
-every rank at once), then each joins the rendezvous from its own thread.
+A client with a part creates its group through part_group.py, with the same pieces.
 """
 
 from __future__ import annotations
@@ -26,13 +22,12 @@ import grpc
 import torch
 
 from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
-from weightsync.client.rendezvous import Rendezvous
+from weightsync.client.rendezvous import HostedStore, Rendezvous
 from weightsync.client.revision import spoken
 from weightsync.client.servers import Server, ServerSet
 from weightsync.common.address import parse_address
 from weightsync.common.collective import (
     CollectiveGroup,
-    connect_store,
     host_store,
     local_address_towards,
 )
@@ -176,28 +171,29 @@ def create(servers: ServerSet, *, backend: str, timeout: float, group_id: str | 
     first = parse_address(servers.servers[0].address)
     host = store_host or local_address_towards(first.host, first.port)
     delta = datetime.timedelta(seconds=timeout)
-    store = host_store(host, delta, store_port)
+    hosted = HostedStore(host_store(host, delta, store_port))
     device = trainer_device if chosen == pb.BACKEND_NCCL and trainer_device is not None else torch.device("cpu")
     log.info("group_creating", group_id=group_id, world_size=world_size, backend=pb.Backend.Name(chosen))
-    rendezvous = Rendezvous(group_id=group_id, backend=chosen, store=store, world_size=world_size,
-                            timeout=delta, device=device, local_address=host)
-    created, failure = servers.loop.run(_create_everywhere(servers, group_id, host, store.port, world_size, chosen, delta,
-                                                           by_address, 1))
+    rendezvous = Rendezvous(group_id=group_id, backend=chosen, store=hosted.client(), world_size=world_size,
+                            timeout=delta, device=device, local_address=host, hosted=hosted)
+    created, failure = servers.loop.run(create_everywhere(servers, group_id, host, hosted.port, world_size, chosen,
+                                                           delta, by_address, 1))
     if failure is None:
         try:
             collective = rendezvous.result(timeout + 10)
         except BaseException:
-            _clean_up(servers, created, group_id)
+            rendezvous.abandon()
+            clean_up(servers, created, group_id)
             raise
     else:
-        rendezvous.abandon()
-        _clean_up(servers, created, group_id)
+        rendezvous.abandon()  # closes our store: the join ends now, not at its timeout
+        clean_up(servers, created, group_id)
         raise failure
     log.info("group_ready", group_id=group_id)
-    return TransferGroup(group_id, chosen, world_size, delta, device, collective, store, by_address)
+    return TransferGroup(group_id, chosen, world_size, delta, device, collective, hosted.store, by_address)
 
 
-async def _create_everywhere(
+async def create_everywhere(
     servers: ServerSet, group_id: str, host: str, port: int, world_size: int, backend: int, timeout: datetime.timedelta,
     offsets: dict[str, int], trainer_ranks: int,
 ) -> tuple[list[Server], BaseException | None]:
@@ -267,7 +263,7 @@ def _delete_on(servers: ServerSet, targets: list[Server], group_id: str) -> list
     return [r for r in servers.loop.run(run()) if isinstance(r, WeightSyncRpcError)]
 
 
-def _clean_up(servers: ServerSet, targets: list[Server], group_id: str) -> None:
+def clean_up(servers: ServerSet, targets: list[Server], group_id: str) -> None:
     """Best effort after a failed create: the original error is what the caller must see."""
     for error in _delete_on(servers, targets, group_id):
         log.warning("group_cleanup_failed", group_id=group_id, server=error.server, error=str(error))
@@ -289,157 +285,3 @@ def delete(servers: ServerSet, group: TransferGroup) -> None:
         where = ", ".join(f"{e.server} ({e.code.name} {e.reason})" for e in refused)
         raise WeightSyncClientError(f"group {group.group_id} could not be deleted on {where}")
     log.info("group_deleted", group_id=group.group_id)
-
-
-# -- a group of parts --------------------------------------------------------------------------
-AGREED_BYTES = 512
-"""The fixed size of each rank's record in create_for_part's all-gather."""
-
-
-@dataclass(frozen=True, slots=True)
-class Agreed:
-    """What part 0 chose for the group, as every part learns it."""
-
-    group_id: str
-    backend: int
-    store_host: str
-    store_port: int
-    world_size: int
-
-
-def encode_agreed(agreed: Agreed | None, failure: BaseException | None) -> torch.Tensor:
-    """One rank's record: what it chose (part 0's is the one read), or that its checks failed and why."""
-    text = (f"ok\n{agreed.group_id}\n{agreed.backend}\n{agreed.store_host}\n{agreed.store_port}\n{agreed.world_size}"
-            if failure is None and agreed is not None
-            else f"failed\n{type(failure).__name__}: {failure}" if failure is not None else "ok")
-    raw = text.encode()[: AGREED_BYTES - 2]
-    record = torch.zeros(AGREED_BYTES, dtype=torch.uint8)
-    record[0], record[1] = len(raw) & 0xFF, len(raw) >> 8
-    record[2 : 2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    return record
-
-
-def decide_agreed(records: list[torch.Tensor], rank: int) -> Agreed:
-    """Every rank's record -> part 0's choice, or WeightSyncClientError naming every rank that failed."""
-    texts = []
-    for record in records:
-        data = bytes(record.cpu().tolist())
-        texts.append(data[2 : 2 + (data[0] | data[1] << 8)].decode("utf-8", errors="replace"))
-    failed = {r: t.split("\n", 1)[1] if "\n" in t else t for r, t in enumerate(texts) if not t.startswith("ok")}
-    if failed:
-        said = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
-        raise WeightSyncClientError(f"part {rank}: create_group failed before any rendezvous: {said}")
-    fields = texts[0].split("\n")
-    return Agreed(fields[1], int(fields[2]), fields[3], int(fields[4]), int(fields[5]))
-
-
-def parts_backend(requested: str, *, part_gpu_uuids: Sequence[str], servers: Sequence[ServerDevices]) -> int:
-    """choose_backend for a group of several parts' ranks: every part's GPU counts, not part 0's alone (each part
-    is a rank of the group, and over NCCL its sends run on a communicator with each owner: a part on a worker's
-    GPU, or two parts on one GPU, fail there). "auto": NCCL only when every part has a GPU of its own and each
-    passes choose_backend; "nccl" where a part has no GPU, or two share one, is refused naming them."""
-    gpus = [normalize_uuid(u) if u else "" for u in part_gpu_uuids]
-    missing = [rank for rank, gpu in enumerate(gpus) if not gpu]
-    shared = sorted({gpu for gpu in gpus if gpu and gpus.count(gpu) > 1})
-    if requested == "nccl" and missing:
-        raise WeightSyncClientError(f"backend 'nccl': part(s) {missing} use no CUDA device; set it "
-                                    "(torch.cuda.set_device) before create_group on every rank, or use backend='gloo'")
-    if requested == "nccl" and shared:
-        raise WeightSyncClientError(f"backend 'nccl': parts {[r for r, g in enumerate(gpus) if g == shared[0]]} run "
-                                    f"on one GPU ({shared[0]}); NCCL cannot put two ranks of one group on one GPU. "
-                                    "Use backend='gloo' (or 'auto', which then picks Gloo)")
-    if requested == "auto" and (missing or shared):
-        log.info("nccl_not_chosen", reason="a part has no GPU, or two parts share one", without_gpu=missing,
-                 shared=shared)
-        requested = "gloo"
-    chosen = {choose_backend(requested, trainer_gpu_uuid=gpu or None, servers=servers) for gpu in gpus or [""]}
-    return pb.BACKEND_GLOO if pb.BACKEND_GLOO in chosen else pb.BACKEND_NCCL
-
-
-GPU_UUID_BYTES = 64
-"""A part's GPU UUID in create_for_part's all-gather: ASCII, zero-padded ("" for a part without CUDA)."""
-
-
-def _gather_gpu_uuids(part_group: object, mine: str, world: int) -> list[str]:
-    record = torch.zeros(GPU_UUID_BYTES, dtype=torch.uint8)
-    raw = mine.encode("ascii")[:GPU_UUID_BYTES]
-    record[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    return [bytes(r.cpu().tolist()).rstrip(b"\0").decode("ascii") for r in _all_gather(part_group, record, world)]
-
-
-def _all_gather(group: object, record: torch.Tensor, world: int) -> list[torch.Tensor]:
-    import torch.distributed as dist
-
-    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
-              else torch.device("cpu"))
-    mine = record.to(device)
-    records = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(records, mine, group=group)  # bounded by the parts' group's own timeout
-    return records
-
-
-def create_for_part(servers: ServerSet, *, rank: int, world: int, part_group: object, backend: str, timeout: float,
-                    group_id: str | None, store_host: str | None, store_port: int) -> TransferGroup:
-    """One group of every part's rank (0..world-1) and every server's workers (module docstring); called on
-    every part's rank. Part 0 hosts the store, chooses, and creates the group on the servers."""
-    delta = datetime.timedelta(seconds=timeout)
-    trainer_device = trainer_cuda_device(available=torch.cuda.is_available(), initialized=torch.cuda.is_initialized())
-    chosen: Agreed | None = None
-    store = None
-    offsets: dict[str, int] = {}
-    failure: BaseException | None = None
-    # Every part's GPU, for part 0's choice (parts_backend): a part on a worker's GPU matters as part 0's would.
-    part_gpus = _gather_gpu_uuids(part_group, gpu_uuid(trainer_device) if trainer_device is not None else "", world)
-    try:
-        if rank == 0:
-            infos = [info for _, info in spoken(servers.addresses,
-                                                servers.each("GetServerInfo", pb.GetServerInfoRequest()))]
-            backend_number = parts_backend(backend, part_gpu_uuids=part_gpus, servers=[
-                ServerDevices.of(s.address, i) for s, i in zip(servers.servers, infos, strict=True)])
-            counts = [len(info.workers) for info in infos]
-            offsets = dict(zip(servers.addresses, rank_offsets(counts, world), strict=True))
-            first = parse_address(servers.servers[0].address)
-            host = store_host or local_address_towards(first.host, first.port)
-            store = host_store(host, delta, store_port)
-            chosen = Agreed(group_id or f"ws-{uuid.uuid4().hex[:12]}", backend_number, host, store.port,
-                            world + sum(counts))
-    except Exception as error:  # every rank learns it through the all-gather, at once
-        failure = error
-    try:
-        agreed = decide_agreed(_all_gather(part_group, encode_agreed(chosen, failure), world), rank)
-    except BaseException:
-        if failure is not None:
-            raise failure from None
-        raise
-    if agreed.backend == pb.BACKEND_NCCL and trainer_device is None:
-        raise WeightSyncClientError(f"part {rank}: the group's backend is NCCL (chosen by part 0) but this process "
-                                    "uses no CUDA device: set it (torch.cuda.set_device) before create_group, or "
-                                    "create the group with backend='gloo'")
-    device = trainer_device if agreed.backend == pb.BACKEND_NCCL and trainer_device is not None else torch.device("cpu")
-    if store is None:
-        store = connect_store(agreed.store_host, agreed.store_port, delta)
-    local = local_address_towards(agreed.store_host, agreed.store_port)
-    log.info("group_creating", group_id=agreed.group_id, world_size=agreed.world_size, rank=rank, parts=world,
-             backend=pb.Backend.Name(agreed.backend))
-    rendezvous = Rendezvous(group_id=agreed.group_id, backend=agreed.backend, store=store,
-                            world_size=agreed.world_size, timeout=delta, device=device, local_address=local,
-                            rank=rank, trainer_ranks=world)
-    created: list[Server] = []
-    if rank == 0:
-        created, failure = servers.loop.run(_create_everywhere(
-            servers, agreed.group_id, agreed.store_host, agreed.store_port, agreed.world_size, agreed.backend, delta,
-            offsets, world))
-        if failure is not None:
-            # The other parts' rendezvous fails at its deadline (the workers never come).
-            rendezvous.abandon()
-            _clean_up(servers, created, agreed.group_id)
-            raise failure
-    try:
-        collective = rendezvous.result(timeout + 10)
-    except BaseException:
-        if rank == 0:
-            _clean_up(servers, created, agreed.group_id)
-        raise
-    log.info("group_ready", group_id=agreed.group_id, rank=rank)
-    return TransferGroup(agreed.group_id, agreed.backend, agreed.world_size, delta, device, collective, store, offsets,
-                         rank=rank, trainer_ranks=world)

@@ -1,4 +1,4 @@
-"""Parts over COLLECTIVE: the group's backend answers for every part's GPU (transfer_group.parts_backend), not
+"""Parts over COLLECTIVE: the group's backend answers for every part's GPU (part_group.parts_backend), not
 part 0's alone: a part on a worker's GPU, a part without CUDA, or two parts on one GPU make 'auto' Gloo and
 'nccl' refused naming them (before, part 0 chose NCCL from its own GPU and the other part failed at its first
 send, or at create_group after part 0 had gone on to the rendezvous)."""
@@ -10,7 +10,8 @@ import re
 import pytest
 
 from weightsync.client.errors import WeightSyncClientError
-from weightsync.client.transfer_group import ServerDevices, parts_backend
+from weightsync.client.part_group import parts_backend
+from weightsync.client.transfer_group import ServerDevices
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 GLOO, NCCL = pb.BACKEND_GLOO, pb.BACKEND_NCCL

@@ -1,6 +1,7 @@
 """The rules of what one part sends (client/parts.py) and how the parts agree (client/part_agreement.py), by
 table: placements, mesh coordinates and the global shape -> the box this rank sends; the key rules; the
-agreement records -> rank 0's key or every failing rank named."""
+agreement records -> rank 0's key or every failing rank named; a backend's error -> the peer it names and the
+typed PartGroupFailed."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from weightsync.client.errors import PartInputsRefused
-from weightsync.client.part_agreement import decide, encode
+from weightsync.client.errors import PartGroupFailed, PartInputsRefused, WeightSyncClientError
+from weightsync.client.part_agreement import decide, encode, group_failed, named_peer
 from weightsync.client.parts import (
     KEY_PATTERN,
     WHOLE,
@@ -148,3 +149,38 @@ def test_a_record_that_never_came_counts_as_a_failure():
     with pytest.raises(PartInputsRefused) as caught:
         decide([encode("k", None), torch.zeros(512, dtype=torch.uint8)], 0)
     assert caught.value.ranks == (1,)
+
+
+GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+               "[127.0.0.1]:11137. This is typically caused by a remote worker crashing.")
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:14041: "
+              "Connection reset by peer. This is typically caused by a remote worker hanging.")
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                "5000ms for recv operation to complete")
+
+
+@pytest.mark.parametrize(("message", "peer"), [
+    (GLOO_CLOSED, "[127.0.0.1]:11137"),  # Gloo names the peer's address, never its rank
+    (GLOO_RESET, "[10.0.0.2]:14041"),
+    ("Connection closed by peer [fe80::1%eth0]:41234", "[fe80::1%eth0]:41234"),
+    (GLOO_TIMEOUT, None),  # a timeout names nobody; the source location is no address
+    ("NCCL error: remote process exited (peer rank 3)", "rank 3"),
+    ("[Rank 0] Watchdog caught collective operation timeout", None),  # this rank's own, not a peer
+    ("", None),
+])
+def test_the_peer_a_backend_error_names(message, peer):
+    assert named_peer(message) == peer
+
+
+@pytest.mark.parametrize(("message", "during", "timed_out", "says"), [
+    (GLOO_CLOSED, "push", False, "part 1 of 3: push failed before anything was sent: a part of the parts' group "
+     "(Part.group) is gone (the connection to [127.0.0.1]:11137 closed); the backend said: " + GLOO_CLOSED),
+    (GLOO_TIMEOUT, "create_group", True, "part 1 of 3: create_group failed before anything was sent: a part of the "
+     "parts' group (Part.group) did not answer within the group's timeout; the backend said: " + GLOO_TIMEOUT),
+    ("", "push", False, "part 1 of 3: push failed before anything was sent: a part of the parts' group (Part.group) "
+     "is gone; the backend said: no message"),
+])
+def test_a_failed_group_is_typed(message, during, timed_out, says):
+    failed = group_failed(message, rank=1, world=3, during=during)
+    assert isinstance(failed, PartGroupFailed) and isinstance(failed, WeightSyncClientError)
+    assert (str(failed), failed.rank, failed.world, failed.during, failed.timed_out) == (says, 1, 3, during, timed_out)

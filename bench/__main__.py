@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         from weightsync.common.logging import configure_logging
 
         configure_logging("warning")
-        pause.run(pause.QUICK_SIZES if args.quick else pause.DEFAULT_SIZES, args.quick, Path(args.out))
+        pause.run(pause.QUICK_SIZES if args.quick else pause.DEFAULT_SIZES, args.quick, Path(args.out),
+                  "python -m bench " + " ".join(sys.argv[1:]))
         parts.discard("pause")
         if not parts:
             return 0

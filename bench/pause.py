@@ -506,11 +506,16 @@ def markdown(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(sizes: list[str], quick: bool, out: Path) -> list[dict]:
+def run(sizes: list[str], quick: bool, out: Path, command: str = "python -m bench --only pause") -> list[dict]:
+    import torch
+
     from bench import machine
     from bench.progress import log
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop vLLM and the servers
+    # One intra-op thread in this (trainer) process, as the review ran vLLM's path: with two OpenMP threads on
+    # a loaded 2-core host its torch.cat of a 1 MB model took 30-700 ms (barriers); the SDK uses one anyway.
+    torch.set_num_threads(1)
     started, load_before = time.monotonic(), machine.load_average()
     results = []
     with tempfile.TemporaryDirectory(prefix="weightsync-pause-") as tmp:
@@ -521,7 +526,7 @@ def run(sizes: list[str], quick: bool, out: Path) -> list[dict]:
             results.append(summary(size))
             log(f"pause: {name}: {json.dumps(results[-1])}")
             meta = {"machine": machine.one_line(machine.describe()), "date": time.strftime("%Y-%m-%d %H:%M UTC",
-                    time.gmtime()), "command": "python -m bench " + " ".join(sys.argv[1:]),
+                    time.gmtime()), "command": command,
                     "seconds": time.monotonic() - started, "load_before": load_before,
                     "load_after": machine.load_average()}
             text = markdown(results, meta)
@@ -540,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     from weightsync.common.logging import configure_logging
 
     configure_logging("warning")
-    run(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES), args.quick, Path(args.out))
+    run(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES), args.quick, Path(args.out),
+        "python -m bench.pause " + " ".join(sys.argv[1:] if argv is None else argv))
     return 0
 
 

@@ -15,6 +15,8 @@ read of the copy), and an owner check a bucket that lies in several places of th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import numpy as np
 
 from weightsync.common.checksum import COLUMN_FACTOR, ROW_WORDS
@@ -24,6 +26,8 @@ _C = np.uint64(COLUMN_FACTOR)
 _ROW = ROW_WORDS
 _U1 = np.uint64(1)
 _MASK = (1 << 64) - 1
+SPLIT_BYTES = 16 << 20
+"""Bytes per chunk when one checksum is split over threads (ws64_terms_split)."""
 
 
 @cached_njit(nogil=True)
@@ -188,6 +192,16 @@ def copy_ws64_terms(dst: np.ndarray, src: np.ndarray, first_word: int = 0) -> in
         dst[whole * 8 :] = src[whole * 8 :]
         total += _tail_terms(src[whole * 8 :], first_word + whole)
     return total & _MASK
+
+
+def ws64_terms_split(data: np.ndarray, first_word: int, run: Callable[..., Iterable[int]],
+                     chunk_bytes: int = SPLIT_BYTES) -> int:
+    """ws64_terms of `data` summed over chunks of about `chunk_bytes` (whole words), each computed by
+    `run(ws64_terms, chunks, first words)` (a thread pool's map: the kernel releases the GIL)."""
+    step = max(8, chunk_bytes - chunk_bytes % 8)
+    starts = list(range(0, data.size, step)) or [0]
+    chunks = [data[start : start + step] for start in starts]
+    return sum(run(ws64_terms, chunks, [first_word + start // 8 for start in starts])) & _MASK
 
 
 def ws64_host(data: np.ndarray) -> int:

@@ -19,7 +19,9 @@ memory the server keeps (server/node_store.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -120,7 +122,7 @@ def verify_in_store(sequence: int, checks: Sequence[wpb.TensorCheck], pieces: Se
                               "checksum", bucket=sequence)
     total = size_bytes
     for offset, data in pieces:
-        total += ws64_terms(data, offset // 8)
+        total += _terms(data, offset // 8)
         byte_passes.read("worker.check", data.numel())
     actual = total & _MASK
     if actual != bucket_checksum.value:
@@ -143,3 +145,23 @@ def verify_in_store(sequence: int, checks: Sequence[wpb.TensorCheck], pieces: Se
 
 
 _MASK = (1 << 64) - 1
+CHECK_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
+"""Threads one check of a bucket in the store is split over (host memory): the trainer has written the bucket
+and waits, so the last bucket's check, the one the commit waits for, can use the cores it left."""
+_pool: ThreadPoolExecutor | None = None
+
+
+def _terms(data: torch.Tensor, first_word: int) -> int:
+    """ws64_terms of host bytes, over CHECK_THREADS threads when they are large enough to pay."""
+    from weightsync.common.ws64_host import (  # numba loads on first use
+        SPLIT_BYTES,
+        ws64_terms_split,
+    )
+
+    global _pool
+    if data.device.type != "cpu" or CHECK_THREADS < 2 or data.numel() < 2 * SPLIT_BYTES:
+        return ws64_terms(data, first_word)
+    if _pool is None:
+        _pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="weightsync-check")
+    return ws64_terms_split(data.numpy(), first_word, _pool.map,
+                            chunk_bytes=max(SPLIT_BYTES, -(-data.numel() // CHECK_THREADS)))

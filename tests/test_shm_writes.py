@@ -29,7 +29,7 @@ from weightsync.client.planning import build_plan
 from weightsync.client.push import PushRun
 from weightsync.client.store_writes import Region, gaps
 from weightsync.client.transports.shm import IN_FLIGHT, ShmSink
-from weightsync.common import byte_passes
+from weightsync.common import byte_passes, ws64_host
 from weightsync.common.checksum import ws64_reference, ws64_terms, ws64_terms_torch
 from weightsync.common.ws64_host import copy_ws64_terms
 from weightsync.server.store_writes import ClientRegion, client_regions
@@ -129,6 +129,22 @@ def test_a_buckets_ws64_is_its_length_plus_its_pieces_terms(size):
         odd = np.zeros(size, np.uint8)
         assert (size - 1 + copy_ws64_terms(odd[1:], raw[1:])) & MASK == ws64_reference(raw[1:].tobytes())
         assert odd[1:].tobytes() == raw[1:].tobytes()
+
+
+@pytest.mark.parametrize(("size", "chunk"), [(100_003, 8), (100_003, 4096), (100_003, 4100), (4096, 1 << 20),
+                                             (0, 64)])
+def test_a_checksum_split_over_threads_is_the_same_sum(size, chunk):
+    """The owner splits a large check over threads (gpu_worker/bucket_checks.py): chunks of whole words, each
+    summed at the word where it starts, add up to the terms of the whole."""
+    raw = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    calls = []
+
+    def run(fn, chunks, firsts):
+        calls.append(len(chunks))
+        return map(fn, chunks, firsts)
+
+    assert ws64_host.ws64_terms_split(raw, 77, run, chunk_bytes=chunk) == ws64_host.ws64_terms(raw, 77)
+    assert calls == [max(1, -(-size // (chunk - chunk % 8 or 8)))]
 
 
 # -- the sink: what is copied from CUDA is announced once its copies completed ---------------------------

@@ -56,6 +56,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 
 from weightsync.client import (
     Part,
+    PartGroupFailed,
     PartUpdateFailed,
     UpdateFailed,
     WeightSyncClient,
@@ -324,6 +325,12 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             outcome["cause_reason"], outcome["message"] = error.reason, str(error)
             if isinstance(error, PartUpdateFailed):
                 outcome["failed_part"], outcome["missing"] = error.failed_part, list(error.missing)
+        except PartGroupFailed as error:
+            # The actor ranks' Gloo group failed the parts' agreement before anything was sent: a rank is gone
+            # (or did not come). This rank is not at fault: the sender that never publishes its outcome is named.
+            outcome["cause_reason"], outcome["message"] = "PART_GROUP_FAILED", str(error)
+            outcome["peer_lost"] = True
+            self._regroup = True
         except WeightSyncClientError as error:
             outcome["cause_reason"] = getattr(error, "reason", "") or type(error).__name__
             outcome["message"] = str(error)
@@ -333,8 +340,8 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             if not (self._collective_parts and isinstance(error, RuntimeError)):
                 self._outcomes.publish(sync, self.rank, outcome)  # type: ignore[union-attr]
                 raise
-            # The actor ranks' Gloo group broke under the parts' agreement (torch's DistBackendError: a rank
-            # died). This rank is not at fault: the sender that never publishes its outcome is named.
+            # The actor ranks' Gloo group broke under a collective of its own (torch's DistBackendError: a
+            # rank died): as PartGroupFailed, this rank is not at fault.
             outcome["peer_lost"] = True
         return outcome
 

@@ -23,6 +23,7 @@ from weightsync.integrations.verl import (  # noqa: E402
 
 from helpers import start_server  # noqa: E402
 
+pytestmark = pytest.mark.timeout(600)
 GOOD = {"servers": ["127.0.0.1:50051"]}
 
 

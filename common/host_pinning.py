@@ -17,10 +17,12 @@ cudaHostRegister faults in every page it has to, about ten times slower than the
 it ahead (bench/results/gpu-h200.md: 2.27 GB/s for a read-only mapping, 23.8 GB/s once
 faulted): `pin_host(prefault=True)` faults the pages in first (`populate`: MADV_POPULATE_READ
 for a read-only mapping, MADV_POPULATE_WRITE for a writable one, through libc so the GIL is
-not held; Linux < 5.14 reads one byte of each page instead).
+not held; Linux < 5.14 reads one byte of each page instead; any other refusal is raised, since
+reading such a page would raise SIGBUS).
 
-`pinned_host_empty` is pinned host memory of exactly the size asked (page-rounded), given back
-to the system when the last tensor over it is gone: torch's pin_memory=True rounds every
+`pinned_host_empty` is pinned host memory of exactly the size asked (page-rounded), registered
+portable (every device's context of the process), given back to the system when the last tensor
+over it is gone: torch's pin_memory=True rounds every
 allocation up to a power of two and keeps it cached for the process's life (a 2.32 GiB tensor
 pins 4 GiB, never returned).
 """
@@ -28,6 +30,7 @@ pins 4 GiB, never returned).
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 from collections.abc import Callable, Sequence
@@ -41,6 +44,10 @@ log = get_logger("weightsync.pinning")
 
 DEFAULT = 0
 """cudaHostRegisterDefault: a read-write mapping."""
+PORTABLE = 1
+"""cudaHostRegisterPortable: pinned for every CUDA context of the process, not only the registering thread's current
+device's (one process driving several GPUs; the CUDA docs promise that portability to cudaHostAlloc, not to
+cudaHostRegister without the flag)."""
 READ_ONLY = 8
 """cudaHostRegisterReadOnly: a PROT_READ mapping (an engine's view of the store)."""
 CHUNK_BYTES = 256 << 30
@@ -140,23 +147,51 @@ def _libc_madvise():
 _madvise = _libc_madvise()
 
 
+POPULATE_UNKNOWN = (errno.EINVAL, errno.ENOSYS)
+"""What a kernel without MADV_POPULATE_* (Linux < 5.14, gVisor) answers: the pages are then read one by one. Any
+other refusal (EFAULT: the range runs past the file's end; EHWPOISON: a poisoned page; ENOMEM) says reading a page
+would raise SIGBUS or fail too, which would kill the process (an engine's: the vLLM rank): it is raised instead."""
+POPULATE_RETRIES = 3
+"""EINTR and EAGAIN: the chunk is asked again, this many times at most."""
+
+
+class PopulateRefused(OSError):
+    """The kernel refused to fault a mapping's pages in for a reason reading them would not survive."""
+
+
 def populate(data: torch.Tensor, advice: int = MADV_POPULATE_WRITE) -> bool:
     """Fault in every page of a host mapping, without writing it and without holding the GIL.
 
     `data` is a uint8 tensor over a page-aligned mapping whose bytes may be committed weights: nothing
     here may change one of them. Chunked, so even the fallback (a kernel without MADV_POPULATE_*: torch
     reads one byte of each page, which also releases the GIL) lets other threads run between chunks.
-    Returns whether the madvise did the work (False: the pages were touched by reading)."""
+    Returns whether the madvise did the work (False: the pages were touched by reading); raises
+    PopulateRefused when the kernel refused for another reason than not knowing the advice (POPULATE_UNKNOWN)."""
     size = data.numel()
     base = data.data_ptr()
     advised = _madvise is not None
     for start in range(0, size, POPULATE_CHUNK_BYTES):
         length = min(POPULATE_CHUNK_BYTES, size - start)
-        if advised and _madvise(base + start, length, advice) == 0:
+        if advised and _advise(base + start, length, advice):
             continue
-        advised = False  # one refusal is the kernel's answer for every chunk
+        advised = False  # the kernel does not know the advice: its answer for every chunk
         touch_pages(data[start : start + length])
     return advised
+
+
+def _advise(address: int, length: int, advice: int) -> bool:
+    """One chunk's madvise: True once done, False where the kernel does not know the advice; raises otherwise."""
+    assert _madvise is not None
+    for _ in range(POPULATE_RETRIES):
+        if _madvise(address, length, advice) == 0:
+            return True
+        code = ctypes.get_errno()
+        if code in POPULATE_UNKNOWN:
+            return False
+        if code not in (errno.EINTR, errno.EAGAIN):
+            break
+    raise PopulateRefused(code, f"madvise({advice}) refused {length} bytes at {address:#x}: {os.strerror(code)}; "
+                                "reading those pages instead would raise SIGBUS")
 
 
 def touch_pages(chunk: torch.Tensor) -> None:
@@ -195,7 +230,9 @@ def pinned_host_empty(size_bytes: int, *, runtime: CudaRuntime | None = None) ->
     window = type("PinnedWindow", (ctypes.c_uint8 * length,), {}).from_address(address)
     window.pages = pages  # the tensor's buffer holds the window, the window the pages
     data = torch.frombuffer(window, dtype=torch.uint8)
-    pages.bases = pin_host(data, DEFAULT, runtime=runtime, prefault=True)  # fresh pages: faulted, then pinned
+    # Fresh pages: faulted, then pinned for every device's context (the refresh thread's current device is the last
+    # one whose stream it entered).
+    pages.bases = pin_host(data, PORTABLE, runtime=runtime, prefault=True)
     return data[:size_bytes]
 
 

@@ -274,11 +274,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             update = {"generation": generation, "since_generation": self.served_generation,
                       "wait_s": min(30.0, self.info.timeout_s)}
             if self.info.prepare:
-                self._call("update_weights", client.update_weights, {**update, "phase": "prepare",
-                                                                      "hold_s": self.info.timeout_s})
-                self._wait_staged(generation)
-                started = time.monotonic()
-                self._call("update_weights", client.update_weights, {**update, "phase": "apply"})
+                started = self._prepare_and_apply(update, generation)
             else:
                 started = time.monotonic()
                 self._call("update_weights", client.update_weights, update)
@@ -289,6 +285,25 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             raise
         self._call("finish_weight_update", client.finish_weight_update, label)
         self.served_generation = generation
+
+    def _prepare_and_apply(self, update: dict, generation: int) -> float:
+        """Prepare, wait until staged, apply; once more if vLLM's ranks no longer held the preparation at the
+        apply (vLLM attached again, its hold ran out: vLLM's failed call ended its session). The apply's start."""
+        client = self.client
+        for attempt in (0, 1):
+            self._call("update_weights", client.update_weights, {**update, "phase": "prepare",
+                                                                  "hold_s": self.info.timeout_s})
+            self._wait_staged(generation)
+            started = time.monotonic()
+            try:
+                self._call("update_weights", client.update_weights, {**update, "phase": "apply"})
+                return started
+            except WeightSyncTransferError as error:
+                if attempt or error.reason != "NOT_PREPARED":
+                    raise
+                log.warning("vllm_not_prepared", generation=generation)
+                self._call("start_weight_update", client.start_weight_update)
+        raise AssertionError("unreachable")
 
     def _wait_staged(self, generation: int) -> None:
         """Until no rank of this vLLM is APPLYING (each staged the version, or failed: the apply says why)."""

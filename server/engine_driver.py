@@ -379,10 +379,20 @@ class VllmHttpDriver(HttpEngineDriver):
         if self.leases is None:
             await self._call("POST", "/update_weights", {"update_info": update})
         else:
-            await self._call("POST", "/update_weights", {"update_info": {**update, "phase": "prepare",
-                                                                          "hold_s": self.timeout_s}})
-            await self._staged(generation)
-            await self._call("POST", "/update_weights", {"update_info": {**update, "phase": "apply"}})
+            for attempt in (0, 1):
+                await self._call("POST", "/update_weights", {"update_info": {**update, "phase": "prepare",
+                                                                              "hold_s": self.timeout_s}})
+                await self._staged(generation)
+                try:
+                    await self._call("POST", "/update_weights", {"update_info": {**update, "phase": "apply"}})
+                    break
+                except EngineRefused as refused:
+                    # A preparation can be gone by the apply (vLLM attached again, a newer prepare, its hold):
+                    # vLLM's failed call ended its session; prepare once more.
+                    if attempt or "NOT_PREPARED" not in str(refused):
+                        raise
+                    log.warning("engine_not_prepared", engine=self.name, generation=generation)
+                    await self._call("POST", "/start_weight_update")
         await self._call("POST", "/finish_weight_update", {"weight_version": label})
 
     async def _staged(self, generation: int) -> None:

@@ -72,7 +72,7 @@ from weightsync.common.patches import (
     smallest_encoding,
     ws64_after_patch,
 )
-from weightsync.common.threads import ThreadCall
+from weightsync.common.threads import CallAbandoned, ThreadCall
 
 log = get_logger("weightsync.client.delta")
 _TAKE_TIMEOUT = 3600.0
@@ -126,19 +126,21 @@ def _changes_across(base: torch.Tensor, new: torch.Tensor) -> Changes:
     staging = torch.empty(min(step, ours.numel()), dtype=ours.dtype, device=ours.device)
     stream = torch.cuda.current_stream(ours.device) if ours.is_cuda else None
     positions, values = [], []
-    for start in range(0, ours.numel(), step):
-        end = min(start + step, ours.numel())
-        piece = staging[: end - start]
-        # Queued on the current stream, before the comparison that reads it and before the next
-        # piece overwrites the staging buffer (stream order); from pinned memory, asynchronously.
-        piece.copy_(theirs[start:end], non_blocking=True)
-        found = changes_between(piece, ours[start:end])
-        positions.append(found.positions.add_(start))
-        values.append(found.values)
-    if stream is not None:
-        # The host copy must not change while a copy out of it is queued: every piece has been read
-        # before this returns (changes_between's nonzero waits too; this does not rely on it).
-        stream.synchronize()
+    try:
+        for start in range(0, ours.numel(), step):
+            end = min(start + step, ours.numel())
+            piece = staging[: end - start]
+            # Queued on the current stream, before the comparison that reads it and before the next
+            # piece overwrites the staging buffer (stream order); from pinned memory, asynchronously.
+            piece.copy_(theirs[start:end], non_blocking=True)
+            found = changes_between(piece, ours[start:end])
+            positions.append(found.positions.add_(start))
+            values.append(found.values)
+    finally:
+        if stream is not None:
+            # The host copy must not change (nor go, a failed comparison's) while a copy out of it is queued: every
+            # piece has been read before this returns (changes_between's nonzero waits too; this does not rely on it).
+            stream.synchronize()
     if not positions:
         return Changes(torch.empty(0, dtype=torch.int64, device=ours.device),
                        torch.empty(0, dtype=torch.uint8, device=ours.device), None)
@@ -159,6 +161,13 @@ class _Home:
             return torch.empty(shape, dtype=dtype, device=self.device)
         numel = math.prod(shape)
         return pinned_host_empty(numel * dtype.itemsize).view(dtype).view(shape)
+
+
+def _drain(devices: set[torch.device]) -> None:
+    """Wait for what this thread's current stream of each device has queued (a failed device: as far as it goes)."""
+    for device in devices:
+        with contextlib.suppress(RuntimeError):  # a sticky error: nothing of it runs any more
+            torch.cuda.current_stream(device).synchronize()
 
 
 def _layout(named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
@@ -195,6 +204,10 @@ class DeltaBase:
         self._sampled: dict[str, torch.Tensor] = {}
         """This push's samples of the tensors in `samples`: they replace those once committed."""
         self._taking: ThreadCall[None] | None = None
+        self._abandoned: list[tuple[ThreadCall[None], list[dict[str, torch.Tensor]]]] = []
+        """Background takes given up on (_TAKE_TIMEOUT) with the copies they were writing into: copies may still be
+        queued into those tensors' pinned pages, which must stay mapped until the take's thread ended (it waits for
+        its streams, done or failed)."""
         self._advanced: set[str] = set()
         """Kept tensors this push's comparison already made equal to the pushed ones (host tensors:
         the compare kernel writes the changes into the copy); the refresh leaves them as they are."""
@@ -451,7 +464,10 @@ class DeltaBase:
         self.claims = True
 
     def _settle(self) -> bool:
-        """Wait for a background take; False (and an empty copy) if it failed."""
+        """Wait for a background take; False (and an empty copy) if it failed. A take that raised waited for its
+        queued copies first (_take); one given up on keeps the tensors it may still be copying into until its
+        thread ends (_abandoned): pinned pages are unmapped with their last tensor, under a DMA otherwise."""
+        self._abandoned = [(call, held) for call, held in self._abandoned if not call.done]
         taking, self._taking = self._taking, None
         if taking is None:
             return True
@@ -460,6 +476,8 @@ class DeltaBase:
             return True
         except Exception as error:  # noqa: BLE001 - the push itself succeeded; only the copy is lost
             log.warning("delta_copy_failed", error=repr(error))
+            if isinstance(error, CallAbandoned):
+                self._abandoned.append((taking, [self.tensors, self.views]))
             self.tensors, self.checksums, self.layout, self.claims = {}, {}, (), False
             self.views = {}
             return False
@@ -475,7 +493,13 @@ class DeltaBase:
                 on_streams.enter_context(torch.cuda.stream(stream))
             for device, event in (written or {}).items():
                 torch.cuda.current_stream(device).wait_event(event)
-            self._take_now(named, choice)
+            try:
+                self._take_now(named, choice)
+            except BaseException:
+                # Copies into kept tensors (pinned host pages) may be queued on these streams, and the caller drops
+                # the copy when this raises: its pages would be unmapped under the DMA. Wait for them first.
+                _drain({*(streams or {}), *(t.device for _, t in named if t.is_cuda)})
+                raise
 
     def _take_now(self, named: list[tuple[str, torch.Tensor]], choice: DeltaChoice | None) -> None:
         """_take on this thread's current streams."""

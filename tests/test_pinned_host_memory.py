@@ -115,3 +115,36 @@ def test_an_interrupted_madvise_is_asked_again(monkeypatch):
     monkeypatch.setattr(host_pinning, "touch_pages", lambda chunk: pytest.fail("read after an EINTR"))
     assert host_pinning.populate(torch.zeros(host_pinning.PAGE_BYTES, dtype=torch.uint8)) is True
     assert len(calls) == 3
+
+
+# -- F8 (review H3): the kept copy's pages outlive the copies queued into them ------------------------------------
+def test_a_background_take_given_up_on_keeps_the_tensors_it_copies_into_until_its_thread_ended(monkeypatch):
+    """A kept CUDA tensor's copy is pinned host memory, unmapped with its last tensor; a take given up on may still
+    have DMAs queued into it (tests/gpu/test_delta_cuda.py shows the failed take's side on a GPU)."""
+    import gc
+    import threading
+    import weakref
+
+    from weightsync.client import delta as delta_module
+    from weightsync.client.delta import DeltaBase
+
+    base = DeltaBase()
+    named = [("a", torch.arange(4096, dtype=torch.float32))]
+    base.committed(named, None)
+    kept = weakref.ref(base.tensors["a"])
+    release = threading.Event()
+    with monkeypatch.context() as patched:
+        patched.setattr(delta_module, "_TAKE_TIMEOUT", 0.1)
+        patched.setattr(base, "_take", lambda *args: release.wait(30))
+        base.take_in_background(named, None)
+        assert base._settle() is False and base.tensors == {} and not base.claims
+    gc.collect()
+    assert kept() is not None  # its take may still be copying into it
+    taking = base._abandoned[0][0]
+    release.set()
+    assert taking.wait(5)
+    base.forget()  # any later call lets go of what the ended take held
+    gc.collect()
+    assert kept() is None and base._abandoned == []
+    base.committed(named, None)  # the next push's copy, claimed
+    assert base.claims and torch.equal(base.tensors["a"], named[0][1])

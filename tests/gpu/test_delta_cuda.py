@@ -154,3 +154,38 @@ def test_the_background_refresh_copies_on_its_own_stream_after_the_writes(monkey
     [(refresh, default)] = seen
     assert refresh != caller and refresh != default and refresh == base._refresh_streams[torch.device("cuda", 0)]
     assert_same_bytes({**base.tensors, **base.views}, written)  # every copy after the writes
+
+
+def test_a_background_take_that_fails_waits_for_the_copies_it_queued_before_the_copy_is_dropped(monkeypatch):
+    """Review H3, F8: the kept copy's pinned pages are unregistered and unmapped with their last tensor, and torch
+    defers nothing for memory it did not allocate. A take that fails after queueing a copy (here: the second
+    tensor's pinned allocation refused, the first one's copy queued behind ~2 s of kernel) drops the copy: it
+    returns only once its stream drained, so no DMA runs into unmapped pages."""
+    from gpukit import record
+
+    base = DeltaBase()
+    g = torch.Generator(device="cuda").manual_seed(8)
+    named = {"a": torch.randn(BIG_ELEMENTS, device="cuda", generator=g),
+             "b": torch.randn(1 << 20, device="cuda", generator=g)}
+    torch.cuda.synchronize()
+    empty = delta_module._Home.empty
+    allocations: list[tuple[int, ...]] = []
+
+    def refused_second(self, shape, dtype):
+        allocations.append(tuple(shape))
+        if len(allocations) == 2:
+            raise RuntimeError("cudaHostRegister refused (the test's)")
+        return empty(self, shape, dtype)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(delta_module._Home, "empty", refused_second)
+        torch.cuda._sleep(2 * SLEEP_CYCLES)  # the writes the refresh waits for
+        base.take_in_background(list(named.items()), None)
+        settled = base._settle()
+        idle = base._refresh_streams[torch.device("cuda", 0)].query()
+    record("delta_failed_take", settled=settled, refresh_stream_idle=idle, allocations=len(allocations))
+    assert settled is False and base.tensors == {} and len(allocations) == 2
+    assert idle, "the failed take returned with its copy into pinned pages still queued"
+    base.committed(list(named.items()), None)  # the next push's copy, claimed and exact
+    assert base.claims and all(t.is_pinned() for t in base.tensors.values())
+    assert_same_bytes(base.tensors, named)

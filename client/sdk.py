@@ -349,6 +349,10 @@ class WeightSyncClient:
         group, sink = self._sink(transport)
         if transport == "shm":
             bucket_size_bytes = min(bucket_size_bytes, self._fleet.states[0].ingress.lease.slot_bytes)  # type: ignore[union-attr]
+            if zero_copy_min_bytes == DEFAULT_ZERO_COPY_MIN_BYTES:
+                # SHM copies every byte once (into the store, or a slot): a tensor gains nothing from a bucket of
+                # its own, and fewer, larger buckets cost fewer announcements, checks and answers.
+                zero_copy_min_bytes = 0
         if delta not in ("auto", True, False):
             raise ValueError(f"delta must be 'auto', True or False, got {delta!r}")
         sizes = dict(bucket_size_bytes=bucket_size_bytes, zero_copy_min_bytes=zero_copy_min_bytes)

@@ -48,7 +48,7 @@ from models import mixed_model
 
 pytestmark = pytest.mark.timeout(240)
 BUCKET_BYTES = 128 << 10
-SLOT = 2 << 20
+SLOT = 16 << 20
 MASK = (1 << 64) - 1
 
 
@@ -402,3 +402,17 @@ def test_a_second_trainer_on_the_node_is_refused_while_the_first_writes_the_stor
         push(second, second_model)
         assert second.verify(second_model).ok
         holds(node, client, second_model)
+
+
+def test_an_shm_push_packs_large_tensors_into_few_buckets(node, client):
+    """SHM copies every byte once anyway: a tensor gains nothing from a bucket of its own (the zero copy the
+    other transports make of a large one), so the SDK packs them, up to the bucket size: 1 bucket here, not 4
+    (three of 5 MiB alone, the small ones together), and the store takes them all the same."""
+    g = torch.Generator().manual_seed(45)
+    tensors = {f"big.{i}": torch.randn(5 << 18, generator=g) for i in range(3)} | {"small": torch.randn(9, generator=g)}
+    first = client.push(tensors, version="packed-0", transport="shm", allow_new_tensors=True, delta=False,
+                        bucket_size_bytes=SLOT)
+    tensors = {name: t + 1 for name, t in tensors.items()}
+    result = client.push(tensors, version="packed-1", transport="shm", delta=False, bucket_size_bytes=SLOT)
+    assert (first.bucket_count, result.bucket_count, result.zero_copy_buckets) == (1, 1, 0)
+    assert client.verify(tensors).ok

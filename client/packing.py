@@ -8,7 +8,7 @@ its bytes are read only through `Payload.read()`, which waits for them
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -88,12 +88,19 @@ class PackBuffers:
 class Payload:
     """One bucket's bytes. Read them only through `read()`: copies into them may still be running."""
 
-    __slots__ = ("_bytes", "_fence", "layout", "packed", "sink_checksum", "source_devices")
+    __slots__ = ("_bytes", "_fence", "_pack", "layout", "packed", "parts", "sink_checksum", "source_devices")
 
     def __init__(self, data: torch.Tensor, *, packed: bool, source_devices: frozenset[torch.device],
-                 fence: BufferFence | None = None, sink_checksum: bool = False) -> None:
+                 fence: BufferFence | None = None, sink_checksum: bool = False,
+                 pack: Callable[[], None] | None = None,
+                 parts: list[tuple[int, torch.Tensor]] | None = None) -> None:
         self._bytes = data
         self._fence = fence
+        self._pack = pack
+        self.parts = parts
+        """The bucket's tensors as (offset in the bucket, their bytes) where they lie, not packed yet (fill_bucket
+        with `lazy`: INLINE encodes its chunks straight from them, one copy instead of two); None once packed:
+        `read` packs them first."""
         self.packed = packed
         """False: the caller's own memory, sent as it is (zero copy)."""
         self.sink_checksum = sink_checksum
@@ -118,6 +125,9 @@ class Payload:
 
     def read(self) -> torch.Tensor:
         """The bytes, once every copy into them is ordered before this read."""
+        if self._pack is not None:
+            self._pack()
+            self._pack, self.parts = None, None
         if self._fence is not None:
             self._fence.before_read()
         return self._bytes
@@ -238,8 +248,10 @@ def _elements(tensor: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source: TensorSource) -> Payload:
-    """One bucket's bytes: the caller's own memory where they already lie as the plan says, else packed."""
+def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source: TensorSource, *,
+                lazy: bool = False) -> Payload:
+    """One bucket's bytes: the caller's own memory where they already lie as the plan says, else packed. With
+    `lazy`, a bucket of contiguous CPU tensors is packed only if its bytes are read (Payload.parts)."""
     if is_zero_copy(buffers, bucket):
         assert bucket.flat_source is not None
         return Payload.own_memory(bucket.flat_source)
@@ -254,23 +266,31 @@ def fill_bucket(buffers: PackBuffers, bucket: PlannedBucket, index: int, source:
         source.put_back(spec.name, tensor)
     slot = index % len(buffers.slots)
     buffer = buffers.slots[slot][: bucket.spec.size_bytes]
-    sources = []
+    sources, offsets = [], []
     for spec in bucket.spec.tensors:
         tensor = source.take(spec)  # streamed empty tensors are consumed (and checked) too
         if spec.size_bytes:
             sources.append(tensor.detach())
-    # A deferred bucket's layout is this push's own: its views are never the cached ones.
-    destinations = buffers.destinations(index, bucket.spec, cached=not bucket.laid_out)
-    with torch.no_grad(), one_intra_op_thread():
-        if all(t.device == buffer.device for t in sources):
-            torch._foreach_copy_(destinations, sources)  # one call for the whole bucket
-        else:
-            for target, tensor in zip(destinations, sources, strict=True):
-                target.copy_(tensor, non_blocking=True)
-    byte_passes.copied("trainer.pack", sum(t.numel() * t.element_size() for t in destinations))
+            offsets.append(spec.offset_bytes)
     devices = devices_of(sources)
     fence = buffers.fences[slot]
-    fence.after_copies(read_order(devices, buffer.device))
+
+    def pack() -> None:
+        # A deferred bucket's layout is this push's own: its views are never the cached ones.
+        destinations = buffers.destinations(index, bucket.spec, cached=not bucket.laid_out)
+        with torch.no_grad(), one_intra_op_thread():
+            if all(t.device == buffer.device for t in sources):
+                torch._foreach_copy_(destinations, sources)  # one call for the whole bucket
+            else:
+                for target, tensor in zip(destinations, sources, strict=True):
+                    target.copy_(tensor, non_blocking=True)
+        byte_passes.copied("trainer.pack", sum(t.numel() * t.element_size() for t in destinations))
+        fence.after_copies(read_order(devices, buffer.device))
+
+    if lazy and all(d.type == "cpu" for d in devices) and all(t.is_contiguous() for t in sources):
+        parts = [(offset, t.reshape(-1).view(torch.uint8)) for offset, t in zip(offsets, sources, strict=True)]
+        return Payload(buffer, packed=True, source_devices=devices, fence=fence, pack=pack, parts=parts)
+    pack()
     return Payload(buffer, packed=True, source_devices=devices, fence=fence)
 
 

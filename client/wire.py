@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import grpc
 
+from weightsync.common import byte_passes
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 UPDATE_WEIGHTS = "/weightsync.v1.WeightSyncService/UpdateWeights"
@@ -38,10 +39,18 @@ def _key(field: int, wire_type: int) -> bytes:
 
 def encode_bucket_chunk(sequence: int, offset_bytes: int, data: memoryview) -> bytes:
     """`UpdateWeightsRequest(bucket_chunk=BucketChunk(...)).SerializeToString()`, copying `data` once."""
+    return encode_bucket_chunk_of(sequence, offset_bytes, [data])
+
+
+def encode_bucket_chunk_of(sequence: int, offset_bytes: int, parts: list[memoryview | bytes]) -> bytes:
+    """The same, the chunk's data being `parts` one after another (a bucket's tensors where they lie, and the
+    padding between them): each copied once, into the message."""
+    size = sum(memoryview(part).nbytes for part in parts)
     inner_head = (_key(1, _VARINT) + _varint(sequence) + _key(2, _VARINT) + _varint(offset_bytes)
-                  + _key(3, _LENGTH_DELIMITED) + _varint(data.nbytes))
-    outer_head = _key(5, _LENGTH_DELIMITED) + _varint(len(inner_head) + data.nbytes)
-    return b"".join((outer_head, inner_head, data))
+                  + _key(3, _LENGTH_DELIMITED) + _varint(size))
+    outer_head = _key(5, _LENGTH_DELIMITED) + _varint(len(inner_head) + size)
+    byte_passes.copied("trainer.encode", size)
+    return b"".join((outer_head, inner_head, *parts))
 
 
 def _serialize(message: pb.UpdateWeightsRequest | bytes) -> bytes:

@@ -82,3 +82,37 @@ def test_a_server_that_holds_its_stream_back_does_not_stop_the_bytes_to_another(
 
 async def _make(name: str, whole: int, after: Server | None = None) -> Server:
     return Server(name, whole, after)  # built on the loop: its Event belongs there
+
+
+def test_a_bucket_of_cpu_tensors_is_encoded_from_the_tensors_in_one_copy(monkeypatch, tmp_path):
+    """INLINE does not pack a bucket of contiguous CPU tensors: each chunk is encoded from the tensors where they
+    lie, the padding between them zeros: the same messages as from the packed bucket, one copy per byte
+    (counted: common/byte_passes.py), none into a pack buffer."""
+    from weightsync.client.packing import TensorSource, fill_bucket
+    from weightsync.client.planning import build_plan
+    from weightsync.common import byte_passes
+
+    monkeypatch.setattr(byte_passes, "_folder", str(tmp_path))
+    tensors = {f"t{i}": torch.randn(101 + 37 * i, generator=torch.Generator().manual_seed(i)) for i in range(7)}
+    (bucket,) = build_plan(list(tensors.items()), 1 << 20, zero_copy_min_bytes=0)
+    assert any(a.offset_bytes + a.size_bytes < b.offset_bytes for a, b in zip(bucket.spec.tensors,
+                                                                            bucket.spec.tensors[1:], strict=False))
+    packed = fill_bucket(PackBuffers(torch.device("cpu"), slots=[torch.zeros(1 << 20, dtype=torch.uint8)] * 2),
+                         bucket, 0, TensorSource(tensors, None)).read().clone()
+    loop = LoopThread()
+    try:
+        sink = InlineSink(loop, PackBuffers(torch.device("cpu")), CHUNK)
+        sink.buffers.ensure(bucket.spec.size_bytes)
+        whole = -(-bucket.spec.size_bytes // CHUNK)
+        server = loop.run(_make("a", whole))
+        before = byte_passes.totals()
+        payload = sink.fill(0, bucket, TensorSource(tensors, None), [server])  # type: ignore[list-item]
+        assert payload.parts is not None
+        assert sink.send(0, payload, tensor_pb2.Checksum(), [server]) is None  # type: ignore[list-item]
+        counted = {k: v - before.get(k, 0) for k, v in byte_passes.totals().items() if v != before.get(k, 0)}
+        view = memoryview(packed.numpy())
+        assert server.chunks == [encode_bucket_chunk(0, offset, view[offset : offset + CHUNK])
+                                 for offset in range(0, bucket.spec.size_bytes, CHUNK)]
+        assert counted == {"copy trainer.encode": bucket.spec.size_bytes}
+    finally:
+        loop.stop()

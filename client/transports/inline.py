@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
 
 from weightsync.client._loop import LoopThread
-from weightsync.client.compression import Frames
+from weightsync.client.compression import Frames, holds_patches
 from weightsync.client.packing import PackBuffers, Payload, TensorSource, fill_bucket
 from weightsync.client.planning import PlannedBucket
 from weightsync.client.streams import UpdateStream
 from weightsync.client.transports.base import announce
-from weightsync.client.wire import encode_bucket_chunk
+from weightsync.client.wire import encode_bucket_chunk_of
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -33,13 +36,20 @@ class InlineSink:
 
     def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
         self.frames.planned(index, bucket.spec)
-        return fill_bucket(self.buffers, bucket, index, source)
+        # A bucket of CPU tensors is not packed: its chunks are encoded from the tensors where they lie (one copy
+        # into each message instead of a pack and then that copy); one of patches may be compressed whole.
+        return fill_bucket(self.buffers, bucket, index, source, lazy=not holds_patches(bucket.spec))
 
     def send(self, index: int, payload: Payload, checksum: tensor_pb2.Checksum,
              streams: list[UpdateStream]) -> BaseException | None:
-        sent, compression = self.frames.encode(index, payload.read().detach().cpu())
-        size = sent.numel()
-        data = memoryview(sent.numpy())
+        data: _BucketBytes
+        if payload.parts is not None:  # not packed: nobody read it (no checksum asked)
+            size, compression = payload.size, pb.BUCKET_COMPRESSION_UNSPECIFIED
+            data = _Gathered(payload.parts, size)
+        else:
+            sent, compression = self.frames.encode(index, payload.read().detach().cpu())
+            size = sent.numel()
+            data = _Contiguous(memoryview(sent.numpy()))
         announce(self._loop, streams, index, size, checksum, compression=compression, layout=payload.layout)
         receivers = [s for s in streams if s.stores(index)]  # the others take no chunks of it
         # Each server is sent the whole bucket at its own pace, not chunk by chunk in lockstep: a server
@@ -59,12 +69,52 @@ class InlineSink:
         return None
 
 
+class _BucketBytes(Protocol):
+    def chunk(self, offset: int, length: int) -> list[memoryview | bytes]:
+        """Bucket bytes [offset, +length), in pieces that are copied once, into the message."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Contiguous:
+    """A bucket packed (or a compressed frame): one buffer."""
+
+    data: memoryview
+
+    def chunk(self, offset: int, length: int) -> list[memoryview | bytes]:
+        return [self.data[offset : offset + length]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Gathered:
+    """A bucket's tensors where they lie (Payload.parts), the padding between them zeros."""
+
+    parts: list[tuple[int, torch.Tensor]]
+    size: int
+
+    def chunk(self, offset: int, length: int) -> list[memoryview | bytes]:
+        end = min(offset + length, self.size)
+        out: list[memoryview | bytes] = []
+        cursor = offset
+        for start, data in self.parts:
+            stop = start + data.numel()
+            if stop <= cursor or start >= end:
+                continue
+            if start > cursor:
+                out.append(bytes(start - cursor))
+            begin, finish = max(cursor, start), min(end, stop)
+            out.append(memoryview(data.numpy())[begin - start : finish - start])
+            cursor = finish
+        if cursor < end:
+            out.append(bytes(end - cursor))
+        return out
+
+
 class _SharedChunks:
     """A bucket's chunks for the servers that take it: each encoded once, when the first server's turn for it
     comes, and dropped once every one took it (a server far behind the others keeps at most the rest of the
     bucket encoded)."""
 
-    def __init__(self, index: int, data: memoryview, chunk_bytes: int, readers: int) -> None:
+    def __init__(self, index: int, data: _BucketBytes, chunk_bytes: int, readers: int) -> None:
         self._index = index
         self._data = data
         self._chunk_bytes = chunk_bytes
@@ -74,7 +124,7 @@ class _SharedChunks:
 
     def take(self, offset: int) -> bytes:
         encoded, left = self._encoded.get(offset) or (
-            encode_bucket_chunk(self._index, offset, self._data[offset : offset + self._chunk_bytes]), self._readers)
+            encode_bucket_chunk_of(self._index, offset, self._data.chunk(offset, self._chunk_bytes)), self._readers)
         if left > 1:
             self._encoded[offset] = (encoded, left - 1)
         else:

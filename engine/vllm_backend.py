@@ -195,7 +195,10 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         client = self._require_client()
         self._released()  # the last apply's lease first: the server sees one engine state at a time
         if update_info.phase == "prepare":
-            self._preparations.start(client, self._acquire(client, update_info), update_info, ApplyStats())
+            try:
+                self._preparations.start(client, self._acquire(client, update_info), update_info, ApplyStats())
+            except (EngineError, OSError) as error:
+                raise WeightSyncUpdateError(getattr(error, "reason", "SERVER_UNREACHABLE"), str(error)) from None
             return
         if update_info.phase == "apply":
             self._apply_prepared(update_info)

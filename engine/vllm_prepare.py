@@ -1,16 +1,17 @@
 """A vLLM worker's update in two calls: prepare while the engine serves, apply in its pause.
 
 update_weights {"phase": "prepare"} (one short call between two engine steps) pins the
-version (a lease, L1) and returns; a thread of this worker then, while vLLM keeps stepping,
-checks every name and shape against the model, and loads and processes the version into a
-staged shadow of the model (engine/vllm_staging.py). When it is done it pins the version
-again (L2) and gives L1 back without applying: a rank attached under a name then leaves
-APPLYING in GetServerInfo.engines, which is how a caller outside vLLM learns that every rank
-is ready (the driver in the server watches the leases themselves). update_weights {"phase":
+version twice (two leases: L1 to read it, L2 to hold it until the apply) and returns; a
+thread of this worker then, while vLLM keeps stepping, checks every name and shape against
+the model, and loads and processes the version into a staged shadow of the model
+(engine/vllm_staging.py). When it is done it gives L1 back without applying: a rank attached
+under a name then leaves APPLYING in GetServerInfo.engines, which is how a caller outside
+vLLM learns that every rank is ready; the driver in the server watches the leases themselves
+(each connection that held two on the version when the call returned: its first one). update_weights {"phase":
 "apply"} then swaps the staged layers in (a copy of their processed tensors) and releases L2
 as applied: that call is the whole pause.
 
-    prepare ─▶ L1 held: checking, staging (vLLM serves) ─▶ L2 held, L1 released: ready
+    prepare ─▶ L1, L2 held: checking, staging (vLLM serves) ─▶ L1 released: ready
          ─▶ apply: swap, L2 released applied ─▶ serving the new version
     a failure while staging: L1 released with the error (the rank shows FAILED and why);
     the apply then raises it. A version that cannot be staged (no room, a layer vLLM
@@ -57,7 +58,7 @@ class Preparation:
     """The apply's statistics, filled from the staging on."""
     hold_s: float
     pinned: StoreSnapshot | None = None
-    """L2: held from the end of staging to the apply (released applied), or to the drop."""
+    """L2: held from the prepare call to the apply (released applied), or to the drop."""
     names: list[str] = field(default_factory=list)
     staged: StagedModel | None = None
     fallback: str = ""
@@ -100,9 +101,16 @@ class Preparations:
         self._current: Preparation | None = None
 
     def start(self, client: EngineClient, reading: StoreSnapshot, request: Any, stats: Any) -> Preparation:
-        """Stage the version `reading` pins, in the background; replaces (drops) the one before."""
+        """Stage the version `reading` pins, in the background; replaces (drops) the one before. Pins it a
+        second time first (L2, in the caller's call): a watcher that sees both leases of this connection
+        when the call returned waits for the first one only, whatever the staging's speed."""
         self.drop("a newer prepare replaced it")
         preparation = Preparation(reading, request, stats, request.hold_s)
+        try:
+            preparation.pinned = client.acquire(generation=reading.generation, wait=request.wait_s)
+        except BaseException:
+            release_quietly(reading)
+            raise
         with self._lock:
             self._current = preparation
         threading.Thread(target=self._run, args=(client, preparation), daemon=True,
@@ -113,10 +121,7 @@ class Preparations:
         started = time.perf_counter()
         try:
             self._stage(preparation)
-            # Pin the version again before L1 goes, so that it stays pinned throughout; L1's release is
-            # what tells a watcher that this rank is ready.
-            preparation.pinned = client.acquire(generation=preparation.generation, wait=30.0)
-            preparation.reading.release(applied=False)
+            preparation.reading.release(applied=False)  # L1: what tells a watcher that this rank is ready
         except PrepareFailed as failure:
             preparation.failure = failure
         except EngineError as error:

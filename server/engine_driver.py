@@ -12,9 +12,8 @@ e.g. it restarted: a warm start) the driver calls vLLM's weight-transfer routes:
     /init_weight_transfer_engine (once per vLLM instance)
     /start_weight_update,
     /update_weights {"update_info": {"generation": g, "since_generation": s, "phase": "prepare"}},
-        (vLLM's ranks pin generation g and stage it beside the live model while vLLM keeps
-        generating; the driver waits until each rank gives back the lease it read with: the
-        leases on g held when the call returned)
+        (vLLM's ranks pin generation g twice and stage it beside the live model while vLLM keeps
+        generating; the driver waits until each rank gives back the first of its two leases)
     /update_weights {"update_info": {"generation": g, "phase": "apply"}}   (the swap: vLLM's pause)
     /finish_weight_update {"weight_version": label}
 
@@ -396,10 +395,14 @@ class VllmHttpDriver(HttpEngineDriver):
         await self._call("POST", "/finish_weight_update", {"weight_version": label})
 
     async def _staged(self, generation: int) -> None:
-        """Until every lease on `generation` held now is given back: each vLLM rank holds one (taken in the
-        prepare call, which has returned) and gives it back once staged or failed (the apply then says
-        which). Another engine's read of the same version is waited for too: it is short."""
-        reading = {lease_id for lease_id, lease in self.leases.leases.items() if lease.generation == generation}
+        """Until each vLLM rank staged `generation`: each rank's connection holds two leases on it when the
+        prepare call returns (engine/vllm_prepare.py) and gives the first back once staged or failed (the
+        apply then says which). A connection holding one is another reader, or a rank already done."""
+        held: dict[int, list[int]] = {}
+        for lease_id, lease in self.leases.leases.items():
+            if lease.generation == generation:
+                held.setdefault(lease.owner, []).append(lease_id)
+        reading = {min(ids) for ids in held.values() if len(ids) >= 2}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         while reading & self.leases.leases.keys():

@@ -63,6 +63,13 @@ class _Shutdown(Exception):
     pass
 
 
+def command_arrival(sent_ns: int, read_at: float) -> float:
+    """When a command arrived (time.monotonic()): when the server put it in the queue (WorkerCommand.sent_monotonic_ns,
+    the host's CLOCK_MONOTONIC, which time.monotonic() reads too), never later than when this worker read it; the
+    reading time where the server did not stamp it (0)."""
+    return min(read_at, sent_ns / 1e9) if sent_ns > 0 else read_at
+
+
 class _DeviceFailed(Exception):
     """The device is unusable: the loop ends and the process exits with `fault.exit_code`."""
 
@@ -92,9 +99,9 @@ class Worker:
         if self.receiver.lane is not None:  # its cached blocks wait while a failed NCCL kernel may be queued
             self.receiver.lane.hold_cache = self.groups.device_busy
         self._arrived = 0.0
-        """When the command being executed arrived (time.monotonic()); a held receive's, when it was held."""
+        """When the command being executed was put in the queue (command_arrival; time.monotonic())."""
         self._held: dict[tuple[str, int], tuple[bytes, float]] = {}
-        """(update id, sequence) -> a receive command waiting its turn (_held_back), and since when (monotonic)."""
+        """(update id, sequence) -> a receive command waiting its turn (_held_back), and when it was put in the queue."""
         self._handlers: dict[str, Callable[[wpb.WorkerCommand, wpb.WorkerEvent], None]] = {
             "join_group": self._join_group,
             "leave_group": self._leave_group,
@@ -156,8 +163,13 @@ class Worker:
     def _dispatch(self, payload: bytes) -> None:
         """Run one command, unless it is a receive that must wait its turn (held: run, and answered, once every
         receive before it in the update's one order ran, or failed at the update's abort)."""
-        self._arrived = time.monotonic()
-        if self._held_back(payload):
+        command = wpb.WorkerCommand()
+        try:
+            command.ParseFromString(payload)
+        except Exception:  # noqa: BLE001 - _execute reports it
+            command = None
+        self._arrived = command_arrival(command.sent_monotonic_ns if command is not None else 0, time.monotonic())
+        if self._held_back(command, payload):
             return
         self._execute(payload)
         while (update := self.receiver.update) is not None and update.turns:
@@ -167,24 +179,19 @@ class Worker:
             payload, self._arrived = self._held.pop(due)
             self._execute(payload)  # its receive takes the turn, whatever its outcome
 
-    def _held_back(self, payload: bytes) -> bool:
+    def _held_back(self, command: wpb.WorkerCommand | None, payload: bytes) -> bool:
         """A receive of a COLLECTIVE update of several parts that is not yet this worker's turn is held
         (common/receive_order.py: every part sends in bucket order, every worker receives in one global order,
-        so no wait forms a cycle). A payload that does not parse is not held: running it reports why."""
+        so no wait forms a cycle). A payload that does not parse (None) is not held: running it reports why."""
         update = self.receiver.update
-        if update is None or not update.turns:
-            return False
-        command = wpb.WorkerCommand()
-        try:
-            command.ParseFromString(payload)
-        except Exception:  # noqa: BLE001 - _execute reports it
+        if update is None or not update.turns or command is None:
             return False
         if command.WhichOneof("command") != "receive_bucket":
             return False
         receive = command.receive_bucket
         if receive.update_id != update.update_id or update.in_turn(receive.sequence):
             return False
-        self._held[(update.update_id, receive.sequence)] = (payload, time.monotonic())
+        self._held[(update.update_id, receive.sequence)] = (payload, self._arrived)
         return True
 
     def _expire_held(self) -> None:
@@ -362,7 +369,8 @@ class Worker:
             try:
                 group = self.groups.get(update.group_id)
                 parts = len(update.lane_starts) > 1  # every part sends its own buckets, point-to-point
-                # Within the group's timeout from the command's arrival, whatever part of it a turn took.
+                # Within the group's timeout from when the server queued the command (its bound runs from then),
+                # whatever part of it the queue or a turn took.
                 deadline = self._arrived + group.timeout.total_seconds()
                 applied = self.receiver.receive_collective(
                     receive, lambda buffer: self.groups.transfer(group, buffer, receive, point_to_point=parts,

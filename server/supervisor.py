@@ -365,7 +365,8 @@ class Supervisor:
                 f"worker {worker.index} is {pb.WorkerState.Name(worker.state)}",
                 worker=worker.index,
             )
-        message = wpb.WorkerCommand(command_id=next(self._ids), **command)  # type: ignore[arg-type]
+        message = wpb.WorkerCommand(command_id=next(self._ids), sent_monotonic_ns=time.monotonic_ns(),
+                                    **command)  # type: ignore[arg-type]
         if not worker.commands.queue.try_put(message.SerializeToString()):
             raise Unavailable("WORKER_QUEUE_FULL", f"worker {worker.index} is not draining its queue", worker=worker.index)
         assert self._loop is not None

@@ -398,6 +398,83 @@ def test_a_receive_held_for_its_turn_gets_what_is_left_of_the_groups_timeout():
         harness.close()
 
 
+ARRIVALS = [  # WorkerCommand.sent_monotonic_ns, when the worker read it -> when it arrived (time.monotonic())
+    (0, 100.0, 100.0),  # not stamped: when it was read
+    (96_500_000_000, 100.0, 96.5),  # queued 3.5 s before it was read
+    (101_000_000_000, 100.0, 100.0),  # never later than when it was read
+]
+
+
+@pytest.mark.parametrize(("sent_ns", "read_at", "arrived"), ARRIVALS)
+def test_a_commands_arrival_is_when_the_server_queued_it(sent_ns, read_at, arrived):
+    from weightsync.gpu_worker.worker import command_arrival
+
+    assert command_arrival(sent_ns, read_at) == arrived
+
+
+def test_the_server_stamps_each_command_with_when_it_queued_it():
+    import asyncio
+
+    from test_supervision import make_supervisor
+
+    async def scenario() -> wpb.WorkerCommand:
+        supervisor = make_supervisor()
+        supervisor._loop = asyncio.get_running_loop()  # not started: no worker process, only its queue
+        worker = supervisor.workers[0]
+        worker.state = pb.WORKER_STATE_RUNNING
+        try:
+            before = time.monotonic_ns()
+            supervisor.submit(worker, abort_update=wpb.AbortUpdateCommand(update_id="u"))
+            command = wpb.WorkerCommand.FromString(worker.commands.queue.get(timeout=5))
+            assert before <= command.sent_monotonic_ns <= time.monotonic_ns()
+            return command
+        finally:
+            for queue in (worker.commands, worker.events):
+                queue.close()
+
+    assert asyncio.run(scenario()).abort_update.update_id == "u"
+
+
+def test_a_receive_that_waited_in_the_queue_gets_what_is_left_of_the_groups_timeout():
+    """Review H3, F3: the server's bound for a receive runs from when it queued the command; a worker busy with an
+    earlier receive reads the next one later. Two receives queued back to back 4 s before the worker reads them
+    (the first one's sender was that late), the second's turn held for the first: each transfer gets the 1 s left
+    of the group's 5 s, not a fresh 5 s from when it was read (which outlives the server's bound: the worker is
+    killed, WORKER_TIMEOUT, instead of answering COLLECTIVE_TIMEOUT)."""
+    from test_worker_part_turns import LANES, SIZE, Harness, payload_of
+
+    from weightsync.common.collective import bucket_tail
+
+    harness = Harness(timeout=5.0)
+    waited: list[float] = []
+
+    class Timed:
+        def wait(self, timeout=None) -> bool:
+            waited.append(timeout.total_seconds())
+            return True
+
+    original = harness.pg.recv
+    harness.pg.recv = lambda tensors, source, tag: (original(tensors, source, tag), Timed())[1]
+
+    def queued(sequence: int, sent_ns: int) -> None:
+        part = 1 if sequence >= LANES[1] else 0
+        harness.dispatch(sent_monotonic_ns=sent_ns, receive_bucket=wpb.ReceiveBucketCommand(
+            update_id="u", sequence=sequence, size_bytes=SIZE, tail=bucket_tail(payload_of(sequence)),
+            source_rank=part, source_sequence=sequence - LANES[part]))
+
+    try:
+        harness.prepare()
+        sent = time.monotonic_ns() - 4_000_000_000
+        queued(2, sent)  # part 1's bucket 0: held for part 0's bucket 0
+        queued(0, sent)
+        assert [e.bucket_received.sequence for e in harness.answers()] == [0, 2]
+        assert len(waited) == 2 and all(0 < w <= 1.0 for w in waited), waited
+        queued(1, time.monotonic_ns())  # one read as soon as it was queued: the whole timeout
+        assert [e.bucket_received.sequence for e in harness.answers()] == [1] and 4.0 < waited[-1] <= 5.0
+    finally:
+        harness.close()
+
+
 # -- P5: the device of a torch group's collectives ---------------------------------------------------------
 class TorchGroup:
     def __init__(self, backend: str, bound: torch.device | None = None) -> None:

@@ -34,7 +34,7 @@ class WorkerConfig(_message.Message):
     def __init__(self, index: _Optional[int] = ..., device: _Optional[str] = ..., log_level: _Optional[str] = ..., queue_capacity_bytes: _Optional[int] = ..., parent_pid: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., fd_channel: _Optional[int] = ..., ingress_fd: _Optional[int] = ..., ingress_bytes: _Optional[int] = ...) -> None: ...
 
 class JoinGroupCommand(_message.Message):
-    __slots__ = ("group_id", "store_host", "store_port", "world_size", "rank", "backend", "timeout")
+    __slots__ = ("group_id", "store_host", "store_port", "world_size", "rank", "backend", "timeout", "trainer_ranks")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class JoinGroupCommand(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     store_host: str
     store_port: int
@@ -49,7 +50,8 @@ class JoinGroupCommand(_message.Message):
     rank: int
     backend: _weight_sync_service_pb2.Backend
     timeout: _duration_pb2.Duration
-    def __init__(self, group_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., backend: _Optional[_Union[_weight_sync_service_pb2.Backend, str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    trainer_ranks: int
+    def __init__(self, group_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., backend: _Optional[_Union[_weight_sync_service_pb2.Backend, str]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trainer_ranks: _Optional[int] = ...) -> None: ...
 
 class LeaveGroupCommand(_message.Message):
     __slots__ = ("group_id",)
@@ -254,8 +256,9 @@ class ShutdownCommand(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerCommand(_message.Message):
-    __slots__ = ("command_id", "join_group", "leave_group", "prepare_update", "receive_bucket", "commit_update", "abort_update", "shutdown", "map_arenas", "unmap_arenas")
+    __slots__ = ("command_id", "sent_monotonic_ns", "join_group", "leave_group", "prepare_update", "receive_bucket", "commit_update", "abort_update", "shutdown", "map_arenas", "unmap_arenas")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    SENT_MONOTONIC_NS_FIELD_NUMBER: _ClassVar[int]
     JOIN_GROUP_FIELD_NUMBER: _ClassVar[int]
     LEAVE_GROUP_FIELD_NUMBER: _ClassVar[int]
     PREPARE_UPDATE_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +269,7 @@ class WorkerCommand(_message.Message):
     MAP_ARENAS_FIELD_NUMBER: _ClassVar[int]
     UNMAP_ARENAS_FIELD_NUMBER: _ClassVar[int]
     command_id: int
+    sent_monotonic_ns: int
     join_group: JoinGroupCommand
     leave_group: LeaveGroupCommand
     prepare_update: PrepareUpdateCommand
@@ -275,7 +279,7 @@ class WorkerCommand(_message.Message):
     shutdown: ShutdownCommand
     map_arenas: MapArenasCommand
     unmap_arenas: UnmapArenasCommand
-    def __init__(self, command_id: _Optional[int] = ..., join_group: _Optional[_Union[JoinGroupCommand, _Mapping]] = ..., leave_group: _Optional[_Union[LeaveGroupCommand, _Mapping]] = ..., prepare_update: _Optional[_Union[PrepareUpdateCommand, _Mapping]] = ..., receive_bucket: _Optional[_Union[ReceiveBucketCommand, _Mapping]] = ..., commit_update: _Optional[_Union[CommitUpdateCommand, _Mapping]] = ..., abort_update: _Optional[_Union[AbortUpdateCommand, _Mapping]] = ..., shutdown: _Optional[_Union[ShutdownCommand, _Mapping]] = ..., map_arenas: _Optional[_Union[MapArenasCommand, _Mapping]] = ..., unmap_arenas: _Optional[_Union[UnmapArenasCommand, _Mapping]] = ...) -> None: ...
+    def __init__(self, command_id: _Optional[int] = ..., sent_monotonic_ns: _Optional[int] = ..., join_group: _Optional[_Union[JoinGroupCommand, _Mapping]] = ..., leave_group: _Optional[_Union[LeaveGroupCommand, _Mapping]] = ..., prepare_update: _Optional[_Union[PrepareUpdateCommand, _Mapping]] = ..., receive_bucket: _Optional[_Union[ReceiveBucketCommand, _Mapping]] = ..., commit_update: _Optional[_Union[CommitUpdateCommand, _Mapping]] = ..., abort_update: _Optional[_Union[AbortUpdateCommand, _Mapping]] = ..., shutdown: _Optional[_Union[ShutdownCommand, _Mapping]] = ..., map_arenas: _Optional[_Union[MapArenasCommand, _Mapping]] = ..., unmap_arenas: _Optional[_Union[UnmapArenasCommand, _Mapping]] = ...) -> None: ...
 
 class WorkerStarted(_message.Message):
     __slots__ = ("pid", "device", "backend", "device_uuid")

@@ -398,11 +398,7 @@ class VllmHttpDriver(HttpEngineDriver):
         """Until each vLLM rank staged `generation`: each rank's connection holds two leases on it when the
         prepare call returns (engine/vllm_prepare.py) and gives the first back once staged or failed (the
         apply then says which). A connection holding one is another reader, or a rank already done."""
-        held: dict[int, list[int]] = {}
-        for lease_id, lease in self.leases.leases.items():
-            if lease.generation == generation:
-                held.setdefault(lease.owner, []).append(lease_id)
-        reading = {min(ids) for ids in held.values() if len(ids) >= 2}
+        reading = reading_leases(self.leases.leases, generation)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         while reading & self.leases.leases.keys():
@@ -410,6 +406,17 @@ class VllmHttpDriver(HttpEngineDriver):
                 raise EngineCallFailed(f"vLLM's ranks did not stage generation {generation} within "
                                        f"{self.timeout_s:g} s")
             await asyncio.sleep(STAGED_POLL_SECONDS)
+
+
+def reading_leases(leases: dict, generation: int) -> set[int]:
+    """The leases vLLM's ranks read `generation` with, right after the prepare call: the first (lowest id) of
+    each connection that holds two or more on it; a connection holding one is another reader, or a rank
+    that already staged."""
+    held: dict[int, list[int]] = {}
+    for lease_id, lease in leases.items():
+        if lease.generation == generation:
+            held.setdefault(lease.owner, []).append(lease_id)
+    return {min(ids) for ids in held.values() if len(ids) >= 2}
 
 
 def build_driver(spec: str, index: int, *, publisher: Publisher, engines: EngineRegistry, local_socket: str,

@@ -124,3 +124,20 @@ def test_a_rank_that_does_not_raise_ends_vllms_session_on_its_worker():
     worker = Worker(engine)
     end_session(engine)
     assert worker._weight_update_active is False and engine.reset == 1
+
+
+@pytest.mark.parametrize("leases, readings", [
+    ({1: (7, 10), 2: (7, 10)}, {1}),                          # one rank staging: its first lease
+    ({1: (7, 10), 2: (7, 10), 3: (7, 11), 4: (7, 11)}, {1, 3}),  # two ranks (connections 10, 11)
+    ({2: (7, 10)}, set()),                                    # staged already: only its second lease left
+    ({5: (7, 12)}, set()),                                    # another engine reading the version
+    ({1: (6, 10), 2: (7, 10)}, set()),                        # an older generation does not count
+    ({}, set()),
+])
+def test_the_driver_waits_for_the_first_of_each_ranks_two_leases(leases, readings):
+    from types import SimpleNamespace
+
+    from weightsync.server.engine_driver import reading_leases
+
+    table = {i: SimpleNamespace(generation=g, owner=o) for i, (g, o) in leases.items()}
+    assert reading_leases(table, 7) == readings

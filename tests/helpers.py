@@ -26,7 +26,8 @@ from grpc_status import rpc_status
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from weightsync.common.numba_cache import COMPILE_AHEAD_SECONDS
-from weightsync.server.supervisor import STARTUP_TIMEOUT_SECONDS
+from weightsync.server.config import ServerConfig
+from weightsync.server.supervisor import STARTUP_TIMEOUT_SECONDS, STOP_TIMEOUT_SECONDS
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
@@ -73,10 +74,12 @@ class ServerProcess:
         info = self.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
         return [w.pid for w in info.workers]
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float | None = None) -> int:
+        """Signal the server and wait for its exit, by default SERVER_STOP_SECONDS (the server's own bounds
+        on its shutdown and an interpreter's exit)."""
         if self.process.poll() is None:
             self.process.send_signal(sig)
-        return self.process.wait(timeout)
+        return self.process.wait(SERVER_STOP_SECONDS if timeout is None else timeout)
 
     def segments(self) -> set[str]:
         """The /dev/shm segments this server has mapped (read from /proc/<pid>/maps)."""
@@ -85,6 +88,19 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+INTERPRETER_EXIT_SECONDS = 120.0
+"""A loaded host's allowance for a server's interpreter to exit once it stopped (seen: over 29 s after the server
+logged server_stopped, at load 60)."""
+SERVER_STOP_SECONDS = ServerConfig().shutdown_grace_seconds + STOP_TIMEOUT_SECONDS + INTERPRETER_EXIT_SECONDS
+"""stop()'s default: a running update's grace (the default --shutdown-grace-seconds; a test that raises it passes
+its own bound, server_stop_seconds), the workers' stop (server/supervisor.py), the interpreter's exit."""
+
+
+def server_stop_seconds(grace: float) -> float:
+    """How long a server started with --shutdown-grace-seconds `grace` may take to exit once signalled."""
+    return grace + STOP_TIMEOUT_SECONDS + INTERPRETER_EXIT_SECONDS
 
 
 INTERPRETER_START_SECONDS = 120.0
@@ -114,6 +130,21 @@ def start_server(tmp_path: Path, *extra: str, workers: int = 2, env: dict | None
         time.sleep(0.05)
     announced = json.loads(ready.read_text())
     return ServerProcess(process, announced["port"], log_path, announced)
+
+
+def start_servers(paths: list[Path], *extra: str, workers: int = 2) -> list[ServerProcess]:
+    """start_server on each path, in turn; if one fails to start, the ones already started are killed first (a
+    fixture that fails at its second server left its first running, loading the host for every later test)."""
+    started: list[ServerProcess] = []
+    try:
+        for path in paths:
+            started.append(start_server(path, *extra, workers=workers))
+    except BaseException:
+        for server in started:
+            server.process.kill()
+            server.process.wait()
+        raise
+    return started
 
 
 @contextlib.contextmanager
@@ -210,7 +241,9 @@ class PlainTrainer:
 
     servers: list[ServerProcess]
     group_id: str = field(default_factory=lambda: f"g-{uuid.uuid4().hex[:8]}")
-    timeout: float = 30.0
+    timeout: float = 120.0
+    """The group's timeout: every collective of a healthy push finishes well within it, and a server bounds
+    each worker's answer to a bucket by it (+ 2 s) on a loaded host too (30 s saw a worker answer past 32 s)."""
     pg: ProcessGroupGloo | None = None
     store: TCPStore | None = None
     receivers: list[list[int]] = field(default_factory=list)
@@ -291,8 +324,7 @@ class PlainTrainer:
             stream.send(bucket_start=pb.BucketStart(sequence=index, checksum=checksum, tail=bucket_tail(buf)))
             self.send_bucket(buf, index)
             response = stream.recv()
-            if response.WhichOneof("message") != "bucket_applied":
-                return response  # aborting: caller inspects it
+            assert response.WhichOneof("message") == "bucket_applied", f"bucket {index} not applied: {response}"
             assert response.bucket_applied.sequence == index
         stream.send(commit=pb.CommitUpdate())
         response = stream.recv()

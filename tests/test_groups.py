@@ -24,7 +24,15 @@ from weightsync.v1 import weight_sync_service_pb2 as pb
 from helpers import error_info, local_checksums, server_checksums, wait_for
 from models import mixed_model
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
+
+GROUP_TIMEOUT = 120.0
+"""The groups' timeout here: a healthy rendezvous finishes well within it on a loaded host; what must happen "at
+once" (a refusal, a dead trainer seen) happens within half of it, AT_ONCE, which waiting it out does not."""
+AT_ONCE = GROUP_TIMEOUT / 2
+JOIN_TIMEOUT = 10.0
+"""The timeout of a join that cannot succeed (its store never answers): the server answers at it, not at 2-3x it
+(torch's TCPStore client retrying past its deadline), which JOIN_TIMEOUT * 2 tells apart on a loaded host."""
 
 
 def info(server) -> pb.GetServerInfoResponse:
@@ -53,20 +61,20 @@ def committed(server):
 # -- defects 2 and 6: a refused create is fast, and deletes nobody else's group ---------------------
 def test_a_refused_create_is_fast_and_leaves_the_owners_group_alone(server, committed):
     with WeightSyncClient(server.address) as owner:
-        owner.create_group(group_id="shared-name", timeout=30)
+        owner.create_group(group_id="shared-name", timeout=GROUP_TIMEOUT)
         owner.push(committed, version="owner-1", bucket_size_bytes=1 << 20)
         with WeightSyncClient(server.address) as intruder:
             started = time.monotonic()
             with pytest.raises(WeightSyncRpcError) as caught:
-                intruder.create_group(group_id="shared-name", timeout=30)
+                intruder.create_group(group_id="shared-name", timeout=GROUP_TIMEOUT)
             elapsed = time.monotonic() - started
             assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.ALREADY_EXISTS, "GROUP_ALREADY_EXISTS")
-            assert elapsed < 15, f"the refusal took {elapsed:.1f} s (the group timeout is 30 s)"
+            assert elapsed < AT_ONCE, f"the refusal took {elapsed:.1f} s (the group timeout is {GROUP_TIMEOUT:g} s)"
             started = time.monotonic()
             with pytest.raises(WeightSyncRpcError) as caught:
-                intruder.create_group(group_id="bad id!", timeout=30)
+                intruder.create_group(group_id="bad id!", timeout=GROUP_TIMEOUT)
             assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "GROUP_ID_INVALID")
-            assert time.monotonic() - started < 15
+            assert time.monotonic() - started < AT_ONCE
         assert groups(server)["shared-name"].state == pb.GROUP_STATE_READY
         result = owner.push(mixed_model(32), version="owner-2", bucket_size_bytes=1 << 20)
         assert result.servers[0].version == "owner-2"
@@ -84,16 +92,16 @@ def test_a_silent_rendezvous_store_times_out_cleanly(server, committed):
             group_id="silent-store", store_host="127.0.0.1", store_port=silent.getsockname()[1], world_size=3,
             rank_offset=1, backend=pb.BACKEND_GLOO,
         )
-        request.timeout.FromTimedelta(datetime.timedelta(seconds=3))
+        request.timeout.FromTimedelta(datetime.timedelta(seconds=JOIN_TIMEOUT))
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as caught:
-            server.stub().CreateTransferGroup(request, timeout=60)
+            server.stub().CreateTransferGroup(request, timeout=4 * JOIN_TIMEOUT)
         elapsed = time.monotonic() - started
     finally:
         silent.close()
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, caught.value.details()
     assert error_info(caught.value).reason == "RENDEZVOUS_TIMEOUT"
-    assert 3.0 <= elapsed < 3.0 + 3.5, f"answered after {elapsed:.1f} s for a 3 s timeout"
+    assert JOIN_TIMEOUT <= elapsed < 2 * JOIN_TIMEOUT, f"answered after {elapsed:.1f} s for a {JOIN_TIMEOUT:g} s timeout"
     after = info(server)
     assert [(w.pid, w.restart_count) for w in after.workers] == [(w.pid, w.restart_count) for w in before.workers]
     assert after.store_state == pb.STORE_STATE_CONSISTENT
@@ -112,7 +120,7 @@ TRAINER = textwrap.dedent("""
     from weightsync.client import WeightSyncClient
     from models import mixed_model
     client = WeightSyncClient({address!r})
-    group = client.create_group(timeout=30)
+    group = client.create_group(timeout={group_timeout})
     client.push(mixed_model(34), version="from-doomed", bucket_size_bytes=1 << 20)
     print("GROUP " + json.dumps({{"group": group}}), flush=True)
     time.sleep(600)
@@ -122,7 +130,7 @@ TRAINER = textwrap.dedent("""
 def test_a_trainer_that_dies_between_updates_breaks_and_releases_its_group(server, committed):
     workers = [w.pid for w in info(server).workers]
     idle = [open_fds_and_threads(pid) for pid in workers]
-    script = TRAINER.format(tests=str(Path(__file__).parent), address=server.address)
+    script = TRAINER.format(tests=str(Path(__file__).parent), address=server.address, group_timeout=GROUP_TIMEOUT)
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         line = next(line for line in trainer.stdout if line.startswith("GROUP "))  # after the SDK's own log lines
@@ -133,9 +141,9 @@ def test_a_trainer_that_dies_between_updates_breaks_and_releases_its_group(serve
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(10)
         killed = time.monotonic()
-        broken = wait_for(lambda: (g := groups(server)[group_id]).state == pb.GROUP_STATE_BROKEN and g, timeout=20)
+        broken = wait_for(lambda: (g := groups(server)[group_id]).state == pb.GROUP_STATE_BROKEN and g, timeout=AT_ONCE)
         assert broken.broken_reason.startswith("TRAINER_GONE"), broken.broken_reason
-        assert time.monotonic() - killed < 10
+        assert time.monotonic() - killed < AT_ONCE  # seen at once, not at the group's timeout
         # Released: each worker is back to what it held before the group (a thread or fd of slack).
         wait_for(lambda: all(
             now[0] <= was[0] + 1 and now[1] <= was[1] + 1
@@ -174,10 +182,10 @@ def test_an_abandoned_join_leaves_no_connection_to_the_silent_store(server, comm
         group_id="mute-store", store_host="127.0.0.1", store_port=silent.getsockname()[1], world_size=3,
         rank_offset=1, backend=pb.BACKEND_GLOO,
     )
-    request.timeout.FromTimedelta(datetime.timedelta(seconds=3))
+    request.timeout.FromTimedelta(datetime.timedelta(seconds=JOIN_TIMEOUT))
     try:
         with pytest.raises(grpc.RpcError) as caught:
-            server.stub().CreateTransferGroup(request, timeout=60)
+            server.stub().CreateTransferGroup(request, timeout=4 * JOIN_TIMEOUT)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
         def closed_by_peer(connection: socket.socket) -> bool:
@@ -189,7 +197,7 @@ def test_an_abandoned_join_leaves_no_connection_to_the_silent_store(server, comm
             except OSError:
                 return True
 
-        wait_for(lambda: accepted and all(closed_by_peer(c) for c in accepted), timeout=10)
+        wait_for(lambda: accepted and all(closed_by_peer(c) for c in accepted), timeout=AT_ONCE)
     finally:
         silent.close()
         for connection in accepted:

@@ -150,8 +150,12 @@ def test_a_part_refused_before_any_other_came_fails_the_ones_that_come(node, com
     assert refused(first) == (grpc.StatusCode.INVALID_ARGUMENT, "MODE_UNSPECIFIED", {"update_key": key, "part": "1"})
 
 
+JOIN_DEADLINE_S = 20
+"""The join timeout of the test that waits it out: long enough for its second part's begin on a loaded host."""
+
+
 def test_a_part_that_never_joins_fails_every_joined_part_naming_it(node, committed):
-    first, _ = begin_part(node, "k-deadline", 0, 3, whole=["w"], join_timeout_s=3)
+    first, _ = begin_part(node, "k-deadline", 0, 3, whole=["w"], join_timeout_s=JOIN_DEADLINE_S)
     assert waiting(first) == [1, 2]
     third, _ = begin_part(node, "k-deadline", 2, 3, whole=["b"])
     assert waiting(third) == [1]

@@ -28,7 +28,7 @@ from weightsync.server.box_checksums import AskedBox, box_checksum, checked_boxe
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-from helpers import error_info, free_port, run_ranks, start_server
+from helpers import error_info, free_port, run_ranks, start_server, start_servers
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -163,7 +163,7 @@ def test_a_subset_node_lists_a_box_of_a_tensor_it_does_not_store_in_not_stored(t
 # -- two real trainer ranks ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    started = [start_server(tmp_path_factory.mktemp(f"part-verify-{k}"), workers=1) for k in range(2)]
+    started = start_servers([tmp_path_factory.mktemp(f"part-verify-{k}") for k in range(2)], workers=1)
     yield started
     for s in started:
         assert s.stop() == 0, s.log()[-3000:]

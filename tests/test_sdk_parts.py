@@ -21,7 +21,13 @@ from weightsync.client import (
     WeightSyncClientError,
 )
 
-from helpers import free_port, local_checksums, run_ranks, server_checksums, start_server
+from helpers import (
+    free_port,
+    local_checksums,
+    run_ranks,
+    server_checksums,
+    start_servers,
+)
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -31,7 +37,7 @@ TRAINERS_TIMEOUT = 300
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    started = [start_server(tmp_path_factory.mktemp(f"sdk-parts-{k}"), workers=2) for k in range(2)]
+    started = start_servers([tmp_path_factory.mktemp(f"sdk-parts-{k}") for k in range(2)], workers=2)
     yield started
     for server in started:
         assert server.stop() == 0, server.log()[-3000:]

@@ -30,7 +30,13 @@ from weightsync.common.checksum import ws64
 from weightsync.common.patches import is_patch
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-from helpers import free_port, local_checksums, run_ranks, server_checksums, start_server
+from helpers import (
+    free_port,
+    local_checksums,
+    run_ranks,
+    server_checksums,
+    start_servers,
+)
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -40,7 +46,7 @@ TRAINERS_TIMEOUT = 300
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    started = [start_server(tmp_path_factory.mktemp(f"sdk-parts-delta-{k}"), workers=2) for k in range(2)]
+    started = start_servers([tmp_path_factory.mktemp(f"sdk-parts-delta-{k}") for k in range(2)], workers=2)
     yield started
     for server in started:
         assert server.stop() == 0, server.log()[-3000:]

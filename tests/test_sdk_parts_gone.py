@@ -18,7 +18,7 @@ from sdk_parts_gone_trainer import LONG_TIMEOUT
 
 from weightsync.client import WeightSyncClient
 
-from helpers import free_port, ranks_exit_codes, run_ranks, start_server
+from helpers import free_port, ranks_exit_codes, run_ranks, start_servers
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -32,7 +32,7 @@ GLOO_PEER = re.compile(r"^\[127\.0\.0\.1\]:\d+$")
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    started = [start_server(tmp_path_factory.mktemp(f"sdk-parts-gone-{k}"), workers=1) for k in range(2)]
+    started = start_servers([tmp_path_factory.mktemp(f"sdk-parts-gone-{k}") for k in range(2)], workers=1)
     yield started
     for server in started:
         assert server.stop() == 0, server.log()[-3000:]

@@ -30,7 +30,7 @@ from faultkit import (
     start_tracked_server,
     stop_and_check,
 )
-from helpers import local_checksums, server_checksums, wait_for
+from helpers import local_checksums, server_checksums, server_stop_seconds, wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(150)]
 
@@ -181,13 +181,10 @@ def test_sigterm_during_sdk_push(tmp_path):
         pusher.start()
         assert paused.wait(60)
         assert info(server).store_state == pb.STORE_STATE_UPDATING
-        signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
-        # Clean exit within the grace period (plus the abort and the workers' exit).
-        code = server.process.wait(timeout=grace + 30)
-        exited = time.monotonic() - signalled
+        # Clean exit within the grace period (plus the abort, the workers' exit and the interpreter's): nothing hung.
+        code = server.process.wait(timeout=server_stop_seconds(grace))
         assert code == 0, server.log()
-        assert exited < grace + 15.0, (exited, server.log())  # nothing hung (the SIGKILLs: the log, below)
         release.set()
         pusher.join(GROUP_TIMEOUT + MARGIN)
         assert not pusher.is_alive(), "push hangs after the server exited"

@@ -133,8 +133,13 @@ def _rebound(tensor: torch.Tensor, live: torch.nn.Module, shadow: torch.nn.Modul
     data.__class__ = tensor.__class__
     attributes = dict(tensor.__dict__)
     for key, value in attributes.items():
+        # vLLM's own reload leaves its online-processing wrapper (a closure over the live layer's record)
+        # on the metadata tensors it registered: the shadow takes the loader it wraps.
+        while callable(value) and getattr(value, "__name__", "") == "online_process_loader":
+            value = value.__wrapped__
         if isinstance(value, MethodType) and (value.__self__ is live or value.__self__ is layer_ref_sentinel):
-            attributes[key] = value.__func__.__get__(shadow)
+            value = value.__func__.__get__(shadow)
+        attributes[key] = value
     data.__dict__ = attributes
     return data
 

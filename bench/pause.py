@@ -70,7 +70,9 @@ MAX_MODEL_LEN = 512
 
 
 def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+    """The median of the known values (a pause with no model step on one side of it is nan: left out)."""
+    known = [v for v in values if v == v]
+    return statistics.median(known) if known else float("nan")
 
 
 # -- vLLM and its load -------------------------------------------------------------------------------
@@ -416,7 +418,8 @@ def summary(size: Size) -> dict:
         for path in {r["path"] for r in rows}:
             mine = [r for r in rows if r["path"] == path]
             entry = {"pause_s": median([r["pause_s"] for r in mine]),
-                     "pause_range_s": [min(r["pause_s"] for r in mine), max(r["pause_s"] for r in mine)]}
+                     "pause_range_s": [min(known := [r["pause_s"] for r in mine if r["pause_s"] == r["pause_s"]]
+                                           or [float("nan")]), max(known)]}
             for key in ("push_s", "stage_s", "apply_s", "window_s", "longest_gap_s", "normal_gap_s", "pack_s",
                         "send_s"):
                 values = [r[key] for r in mine if key in r]
@@ -429,10 +432,10 @@ def summary(size: Size) -> dict:
         pauses = {p: [r["pause_s"] for r in rows if r["path"] == p] for p in ("trainer", "driver", "vllm", "copy")}
         ours = "trainer" if block == "trainer" else "driver"
         if pauses[ours] and pauses["vllm"]:
-            pairs = [v / w for v, w in zip(pauses["vllm"], pauses[ours], strict=True) if w > 0]
+            pairs = [v / w for v, w in zip(pauses["vllm"], pauses[ours], strict=True) if w > 0 and v == v]
             out[f"{block}/vllm_vs_ours"] = median(pairs)
         if pauses[ours] and pauses["copy"]:
-            pairs = [w / c for w, c in zip(pauses[ours], pauses["copy"], strict=True) if c > 0]
+            pairs = [w / c for w, c in zip(pauses[ours], pauses["copy"], strict=True) if c > 0 and w == w]
             out[f"{block}/ours_vs_copy"] = median(pairs)
     return out
 

@@ -44,6 +44,7 @@ import torch
 
 from bench import machine
 from bench.gpu import GB, MIB, ingress_slot_bytes, model_shapes
+from bench.node_store import process_tree
 from bench.progress import log
 from bench.servers import REPO, Server
 
@@ -69,67 +70,57 @@ def orders(modes: tuple[str, ...], reps: int) -> list[tuple[str, ...]]:
     return [modes if rep % 2 == 0 else tuple(reversed(modes)) for rep in range(reps)]
 
 
-def summarize(wall: dict[str, list[float]], cpu: dict[str, list[float]], size: int) -> list[dict]:
-    """Per mode: median wall and CPU seconds, x memcpy as the ratio of medians and as the median of the
-    per-repetition ratios, CPU x memcpy, GB/s."""
+def summarize(wall: dict[str, list[float]], cpu: dict[str, list[dict[str, float]]], size: int) -> list[dict]:
+    """Per mode: median wall and CPU seconds (in all, and per role), x memcpy as the ratio of medians and as
+    the median of the per-repetition ratios, CPU x memcpy, GB/s."""
     base = statistics.median(wall["memcpy"])
-    base_cpu = statistics.median(cpu["memcpy"])
+    total = {mode: [sum(used.values()) for used in uses] for mode, uses in cpu.items()}
+    base_cpu = statistics.median(total["memcpy"])
     rows = []
     for mode, seconds in wall.items():
         m = statistics.median(seconds)
         per_rep = [s / b for s, b in zip(seconds, wall["memcpy"], strict=True)]
-        c = statistics.median(cpu[mode])
+        c = statistics.median(total[mode])
         rows.append({"mode": mode, "seconds": [round(s, 6) for s in seconds], "median_seconds": round(m, 6),
                      "gbps": round(size / m / 1e9, 3), "x_memcpy": round(m / base, 3),
                      "per_rep_x_memcpy": round(statistics.median(per_rep), 3),
-                     "cpu_seconds": [round(s, 4) for s in cpu[mode]], "median_cpu_seconds": round(c, 4),
-                     "cpu_x_memcpy": round(c / base_cpu, 3) if base_cpu else None})
+                     "cpu_seconds": [round(s, 4) for s in total[mode]], "median_cpu_seconds": round(c, 4),
+                     "cpu_x_memcpy": round(c / base_cpu, 3) if base_cpu else None,
+                     "median_cpu_by_role": {role: round(statistics.median(u[role] for u in cpu[mode]), 4)
+                                            for role in ROLES}})
     return rows
 
 
 # -- CPU seconds of a process tree -------------------------------------------------------
-def process_tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
+ROLES = ("trainer", "server", "worker")
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of these processes (the server's tree), plus this whole process (every thread)."""
-    total = time.process_time()
+def cpu_seconds(server: int, pids: list[int]) -> dict[str, float]:
+    """utime + stime so far of this whole process (the trainer, every thread), the server, and its workers."""
+    used = {"trainer": time.process_time(), "server": 0.0, "worker": 0.0}
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / _TICK
-    return total
+        used["server" if pid == server else "worker"] += (int(fields[11]) + int(fields[12])) / _TICK
+    return used
 
 
-def alternated(runners: dict[str, Callable[[], None]], reps: int, pids: list[int],
-               label: str) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """One warm-up of every mode, then `reps` repetitions in alternating order: wall and CPU seconds."""
+def alternated(runners: dict[str, Callable[[], None]], reps: int, server: int, pids: list[int],
+               label: str) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
+    """One warm-up of every mode, then `reps` repetitions in alternating order: wall and CPU seconds (by role)."""
     for run in runners.values():
         run()
     wall: dict[str, list[float]] = {mode: [] for mode in runners}
-    cpu: dict[str, list[float]] = {mode: [] for mode in runners}
+    cpu: dict[str, list[dict[str, float]]] = {mode: [] for mode in runners}
     for rep, order in enumerate(orders(tuple(runners), reps)):
         for mode in order:
-            used, started = cpu_seconds(pids), time.perf_counter()
+            used, started = cpu_seconds(server, pids), time.perf_counter()
             runners[mode]()
             wall[mode].append(time.perf_counter() - started)
-            cpu[mode].append(cpu_seconds(pids) - used)
+            after = cpu_seconds(server, pids)
+            cpu[mode].append({role: after[role] - used[role] for role in ROLES})
         log(f"{label}: rep {rep + 1}/{reps} " + " ".join(f"{m}={wall[m][-1]:.3f}s" for m in runners))
     return wall, cpu
 
@@ -179,14 +170,32 @@ def measure(reps: int, workdir: Path, *, diagnostics: bool = True) -> dict:
             push_runner(slots_client, tensors, "shm")()
             slots_only(slots_client)
             runners["shm_slots"] = push_runner(slots_client, tensors, "shm")
-        wall, cpu = alternated(runners, reps, pids, "host_path")
+        wall, cpu = alternated(runners, reps, server.process.pid, pids, "host_path")
         verified = client.verify(tensors).ok and slots_client.verify(tensors).ok
         buckets = client.push(tensors, delta=False, version="count", transport="shm",
                               bucket_size_bytes=BUCKET_BYTES).bucket_count
+        fixed = fixed_costs(client)
     passes = count_passes(tensors, slot, workdir) if diagnostics else {}
     return {"bytes": size, "tensors": len(tensors), "buckets": buckets, "reps": reps,
-            "runs": summarize(wall, cpu, size), "passes": passes, "verified": verified,
+            "runs": summarize(wall, cpu, size), "passes": passes, "verified": verified, "one_tensor_ms": fixed,
             "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}
+
+
+ONE_TENSOR_PUSHES = 30
+
+
+def fixed_costs(client) -> dict[str, float]:
+    """The fixed cost of a push, Begin to Committed: a partial update of one 4 KiB tensor (a probe the store gets
+    beside the model), median milliseconds of ONE_TENSOR_PUSHES per transport, alternated."""
+    probe = {"host_path.probe": torch.ones(2048, dtype=torch.bfloat16)}
+    client.push(probe, delta=False, version="probe", transport="inline", allow_new_tensors=True)
+    times: dict[str, list[float]] = {"shm": [], "inline": []}
+    for _ in range(ONE_TENSOR_PUSHES):
+        for transport, samples in times.items():
+            started = time.perf_counter()
+            client.push(probe, delta=False, version=f"probe-{time.monotonic_ns()}", transport=transport)
+            samples.append(time.perf_counter() - started)
+    return {transport: round(statistics.median(samples) * 1000, 2) for transport, samples in times.items()}
 
 
 def count_passes(tensors: dict[str, torch.Tensor], slot: int, workdir: Path) -> dict[str, dict[str, float]]:
@@ -244,12 +253,14 @@ def passes_rows(passes: dict[str, dict[str, float]]) -> list[str]:
 
 
 def side_table(result: dict) -> list[str]:
-    lines = ["| mode | median s | GB/s | x memcpy | per-rep x memcpy | CPU-s | CPU x memcpy | what |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| mode | median s | GB/s | x memcpy | per-rep x memcpy | CPU-s | CPU x memcpy | CPU-s trainer / server / "
+             "worker | what |", "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in result["runs"]:
+        roles = r.get("median_cpu_by_role", {})
+        by_role = " / ".join(f"{roles[role]:.3f}" for role in ROLES) if roles else ""
         lines.append(f"| {r['mode']} | {r['median_seconds']:.4f} | {r['gbps']:.2f} | {r['x_memcpy']:.2f} | "
                      f"{r['per_rep_x_memcpy']:.2f} | {r['median_cpu_seconds']:.3f} | {r['cpu_x_memcpy']:.2f} | "
-                     f"{WHAT.get(r['mode'], '')} |")
+                     f"{by_role} | {WHAT.get(r['mode'], '')} |")
     return lines
 
 
@@ -270,6 +281,10 @@ def markdown(sides: dict[str, list[dict]], meta: dict) -> str:
         f"**SHM dense push: {shm['x_memcpy']:.2f}x one memcpy** (per repetition {shm['per_rep_x_memcpy']:.2f}x; "
         f"CPU {shm['cpu_x_memcpy']:.2f}x; goal <= {GOAL_SHM_X_MEMCPY}x).", "",
     ]
+    if after.get("one_tensor_ms"):
+        fixed = after["one_tensor_ms"]
+        lines += ["A push's fixed cost, Begin to Committed, one 4 KiB tensor (median of "
+                  f"{ONE_TENSOR_PUSHES}, alternated): SHM {fixed['shm']:.1f} ms, INLINE {fixed['inline']:.1f} ms.", ""]
     for label, runs in sides.items():
         for n, result in enumerate(runs):
             title = "this tree" if label == "after" else f"before ({meta.get('before', 'another tree')})"
@@ -280,8 +295,26 @@ def markdown(sides: dict[str, list[dict]], meta: dict) -> str:
               "(a segment's padding makes a stage's bytes slightly more than the tensors'). gRPC's own copies "
               "and the kernel's are no code of ours and are not counted (see the INLINE floor).", "",
               "| transport | copies/byte | reads/byte | by stage |", "|---|---:|---:|---|",
-              *passes_rows(after["passes"]), ""]
+              *passes_rows(after["passes"]), "", *INLINE_FLOOR]
     return "\n".join(lines)
+
+
+INLINE_FLOOR = [
+    "## INLINE: the copies left, and the floor", "",
+    "Ours, counted above, one per process that must hold the bytes: the trainer encodes each chunk into its "
+    "message (`trainer.encode`: grpc's Python API takes one bytes object per message; a bucket of CPU tensors is "
+    "no longer packed first, so this is the trainer's only copy), the server copies each received message into "
+    "the ingress (`server.ingress`: the one way bytes leave the server's process for the worker's), the owner "
+    "copies the ingress into the store (`worker.from_ingress`). Not ours, not counted: grpc copies each message "
+    "into its own buffers when it sends it, the kernel copies it into and out of the socket, grpc.aio builds a "
+    "Python bytes of each received message: about 4 more per byte. The floor with grpc as it is: the trainer's "
+    "and the server's copies plus grpc's 4. The owner's could go if the server wrote a fast-path bucket straight "
+    "into the store; measured (559ee31, bench/results/node_store-inline-in-store.md) it gained 0-8% (that copy "
+    "runs on the owner's core, beside the server's receive) and left a store INCONSISTENT after an IN_PLACE "
+    "update aborted in its first bucket, where the ingress path leaves it CONSISTENT: not taken. INLINE's time is "
+    "the server's one event loop receiving through grpc.aio, not the copies (its CPU by process is in the table).",
+    "",
+]
 
 
 # -- entry points ---------------------------------------------------------------------------

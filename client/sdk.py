@@ -272,7 +272,9 @@ class WeightSyncClient:
                 (about 40% of a push on 2 cores). verify() compares every tensor end to end
                 either way. SHM buckets always carry one.
             zero_copy_min_bytes: contiguous tensors at least this large are broadcast from their
-                own memory, in a bucket of their own (0: always pack).
+                own memory, in a bucket of their own (0: always pack). Over SHM, which copies every
+                byte once anyway (into the server's store), the default packs them too: fewer,
+                larger buckets.
             progress: called after each bucket with a PushProgress (buckets and bytes sent so far).
             show_progress: a tqdm bar on stderr; None (default): when stderr is a terminal and the
                 push moves at least push_job.PROGRESS_BAR_MIN_BYTES (256 MiB).

@@ -12,11 +12,13 @@ def test_the_modes_alternate_their_order_every_repetition():
 
 def test_ratios_are_against_the_memcpy_of_the_same_run_and_of_each_repetition():
     wall = {"memcpy": [0.10, 0.20, 0.10], "shm": [0.15, 0.20, 0.13]}
-    cpu = {"memcpy": [0.08, 0.08, 0.08], "shm": [0.16, 0.12, 0.20]}
+    cpu = {"memcpy": [{"trainer": 0.08, "server": 0, "worker": 0}] * 3,
+           "shm": [{"trainer": 0.1, "server": 0.02, "worker": s} for s in (0.04, 0.0, 0.08)]}
     rows = {r["mode"]: r for r in summarize(wall, cpu, 10**9)}
     assert rows["shm"]["median_seconds"] == 0.15 and rows["shm"]["x_memcpy"] == 1.5
     assert rows["shm"]["per_rep_x_memcpy"] == 1.3  # 1.5, 1.0, 1.3
     assert rows["shm"]["cpu_x_memcpy"] == 2.0 and rows["memcpy"]["x_memcpy"] == 1.0
+    assert rows["shm"]["median_cpu_by_role"] == {"trainer": 0.1, "server": 0.02, "worker": 0.04}
     assert rows["shm"]["gbps"] == round(1 / 0.15, 3)
 
 

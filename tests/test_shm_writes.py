@@ -176,11 +176,11 @@ class FakeStream:
     unresponsive = False
     reported_error = None
 
-    def __init__(self, log: list[str], writes: dict) -> None:
+    def __init__(self, log: list[str], writes: dict, ready: pb.UpdateReady) -> None:
         import concurrent.futures
 
         self.ready: concurrent.futures.Future[pb.UpdateReady] = concurrent.futures.Future()
-        self.ready.set_result(pb.UpdateReady())
+        self.ready.set_result(ready)
         self.announced: list[pb.BucketStart] = []
         self._log = log
         self._writes = writes
@@ -193,12 +193,15 @@ class FakeStream:
         self.announced.append(start)
 
     def wait_applied(self, count: int, timeout: float) -> bool:
+        """The server applies what it was told of at once: a bucket never announced is never applied."""
+        assert count <= len(self.announced), f"waits for bucket {count - 1}, which was never announced"
+        self._log.append(f"applied {count - 1}")
         return True
 
 
-def test_a_bucket_copied_from_cuda_is_announced_once_its_copies_completed_two_in_flight(monkeypatch, tmp_path):
-    """Every bucket's copies are 'queued' (fake events, completed only when waited for): bucket k is
-    announced after its own event, while bucket k+1's copies run, in plan order, with its real checksum."""
+def push_copied_from_cuda(monkeypatch, ready: pb.UpdateReady, slots: int, arena: int | None = None):
+    """PushRun over an ShmSink whose every bucket's copies are 'queued' (fake events, completed only when waited
+    for), as from a CUDA trainer: the log of what happened, the announcements, the plan and the tensors."""
     log: list[str] = []
     writes: dict = {}
     real_write = store_writes.StoreWriter.write
@@ -214,33 +217,72 @@ def test_a_bucket_copied_from_cuda_is_announced_once_its_copies_completed_two_in
 
     monkeypatch.setattr(store_writes.StoreWriter, "write", queued)
     fd = os.memfd_create("ingress")
-    os.ftruncate(fd, 3 * 4096)
-    sink = ShmSink(FakeLoop(), fd, 4096, 3, timeout=5)  # type: ignore[arg-type]
+    os.ftruncate(fd, slots * 4096)
+    opener = None if arena is None else lambda ids: ([(1, 1 << 20, os.dup(arena))] if ids else [], [1])
+    sink = ShmSink(FakeLoop(), fd, 4096, slots, timeout=5, open_arenas=opener)  # type: ignore[arg-type]
     try:
         tensors = {f"t{i}": torch.randn(100 + i, generator=torch.Generator().manual_seed(i)) for i in range(12)}
         planned = build_plan(list(tensors.items()), 512, zero_copy_min_bytes=0)
-        stream = FakeStream(log, writes)
+        stream = FakeStream(log, writes, ready)
         plan = tensor_pb2.WeightPlan(buckets=[b.spec for b in planned])
         run = PushRun(loop=FakeLoop(), servers=[], metadata=(), rpc_timeout=5, commit_timeout=5, group_id="",  # type: ignore[arg-type]
                       sink=sink, planned=planned, plan=plan, plan_id="p", source=TensorSource(tensors, None),
                       version="v", mode=pb.UPDATE_MODE_STAGED, allow_new_tensors=False, checksums=False,
                       progress=None, bar=None, started=0.0)
         assert run._send_buckets([stream]) is None  # type: ignore[list-item]
+        return log, stream.announced, planned, tensors
+    finally:
+        sink.close()
+        os.close(fd)
+
+
+def zero_padded(bucket, tensors) -> bytes:
+    packed = bytearray(bucket.spec.size_bytes)
+    for t in bucket.spec.tensors:
+        packed[t.offset_bytes : t.offset_bytes + t.size_bytes] = tensors[t.name].numpy().tobytes()
+    return bytes(packed)
+
+
+def test_a_bucket_written_into_the_store_from_cuda_is_announced_once_its_copies_completed(monkeypatch):
+    """Bucket k is announced after its own copies' event, while bucket k+1's copies run (two in flight), in plan
+    order, with the checksum of the bucket as it lies in the store, zero-padded."""
+    arena = os.memfd_create("arena")
+    os.ftruncate(arena, 1 << 20)
+    try:
+        sizes = [b.spec.size_bytes for b in build_plan([(f"t{i}", torch.empty(100 + i)) for i in range(12)], 512,
+                                                        zero_copy_min_bytes=0)]
+        ready = pb.UpdateReady()
+        for k, size in enumerate(sizes):  # every bucket placed, bucket k at 4 KiB * k of arena 1
+            ready.store_places.add(sequence=k).regions.add(bucket_offset_bytes=0, size_bytes=size, arena_id=1,
+                                                             offset_bytes=4096 * k)
+        log, announced, planned, tensors = push_copied_from_cuda(monkeypatch, ready, slots=2, arena=arena)
         n = len(planned)
         assert n >= 4
         expected = ["queued 0", "queued 1", "waited 0", "announced 0"]
         for k in range(2, n):
             expected += [f"queued {k}", f"waited {k - 1}", f"announced {k - 1}"]
         assert log == [*expected, f"waited {n - 1}", f"announced {n - 1}"]
-        assert [s.sequence for s in stream.announced] == list(range(n))
-        for start, bucket in zip(stream.announced, planned, strict=True):  # the bucket, zero-padded
-            packed = bytearray(bucket.spec.size_bytes)
-            for t in bucket.spec.tensors:
-                packed[t.offset_bytes : t.offset_bytes + t.size_bytes] = tensors[t.name].numpy().tobytes()
-            assert start.checksum.value == ws64_reference(bytes(packed))
+        assert [s.sequence for s in announced] == list(range(n))
+        for start, bucket in zip(announced, planned, strict=True):
+            placed = os.pread(arena, bucket.spec.size_bytes, 4096 * start.sequence)
+            assert placed == zero_padded(bucket, tensors)
+            assert start.checksum.value == ws64_reference(placed)
     finally:
-        sink.close()
-        os.close(fd)
+        os.close(arena)
+
+
+def test_a_slot_is_reused_only_once_the_bucket_before_in_it_was_applied(monkeypatch):
+    """Through two ingress slots from CUDA: bucket k waits for the BucketApplied of bucket k-2, whose slot it
+    reuses; k-2 was announced when k-1 was sent, so the wait is never on a bucket still held back for its
+    copies (FakeStream.wait_applied checks it), and k-1's copies still overlap the wait."""
+    log, announced, planned, tensors = push_copied_from_cuda(monkeypatch, pb.UpdateReady(), slots=2)
+    n = len(planned)
+    expected = ["queued 0", "queued 1", "waited 0", "announced 0"]
+    for k in range(2, n):
+        expected += [f"applied {k - 2}", f"queued {k}", f"waited {k - 1}", f"announced {k - 1}"]
+    assert log == [*expected, f"waited {n - 1}", f"announced {n - 1}"]
+    for start, bucket in zip(announced, planned, strict=True):
+        assert start.checksum.value == ws64_reference(zero_padded(bucket, tensors))
 
 
 # -- a real server -----------------------------------------------------------------------------------

@@ -106,7 +106,8 @@ class ShmSink:
             self._use_run(streams)
         regions = self._places.get(index)
         if regions is None:
-            # Bucket k reuses the slot of bucket k - slots: the server must have applied that one.
+            # Bucket k reuses the slot of bucket k - slots: the server must have applied that one. (It was
+            # announced: of the buckets copied from CUDA only the last one sent, k - 1, may wait for its copies.)
             earlier = index - self._slot_count + 1
             if earlier > 0:
                 for stream in streams:

@@ -17,16 +17,18 @@ waits themselves are in transfer_waits.py):
     aborts the communicator in the waiting thread when the work failed
     (TORCH_NCCL_BLOCKING_WAIT=1) or timed out: on a failure the caller closes the
     group (abort, bounded);
-  - point-to-point transfers (a part's sends, its owners' receives) run as batches
-    of one on the group's own communicator (nccl_p2p.py), never on torch's
-    per-pair communicators; their start, which connects a pair at its first
-    transfer, runs in a thread of its own waited for against the same deadline;
+  - point-to-point transfers (a part's sends of a bucket to its owners, one
+    owner's receive) run as batches on the group's own communicator (nccl_p2p.py),
+    never on torch's per-pair communicators; their start runs in a thread of its
+    own waited for against the same deadline;
   - the communicator is non-blocking (an abandoned group is aborted, half-built or
     not) and is built inside open_group, by a first 1-byte broadcast waited for
-    against the group's timeout: open_group returns a group whose ranks all
-    connected, or fails within the timeout. Not eager_connect_single_device: with a
-    non-blocking communicator its init cannot be waited for from Python, and the
-    first collective then races it (NCCL error 7, "operation in progress");
+    against the group's timeout, then (several trainer ranks) every trainer rank's
+    pair with every worker connected by a 1-byte batch (nccl_connect.py): open_group
+    returns a group whose ranks and pairs all connected, or fails within the
+    timeout. Not eager_connect_single_device: with a non-blocking communicator its
+    init cannot be waited for from Python, and the first collective then races it
+    (NCCL error 7, "operation in progress");
   - a group is closed (aborted and released) in a thread of its own with a
     bounded join: ncclCommAbort can hang, and nothing in torch can abort a
     communicator whose init is still being waited for (the connect's broadcast
@@ -40,22 +42,34 @@ one (see gpu_worker/bucket_checks.py).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import math
-import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
+from weightsync.common import nccl_env
 from weightsync.common.logging import get_logger
-from weightsync.common.nccl_groups import UNRELEASED, GroupsStillClosing, refuse_while_closing
-from weightsync.common.nccl_p2p import batched, free_device_bytes, on_stream
-from weightsync.common.threads import CallAbandoned, ThreadCall
+from weightsync.common.nccl_groups import (
+    MAX_UNRELEASED_NCCL_GROUPS,
+    UNRELEASED,
+    GroupsStillClosing,
+    refuse_while_closing,
+)
+from weightsync.common.nccl_p2p import PointToPoint, batched, free_device_bytes, on_stream
+from weightsync.common.rendezvous_store import (  # noqa: F401 - their home before; imported from here
+    RendezvousTimeout,
+    connect_store,
+    host_store,
+    interface_of,
+    local_address_towards,
+)
+from weightsync.common.threads import ThreadCall
 from weightsync.common.transfer_waits import (
     FAILED_CLOSE_JOIN_SECONDS,
     NCCL_POLL_SECONDS,
@@ -80,8 +94,6 @@ BUCKET_TAIL_BYTES = 8
 
 CLOSE_JOIN_SECONDS = 10.0
 """How long closing a group may hold its caller; the abort goes on in its thread after that."""
-CONNECT_BYTES = 1
-"""open_group's first broadcast, which builds an NCCL communicator and proves every rank connected."""
 
 
 # -- framing of a bucket broadcast ---------------------------------------------------
@@ -106,10 +118,6 @@ def bucket_tag(sequence: int) -> int:
     return sequence % (1 << 31)
 
 
-class RendezvousTimeout(RuntimeError):
-    """Not every rank joined before the deadline."""
-
-
 def backend_for_device(device: torch.device) -> int:
     """NCCL for CUDA tensors, Gloo for everything else."""
     return pb.BACKEND_NCCL if device.type == "cuda" else pb.BACKEND_GLOO
@@ -120,33 +128,6 @@ def available_backends() -> list[int]:
     if dist.is_nccl_available() and torch.cuda.is_available():
         backends.append(pb.BACKEND_NCCL)
     return backends
-
-
-def local_address_towards(host: str, port: int) -> str:
-    """The local IP address that routes to host: the one peers can reach us at."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, port))  # UDP connect sends nothing
-            return probe.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-def interface_of(address: str) -> str | None:
-    """The name of the network interface that holds an IPv4 address (None if none does)."""
-    import fcntl
-    import struct
-
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        for _index, name in socket.if_nameindex():
-            try:
-                raw = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue
-            if socket.inet_ntoa(raw[20:24]) == address:
-                return name
-    return None
 
 
 @dataclass(slots=True)
@@ -165,13 +146,16 @@ class CollectiveGroup:
     trainer_ranks: int = 1
     """The trainer's ranks, 0..trainer_ranks-1 (CreateTransferGroupRequest.trainer_ranks): one per part."""
     peers: set[int] = field(default_factory=set)
-    """NCCL: the ranks a point-to-point transfer of ours connected to (on the group's own communicator)."""
+    """NCCL: the ranks this one's point-to-point transfers are connected to (on the group's own communicator;
+    a parts' group connects them all in open_group: nccl_connect.connect_pairs)."""
     nccl_device_bytes: int = 0
-    """NCCL: device memory this process's driver had less of after the connect and after each peer's first
-    transfer (NCCL's buffers, invisible to torch's allocator; measured, so other allocations at the same
-    moment count too)."""
+    """NCCL: device memory this process's driver had less of after the connect and after its pairs' connect
+    (NCCL's communicator and per-peer buffers, invisible to torch's allocator; measured, so other allocations
+    at the same moment count too)."""
     unfinished_work: object | None = None
     """NCCL: the last transfer whose wait failed or timed out; its kernel may still be queued (settled())."""
+    _starting: threading.Lock = field(default_factory=threading.Lock)
+    """NCCL: held while a batch is started (start_batch): one at a time per group."""
 
     def __post_init__(self) -> None:
         if self._pg is None:
@@ -249,41 +233,71 @@ class CollectiveGroup:
 
     def send_async(self, tensor: torch.Tensor, destination: int, tag: int, *, deadline: float | None = None,
                    stopped: Stopped | None = None) -> dist.Work:
-        """Start sending to one rank (a bucket goes to its owner only); wait() on the result. Gloo returns at
-        once. NCCL runs it on the group's own communicator (nccl_p2p.py), whose start may wait for
-        `destination` to reach its matching receive (their first transfer connects them): that start is
-        bounded by `deadline` (default: the group's timeout from now), by close() from another thread and
-        by `stopped`."""
-        return self._point_to_point(tensor, destination, tag, send=True, deadline=deadline, stopped=stopped)
+        """Start sending to one rank; wait() on the result (send_many_async: to several at once)."""
+        [work] = self.send_many_async(tensor, [destination], tag, deadline=deadline, stopped=stopped)
+        return work
+
+    def send_many_async(self, tensor: torch.Tensor, destinations: Sequence[int], tag: int, *,
+                        deadline: float | None = None, stopped: Stopped | None = None) -> list[dist.Work]:
+        """Start sending `tensor` to each of `destinations` (a bucket to its owners); wait() on each work returned.
+        Gloo: a send per destination, each returned at once. NCCL: ONE batch on the group's own communicator
+        (nccl_p2p.py), all its sends in one kernel, one work; its start is bounded by `deadline` (default: the
+        group's timeout from now), by close() from another thread and by `stopped`."""
+        if self.backend == pb.BACKEND_NCCL:
+            batch = [PointToPoint(True, tensor, destination, tag) for destination in destinations]
+            return [self.start_batch(batch, deadline, stopped=stopped)] if batch else []
+        pg = self._open_pg()
+        try:
+            return [pg.send([tensor], destination, tag) for destination in destinations]  # type: ignore[attr-defined]
+        except RuntimeError as error:
+            raise CollectiveError(str(error), timed_out=looks_like_timeout(error)) from error
 
     def receive(self, tensor: torch.Tensor, source: int, tag: int, *, deadline: float | None = None) -> None:
         """Receive what `source` sends with `tag`, by `deadline` (default: the group's timeout from now: the
         start and the transfer itself both within it)."""
         deadline = self.deadline() if deadline is None else deadline
-        self.wait(self._point_to_point(tensor, source, tag, send=False, deadline=deadline, stopped=None), deadline)
+        if self.backend == pb.BACKEND_NCCL:
+            work = self.start_batch([PointToPoint(False, tensor, source, tag)], deadline)
+        else:
+            try:
+                work = self._open_pg().recv([tensor], source, tag)  # type: ignore[attr-defined]
+            except RuntimeError as error:
+                raise CollectiveError(str(error), timed_out=looks_like_timeout(error)) from error
+        self.wait(work, deadline)
 
-    def _point_to_point(self, tensor: torch.Tensor, peer: int, tag: int, *, send: bool, deadline: float | None,
-                        stopped: Stopped | None) -> dist.Work:
+    def _open_pg(self) -> object:
         pg = self._pg
         if pg is None:
             raise CollectiveError(f"group {self.group_id} is closed", timed_out=False)
-        if self.backend != pb.BACKEND_NCCL:
-            try:
-                op = pg.send if send else pg.recv  # type: ignore[attr-defined]
-                return op([tensor], peer, tag)
-            except RuntimeError as error:
-                raise CollectiveError(str(error), timed_out=looks_like_timeout(error)) from error
+        return pg
+
+    def start_batch(self, operations: Sequence[PointToPoint], deadline: float | None = None, *,
+                    stopped: Stopped | None = None) -> dist.Work:
+        """NCCL: start `operations` as one batch on the group's own communicator (nccl_p2p.batched), in a thread
+        of its own that takes this thread's device and current stream (the batch is ordered after what this
+        stream queued), waited for until `deadline`, close() from another thread, or `stopped`. One batch is
+        started at a time on a group (torch keeps a batch's state on the process group): a start given up on is
+        followed by close(), which every caller does (a failed transfer breaks the group)."""
+        pg = self._open_pg()
         deadline = self.deadline() if deadline is None else deadline
-        device, first = self.device, peer not in self.peers
+        device = self.device
+        unconnected = sorted({op.peer for op in operations} - self.peers)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
         def start() -> tuple[dist.Work, int]:
-            with on_stream(device, stream):
-                before = free_device_bytes(device) if first else 0
-                work = batched(pg, send=send, tensor=tensor, peer=peer, tag=tag)
-                return work, (max(0, before - free_device_bytes(device)) if first else 0)
+            if not self._starting.acquire(blocking=False):
+                raise CollectiveError(f"group {self.group_id}: a batch was started while another one still was "
+                                      "(torch keeps one batch per process group)", timed_out=False)
+            try:
+                with on_stream(device, stream):
+                    before = free_device_bytes(device) if unconnected else 0
+                    work = batched(pg, operations)
+                    return work, (max(0, before - free_device_bytes(device)) if unconnected else 0)
+            finally:
+                self._starting.release()
 
-        what = f"group {self.group_id}: {'send to' if send else 'receive from'} rank {peer}"
+        kinds = {"send to" if op.send else "receive from" for op in operations}
+        what = f"group {self.group_id}: {' and '.join(sorted(kinds))} rank {', '.join(str(op.peer) for op in operations)}"
         try:
             work, grown = wait_call(ThreadCall(start, name=f"p2p-{self.group_id}"), deadline, what=what,
                                     timeout=self._seconds, closed=lambda: self.closed, stopped=stopped)
@@ -291,12 +305,11 @@ class CollectiveGroup:
             raise
         except RuntimeError as error:
             raise CollectiveError(f"{what}: {error}", timed_out=looks_like_timeout(error)) from error
-        if first:
-            # NCCL's buffers for this peer were allocated while it connected (driver memory, not torch's).
-            self.peers.add(peer)
-            self.nccl_device_bytes += grown
-            log.info("nccl_peer_connected", group_id=self.group_id, peer=peer, device_bytes=grown,
-                     group_device_bytes=self.nccl_device_bytes)
+        if unconnected and self.peers:
+            # A parts' group connects every pair in open_group (nccl_connect.connect_pairs): these were not.
+            log.warning("nccl_peers_connected_late", group_id=self.group_id, peers=unconnected, device_bytes=grown)
+        self.peers.update(unconnected)
+        self.nccl_device_bytes += grown
         return work
 
     def close(self, join_seconds: float = CLOSE_JOIN_SECONDS) -> bool:
@@ -332,6 +345,13 @@ class CollectiveGroup:
         finished = run_bounded(release, join_seconds, f"close-{self.group_id}")
         if not finished and self.backend == pb.BACKEND_NCCL:
             UNRELEASED.add(self.group_id, self.released)
+            log.warning("nccl_group_unreleased", group_id=self.group_id, unreleased=UNRELEASED.ids(),
+                        refused_from=MAX_UNRELEASED_NCCL_GROUPS,
+                        nonblocking_timeout=nccl_env.kept_nonblocking_timeout(),
+                        why="its abort waits for torch's own wait on the communicator (up to "
+                            "TORCH_NCCL_NONBLOCKING_TIMEOUT after its connect began, read once in this process); "
+                            "while this many are unreleased a new NCCL group is refused (GroupsStillClosing): export "
+                            "TORCH_NCCL_NONBLOCKING_TIMEOUT (about the group timeout) before the first NCCL call")
         return finished
 
 
@@ -370,12 +390,22 @@ def open_group(
             # The environment our group is built with (nccl_env.py) was set by the caller, from the
             # thread that started this one: the trainer around its rendezvous, a worker at start.
             deadline = time.monotonic() + timeout.total_seconds()
+            kept = nccl_env.kept_nonblocking_timeout()
+            if nccl_env.connects_cut_short(kept, timeout.total_seconds()):
+                log.warning("nccl_connect_cut_short", group_id=group_id, nonblocking_timeout=kept,
+                            group_timeout=timeout.total_seconds(),
+                            why="torch reads TORCH_NCCL_NONBLOCKING_TIMEOUT once per process: it ends this group's "
+                                "connects (its communicator's init, its pairs') before the group's timeout does, so "
+                                "a rank that joins later than that fails the group")
             options = nccl_options(ProcessGroupNCCL.Options(), timeout)
             pg = ProcessGroupNCCL(prefixed, rank, world_size, options)
             group = CollectiveGroup(group_id, backend, rank, world_size, timeout, device, pg,
                                     trainer_ranks=trainer_ranks)
+            from weightsync.common.nccl_connect import connect, connect_pairs
+
             try:
                 connect(group, deadline)
+                connect_pairs(group, deadline)
             except BaseException:
                 # A communicator still initializing is aborted, but torch holds its init until
                 # TORCH_NCCL_NONBLOCKING_TIMEOUT: not waited for here (the group counts as unreleased).
@@ -391,42 +421,6 @@ def open_group(
     return CollectiveGroup(group_id, backend, rank, world_size, timeout, device, pg, trainer_ranks=trainer_ranks)
 
 
-def connect(group: CollectiveGroup, deadline: float) -> None:
-    """Build the group's NCCL communicator now and prove every rank joined it: a 1-byte broadcast from
-    rank 0, waited for against the deadline. Every rank runs it in open_group.
-
-    The unique id goes through the store and NCCL's init runs in the background; torch waits for that
-    init inside the broadcast call itself, for TORCH_NCCL_NONBLOCKING_TIMEOUT. torch reads that value
-    once per process, so a trainer whose own NCCL groups came first keeps its value (torch's default is
-    30 min), whatever nccl_env sets for ours: seen on an H200 (torch 2.11, NCCL 2.28.9), a group whose
-    second rank never came held open_group past 4x its timeout. The call therefore runs in a thread of
-    its own, waited for until the deadline; past it open_group closes the group. That abort waits for the
-    init too (torch holds the communicator's lock while it waits for the init): the group is released only
-    then, and counts meanwhile against MAX_UNRELEASED_NCCL_GROUPS."""
-    device = group.device
-    before = free_device_bytes(device)
-
-    def start() -> dist.Work:
-        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with on_device:  # this thread's current device and stream: the probe's
-            probe = torch.zeros(CONNECT_BYTES, dtype=torch.uint8, device=device)
-            return group.broadcast_async(probe)
-
-    try:
-        work = ThreadCall(start, name=f"connect-{group.group_id}").result(max(0.0, deadline - time.monotonic()))
-        group.wait(work, deadline)
-        group.nccl_device_bytes = max(0, before - free_device_bytes(device))  # the communicator NCCL built
-        log.info("nccl_communicator_built", group_id=group.group_id, device_bytes=group.nccl_device_bytes)
-    except CallAbandoned as error:
-        raise RendezvousTimeout(f"group {group.group_id}: the communicator was not built within "
-                                f"{group.timeout.total_seconds():g} s (not every rank connected)") from error
-    except CollectiveError as error:
-        if error.timed_out:
-            raise RendezvousTimeout(f"group {group.group_id}: not every rank connected within "
-                                    f"{group.timeout.total_seconds():g} s: {error}") from error
-        raise RuntimeError(f"group {group.group_id}: connecting failed: {error}") from error
-
-
 def nonblocking_timeout_seconds(group_timeout: float) -> int:
     """The TORCH_NCCL_NONBLOCKING_TIMEOUT that ends a non-blocking communicator's wait within the group's
     timeout: torch counts whole seconds and fails once more than that many passed (so up to one more)."""
@@ -438,34 +432,3 @@ def nccl_options(options, timeout: datetime.timedelta):
     options._timeout = timeout
     options.config.blocking = 0
     return options
-
-
-def connect_store(host: str, port: int, timeout: datetime.timedelta) -> TCPStore:
-    """Connect to the trainer's TCPStore as a client, within timeout.
-
-    torch's TCPStore client retries a refused connection for its whole timeout,
-    then backs off and tries again: an unreachable store took 2-3x the timeout.
-    Waiting for the port with plain sockets first keeps the whole connect
-    inside the deadline.
-    """
-    deadline = time.monotonic() + timeout.total_seconds()
-    last: OSError | None = None
-    while (remaining := deadline - time.monotonic()) > 0:
-        try:
-            with socket.create_connection((host, port), timeout=min(1.0, remaining)):
-                break
-        except OSError as error:
-            last = error
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-    else:
-        raise RendezvousTimeout(f"could not reach the TCPStore at {host}:{port}: {last}")
-    remaining = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
-    try:
-        return TCPStore(host, port, None, False, remaining, wait_for_workers=False)
-    except (RuntimeError, ValueError) as error:  # DistNetworkError is a RuntimeError
-        raise RendezvousTimeout(f"could not connect to the TCPStore at {host}:{port}: {error}") from error
-
-
-def host_store(host: str, timeout: datetime.timedelta, port: int = 0) -> TCPStore:
-    """Open a TCPStore server (the trainer's side) on `port`, or a free one."""
-    return TCPStore(host, port, None, True, timeout, wait_for_workers=False)

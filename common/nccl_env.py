@@ -15,19 +15,24 @@ value present while the constructor runs applies to that group alone. Ours get:
   TORCH_NCCL_ENABLE_MONITORING=0     first (they are read only on that one).
 
 Two settings are read once per process, not per group, so they cannot be scoped:
-  TORCH_NCCL_NONBLOCKING_TIMEOUT     bounds every spin on a non-blocking communicator (ours are), its
-                                     init included, which torch waits for inside our group's first
-                                     broadcast (collective.connect), and the end of a point-to-point
-                                     batch (common/nccl_p2p.py): lowered to what ends within the
-                                     group's timeout (collective.nonblocking_timeout_seconds; an
+  TORCH_NCCL_NONBLOCKING_TIMEOUT     bounds every spin on a non-blocking communicator (ours are): its
+                                     init, which torch waits for inside our group's first broadcast
+                                     (nccl_connect.connect), and a pair's connect at its first transfer,
+                                     which torch waits for in a point-to-point batch's end (a parts'
+                                     group does all of them in open_group: nccl_connect.connect_pairs).
+                                     Lowered to what ends within the group's timeout
+                                     (collective.nonblocking_timeout_seconds, at most 120 s; an
                                      operator's lower value stays) and left set. torch reads it once,
-                                     at the process's first NCCL collective, whatever its group: a
-                                     trainer that ran one of its own before (FSDP, DDP) keeps its value,
-                                     30 min unless exported (the trainer logs nccl_nonblocking_timeout_
-                                     frozen). Our waits still end at their deadlines; what it bounds
-                                     then is how long an abandoned init or connect lingers in the
-                                     background. Export it (to about the group timeout) before the
-                                     trainer's first NCCL call.
+                                     at the process's first NCCL collective, whatever its group
+                                     (kept_nonblocking_timeout): a trainer that ran one of its own
+                                     before (FSDP, DDP) keeps its value, 30 min unless exported (it logs
+                                     nccl_nonblocking_timeout_frozen), a worker its first group's. Both
+                                     ways it matters: above a group's timeout it is how long an
+                                     abandoned init or connect lingers in the background after our
+                                     deadline gave up on it; below, it ends the group's connects before
+                                     the group's timeout does (open_group logs nccl_connect_cut_short).
+                                     Export it (to about the group timeout) before the trainer's first
+                                     NCCL call.
   NCCL_SOCKET_IFNAME                 NCCL reads it at the process's first communicator and keeps it:
                                      set (as an exact match) only while our group is built, and only
                                      when nobody set it. If that group is the process's first NCCL
@@ -72,6 +77,8 @@ TORCH_NONBLOCKING_DEFAULT_SECONDS = 1800
 """torch's TORCH_NCCL_NONBLOCKING_TIMEOUT when the variable is not set."""
 
 _lock = threading.Lock()
+_kept: int | None = None
+"""The TORCH_NCCL_NONBLOCKING_TIMEOUT torch read in this process, once known (note_nonblocking_read)."""
 
 
 def lowered_nonblocking_timeout(current: str | None, group_timeout: float | None) -> str:
@@ -110,6 +117,42 @@ def frozen_nonblocking_timeout(current: str | None, group_timeout: float | None,
     except ValueError:
         return None
     return kept if kept > int(lowered_nonblocking_timeout(None, group_timeout)) else None
+
+
+def nonblocking_seconds(value: str | None) -> int:
+    """What torch makes of a TORCH_NCCL_NONBLOCKING_TIMEOUT value (unset: its 30 min)."""
+    try:
+        return int(value) if value else TORCH_NONBLOCKING_DEFAULT_SECONDS
+    except ValueError:
+        return TORCH_NONBLOCKING_DEFAULT_SECONDS
+
+
+def note_nonblocking_read(value: str | None) -> None:
+    """torch read TORCH_NCCL_NONBLOCKING_TIMEOUT as `value` now (the process's first NCCL collective: a trainer's own
+    before our group, or our group's connect); a later note changes nothing, as a later read does not."""
+    global _kept
+    with _lock:
+        if _kept is None:
+            _kept = nonblocking_seconds(value)
+
+
+def kept_nonblocking_timeout(environ: Mapping[str, str] | None = None) -> int:
+    """The TORCH_NCCL_NONBLOCKING_TIMEOUT that bounds this process's NCCL connects: what torch read (noted), or, before
+    any NCCL ran, what it will read at the next one (`environ`'s value now)."""
+    import os
+
+    with _lock:
+        kept = _kept
+    return kept if kept is not None else nonblocking_seconds((os.environ if environ is None else environ).get(
+        NONBLOCKING_TIMEOUT))
+
+
+def connects_cut_short(kept: int, group_timeout: float) -> bool:
+    """Whether torch's value (`kept`) ends a group's connect waits (its communicator's init, its pairs') before the
+    group's own timeout would: a rank that joins later than that fails the group at `kept`."""
+    from weightsync.common.collective import nonblocking_timeout_seconds
+
+    return kept < nonblocking_timeout_seconds(group_timeout)
 
 
 def process_used_nccl() -> bool:
@@ -196,7 +239,8 @@ def hold_trainer_settings(interface: str | None, environ: MutableMapping[str, st
         if ifname is not None:
             settings[SOCKET_IFNAME] = ifname
         current = env.get(NONBLOCKING_TIMEOUT)
-        frozen = frozen_nonblocking_timeout(current, group_timeout, nccl_used=process_used_nccl())
+        nccl_used = process_used_nccl()
+        frozen = frozen_nonblocking_timeout(current, group_timeout, nccl_used=nccl_used)
         if not current or group_timeout is not None:
             env[NONBLOCKING_TIMEOUT] = lowered_nonblocking_timeout(current, group_timeout)
         held = _held.setdefault(id(env), _Held(environ=env, originals={}, holders=0))
@@ -204,6 +248,8 @@ def hold_trainer_settings(interface: str | None, environ: MutableMapping[str, st
             held.originals.setdefault(key, env.get(key))
         held.holders += 1
         env.update(settings)
+    if nccl_used and environ is None:
+        note_nonblocking_read(current)  # what torch read at the trainer's own first NCCL collective (most likely)
     if frozen is not None:
         log.warning("nccl_nonblocking_timeout_frozen", seconds=frozen,
                     why="this process ran NCCL before: torch keeps the TORCH_NCCL_NONBLOCKING_TIMEOUT it read then, so "

@@ -55,6 +55,7 @@ def _open(join: wpb.JoinGroupCommand, device: torch.device) -> CollectiveGroup:
         group_id=join.group_id, backend=join.backend, store=store, rank=join.rank,
         world_size=join.world_size, timeout=timeout, device=device,
         local_address=local_address_towards(join.store_host, join.store_port),
+        trainer_ranks=max(1, join.trainer_ranks),  # NCCL, several: every pair connected in the join
     )
 
 

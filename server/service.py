@@ -79,7 +79,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
         log.info("group_creating", world_size=record.world_size, rank_offset=record.rank_offset)
         join = wpb.JoinGroupCommand(
             group_id=record.group_id, store_host=request.store_host, store_port=request.store_port,
-            world_size=record.world_size, backend=record.backend,
+            world_size=record.world_size, backend=record.backend, trainer_ranks=record.trainer_ranks,
         )
         join.timeout.FromTimedelta(record.timeout)
         timeout = record.timeout.total_seconds() + JOIN_MARGIN_SECONDS

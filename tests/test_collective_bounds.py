@@ -19,10 +19,10 @@ from weightsync.common.collective import (
     CollectiveError,
     CollectiveGroup,
     RendezvousTimeout,
-    connect,
     failure_report_bound,
     nonblocking_timeout_seconds,
 )
+from weightsync.common.nccl_connect import connect
 from weightsync.common.transfer_waits import completed_failure, gloo_wait_seconds
 from weightsync.gpu_worker.device_faults import DeviceFault, DeviceLeftBusy, classify
 from weightsync.gpu_worker.group_table import GroupTable, abort_overdue

@@ -24,6 +24,7 @@ from weightsync.client.packing import PackBuffers, Payload
 from weightsync.client.transports.collective import CollectiveSink
 from weightsync.common import nccl_env, nccl_groups
 from weightsync.common.collective import CollectiveGroup, RendezvousTimeout, open_group
+from weightsync.common.nccl_connect import pair_byte, pair_peers
 from weightsync.common.nccl_groups import (
     GroupsStillClosing,
     process_group_device,
@@ -129,6 +130,41 @@ def test_nccl_point_to_point_runs_as_a_batch_of_one_on_the_groups_communicator()
     assert gloo_work.send_async(tensor, 2, 5) is gloo.work and gloo.calls == [("send", 2, 5)]
 
 
+def test_a_bucket_goes_to_all_its_owners_in_one_batch():
+    """Review H3, F6: a batch per owner, each completed before the next started on the communicator's one stream,
+    ran a bucket to S servers S times as long; in one batch NCCL runs the sends in one kernel, all at once."""
+    pg = Communicator()
+    group = nccl_group(pg)
+    tensor = torch.zeros(8, dtype=torch.uint8)
+    [work] = group.send_many_async(tensor, [4, 6, 9], 3)
+    group.wait(work)
+    assert pg.calls == [("start",), ("send", 4, 3), ("send", 6, 3), ("send", 9, 3), ("end",)]
+    assert len(set(pg.threads)) == 1 and group.peers == {4, 6, 9}
+    assert group.send_many_async(tensor, [], 4) == [] and len(pg.calls) == 5  # no owner: nothing started
+    group.receive(tensor, 0, 0)  # and the next transfer runs
+    assert pg.calls[-3:] == [("start",), ("recv", 0, 0), ("end",)]
+
+
+def test_one_batch_is_started_at_a_time_on_a_group():
+    """torch keeps a batch's state on the process group (coalescing_state_, coalescedComm_): a second start while
+    one given up on is still inside torch would corrupt it. Every caller closes a group whose start it gave up
+    on; one that did not is refused rather than run."""
+    pg = Communicator(connects=False)
+    group = nccl_group(pg)
+    tensor = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(CollectiveError):
+        group.send_async(tensor, 2, 0, deadline=time.monotonic() + 0.2)  # abandoned inside torch's end
+    with pytest.raises(CollectiveError, match="another one"):
+        group.send_async(tensor, 3, 0)
+    assert pg.calls.count(("start",)) == 1
+    pg.connected.set()
+    deadline = time.monotonic() + 5
+    while group._starting.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the abandoned start ends once torch lets go
+    group.wait(group.send_async(tensor, 3, 0))  # then the next one runs
+    assert pg.calls[-3:] == [("start",), ("send", 3, 0), ("end",)]
+
+
 def test_a_first_send_whose_peer_never_comes_ends_at_its_deadline():
     pg = Communicator(connects=False)
     group = nccl_group(pg)
@@ -232,6 +268,131 @@ def test_a_transfer_that_completed_because_its_group_was_closed_is_a_failure_not
     fresh = Communicator()  # the next group receives
     nccl_group(fresh).receive(torch.zeros(8, dtype=torch.uint8), 0, 0)
     assert fresh.work.synced == 1
+
+
+# -- F4, F5 (review H3): every (trainer rank, worker) pair connected inside open_group --------------------------------
+PAIRS = [  # rank, world, trainer ranks -> (sends, the ranks it connects to)
+    (0, 5, 2, (True, [2, 3, 4])),
+    (1, 5, 2, (True, [2, 3, 4])),
+    (3, 5, 2, (False, [0, 1])),
+    (0, 3, 1, (False, [])),  # one trainer: it broadcasts
+    (2, 3, 1, (False, [])),
+    (1, 2, 2, (False, [])),  # no worker
+]
+
+
+@pytest.mark.parametrize(("rank", "world", "trainers", "pairs"), PAIRS)
+def test_which_pairs_a_rank_connects(rank, world, trainers, pairs):
+    assert pair_peers(rank, world, trainers) == pairs
+
+
+def test_the_pairs_first_bytes_name_their_sender():
+    assert [pair_byte(r) for r in (0, 1, 254, 255, 256)] == [1, 2, 255, 1, 2]
+
+
+class Joinable(Communicator):
+    """A ProcessGroupNCCL every rank of which joined: the connect's broadcast completes, a receive gets the byte its
+    sender's pair_byte names (`swapped`: from the ranks in the other order)."""
+
+    swapped = False
+
+    class Options:
+        def __init__(self) -> None:
+            self.config = type("Config", (), {"blocking": 1})()
+            self._timeout = None
+
+    made: list[Joinable] = []
+
+    def __init__(self, store=None, rank=0, world_size=1, options=None) -> None:
+        super().__init__()
+        Joinable.made.append(self)
+
+    def broadcast(self, tensors, options) -> Work:
+        self._note("broadcast")
+        return Work()
+
+    def recv(self, tensors, peer: int, tag: int) -> None:
+        super().recv(tensors, peer, tag)
+        tensors[0].fill_(pair_byte(1 - peer if self.swapped else peer))
+
+
+@pytest.mark.parametrize(("rank", "calls"), [
+    (3, [("broadcast",), ("start",), ("recv", 0, 0), ("recv", 1, 0), ("end",)]),
+    (1, [("broadcast",), ("start",), ("send", 2, 0), ("send", 3, 0), ("send", 4, 0), ("end",)]),
+], ids=["worker", "part"])
+def test_a_parts_group_connects_every_pair_in_its_join_in_one_batch(monkeypatch, rank, calls):
+    """Left to the first push, a pair's first transfer waits in torch's spin (bounded only by
+    TORCH_NCCL_NONBLOCKING_TIMEOUT, read once per process) until the peer reaches its matching operation. A worker
+    learns the trainer ranks from its JoinGroupCommand (the server copies CreateTransferGroupRequest's)."""
+    import torch._C._distributed_c10d as c10d
+
+    from weightsync.common.collective import host_store
+    from weightsync.gpu_worker.group_table import _open
+
+    monkeypatch.setattr(c10d, "ProcessGroupNCCL", Joinable, raising=False)
+    Joinable.made.clear()
+    store = host_store("127.0.0.1", datetime.timedelta(seconds=10))
+    join = wpb.JoinGroupCommand(group_id=f"pairs-{rank}", store_host="127.0.0.1", store_port=store.port,
+                                world_size=5, rank=rank, backend=NCCL, trainer_ranks=2)
+    join.timeout.FromSeconds(10)
+    if rank == 3:
+        group = _open(join, torch.device("cpu"))
+    else:  # a part joins through open_group with its own trainer_ranks
+        group = open_group(group_id=join.group_id, backend=NCCL, store=store, rank=rank, world_size=5,
+                           timeout=datetime.timedelta(seconds=10), device=torch.device("cpu"),
+                           local_address="127.0.0.1", trainer_ranks=2)
+    [pg] = Joinable.made
+    assert pg.calls == calls and group.trainer_ranks == 2
+    assert group.peers == ({0, 1} if rank == 3 else {2, 3, 4})
+    assert len(set(pg.threads[1:])) == 1  # the batch in one thread
+    assert group.close(5.0)
+    # One trainer: no pairs (it broadcasts every bucket).
+    alone = open_group(group_id="one-trainer", backend=NCCL, store=store, rank=1, world_size=3,
+                       timeout=datetime.timedelta(seconds=10), device=torch.device("cpu"), local_address="127.0.0.1")
+    assert Joinable.made[-1].calls == [("broadcast",)] and alone.close(5.0)
+
+
+def test_a_worker_whose_pairs_bytes_come_from_other_ranks_fails_its_join(monkeypatch):
+    import torch._C._distributed_c10d as c10d
+
+    from weightsync.common.collective import host_store
+
+    monkeypatch.setattr(c10d, "ProcessGroupNCCL", Joinable, raising=False)
+    monkeypatch.setattr(Joinable, "swapped", True)
+    Joinable.made.clear()
+    store = host_store("127.0.0.1", datetime.timedelta(seconds=10))
+    with pytest.raises(RuntimeError, match="came from other ranks"):
+        open_group(group_id="swapped", backend=NCCL, store=store, rank=2, world_size=3,
+                   timeout=datetime.timedelta(seconds=10), device=torch.device("cpu"), local_address="127.0.0.1",
+                   trainer_ranks=2)
+    assert Joinable.made[-1].aborted.is_set()  # the group it built is closed
+    monkeypatch.setattr(Joinable, "swapped", False)
+    ok = open_group(group_id="in-order", backend=NCCL, store=store, rank=2, world_size=3,
+                    timeout=datetime.timedelta(seconds=10), device=torch.device("cpu"), local_address="127.0.0.1",
+                    trainer_ranks=2)
+    assert ok.peers == {0, 1} and ok.close(5.0)
+
+
+def test_pairs_that_never_connect_fail_the_join_at_its_timeout(monkeypatch):
+    import torch._C._distributed_c10d as c10d
+
+    from weightsync.common.collective import host_store
+
+    class Unconnected(Joinable):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            self.connected.clear()  # a batch's end waits (a worker that never joins the pairs' round)
+
+    monkeypatch.setattr(c10d, "ProcessGroupNCCL", Unconnected, raising=False)
+    Joinable.made.clear()
+    store = host_store("127.0.0.1", datetime.timedelta(seconds=10))
+    started = time.monotonic()
+    with pytest.raises(RendezvousTimeout, match="not every pair connected"):
+        open_group(group_id="no-pairs", backend=NCCL, store=store, rank=0, world_size=3,
+                   timeout=datetime.timedelta(seconds=0.5), device=torch.device("cpu"), local_address="127.0.0.1",
+                   trainer_ranks=2)
+    assert time.monotonic() - started < 0.5 + FAILED_CLOSE_JOIN_SECONDS + 2
+    Joinable.made[-1].connected.set()
 
 
 # -- C3: torch 2.11's failed work, read within a bound ------------------------------------------------------
@@ -511,3 +672,75 @@ FROZEN = [  # variable now, group timeout, process ran NCCL -> what torch kept (
 @pytest.mark.parametrize(("current", "timeout", "used", "kept"), FROZEN)
 def test_the_frozen_nonblocking_timeout_is_named(current, timeout, used, kept):
     assert nccl_env.frozen_nonblocking_timeout(current, timeout, nccl_used=used) == kept
+
+
+CUT_SHORT = [  # torch's value, group timeout -> the group's connects end before its timeout
+    (20, 60.0, True),  # the kit's 20 s, a 60 s group
+    (120, 300.0, True),  # a worker's cap, a long group
+    (59, 60.0, False),  # what nccl_env sets for a 60 s group
+    (1800, 60.0, False),  # torch's default (it lingers instead)
+]
+
+
+@pytest.mark.parametrize(("kept", "timeout", "short"), CUT_SHORT)
+def test_a_nonblocking_timeout_below_the_groups_cuts_its_connects_short(kept, timeout, short):
+    assert nccl_env.connects_cut_short(kept, timeout) is short
+
+
+def test_the_kept_nonblocking_timeout_is_the_first_one_torch_read(monkeypatch):
+    monkeypatch.setattr(nccl_env, "_kept", None)
+    assert nccl_env.kept_nonblocking_timeout({}) == 1800  # none read yet: what the next NCCL call reads
+    assert nccl_env.kept_nonblocking_timeout({nccl_env.NONBLOCKING_TIMEOUT: "45"}) == 45
+    nccl_env.note_nonblocking_read("20")
+    nccl_env.note_nonblocking_read("90")  # torch reads once: a later value changes nothing
+    assert nccl_env.kept_nonblocking_timeout({nccl_env.NONBLOCKING_TIMEOUT: "45"}) == 20
+
+
+def events(caplog, name: str) -> list[dict]:
+    return [r.weightsync for r in caplog.records if getattr(r, "weightsync", {}).get("event") == name]
+
+
+@pytest.mark.parametrize(("kept", "warned"), [(20, True), (1800, False)])
+def test_a_group_whose_connects_torch_ends_before_its_timeout_says_so(monkeypatch, caplog, kept, warned):
+    """Review H3, F4: torch's value, read once per process, ends a group's connects (the communicator's init, its
+    pairs') at that value, whatever the group's own timeout: a worker's is its first group's, a trainer's its own."""
+    import logging
+
+    import torch._C._distributed_c10d as c10d
+
+    from weightsync.common.collective import host_store
+
+    caplog.set_level(logging.INFO, logger="weightsync.collective")
+    monkeypatch.setattr(c10d, "ProcessGroupNCCL", Joinable, raising=False)
+    monkeypatch.setattr(nccl_env, "_kept", kept)
+    store = host_store("127.0.0.1", datetime.timedelta(seconds=10))
+    group = open_group(group_id=f"cut-{kept}", backend=NCCL, store=store, rank=0, world_size=1,
+                       timeout=datetime.timedelta(seconds=60), device=torch.device("cpu"), local_address="127.0.0.1")
+    said = events(caplog, "nccl_connect_cut_short")
+    assert bool(said) is warned
+    if warned:
+        assert (said[0]["nonblocking_timeout"], said[0]["group_timeout"]) == (20, 60.0)
+    assert group.close(5.0)
+
+
+def test_a_group_left_unreleased_says_how_long_and_what_it_blocks(monkeypatch, caplog):
+    """Review H3, F11: two unreleased groups refuse every new one (verl regroups at every sync) until torch lets go."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="weightsync.collective")
+    monkeypatch.setattr(nccl_env, "_kept", 1800)
+    pg = Communicator()
+    hang = threading.Event()
+    pg.abort = lambda: hang.wait(30)
+    group = nccl_group(pg)
+    try:
+        assert group.close(0.1) is False
+        [said] = events(caplog, "nccl_group_unreleased")
+        assert said["group_id"] == "g" and said["nonblocking_timeout"] == 1800 and "g" in said["unreleased"]
+        assert said["refused_from"] == nccl_groups.MAX_UNRELEASED_NCCL_GROUPS
+    finally:
+        hang.set()
+    assert group.released.wait(5) and "g" not in nccl_groups.UNRELEASED.ids()
+    fresh = Communicator()  # the next group works
+    nccl_group(fresh).receive(torch.zeros(8, dtype=torch.uint8), 0, 0)
+    assert fresh.work.synced == 1

@@ -6,7 +6,10 @@ stored by no worker of a server) and random delays (which rank moves next), in t
   - serialized: each rank runs one operation at a time, a send completing only when its receiver is at the
     matching receive (NCCL: each rank's ops serialized on its stream);
   - windowed: a part starts bucket k's sends before it waits for bucket k-1's, two buckets in flight at most
-    (the client's CollectiveSink over Gloo), a worker receiving one bucket at a time.
+    (the client's CollectiveSink over Gloo), a worker receiving one bucket at a time;
+  - batched: a part posts all of bucket k's sends at once, once bucket k-1's all completed (NCCL: one batch per
+    bucket, a rank's batches one at a time on its stream); within a batch the sends complete in an order drawn at
+    random, one after the other (whatever order NCCL's channels take them in, the worst being one at a time).
 A deadlock is a state where no rank can move and some transfer is left. The global order never deadlocks;
 a worker taking its buckets in the order their announcements reached it does (a literal case, and found
 among random plans), so the check can fail.
@@ -74,10 +77,12 @@ def random_plan(rng: random.Random) -> Plan:
     return Plan(parts, workers, owners)
 
 
-def simulate(plan: Plan, orders: dict[int, list[tuple[int, int]]], rng: random.Random, *, window: int) -> bool:
+def simulate(plan: Plan, orders: dict[int, list[tuple[int, int]]], rng: random.Random, *,
+             window: int | str) -> bool:
     """True when every transfer completed; False at a deadlock. `orders`: each worker's (part, bucket) order.
     window 1: serialized (a part's sends one at a time, in send_order); 2: a part posts bucket k's sends, then
-    waits for bucket k-1's (two buckets in flight)."""
+    waits for bucket k-1's (two buckets in flight); "batched": a part posts all of bucket k's sends once bucket
+    k-1's completed, and they complete one after the other in an order drawn when they are posted."""
     sends = {p: send_order(plan.owners[p]) for p in range(plan.parts)}
     posted: dict[int, list[tuple[int, int]]] = {p: [] for p in sends}  # started, not completed
     next_send = {p: 0 for p in sends}
@@ -87,13 +92,14 @@ def simulate(plan: Plan, orders: dict[int, list[tuple[int, int]]], rng: random.R
         for p in sends:
             if next_send[p] < len(sends[p]):
                 bucket = sends[p][next_send[p]][0]
-                if window == 1:
+                if window in (1, "batched"):
                     can_post = not posted[p]
                 else:  # bucket k's sends start once every send of bucket k-2 and earlier completed
                     can_post = all(b >= bucket - 1 for b, _ in posted[p])
                 if can_post:
                     moves.append(("post", p))
-            for bucket, owner in posted[p]:
+            # A batch's sends complete one after the other, in its drawn order; the others' in any order.
+            for bucket, owner in posted[p][:1] if window == "batched" else posted[p]:
                 if receiving[owner] and receiving[owner][0] == (p, bucket):
                     moves.append(("complete", p, bucket, owner))
         if not moves:
@@ -101,6 +107,12 @@ def simulate(plan: Plan, orders: dict[int, list[tuple[int, int]]], rng: random.R
         move = rng.choice(moves)
         if move[0] == "post":
             p = move[1]
+            if window == "batched":  # the whole bucket at once
+                bucket = sends[p][next_send[p]][0]
+                batch = [send for send in sends[p][next_send[p]:] if send[0] == bucket]
+                posted[p] = rng.sample(batch, len(batch))
+                next_send[p] += len(batch)
+                continue
             posted[p].append(sends[p][next_send[p]])
             next_send[p] += 1
         else:
@@ -127,9 +139,9 @@ def arrival_orders(plan: Plan, rng: random.Random) -> dict[int, list[tuple[int, 
     return orders
 
 
-@pytest.mark.parametrize("window", [1, 2], ids=["serialized", "windowed"])
+@pytest.mark.parametrize("window", [1, 2, "batched"], ids=["serialized", "windowed", "batched"])
 def test_global_order_never_deadlocks(window):
-    rng = random.Random(35_000 + window)
+    rng = random.Random(35_000 + (window if isinstance(window, int) else 3))
     for _ in range(600):
         plan = random_plan(rng)
         orders = global_orders(plan)
@@ -144,15 +156,18 @@ def test_arrival_order_deadlocks_literal():
     a, b = 2, 3
     plan = Plan(2, [[a], [b]], [[[b], [a]], [[a], [b]]])
     arrival = {a: [(0, 1), (1, 0)], b: [(1, 1), (0, 0)]}
-    assert not simulate(plan, arrival, random.Random(1), window=1)
-    assert all(simulate(plan, global_orders(plan), random.Random(seed), window=1) for seed in range(20))
+    for window in (1, "batched"):
+        assert not simulate(plan, arrival, random.Random(1), window=window)
+        assert all(simulate(plan, global_orders(plan), random.Random(seed), window=window) for seed in range(20))
 
 
-def test_arrival_order_deadlocks_among_random_plans():
+@pytest.mark.parametrize("window", [1, "batched"], ids=["serialized", "batched"])
+def test_arrival_order_deadlocks_among_random_plans(window):
     rng = random.Random(7)
     deadlocked = 0
     for _ in range(400):
         plan = random_plan(rng)
-        if not simulate(plan, arrival_orders(plan, rng), rng, window=1):
+        if not simulate(plan, arrival_orders(plan, rng), rng, window=window):
             deadlocked += 1
     assert deadlocked > 0
+

@@ -1,5 +1,5 @@
 """COLLECTIVE: each bucket to the transfer group, a broadcast (NCCL, one trainer) or point-to-point to its
-owners (Gloo; NCCL for a part of several), two buckets in flight at most (see base.py)."""
+owners (Gloo; NCCL for a part of several: one batch per bucket), two buckets in flight at most (see base.py)."""
 
 from __future__ import annotations
 
@@ -71,18 +71,18 @@ class CollectiveSink:
             if self._collective.backend == pb.BACKEND_NCCL and self._collective.trainer_ranks == 1:
                 started = [(self._collective.broadcast_async(data), deadline)]
             else:
-                # In increasing owner rank (owner_ranks); the owners receive in one global order, so none waits
-                # on a later one (common/receive_order.py). Over NCCL each send runs on the group's own
-                # communicator and stream (common/nccl_p2p.py), after this thread's current stream (the pack
-                # copies, read() ordered them); its start may wait for the owner to reach the matching receive
-                # (their first transfer connects them), within the transfer's deadline and only while no
-                # server said the update is aborting. torch records `data` on the send's stream; finish()
-                # orders the next pack after every send.
-                started = []
-                for rank in owner_ranks(streams, index):
-                    self._sent_point_to_point_over_nccl |= self._collective.backend == pb.BACKEND_NCCL
-                    started.append((self._collective.send_async(data, rank, bucket_tag(index), deadline=deadline,
-                                                                stopped=self._told), deadline))
+                # To each server's owner; the owners receive in one global order, so no wait points at a later
+                # transfer (common/receive_order.py). Gloo: a send per owner, in increasing rank. NCCL: ONE batch
+                # of them all on the group's own communicator and stream (common/nccl_p2p.py; a send per owner
+                # each completed before the next started ran a bucket to S servers S times as long), after this
+                # thread's current stream (the pack copies, read() ordered them); its start is waited for within
+                # the transfer's deadline and only while no server said the update is aborting. torch records
+                # `data` on the batch's stream; finish() orders the next pack after every send.
+                ranks = owner_ranks(streams, index)
+                self._sent_point_to_point_over_nccl |= self._collective.backend == pb.BACKEND_NCCL and bool(ranks)
+                works = self._collective.send_many_async(data, ranks, bucket_tag(index), deadline=deadline,
+                                                         stopped=self._told)
+                started = [(work, deadline) for work in works]
         except TransferStopped as stopped:
             self._broke()
             self.finish()

@@ -165,8 +165,8 @@ def _forget_bases(states: list[ServerState]) -> None:
     """This part's push failed: every server's record forgets its generation, so the next push names no
     base. Every part whose push failed does the same, whatever failed it (its own error, or another part's
     through the servers), so their next bases agree; a part that committed while another lost the answer
-    names a base the other does not, and that push fails once (PART_MISMATCH, then PARTS_MISSING) before
-    they agree again."""
+    names a base the other does not, and that push fails once (PART_MISMATCH on every part) before they
+    agree again."""
     for state in states:
         state.base_refused()  # the transition that forgets the generation
 

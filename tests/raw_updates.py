@@ -50,3 +50,18 @@ def refused(stream: UpdateStream) -> tuple[grpc.StatusCode, str, dict[str, str]]
     stream.close()
     info = error_info(caught.value)
     return caught.value.code(), info.reason, dict(info.metadata)
+
+
+def refused_past_keepalives(stream: UpdateStream) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    """How the stream ended (its status code, ErrorInfo reason and metadata), past its keepalives and its
+    `aborting` (answered with an abort: the status follows)."""
+    try:
+        while (answer := stream.recv()).WhichOneof("message") == "waiting":
+            pass
+    except grpc.RpcError as error:
+        stream.close()
+        info = error_info(error)
+        return error.code(), info.reason, dict(info.metadata)
+    assert answer.WhichOneof("message") == "aborting", answer
+    stream.send(abort=pb.AbortUpdate(reason="told it is aborting"))
+    return refused(stream)

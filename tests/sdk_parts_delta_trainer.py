@@ -28,9 +28,10 @@ CHANGING = ("a", "b", "c", "rows", "cols")
 CHANGED_FRACTION = 200
 """Each step changes numel // CHANGED_FRACTION positions (0.5%, drawn with repetition) of each changing tensor."""
 BUCKET_BYTES = 64 << 10
-JOIN_TIMEOUT = 10
-"""Step 6's first part waits this long for the part the server refused (PARTS_MISSING); the parts' Begins of
-every push follow their agreement's all-gather, so they are never this far apart."""
+JOIN_TIMEOUT = 60
+"""How long a server waits for the other part's Begin: the parts' Begins of every push follow their agreement's
+all-gather, so they are never this far apart, even on a loaded host (step 6's refused part fails the other at
+once: PART_MISMATCH on both)."""
 
 
 def full(step: int) -> dict[str, torch.Tensor]:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from raw_updates import generation, push_whole, refused
+from raw_updates import generation, push_whole, refused, refused_past_keepalives
 
 from weightsync.common.checksum import tensor_checksum
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import (
     UpdateStream,
-    error_info,
     local_checksums,
     pack,
     plan_buckets,
@@ -169,21 +168,6 @@ def test_a_part_that_stalls_is_named_to_every_part_in_client_idle(idle_node):
     assert generation(idle_node) == before
     assert server_checksums(idle_node) == [local_checksums(model(1))]
     assert push_parts(idle_node, model(10), "v10", "k-after-stall") == before + 1
-
-
-def refused_past_keepalives(stream: UpdateStream) -> tuple[grpc.StatusCode, str, dict[str, str]]:
-    """How the stream ended (its status code, ErrorInfo reason and metadata), past its keepalives and its
-    `aborting` (answered with an abort: the status follows)."""
-    try:
-        while (answer := stream.recv()).WhichOneof("message") == "waiting":
-            pass
-    except grpc.RpcError as error:
-        stream.close()
-        info = error_info(error)
-        return error.code(), info.reason, dict(info.metadata)
-    assert answer.WhichOneof("message") == "aborting", answer
-    stream.send(abort=pb.AbortUpdate(reason="told it is aborting"))
-    return refused(stream)
 
 
 @pytest.mark.parametrize("leaving", [0, 1])

@@ -268,6 +268,12 @@ def test_the_kits_pytest_runs_the_one_gpu_list_with_a_low_nonblocking_timeout():
     ids = [line for line in collected.stdout.splitlines() if "::" in line]
     for test in tests:
         assert any(i == test or i.startswith(test + "::") or i.startswith(test + "[") for i in ids), test
+    # The tests that abort a communicator with a kernel still queued run last: a fault would be sticky for the
+    # context, and every test after them would fail for the wrong reason (review H3, F9).
+    assert ids[-2:] == [
+        "tests/gpu/test_nccl_one_gpu.py::test_a_broadcast_that_outlasts_the_group_timeout_fails_at_it_and_close_stays_bounded",
+        "tests/gpu/test_nccl_pairs.py::test_a_failed_receives_cached_blocks_wait_for_its_kernel_and_the_abort_is_answered_at_once",
+    ], ids[-4:]
 
 
 def dedented_scripts() -> list[tuple[str, int, str]]:

@@ -50,10 +50,17 @@ def _needs_a_server(item) -> bool:
     return bool({"cuda_server", "cpu_server"} & names)
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "aborts_queued_kernel: aborts a communicator with a kernel still queued (run "
+                                       "last: a fault would be sticky for the process's CUDA context)")
+
+
 def pytest_collection_modifyitems(config, items):
     # Tests without a server first: they are quick, and a run cut short by its time limit on a
-    # lent machine still reports them (the order within each kind is the files' order).
-    items.sort(key=_needs_a_server)
+    # lent machine still reports them (the order within each kind is the files' order). Last, the
+    # tests that abort a communicator with a kernel still queued: if the abort faulted the context,
+    # only they could fail for it (each records whether it did: gpukit.context_after_abort).
+    items.sort(key=lambda item: ("aborts_queued_kernel" in item.keywords, _needs_a_server(item)))
     for item in items:
         if GPUS == 0:
             item.add_marker(pytest.mark.skip(reason="no CUDA device: the GPU suite runs on a machine with one"))

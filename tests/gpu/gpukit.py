@@ -108,3 +108,26 @@ def send_with_deadline(group, buffer: torch.Tensor, seconds: float) -> dict | st
         return "returned"
     except CollectiveError as error:
         return {"timed_out": error.timed_out, "seconds": time.monotonic() - started}
+
+
+def context_after_abort(test: str) -> None:
+    """After a test aborted a communicator with a kernel still queued: whether the CUDA context survived (recorded), and
+    a failure saying so if not. A fault there is sticky: every later test of the process would fail for the wrong
+    reason, which is why such tests run last (conftest.py, marker aborts_queued_kernel)."""
+    try:
+        torch.cuda.synchronize()
+        error = None
+    except RuntimeError as failed:
+        error = str(failed)[:300]
+    record("context_after_abort", test=test, faulted=error is not None, error=error)
+    assert error is None, f"the CUDA context faulted once the aborted kernel's queue drained: {error}"
+
+
+def context_sound() -> None:
+    """Before such a test: fail as what it is when an earlier one left the context faulted."""
+    import pytest
+
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as failed:
+        pytest.fail(f"the CUDA context was faulted before this test (see the context_after_abort records): {failed}")

@@ -37,15 +37,20 @@ from weightsync.v1 import weight_sync_service_pb2 as pb
 from gpukit import (
     SLEEP_CYCLES,
     assert_same_bytes,
+    context_after_abort,
+    context_sound,
     gpu_model,
     info,
     mapped_copy,
+    record,
     written_behind_a_sleep,
 )
 
 pytestmark = pytest.mark.timeout(300)
 
 DEVICE = torch.device("cuda", 0)
+LAZY_PAIR_WARNING = "In lazy initialization mode, this will result in a new 2-rank"
+"""torch's warning when a send or recv builds a two-rank communicator of its own (ProcessGroupNCCL::pointToPoint)."""
 
 
 def open_alone(group_id: str, timeout_seconds: float) -> tuple[CollectiveGroup, object]:
@@ -102,10 +107,12 @@ def test_a_one_rank_nccl_group_opens_broadcasts_waits_by_polling_and_closes(poll
         group.broadcast_async(torch.zeros(8, dtype=torch.uint8, device=DEVICE))
 
 
+@pytest.mark.aborts_queued_kernel
 def test_a_broadcast_that_outlasts_the_group_timeout_fails_at_it_and_close_stays_bounded(polled):
     """The polling wait gives up at the group's timeout (never torch's timed wait, which would abort in this
     thread); close() aborts the communicator with the broadcast still queued, within CLOSE_JOIN_SECONDS;
-    the device stays usable and the next group works."""
+    the device stays usable (recorded: context_after_abort) and the next group works."""
+    context_sound()
     timeout = 2.0
     group, _store = open_alone("solo-late", timeout)
     tensor = torch.zeros(1 << 20, dtype=torch.uint8, device=DEVICE)
@@ -121,12 +128,52 @@ def test_a_broadcast_that_outlasts_the_group_timeout_fails_at_it_and_close_stays
     started = time.monotonic()
     closed = group.close()
     assert time.monotonic() - started < CLOSE_JOIN_SECONDS + 1, f"close() held its caller (finished: {closed})"
-    torch.cuda.synchronize()  # the kernel drains; the context is sound
+    context_after_abort("one_gpu_broadcast_outlasting_its_timeout")  # the kernel drains; the context is sound
     after, _after_store = open_alone("solo-next", 30)
     try:
         broadcast_and_check(after, seed=3)
     finally:
         assert after.close()
+
+
+def test_a_batch_on_the_groups_communicator_waits_for_the_callers_stream_and_returns_a_work(capfd):
+    """Review H3, F2: what every point-to-point transfer of parts over NCCL goes through, on one GPU: a batch (a send
+    to itself and the matching receive) started by CollectiveGroup.start_batch on the communicator open_group's
+    connect built, from a caller running on a side stream behind ~1 s of kernel. torch's _end_coalescing returns a
+    real work (torch 2.11 included); the batch waits for the caller's stream (the start thread took it), not for
+    the legacy default stream; is_completed() is False meanwhile; group.wait() reads its outcome (torch 2.11's
+    fallback included) and orders the caller's stream after it; the bytes arrive; torch built no two-rank
+    communicator (its lazy-mode warning absent). What one GPU cannot show, close() ending a pair's connect, is
+    test_nccl_two_ranks.py's (a first send to a rank that never receives)."""
+    from weightsync.common.nccl_p2p import PointToPoint
+
+    group, _store = open_alone("batch-1", 30)
+    try:
+        sent = torch.arange(1 << 20, dtype=torch.int64, device=DEVICE).to(torch.uint8)
+        received = torch.zeros_like(sent)
+        side = torch.cuda.Stream(DEVICE)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)  # ~1 s on the caller's stream, not the default one
+            slept = torch.cuda.Event()
+            slept.record(side)
+            work = group.start_batch([PointToPoint(True, sent, 0), PointToPoint(False, received, 0)])
+            waiting = work is not None and not work.is_completed()
+            group.wait(work)
+            ordered = slept.query()  # the caller's stream is past the sleep once wait() returned
+        same = bool(torch.equal(received, sent))
+        err = capfd.readouterr().err
+        record("batch_on_the_groups_communicator", work=type(work).__name__, completed_while_the_caller_slept=not waiting,
+               caller_stream_ordered=ordered, bytes_ok=same, lazy_pair_warning=LAZY_PAIR_WARNING in err)
+        assert work is not None and waiting, "the batch did not wait for the caller's (side) stream"
+        assert ordered and same
+        assert LAZY_PAIR_WARNING not in err
+        assert group.peers == {0}
+        again = torch.zeros_like(sent)  # the next batch runs at once (nothing left to connect)
+        group.wait(group.start_batch([PointToPoint(True, sent, 0), PointToPoint(False, again, 0)]))
+        assert torch.equal(again, sent)
+    finally:
+        assert group.close()
 
 
 def test_a_trainer_and_a_cuda_worker_on_one_gpu_use_gloo_and_say_why(cuda_server, caplog):

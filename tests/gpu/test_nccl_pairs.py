@@ -34,7 +34,7 @@ from weightsync.gpu_worker.group_table import GroupTable
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
-from gpukit import SLEEP_CYCLES, record
+from gpukit import SLEEP_CYCLES, context_after_abort, context_sound, record
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -148,10 +148,13 @@ def test_a_first_send_to_an_absent_rank_and_a_failed_connect_are_bounded_and_rel
     assert out["next_group_ok"] and out["next_group_closed"]
 
 
+@pytest.mark.aborts_queued_kernel
 def test_a_failed_receives_cached_blocks_wait_for_its_kernel_and_the_abort_is_answered_at_once():
     """P2: the staging slot was recorded on NCCL's stream behind the receive; torch's empty_cache waits for that
     stream's events, so releasing the staging at the abort would wait for the kernel (here: behind ~3 s of
-    sleep). The lane holds its cached blocks while the group's work may be queued, and gives them back after."""
+    sleep). The lane holds its cached blocks while the group's work may be queued, and gives them back after.
+    The abort lands with the broadcast still queued: whether the context survived it is recorded."""
+    context_sound()
     timeout = datetime.timedelta(seconds=30)
     store = host_store("127.0.0.1", timeout)
     torch.cuda.set_device(DEVICE)
@@ -174,7 +177,7 @@ def test_a_failed_receives_cached_blocks_wait_for_its_kernel_and_the_abort_is_an
     lane.release()
     released_in = time.monotonic() - started
     busy = table.device_busy()
-    torch.cuda.synchronize()  # the sleep, then the broadcast, end
+    context_after_abort("p2_failed_receive")  # the sleep, then the aborted broadcast, end
     deadline = time.monotonic() + 30
     while table.device_busy() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -11,10 +11,11 @@ written behind a long kernel, over one transfer group of both parts' ranks and t
 (b) Three GPUs (skipped with a reason on fewer): part r on cuda:r, the worker on cuda:2, backend "nccl", the
     trainers running an NCCL all_reduce of their own first (so torch keeps its own TORCH_NCCL_NONBLOCKING_TIMEOUT,
     as in a real trainer). Over NCCL with several trainer ranks a part sends each bucket point-to-point (not a
-    broadcast) from its device pack buffer, as a batch of one on the group's own communicator after the pack
-    copies, the worker receiving into its device staging in the one global order, every wait polled against the
-    group's timeout. Same checks, and recorded: each GPU's free memory before the group, after it, after each
-    push (C2: one communicator per group, its peers' buffers), and the first push against the second (L6).
+    broadcast) from its device pack buffer, a bucket's owners in one batch on the group's own communicator after
+    the pack copies, the worker receiving into its device staging in the one global order, every wait polled
+    against the group's timeout; every (part, worker) pair connected in create_group. Same checks, and recorded:
+    each GPU's free memory before the group, after it, after each push (C2: one communicator per group, its
+    peers' buffers, per peer: review H3, F5), and the first push against the second (L6).
 (c) Three GPUs: part 1 SIGKILLed after its bucket 0 of the first push: part 0 learns PART_FAILED naming it well
     within the group timeout (C1: no send of it waits past the server's word), and its group is broken (it sent
     over NCCL: a send may have completed into a receive never posted, P1): the next push on it is refused.
@@ -95,6 +96,9 @@ def trainer_main() -> None:
         client.create_group(backend=backend, timeout=GROUP_TIMEOUT)
         out["free"]["after_group"] = torch.cuda.mem_get_info(device)[0]
         group = client._group
+        # NCCL's communicator and per-peer buffers, all spent in create_group (every pair connected there).
+        out["peers"] = sorted(group.collective.peers)
+        out["group_device_bytes_after_create"] = group.collective.nccl_device_bytes
         out["group"] = {"backend": group.backend, "rank": group.rank, "trainer_ranks": group.trainer_ranks,
                         "device": str(group.device)}
         for version, seed in STEPS:
@@ -234,8 +238,12 @@ def test_two_parts_push_point_to_point_over_nccl(worker_on_gpu2, tmp_path):
     worker_grown = worker_free - free_on(2)
     record("nccl_parts_memory", worker_grown=worker_grown, parts=[zero["free"], one["free"]],
            group_device_bytes=[zero["group_device_bytes"], one["group_device_bytes"]],
+           device_bytes_per_peer=[r["group_device_bytes_after_create"] // max(1, len(r["peers"])) for r in (zero, one)],
            push_seconds=[zero["seconds"], one["seconds"]])
     assert worker_grown <= WORKER_GROWTH_BYTES
+    assert zero["peers"] == one["peers"] == [2]  # each part's pair with the worker, connected in create_group
+    for ranks in (zero, one):  # nothing more connected by the pushes
+        assert ranks["group_device_bytes"] == ranks["group_device_bytes_after_create"]
     for ranks in (zero, one):  # the second push costs a part's GPU nothing more (no pair made per push)
         assert ranks["free"]["after_v1"] - ranks["free"]["after_v2"] < 64 << 20
         assert ranks["seconds"]["v1"] - ranks["seconds"]["v2"] < 10.0  # L6: the first push's connects are cheap
@@ -280,7 +288,9 @@ def test_four_parts_push_to_four_workers_over_nccl(tmp_path):
         ranks = run_ranks([__file__, "{rank}", "4", str(free_port()), server.address, str(tmp_path), "nccl", "0"],
                           4, tmp_path, TRAINER_TIMEOUT_S)
         record("nccl_four_parts", free=[r["free"] for r in ranks], seconds=[r["seconds"] for r in ranks],
-               group_device_bytes=[r["group_device_bytes"] for r in ranks])
+               group_device_bytes=[r["group_device_bytes"] for r in ranks],
+               device_bytes_per_peer=[r["group_device_bytes_after_create"] // max(1, len(r["peers"])) for r in ranks])
+        assert all(r["peers"] == [4, 5, 6, 7] for r in ranks)  # every part connected to every worker
         for k, (version, _) in enumerate(STEPS):
             assert all(r[version] == {server.address: before + 1 + k} for r in ranks)
             assert all(r[f"{version}_mismatches"] == [] for r in ranks)

@@ -3,7 +3,7 @@ device a torch process group's collectives take their tensors on.
 
 A group whose communicator never finished its init cannot be released before TORCH_NCCL_NONBLOCKING_TIMEOUT:
 torch waits for that init holding the communicator's lock (NCCLComm::getNcclComm -> waitReady), and the abort
-takes the same lock (common/collective.py's connect). Each such group holds a thread, NCCL's own threads and
+takes the same lock (common/nccl_connect.py's connect). Each such group holds a thread, NCCL's own threads and
 sockets and the device memory its init took meanwhile; a trainer whose first NCCL use was its own keeps torch's
 30 min. A process therefore refuses a new NCCL group while MAX_UNRELEASED_NCCL_GROUPS are still unreleased
 (verl makes a new group after every failed sync: without a bound each failure would add one).

@@ -174,7 +174,7 @@ class Pending:
 
 
 class PendingPG:
-    """A process group whose sends are on the wire until released (NCCL: each a batch of one); abort releases."""
+    """A process group whose sends are on the wire until released (NCCL: a batch each); abort releases."""
 
     def __init__(self) -> None:
         self.work = Pending()

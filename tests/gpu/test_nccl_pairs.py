@@ -6,6 +6,9 @@ its lock, until TORCH_NCCL_NONBLOCKING_TIMEOUT) is bounded by the transfer's dea
 close() from another thread; it runs batched on the group's one communicator (torch's lazy-mode warning about a
 two-rank communicator per pair never appears); the abort is released only when torch lets go of the init
 (measured); failed connects are reported at once, and a third NCCL group is refused while two are unreleased.
+What the absent-rank cases measure is torch's wait for the communicator's INIT (the group is built bare, without
+open_group's connect), not a pair's connect on a communicator that exists, which is what a real group meets:
+close() ending that one is shown only by test_nccl_two_ranks.py (a first send to a rank that never receives).
 These run in a subprocess whose first NCCL call is a one-rank all_reduce of its own (as a trainer's FSDP would),
 with TORCH_NCCL_NONBLOCKING_TIMEOUT from the environment (the kit exports 20; 30 when unset), so that torch's
 value is the one read then. The two-GPU tests (test_nccl_two_ranks.py) show the same with a peer that exists.

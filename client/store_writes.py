@@ -6,7 +6,9 @@ its ingress slot (the ingress is mapped here as one more arena, INGRESS).
   CPU tensors   one pass per tensor (common/ws64_host.copy_ws64_terms): the tensor is read once and its
                 place in the store written once, its checksum terms summed on the way; the gaps of a
                 bucket laid out as a segment (its padding) are written as zeros, which the checksum
-                counts as such.
+                counts as such. Small tensors (a call each would cost more than their bytes) are copied
+                by groups of about a MiB with one torch call and summed from their place right after, while
+                it is in the cache (StoreWriter._copy_host).
   CUDA tensors  a device-to-host copy into the store's mapping, which is pinned (cudaHostRegister,
                 common/host_pinning.py) once per mapping, so the copy is a DMA that runs while the host
                 goes on; queued on a side stream of the tensor's device, after the work already queued on
@@ -16,12 +18,13 @@ its ingress slot (the ingress is mapped here as one more arena, INGRESS).
                 completed (BucketWrite.checksum waits for them), so its owner, who reads the store once
                 it is announced, reads it after the copies; the sources and temporaries the queued work
                 reads are held until then.
-Nothing of the trainer reads the bytes it wrote: the checksum is the source's, so a byte that changes in
-the store after it was written (or a copy that went wrong) fails the owner's check.
+The checksum is the source's as it is copied (a small tensor's: of its place just after the copy), so a
+byte that changes in the store after it was written fails the owner's check.
 """
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import warnings
@@ -35,7 +38,7 @@ from weightsync.client.packing import TensorSource
 from weightsync.common import byte_passes
 from weightsync.common.checksum import to_proto, ws64_terms_torch
 from weightsync.common.host_pinning import pin_host, unpin_host
-from weightsync.common.ws64_host import copy_ws64_terms
+from weightsync.common.ws64_host import copy_ws64_terms, ws64_terms
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -68,10 +71,15 @@ def gaps(regions: Iterable[Region], written: Iterable[tuple[int, int]]) -> list[
     segment's padding, which the trainer writes as zeros (the checksum counts it so)."""
     out = []
     spans = sorted(written)
-    for region in regions:
+    first = 0  # regions and spans both in bucket order: one pass over each (a region per tensor: thousands)
+    for region in sorted(regions, key=lambda r: r.bucket_offset):
         cursor, end = region.bucket_offset, region.bucket_offset + region.size_bytes
-        for start, length in spans:
-            if start + length <= cursor or start >= end:
+        while first < len(spans) and sum(spans[first]) <= cursor:
+            first += 1
+        for start, length in spans[first:]:
+            if start >= end:
+                break
+            if start + length <= cursor:
                 continue
             if start > cursor:
                 out.append((cursor, start - cursor))
@@ -130,16 +138,17 @@ class StoreMappings:
             self._drop(arena_id)
 
     def place(self, regions: Sequence[Region], offset: int, size: int) -> tuple[torch.Tensor, MappedArena]:
-        """Where bucket bytes [offset, +size) lie (within one region), and the arena."""
-        for region in regions:
-            if region.bucket_offset <= offset and offset + size <= region.bucket_offset + region.size_bytes:
-                arena = self.arenas.get(region.arena_id)
-                start = region.offset_bytes + offset - region.bucket_offset
-                if arena is None or start < 0 or start + size > arena.size_bytes:
-                    raise WeightSyncClientError(f"bucket bytes [{offset}, +{size}) are placed at arena "
-                                                f"{region.arena_id} [{start}, +{size}), which is not mapped")
-                return arena.data[start : start + size], arena
-        raise WeightSyncClientError(f"the server placed no region for bucket bytes [{offset}, +{size})")
+        """Where bucket bytes [offset, +size) lie (within one region; `regions` in bucket order), and the arena."""
+        at = bisect.bisect_right(regions, offset, key=lambda r: r.bucket_offset) - 1  # one per tensor: thousands
+        region = regions[at] if at >= 0 else None
+        if region is None or offset + size > region.bucket_offset + region.size_bytes:
+            raise WeightSyncClientError(f"the server placed no region for bucket bytes [{offset}, +{size})")
+        arena = self.arenas.get(region.arena_id)
+        start = region.offset_bytes + offset - region.bucket_offset
+        if arena is None or start + size > arena.size_bytes:
+            raise WeightSyncClientError(f"bucket bytes [{offset}, +{size}) are placed at arena {region.arena_id} "
+                                        f"[{start}, +{size}), which is not mapped")
+        return arena.data[start : start + size], arena
 
     def pin_once(self, arena: MappedArena) -> None:
         """Pin the arena for DMA (once per mapping; refused: copies into it stay synchronous, and correct)."""
@@ -166,6 +175,27 @@ def _mapped(arena_id: int, mapping: mmap.mmap) -> MappedArena:
         warnings.simplefilter("ignore", UserWarning)  # torch: "non-writable buffer" for a read-write mmap
         data = torch.frombuffer(mapping, dtype=torch.uint8)
     return MappedArena(arena_id, len(mapping), mapping, data)
+
+
+SMALL_TENSOR_BYTES = 256 << 10
+"""CPU tensors below this size are copied by groups (StoreWriter._copy_host)."""
+SMALL_GROUP_BYTES = 1 << 20
+"""A group's span in the bucket, at most: it is summed right after it is written, from the cache."""
+
+
+@dataclass(frozen=True, slots=True)
+class _HostCopy:
+    """A CPU tensor's bytes and its place in the store (or a slot)."""
+
+    offset: int
+    """In the bucket."""
+    data: torch.Tensor
+    place: torch.Tensor
+    arena_id: int
+
+    @property
+    def size(self) -> int:
+        return self.data.numel()
 
 
 @dataclass(slots=True)
@@ -219,6 +249,7 @@ class StoreWriter:
         write = BucketWrite(sequence, bucket.size_bytes)
         devices: set[torch.device] = set()
         on_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
+        on_host: list[_HostCopy] = []
         written = []
         for spec in bucket.tensors:
             data = source.piece(spec) if spec.HasField("piece") else source.take(spec)
@@ -230,17 +261,51 @@ class StoreWriter:
             written.append((spec.offset_bytes, spec.size_bytes))
             devices.add(data.device)
             if data.device.type == "cpu":
-                write.host_terms += copy_ws64_terms(place.numpy(), data.numpy(), spec.offset_bytes // 8)
-                byte_passes.copied("trainer.slot" if arena.arena_id == INGRESS else "trainer.store", spec.size_bytes)
+                on_host.append(_HostCopy(spec.offset_bytes, data, place, arena.arena_id))
             else:
                 self.mappings.pin_once(arena)
                 on_device.setdefault(data.device, []).append((place, data, spec.offset_bytes // 8))
+        write.host_terms = self._copy_host(on_host, regions)
         for start, length in gaps(regions, written):
             self.mappings.place(regions, start, length)[0].zero_()
         for device, copies in on_device.items():
             write.device.append(self._queue(device, copies, write.held))
         write.devices = frozenset(devices)
         return write
+
+    def _copy_host(self, copies: list[_HostCopy], regions: Sequence[Region]) -> int:
+        """Copy CPU tensors to their places, summing their checksum terms; returns the terms. A large tensor (or
+        any, where a bucket lies in the store tensor by tensor) in one pass that reads it once. Small tensors of
+        a bucket that lies in one region go by groups of at most SMALL_GROUP_BYTES: one torch call copies a
+        group (a call per tensor would cost ~25 us each: seconds for a model of many small ones), then its span
+        of the region, padding zeroed, is summed while it is still in the cache."""
+        terms = 0
+        one_region = len(regions) == 1
+        index = 0
+        while index < len(copies):
+            first = copies[index]
+            end = index + 1
+            if one_region and first.size < SMALL_TENSOR_BYTES:
+                while (end < len(copies) and copies[end].size < SMALL_TENSOR_BYTES
+                       and copies[end].offset + copies[end].size - first.offset <= SMALL_GROUP_BYTES):
+                    end += 1
+            group = copies[index:end]
+            stage = "trainer.slot" if first.arena_id == INGRESS else "trainer.store"
+            if len(group) == 1:
+                terms += copy_ws64_terms(first.place.numpy(), first.data.numpy(), first.offset // 8)
+            else:
+                with torch.no_grad():
+                    torch._foreach_copy_([c.place for c in group], [c.data for c in group])
+                span_end = group[-1].offset + group[-1].size
+                written = [(c.offset, c.size) for c in group]
+                for start, length in gaps([Region(first.offset, span_end - first.offset, 0, 0)], written):
+                    self.mappings.place(regions, start, length)[0].zero_()
+                span = self.mappings.place(regions, first.offset, span_end - first.offset)[0]
+                terms += ws64_terms(span.numpy(), first.offset // 8)
+                byte_passes.read("trainer.cached", span.numel())
+            byte_passes.copied(stage, sum(c.size for c in group))
+            index = end
+        return terms
 
     def _queue(self, device: torch.device, copies: list[tuple[torch.Tensor, torch.Tensor, int]],
                held: list[torch.Tensor]) -> _DeviceCopies:

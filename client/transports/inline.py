@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -95,9 +96,12 @@ class _Gathered:
         end = min(offset + length, self.size)
         out: list[memoryview | bytes] = []
         cursor = offset
-        for start, data in self.parts:
+        first = max(0, bisect.bisect_right(self.parts, offset, key=lambda part: part[0]) - 1)  # thousands of parts
+        for start, data in self.parts[first:]:
             stop = start + data.numel()
-            if stop <= cursor or start >= end:
+            if start >= end:
+                break
+            if stop <= cursor:
                 continue
             if start > cursor:
                 out.append(bytes(start - cursor))

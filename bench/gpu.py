@@ -23,7 +23,9 @@ started as a user starts it (bench.servers.Server).
     (device="cpu": the mapping stays pageable; compare with `h2d_pageable`, a plain copy from
     ordinary host memory). `x like` in the table is each engine mode against its like.
 
-Every mode runs once to warm up, then --reps times, alternated; medians. The pushed and applied
+`--only SECTION` measures only some of (a), (b), (c) and the map and pause sections; `--no-inline` leaves
+push_inline out and defines the store over SHM (issue 45's goal at 8 GB: `--gb 8 --only push --only roundtrip
+--no-inline`). Every mode runs once to warm up, then --reps times, alternated; medians. The pushed and applied
 bytes are checked (verify() on the server, torch.equal on the engine's modules). Every report
 names the GPU, torch, CUDA and NCCL versions it ran with. Writes DIR/gpu_bench.json and
 DIR/gpu_bench.md and prints the table. Without CUDA it says so and exits 0.
@@ -94,6 +96,14 @@ WHAT |= {
                  "process it there while serving) copied into the live tensors: what vLLM's pause holds (goal <= "
                  "1.2x h2d_pinned)",
 }
+CHECKED = {
+    "push": "server holds the pushed bytes (verify)",
+    "roundtrip": "the round trip's module equals the model",
+    "engine": "engines' modules equal the model",
+    "map": "cudaHostRegister pinned every fresh arena",
+    "pause": "the swap left the staged bytes in the live tensors",
+}
+"""What each section checks, as the report says it."""
 LIKE = {"engine_apply_pinned": "h2d_pinned", "engine_apply_pageable": "h2d_pageable"}
 """The plain copy from the same kind of host memory each engine mode reads: its `x like`."""
 
@@ -107,6 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bucket-mib", type=int, default=128,
                         help="push bucket size, and the server's ingress slot size (default 128)")
     parser.add_argument("--workers", type=int, default=1, help="CPU workers of the server (default 1)")
+    parser.add_argument("--only", choices=list(SECTIONS), action="append",
+                        help="measure only these sections (repeatable; default: all). Issue 45's goals: --only push "
+                             "--only roundtrip at --gb 0.5, and at --gb 8 with --no-inline")
+    parser.add_argument("--no-inline", action="store_true",
+                        help="push section without push_inline, the store defined over SHM (an 8 GB INLINE push "
+                             "takes ~11 s on an H200 host, and the kit's bench step has 40)")
     args = parser.parse_args(argv)
     if not 0.05 <= args.gb <= 16:
         parser.error(f"--gb {args.gb}: between 0.05 and 16")
@@ -242,18 +258,22 @@ def measure_push(server, model: dict, copies: Copies, args: argparse.Namespace, 
 
     bucket = args.bucket_mib * MIB
     with WeightSyncClient(server.address, timeout=300) as client:
-        client.push(model, delta=False, version="define", transport="inline", allow_new_tensors=True, bucket_size_bytes=bucket)
+        client.push(model, delta=False, version="define", transport="shm" if args.no_inline else "inline",
+                    allow_new_tensors=True, bucket_size_bytes=bucket)
 
         def push(transport: str):
             return lambda: client.push(model, delta=False, version=f"{transport}-{time.monotonic_ns()}", transport=transport,
                                        bucket_size_bytes=bucket)
 
-        times = alternate({
+        modes = {
             "d2h_pinned": _timed(lambda: _copy_all(copies.pinned, model)),
             "d2h_pageable": _timed(lambda: _copy_all(copies.pageable, model)),
             "push_inline": _timed(push("inline")),
             "push_shm": _timed(push("shm")),
-        }, args.reps, "gpu push")
+        }
+        if args.no_inline:
+            del modes["push_inline"]
+        times = alternate(modes, args.reps, "gpu push")
         verified = client.verify(model).ok
     return section("push", times, size), verified
 
@@ -414,6 +434,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from bench.progress import log
     from bench.servers import Server
+    from weightsync.client import WeightSyncClient
 
     shapes = model_shapes(int(args.gb * GB))
     model = make_model(shapes)
@@ -424,15 +445,26 @@ def run(args: argparse.Namespace) -> dict:
     slot = ingress_slot_bytes(args.bucket_mib * MIB, max(t.numel() * t.element_size() for t in model.values()))
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as workdir:
         server = Server(args.workers, Path(workdir), extra=("--ingress-slot-bytes", str(slot)))
+        wanted = set(args.only or SECTIONS)
+        measured: dict[str, tuple[dict, bool]] = {}
         try:
-            push, push_ok = measure_push(server, model, copies, args, size)
-            roundtrip, roundtrip_ok = measure_roundtrip(server, model, copies, args, size)
+            if "roundtrip" in wanted and "push" not in wanted:  # the round trip's pushes need a defined store
+                with WeightSyncClient(server.address, timeout=300) as client:
+                    client.push(model, delta=False, version="define", transport="shm", allow_new_tensors=True,
+                                bucket_size_bytes=args.bucket_mib * MIB)
+            if "push" in wanted:
+                measured["push"] = measure_push(server, model, copies, args, size)
+            if "roundtrip" in wanted:
+                measured["roundtrip"] = measure_roundtrip(server, model, copies, args, size)
             _copy_all(copies.pinned, model)  # the h2d baselines copy the model's own bytes
             _copy_all(copies.pageable, model)
             torch.cuda.synchronize()
-            engine, engine_ok = measure_engine(server, model, copies, args, size)
-            mapped, map_ok = measure_map(args, size)
-            paused, pause_ok = measure_pause(model, copies, args, size)
+            if "engine" in wanted:
+                measured["engine"] = measure_engine(server, model, copies, args, size)
+            if "map" in wanted:
+                measured["map"] = measure_map(args, size)
+            if "pause" in wanted:
+                measured["pause"] = measure_pause(model, copies, args, size)
         except BaseException:
             print(server.log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
             raise
@@ -442,13 +474,9 @@ def run(args: argparse.Namespace) -> dict:
             "model": {"tensors": len(model), "bytes": size, "dtype": "bfloat16",
                       "layers": (len(model) - 2) // len(LAYER)},
             "config": {"reps": args.reps, "bucket_bytes": args.bucket_mib * MIB, "workers": args.workers,
-                       "ingress_slot_bytes": slot},
-            "sections": [push, roundtrip, engine, mapped, paused],
-            "verified": {"server holds the pushed bytes (verify)": push_ok,
-                         "the round trip's module equals the model": roundtrip_ok,
-                         "engines' modules equal the model": engine_ok,
-                         "cudaHostRegister pinned every fresh arena": map_ok,
-                         "the swap left the staged bytes in the live tensors": pause_ok}}
+                       "ingress_slot_bytes": slot, "sections": sorted(wanted), "push_inline": not args.no_inline},
+            "sections": [table for table, _ in measured.values()],
+            "verified": {CHECKED[key]: ok for key, (_, ok) in measured.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -177,18 +177,24 @@ def test_a_second_trainer_process_is_refused_while_the_first_writes_the_store(no
 
 # -- a byte changed after the trainer summed it ------------------------------------------------------
 def flip_in_a_small_group(monkeypatch) -> list[int]:
-    """The first group of small tensors (summed from its place right after one call copied it) gets a byte
-    changed right after its sum."""
-    real = store_writes.ws64_terms
+    """The first group of small tensors written into the store (summed from its place right after one call
+    copied it) gets a byte changed right after its sum."""
+    real_terms, real_write = store_writes.ws64_terms, store_writes.StoreWriter.write
+    in_store: list[bool] = []
     flipped: list[int] = []
 
+    def write(self, sequence, spec, source, regions):
+        in_store[:] = [all(r.arena_id != store_writes.INGRESS for r in regions)]
+        return real_write(self, sequence, spec, source, regions)
+
     def summed(data, first_word=0):
-        terms = real(data, first_word)
-        if not flipped and data.size:
+        terms = real_terms(data, first_word)
+        if not flipped and in_store == [True] and data.size:
             data[data.size // 2] ^= 0x40
             flipped.append(data.size)
         return terms
 
+    monkeypatch.setattr(store_writes.StoreWriter, "write", write)
     monkeypatch.setattr(store_writes, "ws64_terms", summed)
     return flipped
 

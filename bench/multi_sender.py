@@ -51,7 +51,7 @@ SUBNET = "10.77"
 """Sender k's veth pair is 10.77.k.1 (hub end) / 10.77.k.2 (sender end)."""
 
 
-# -- pure pieces (tests/test_bench_multi_sender.py) ----------------------------------------
+# -- pure pieces (tests/unit/test_bench_multi_sender.py) ----------------------------------------
 def split_tensors(sizes: Sequence[tuple[str, int]], senders: int) -> list[list[str]]:
     """Whole tensors shared out among `senders` by bytes: largest first, each to the sender holding
     the fewest bytes so far (the lowest index on a tie); each sender's names in the model's order."""

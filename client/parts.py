@@ -17,8 +17,8 @@ The dense retry after a refused base (part_push.py): every part derives the retr
 they share (dense_key) and reads a refusal the same way (base_refused).
 
 These are pure functions over placements, mesh coordinates, shapes, keys and reasons;
-tests/test_sdk_parts_rules.py holds their tables (dense_key's and base_refused's:
-tests/test_sdk_parts_delta.py). The collectives (the key, the inputs checked together) are
+tests/unit/test_sdk_parts_rules.py holds their tables (dense_key's and base_refused's:
+tests/system/test_sdk_parts_delta.py). The collectives (the key, the inputs checked together) are
 part_agreement.py; the push itself part_push.py.
 """
 

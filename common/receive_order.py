@@ -16,7 +16,7 @@ order: bucket index, then part rank. No wait then forms a cycle, in either way a
     so each is at it; every send of the batch meets its receive, and it completes. A batch per owner,
     each waited for before the next, would hold the same order but run a bucket to S servers S
     times as long.
-No communicator per part and no rotating broadcast root are needed. tests/test_receive_order.py checks
+No communicator per part and no rotating broadcast root are needed. tests/unit/test_receive_order.py checks
 it over random plans and delays, the three ways (a part's sends serialized, windowed, batched), and
 shows that a worker taking its buckets in the order the announcements reach it can deadlock.
 

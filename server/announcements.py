@@ -4,7 +4,7 @@ Each function takes plain values (the plan, the message's fields, what the strea
 before) and returns the decision: an accepted announcement, or the refusal the client
 gets (a WeightSyncError: its status code, its ErrorInfo reason and a message that says
 what to do). Nothing here reads or changes an update's state, so the rules are tested
-by tables (tests/test_announcements.py) and every intake (update_intake.py) shares them.
+by tables (tests/unit/test_announcements.py) and every intake (update_intake.py) shares them.
 
 The rules, in the order they are checked for a BucketStart:
   - its sequence is the next one, within the plan (BUCKET_OUT_OF_ORDER, BUCKET_OUT_OF_RANGE);

@@ -7,7 +7,7 @@ of the tensor narrowed to the box in every dimension: the bytes a part sends of 
 box at a time (the store is host memory; a part's box is at most its shard).
 
 `checked_boxes` is pure (shapes and names in, a refusal or the boxes to read out);
-tests/test_part_verify.py holds its table and the checksum rule against tensors built by hand.
+tests/system/test_part_verify.py holds its table and the checksum rule against tensors built by hand.
 """
 
 from __future__ import annotations

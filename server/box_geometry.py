@@ -8,7 +8,7 @@ range. A range of a box of rank r takes at most 2r - 1 of them (a scalar's one b
 the end of a partial first row of dimension 0 (at most r - 1 sub-boxes, recursively), the whole rows
 between (1), the start of a partial last row (at most r - 1).
 
-Nothing here allocates or reads a tensor; tests/test_box_geometry.py checks it against a brute-force
+Nothing here allocates or reads a tensor; tests/unit/test_box_geometry.py checks it against a brute-force
 index mask.
 """
 

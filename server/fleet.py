@@ -3,7 +3,7 @@
 The Supervisor (supervisor.py) is the real fleet: processes, queues, fd channels. An
 UpdateSession sees it only through WorkerFleet, so the asyncio core of an update (the
 session, its intake, the node store, admission) runs in-process against a fake fleet in
-tests (tests/test_update_core.py), while the real-process suites drive the real one.
+tests (tests/unit/test_update_core.py), while the real-process suites drive the real one.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The server is their rendezvous. Each function here takes plain values (a part's 
 declarations, what the plans send, what the store holds) and returns the decision: what was
 accepted, or the refusal every part gets (a WeightSyncError: its status code, its ErrorInfo reason
 and metadata). Nothing here reads or changes a server's state, so the rules are tested by tables
-(tests/test_parts.py); docs/data-plane.md lists every reason.
+(tests/unit/test_parts.py); docs/data-plane.md lists every reason.
 
 The rules, in the order they are checked:
   - a part's own identity, at its begin: its update key, rank, world and join timeout

@@ -6,7 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+# helpers.py and the fakes live here; a few test modules import another tier's module (a harness or a
+# fake it defines), so each tier's folder is importable whichever tiers a run collects.
+TESTS = Path(__file__).parent
+for folder in (TESTS / "system", TESTS / "integration", TESTS / "unit", TESTS):
+    sys.path.insert(0, str(folder))
 
 from helpers import ServerProcess, shm_segments, start_server  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""One trainer rank of tests/test_part_verify_subset.py: a real process in a Gloo group that pushes its share of
+"""One trainer rank of tests/system/test_part_verify_subset.py: a real process in a Gloo group that pushes its share of
 a two-stage model as a part, to a whole node and a node holding stage 0 only (--tensors SUBSET), and
 verify()s it at each step.
 

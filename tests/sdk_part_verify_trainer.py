@@ -1,4 +1,4 @@
-"""One trainer rank of tests/test_part_verify.py: a real process in a Gloo group that pushes its DTensors as a
+"""One trainer rank of tests/system/test_part_verify.py: a real process in a Gloo group that pushes its DTensors as a
 part and verify()s them as they are (its own shards, no gather).
 
     python sdk_part_verify_trainer.py RANK WORLD PORT SERVERS(comma-separated) OUT_DIR

@@ -1,4 +1,4 @@
-"""One trainer rank of tests/test_sdk_parts_collective.py: a process in a Gloo group pushing its part over
+"""One trainer rank of tests/system/test_sdk_parts_collective.py: a process in a Gloo group pushing its part over
 COLLECTIVE, in one transfer group of both parts' ranks and the servers' workers (create_group on every rank).
 
     python sdk_parts_collective_trainer.py RANK WORLD PORT SERVERS(comma-separated) OUT_DIR SCENARIO SEEDS

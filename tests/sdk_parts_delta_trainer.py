@@ -1,4 +1,4 @@
-"""One trainer rank of tests/test_sdk_parts_delta.py: a real process in a Gloo group, pushing its part of each
+"""One trainer rank of tests/system/test_sdk_parts_delta.py: a real process in a Gloo group, pushing its part of each
 step with the SDK's default delta ("auto").
 
     python sdk_parts_delta_trainer.py RANK WORLD PORT SERVERS(comma-separated) OUT_DIR

@@ -1,4 +1,4 @@
-"""One trainer rank of tests/test_sdk_parts_faults.py: a real process in a Gloo group, pushing its part with the
+"""One trainer rank of tests/system/test_sdk_parts_faults.py: a real process in a Gloo group, pushing its part with the
 SDK while a part fails (killed, a corrupt bucket) or to a node that holds a subset.
 
     python sdk_parts_fault_trainer.py RANK WORLD PORT SERVERS(comma-separated) OUT_DIR SCENARIO SEEDS(comma-separated)

@@ -1,4 +1,4 @@
-"""One trainer rank of tests/test_sdk_parts_fsdp4.py: a real process of a 4-rank Gloo group whose model is
+"""One trainer rank of tests/system/test_sdk_parts_fsdp4.py: a real process of a 4-rank Gloo group whose model is
 sharded with FSDP2's fully_shard over a CPU mesh, pushing its shards as a part with the SDK.
 
     python sdk_parts_fsdp4_trainer.py RANK WORLD GLOO_PORT STORE_PORT OUT_DIR

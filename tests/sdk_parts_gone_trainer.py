@@ -1,4 +1,4 @@
-"""One trainer rank of tests/test_sdk_parts_gone.py: parts whose peer is gone, or whose create_group is refused.
+"""One trainer rank of tests/system/test_sdk_parts_gone.py: parts whose peer is gone, or whose create_group is refused.
 
     python sdk_parts_gone_trainer.py RANK WORLD PORT SERVERS(comma-separated) OUT_DIR SCENARIO [GROUP_ID]
 

@@ -1,4 +1,4 @@
-"""One trainer rank of tests/test_sdk_parts_ingress.py: a process in a Gloo group pushing its part through one
+"""One trainer rank of tests/system/test_sdk_parts_ingress.py: a process in a Gloo group pushing its part through one
 server's ingress slots: over SHM (on the server's host, into its own run of the slots) or INLINE.
 
     python sdk_parts_ingress_trainer.py RANK WORLD PORT SERVER OUT_DIR TRANSPORT

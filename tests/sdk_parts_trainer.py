@@ -1,4 +1,4 @@
-"""One trainer rank of tests/test_sdk_parts.py: a real process in a Gloo group, pushing its part with the SDK.
+"""One trainer rank of tests/system/test_sdk_parts.py: a real process in a Gloo group, pushing its part with the SDK.
 
     python sdk_parts_trainer.py RANK WORLD PORT SERVERS(comma-separated) OUT_DIR SCENARIO
 

@@ -1,6 +1,6 @@
 """Updates sent in parts, with CUDA on both sides (issue 35's parts had run on CPU workers and CPU tensors only).
 
-(a) Two parts, raw INLINE UpdateWeights streams (tests/test_box_parts.py's helpers), into a server whose one
+(a) Two parts, raw INLINE UpdateWeights streams (tests/integration/test_box_parts.py's helpers), into a server whose one
     worker is a CUDA worker: boxes on dim 0 (row ranges), on dim 1 (column boxes), a rank-3 box, a box larger
     than a bucket (pieces that end mid-row) and a whole tensor, STAGED. Over INLINE a CUDA worker takes its
     buckets on the host lane: staging, checks, then one strided copy per sub-box into the pinned store. The
@@ -27,7 +27,7 @@ TRAINER_STEPS = (("v1", 1), ("v2", 2))
 BUCKETS = (1 << 20, 32768)
 """Rank 0's half is one bucket (~387 KiB), rank 1's ~81 KiB in pieces of 32 KiB: owners by bytes give rank 0's
 bucket to worker 0 (the CUDA worker) and all of rank 1's to worker 1, so each part's bytes go through one
-kind of worker (a worker owning buckets of both parts takes each part's in its own lane: tests/test_sdk_parts.py)."""
+kind of worker (a worker owning buckets of both parts takes each part's in its own lane: tests/system/test_sdk_parts.py)."""
 TRAINER_TIMEOUT_S = 150
 
 

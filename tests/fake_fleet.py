@@ -23,6 +23,7 @@ from weightsync.gpu_worker.receiver import Receiver
 from weightsync.server.arenas import HostArena
 from weightsync.server.fleet import FanOut
 from weightsync.server.ingress import Ingress
+from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
 Fault = Callable[[wpb.WorkerCommand], BaseException | None]
@@ -39,6 +40,15 @@ class FakeWorker:
     mapped: set[int] = field(default_factory=set)
     fault: Fault | None = None
     commands: list[str] = field(default_factory=list)
+    # What GetServerInfo reads of a worker (server/node.py): a running worker of this process.
+    state: int = pb.WORKER_STATE_RUNNING
+    backend: int = pb.BACKEND_UNSPECIFIED
+    device_uuid: str = ""
+    restart_count: int = 0
+
+    @property
+    def pid(self) -> int:
+        return os.getpid() if self.alive else 0
 
     @property
     def host_memory(self) -> bool:
@@ -141,6 +151,21 @@ class FakeFleet:
     def close(self) -> None:
         for worker in self._workers:
             worker.receiver.release()
+
+
+class InProcessFleet(FakeFleet):
+    """A FakeFleet with the Supervisor's lifecycle, for a whole server in the test's process
+    (tests/inprocess_server.py): Node builds it from its ingress (server/node.py, FleetFactory)."""
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        self.close()
+
+    @property
+    def all_running(self) -> bool:
+        return all(w.alive for w in self._workers)
 
 
 class KillWorker(Exception):

@@ -12,7 +12,7 @@ import torch
 from weightsync.client import WeightSyncClient, deferred, delta_policy
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-from helpers import local_checksums, server_checksums, start_server
+from helpers import local_checksums, server_checksums, start_servers
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,18 +37,15 @@ def step(named: dict[str, torch.Tensor], seed: int, fraction: float) -> dict[str
     return new
 
 
-@pytest.fixture
-def servers(tmp_path):
-    started = [start_server(tmp_path / name, workers=2) for name in ("a", "b")]
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Two servers shared by the module's tests: each test pushes the same tensors (model()) from a client
+    of its own, whose first push is dense and allowed new tensors, so what an earlier test left (its
+    version, its kept base) changes nothing a later one checks; each test ends on a verified push."""
+    started = start_servers([tmp_path_factory.mktemp(name) for name in ("a", "b")], workers=2)
     yield started
     for server in started:
         assert server.stop() == 0, server.log()[-3000:]
-
-
-@pytest.fixture(autouse=True)
-def _dirs(tmp_path):
-    for name in ("a", "b"):
-        (tmp_path / name).mkdir()
 
 
 @pytest.fixture

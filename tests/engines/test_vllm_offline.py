@@ -160,11 +160,12 @@ def test_bad_init_and_update_info_are_refused_and_the_engine_keeps_serving(llm, 
         llm.start_weight_update()
         with pytest.raises(ValueError):
             llm.update_weights({"update_info": bad})
-    # A generation the store does not hold: VERSION_GONE, nothing touched.
+    # A generation the store has not committed yet (a future one): VERSION_NOT_COMMITTED, nothing touched
+    # (a generation the store moved past is VERSION_GONE: tests/sglang_engine/test_loader.py).
     llm.start_weight_update()
     with pytest.raises(WeightSyncUpdateError) as caught:
         llm.update_weights({"update_info": {"generation": 999, "since_generation": -1}})
-    assert caught.value.reason == "VERSION_GONE"
+    assert caught.value.reason == "VERSION_NOT_COMMITTED"
     assert tiny_model.generate(llm) == cold["good"]
     assert llm.get_weight_version() == "good"
     # The dataclasses are the wire schema.

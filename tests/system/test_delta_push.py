@@ -12,7 +12,14 @@ import torch
 from weightsync.client import UpdateFailed, WeightSyncClient
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
-from helpers import error_reason, local_checksums, plan_buckets, server_checksums, start_server
+from helpers import (
+    error_reason,
+    local_checksums,
+    plan_buckets,
+    server_checksums,
+    start_server,
+    start_servers,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,9 +48,22 @@ def sparse_step(named: dict[str, torch.Tensor], seed: int, fraction: float = 0.0
     return new
 
 
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory):
+    """Two servers shared by the tests that push model()'s tensors: each test's client is new (no kept
+    base: its first push goes dense and allows new tensors), so an earlier test's versions change
+    nothing a later one checks; each test ends on a verified push."""
+    servers = start_servers([tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")], workers=1)
+    yield servers
+    for server in servers:
+        assert server.stop() == 0, server.log()[-2000:]
+
+
 @pytest.fixture
-def two_servers(tmp_path):
-    servers = [start_server(tmp_path / "a", workers=1), start_server(tmp_path / "b", workers=1)]
+def fresh_servers(tmp_path):
+    """Two servers of a test's own, for tests whose tensors are not model()'s: the store would keep
+    the other tests' tensors beside them."""
+    servers = start_servers([tmp_path / "a", tmp_path / "b"], workers=1)
     yield servers
     for server in servers:
         assert server.stop() == 0, server.log()[-2000:]
@@ -193,10 +213,10 @@ STRIDED_VIEWS = {
 
 @pytest.mark.parametrize("view", sorted(STRIDED_VIEWS))
 @pytest.mark.parametrize("delta", [True, "auto"])
-def test_strided_and_expanded_tensors_go_as_a_patch_or_dense(two_servers, view, delta):
+def test_strided_and_expanded_tensors_go_as_a_patch_or_dense(fresh_servers, view, delta):
     """A model of views that cannot be read as 64-bit words in place (the SDK raised an untyped
     RuntimeError on the second push, and on every later one)."""
-    a = two_servers[0]
+    a = fresh_servers[0]
     make = STRIDED_VIEWS[view]
     big = torch.randn(512, 300, generator=torch.Generator().manual_seed(3))
     with WeightSyncClient(a.address, timeout=60) as client:
@@ -396,11 +416,11 @@ def test_the_comparison_updates_the_copy_which_claims_the_base_only_once_committ
         assert client.verify(current).ok
 
 
-def test_expanded_views_cost_the_kept_copy_only_their_storage_and_land_bit_for_bit(two_servers):
+def test_expanded_views_cost_the_kept_copy_only_their_storage_and_land_bit_for_bit(fresh_servers):
     """delta="auto" (the default) kept a copy of an expand() view's full logical size: 12 GB of views
     over a few bytes got the trainer OOM-killed. The copy now holds what their storages hold: an
     unchanged view is left out, a changed one goes dense, and the servers hold every view's bytes."""
-    a, _ = two_servers
+    a, _ = fresh_servers
     bucket = 1 << 20  # the views go as pieces: each piece's elements copied on their own (packing._elements)
     g = torch.Generator().manual_seed(31)
     w = torch.randn(256, 256, generator=g).to(torch.bfloat16)

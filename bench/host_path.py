@@ -295,7 +295,7 @@ def markdown(sides: dict[str, list[dict]], meta: dict) -> str:
               "(a segment's padding makes a stage's bytes slightly more than the tensors'). gRPC's own copies "
               "and the kernel's are no code of ours and are not counted (see the INLINE floor).", "",
               "| transport | copies/byte | reads/byte | by stage |", "|---|---:|---:|---|",
-              *passes_rows(after["passes"]), "", *INLINE_FLOOR]
+              *passes_rows(after["passes"]), "", *INLINE_FLOOR, *ELSEWHERE]
     return "\n".join(lines)
 
 
@@ -314,6 +314,13 @@ INLINE_FLOOR = [
     "update aborted in its first bucket, where the ingress path leaves it CONSISTENT: not taken. INLINE's time is "
     "the server's one event loop receiving through grpc.aio, not the copies (its CPU by process is in the table).",
     "",
+]
+
+
+ELSEWHERE = [
+    "## Elsewhere", "",
+    "The steps as each was measured, what else moved (the other benches, alternated against the tree before "
+    "issue 45) and the GPU figures' status: host-path-notes.md.", "",
 ]
 
 

@@ -1,7 +1,7 @@
 """Multi-host suite: three network namespaces on one machine, a weightsync server in each node.
 
 Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2; everything is skipped with the
-reason otherwise. No __init__.py: modules are imported by path, like tests/faults.
+reason otherwise. No __init__.py: modules are imported by path, like tests/system/faults.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from faultkit import (  # noqa: E402
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.resolve().parent == HERE and "faults" not in item.keywords:
-            raise pytest.UsageError(f"{item.nodeid}: every test in tests/faults must be marked faults")
+            raise pytest.UsageError(f"{item.nodeid}: every test in tests/system/faults must be marked faults")
 
 
 @pytest.fixture(scope="module")

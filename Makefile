@@ -139,7 +139,7 @@ run: install
 	$(VENV)/bin/weightsync-server --listen 127.0.0.1:50051 --workers 2 --device cpu
 
 demo: install
-	$(PY) -m weightsync.client.demo
+	$(PY) -m weightsync.client.cli.demo
 
 bench: install
 	$(PY) -m bench

@@ -1,6 +1,6 @@
 """Comparing while sending against comparing first: `python -m bench.delta_defer [--rates 1gbit none]`.
 
-Deferred buckets (client/deferred.py) let a patched push compare the next tensors while the
+Deferred buckets (client/delta/deferred.py) let a patched push compare the next tensors while the
 current bucket travels. This A/B runs, per rate, in a network namespace of its own whose loopback a
 tc token-bucket filter holds to the rate (as bench/delta_link.py; "none": plain loopback): two servers
 with 2 CPU workers each, one client each, the bench's dense model at full size, bf16, patches
@@ -33,7 +33,8 @@ DENSITIES = (0.01, 0.03)
 
 def measure(scale: float, reps: int) -> list[dict]:
     from bench.servers import Server
-    from weightsync.client import WeightSyncClient, delta_policy
+    from weightsync.client import WeightSyncClient
+    from weightsync.client.delta import policy as delta_policy
 
     tensors = {n: t.to(torch.bfloat16) for n, t in workloads.dense(scale).materialize(prefix="dense.").items()}
     rows = []

@@ -6,7 +6,7 @@ started as a user starts it (bench.servers.Server).
 
 (a) trainer -> server. The CUDA trainer pushes the model IN_PLACE over INLINE (bytes in the gRPC
     stream) and SHM (each bucket copied straight into its place in the node store, which the trainer
-    maps and pins: client/store_writes.py), against `d2h_pinned`: a plain `copy_(non_blocking=True)`
+    maps and pins: client/transports/store_writes.py), against `d2h_pinned`: a plain `copy_(non_blocking=True)`
     of every tensor into preallocated pinned host tensors, then `torch.cuda.synchronize()`.
     `d2h_pageable` (the same into ordinary host memory) shows what host memory that is not pinned
     costs. Issue 45's goal: push_shm within 2x of d2h_pinned for a 0.5 GB model, 1.1x for 8 GB.
@@ -89,7 +89,7 @@ WHAT |= {
     "register": "the same, pinned with cudaHostRegister instead (it faults the pages in itself)",
     "populate_register": "the same, pre-faulted, then pinned with cudaHostRegister: a CUDA worker's map "
                          "(gpu_worker/memory.map_arena); GB/s here bounds a large store's map "
-                         "(server/arenas.py map_timeout)",
+                         "(server/store/arenas.py map_timeout)",
 }
 WHAT |= {
     "vllm_swap": "engine/vllm_staging.py's StagedModel.swap: the version staged on the device (vLLM's ranks load and "

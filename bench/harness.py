@@ -99,7 +99,7 @@ class Harness:
     def weightsync(self, receivers: int, adding_bytes: int) -> WeightSyncTrainer:
         """A trainer joined to `receivers` servers of 1 CPU worker each that can hold `adding_bytes` more.
 
-        A server is a node and holds the model once whatever its worker count (server/node_store.py;
+        A server is a node and holds the model once whatever its worker count (server/store/node_store.py;
         Gloo sends each bucket to one worker per node), so `receivers` full copies, as raw's broadcast
         to `receivers` processes makes, are `receivers` nodes."""
         servers = self.servers
@@ -196,7 +196,7 @@ def plan_layout(tensors: dict[str, torch.Tensor], bucket_bytes: int):
 def sdk_layout(tensors: dict[str, torch.Tensor], bucket_bytes: int):
     """The bucket plan the SDK itself makes for these tensors (it may give large
     tensors buckets of their own): sizes and placement."""
-    from weightsync.client.planning import build_plan
+    from weightsync.client.buckets.planning import build_plan
 
     planned = build_plan(list(tensors.items()), bucket_bytes)
     sizes = [p.spec.size_bytes for p in planned]

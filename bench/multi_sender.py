@@ -143,7 +143,7 @@ def markdown(result: dict) -> str:
 def sender_main() -> int:
     """JSON lines in on stdin, out on stdout: init, push, verify, exit."""
     from weightsync.client import WeightSyncClient
-    from weightsync.client.parts import Part
+    from weightsync.client.parts.part import Part
     from weightsync.common.logging import configure_logging
 
     configure_logging("warning")

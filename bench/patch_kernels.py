@@ -98,7 +98,7 @@ def over_tensors(call, names: list[str], threads: int, pool: ThreadPoolExecutor)
 
 
 def torch_path(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
-    """What client/delta.py does today for a tensor it patches."""
+    """What client/delta/base.py does today for a tensor it patches."""
     for name, tensor in new.items():
         changes = changes_between(base[name], tensor)
         gaps = gaps_of(changes.positions)

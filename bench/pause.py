@@ -17,7 +17,7 @@ reversed every other round), medians of the rounds:
   trainer    vLLM's trainer API with weightsync as its backend (engine/vllm_trainer.py): the
              SDK pushes (SHM, dense, in place) while vLLM serves, vLLM's ranks stage the
              version while serving, the pause is the swap. Window: send_weights().
-  driver     a weightsync server driving vLLM (--engine vllm-http, server/engine_driver.py): the
+  driver     a weightsync server driving vLLM (--engine vllm-http, server/engines/driver.py): the
              trainer pushes, the server has vLLM stage and swap. Window: push start to the
              engine record SERVING the version.
   vllm       vLLM's own dense NCCL path (nccl_engine.py's order: /pause?mode=keep, layerwise

@@ -10,7 +10,7 @@ from weightsync.client.errors import (
     WeightSyncClientError,
     WeightSyncRpcError,
 )
-from weightsync.client.parts import Part
+from weightsync.client.parts.part import Part
 from weightsync.client.sdk import WeightSyncClient
 from weightsync.client.types import (
     PushProgress,

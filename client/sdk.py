@@ -9,14 +9,14 @@
 
 The API is synchronous (it is called from a training loop); the gRPC work runs
 on an asyncio loop in a background thread, while packing and broadcasting run
-in the caller's thread so they can overlap (see push.py).
+in the caller's thread so they can overlap (see client/push/run.py).
 
 A client is safe to share between threads: its calls run one at a time (a
 second thread's push waits for the first to finish).
 
 A sharded trainer pushes from every rank, each its own tensors (DTensor shards as
 boxes), into one version: WeightSyncClient(servers, part=Part(rank, world, group))
-on every rank (client/parts.py; the push itself is client/part_push.py).
+on every rank (client/parts/part.py; the push itself is client/parts/push.py).
 """
 
 from __future__ import annotations
@@ -30,31 +30,32 @@ from typing import Literal
 
 import torch
 
-from weightsync.client import part_group, transfer_group
-from weightsync.client._loop import LoopThread
-from weightsync.client.compression import Frames, worth_compressing
-from weightsync.client.delta import Delta, DeltaBase
+from weightsync.client.buckets.packing import PackBuffers
+from weightsync.client.buckets.plan_cache import PlanCache
+from weightsync.client.buckets.planning import DEFAULT_ZERO_COPY_MIN_BYTES, check_tensors
+from weightsync.client.channels.loop import LoopThread
+from weightsync.client.channels.server_set import ServerSet
+from weightsync.client.delta.base import Delta, DeltaBase
+from weightsync.client.delta.link_timings import LinkTimings
 from weightsync.client.errors import WeightSyncClientError
-from weightsync.client.fleet import Fleet
 from weightsync.client.intra_op import one_intra_op_thread
-from weightsync.client.link_timings import LinkTimings
-from weightsync.client.packing import PackBuffers
-from weightsync.client.part_agreement import check_group
-from weightsync.client.part_push import push_part
-from weightsync.client.part_verify import checked_here, verify_parts
-from weightsync.client.parts import Part, is_dtensor
-from weightsync.client.patched_push import PatchedPlan, plan_patches, send_patches
-from weightsync.client.plan_cache import PlanCache
-from weightsync.client.plan_choice import PlanChoice, choose_plan
-from weightsync.client.planning import DEFAULT_ZERO_COPY_MIN_BYTES, check_tensors
-from weightsync.client.push_job import PushJob, Ran, push_result
-from weightsync.client.server_state import ServerState
-from weightsync.client.servers import ServerSet
-from weightsync.client.store_checksums import fetch_checksums, holds, mismatches
-from weightsync.client.transfer_group import TransferGroup
+from weightsync.client.parts import group as part_group
+from weightsync.client.parts.agreement import check_group
+from weightsync.client.parts.part import Part, is_dtensor
+from weightsync.client.parts.push import PartPushContext, push_part
+from weightsync.client.parts.verify import checked_here, verify_parts
+from weightsync.client.push.job import PushJob, Ran, push_result
+from weightsync.client.push.patched import PatchedPlan, plan_patches, send_patches
+from weightsync.client.push.plans import PlanChoice, choose_plan
+from weightsync.client.servers.checksums import fetch_checksums, holds, mismatches
+from weightsync.client.servers.fleet import Fleet
+from weightsync.client.servers.records import ServerState
+from weightsync.client.transports import transfer_group
 from weightsync.client.transports.base import Sink
 from weightsync.client.transports.collective import CollectiveSink
+from weightsync.client.transports.compression import Frames, worth_compressing
 from weightsync.client.transports.inline import InlineSink
+from weightsync.client.transports.transfer_group import TransferGroup
 from weightsync.client.types import (
     PushProgress,
     PushResult,
@@ -113,7 +114,7 @@ class WeightSyncClient:
         tensors, whose comparison then reads it across the bus); False: on the tensors' device
         (a second copy of the model in GPU memory).
         part: this process is one of several trainer processes that push each version together, each
-        its own tensors (client/parts.py: Part; over INLINE, or SHM on the server's host; its whole
+        its own tensors (client/parts/part.py: Part; over INLINE, or SHM on the server's host; its whole
         tensors and its boxes with delta). Construct the client with its Part on every rank."""
         addresses = [servers] if isinstance(servers, str) else list(servers)
         if not addresses:
@@ -135,7 +136,7 @@ class WeightSyncClient:
         self._inline_buffers: PackBuffers | None = None
         """Pack buffers of INLINE pushes (host memory; no group needed)."""
         self._fleet = Fleet(self._servers)
-        """What this client knows of each server, one record each (server_state.py)."""
+        """What this client knows of each server, one record each (client/servers/records.py)."""
         self._plans = PlanCache()
         self._delta = DeltaBase(host_copy=delta_host_copy)
         """The copy of this client's last commit, that delta pushes compare against."""
@@ -279,7 +280,7 @@ class WeightSyncClient:
             show_progress: a tqdm bar on stderr; None (default): when stderr is a terminal and the
                 push moves at least push_job.PROGRESS_BAR_MIN_BYTES (256 MiB).
             delta: send only what changed since this client's last commit (tensors unchanged bit
-                for bit are left out, sparse changes go as patches; see client/delta.py). "auto"
+                for bit are left out, sparse changes go as patches; see client/delta/base.py). "auto"
                 (default): where it pays on the measured costs, dense otherwise (the first push, a
                 new layout, most of the model changed, an iterator). True: patches wherever they
                 are smaller than the tensor. False: always dense, and no copy kept. A server that
@@ -290,7 +291,7 @@ class WeightSyncClient:
                 than once (expand()) only the storage it reads; delta=False frees it.
             compress: COLLECTIVE over a Gloo group, and INLINE: send each bucket of patches as a
                 zstd frame (its owners decompress it). None (default): when this client's dense
-                pushes measured the link slower than ~3 Gbit/s (client/compression.py); False:
+                pushes measured the link slower than ~3 Gbit/s (client/transports/compression.py); False:
                 never; True: whenever it shrinks.
             part_key: with a part (WeightSyncClient(part=...)): the update key every rank passes for
                 this push, new each push (1 to 128 of [A-Za-z0-9._-]). Required when the Part has no
@@ -299,10 +300,10 @@ class WeightSyncClient:
                 after a refused base.
 
         With a part (WeightSyncClient(part=...)), push() on every rank sends that rank's tensors of
-        one version to every server, one INLINE (or SHM) stream each (client/part_push.py): plain
+        one version to every server, one INLINE (or SHM) stream each (client/parts/push.py): plain
         tensors whole, with delta as above (each rank keeps the copy of its own; a refused base makes
         every rank resend the version dense under "<key>.dense"), DTensors as their local shards'
-        boxes (client/parts.py), with delta as its plain tensors (a patch of a box is the local shard's);
+        boxes (client/parts/part.py), with delta as its plain tensors (a patch of a box is the local shard's);
         compress does not apply; the plan is sent in full. With Part.group the ranks
         share the key and check their inputs together first: one rank's bad input fails every rank
         at once (PartInputsRefused); the one collective is bounded by the group's timeout. Inside
@@ -336,7 +337,7 @@ class WeightSyncClient:
         if mode not in _MODES:
             raise ValueError(f"mode must be 'in_place' or 'staged', got {mode!r}")
         if self._part is not None:
-            return push_part(self, self._part, named_tensors, version=version, mode=_MODES[mode],
+            return push_part(self._part_push_context(), self._part, named_tensors, version=version, mode=_MODES[mode],
                              transport=transport or "inline", part_key=part_key, bucket_size_bytes=bucket_size_bytes,
                              allow_new_tensors=allow_new_tensors, checksums=checksums,
                              zero_copy_min_bytes=zero_copy_min_bytes, progress=progress, show_progress=show_progress,
@@ -434,6 +435,12 @@ class WeightSyncClient:
             return False
         return all(pb.BUCKET_COMPRESSION_ZSTD in info.bucket_compressions for info in self._fleet.infos())
 
+    def _part_push_context(self) -> PartPushContext:
+        """What a part's push uses of this client (client/parts/push.py)."""
+        return PartPushContext(fleet=self._fleet, delta=self._delta, links=self._links, loop=self._loop,
+                               servers=self._servers, group=self._group,
+                               sink_for=lambda transport: self._sink(transport)[1])
+
     def _sink(self, transport: str) -> tuple[TransferGroup | None, Sink]:
         """The group (COLLECTIVE only) and where this push's bytes go."""
         if transport == "collective":
@@ -470,7 +477,7 @@ class WeightSyncClient:
         A DTensor (FSDP2, DTensor TP) is checked as this rank's local shard: the box of the whole
         tensor that its push declares, against the server's checksum of that box, with no
         collective and no gather; a replicated one by every rank that holds it; a box's mismatch is
-        named `name[2:4, 0:8]` (see client/part_verify.py). `checked` then counts whole tensors and
+        named `name[2:4, 0:8]` (see client/parts/verify.py). `checked` then counts whole tensors and
         boxes."""
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         check_tensors(items)

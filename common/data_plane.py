@@ -11,4 +11,4 @@ from __future__ import annotations
 
 DATA_PLANE_REVISION = 4
 """The revision this tree's server speaks (server/node.py sets it in GetServerInfo) and its SDK
-speaks (client/revision.py)."""
+speaks (client/channels/revision.py)."""

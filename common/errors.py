@@ -1,7 +1,7 @@
 """Domain exceptions, one per gRPC status code.
 
 Raised anywhere in the server or worker; converted to a google.rpc.Status with
-one ErrorInfo in exactly one place (weightsync.server.errors). The code says
+one ErrorInfo in exactly one place (weightsync.server.rpc.errors). The code says
 what a caller should do: FAILED_PRECONDITION "fix state first", UNAVAILABLE
 "retry this call", ABORTED "retry the whole sequence".
 """

@@ -44,7 +44,7 @@ Two settings are read once per process, not per group, so they cannot be scoped:
 A trainer sets these from the thread that starts the rendezvous, before the rendezvous thread
 exists, and puts them back only once that rendezvous's join no longer reads them (setenv from one
 thread while another reads is the risk): from the caller's thread when the join had ended by the
-time the caller let go of it, else from the join's thread as it ends (client/rendezvous.py).
+time the caller let go of it, else from the join's thread as it ends (client/transports/rendezvous.py).
 Rendezvous may overlap (an abandoned join still running when the next group is created): the
 settings are held, not set and reset per rendezvous; what the environment held before the first
 holder is remembered once and comes back when the last holder lets go (hold_trainer_settings).

@@ -16,7 +16,7 @@ bound, and a push that needs a kernel meanwhile waits for it. So nothing that se
 compile_ahead() runs a child process (`python -m weightsync.common.numba_cache`) that compiles every
 kernel into the cache and leaves a marker (compiled_marker) naming what it compiled for, the sources'
 stamps and the host CPU, as numba's own cache keys them; with the marker there it exits at once. The
-server runs it while its workers start and serves once it ended (server/supervisor.py); a worker
+server runs it while its workers start and serves once it ended (server/workers/supervisor.py); a worker
 loads its kernels once the marker is there (wait_compiled; about a second). Children of several
 servers take turns on a lock on the folder, so they compile once between them.
 """

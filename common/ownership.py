@@ -1,6 +1,6 @@
 """Which worker of a node receives which bucket: one owner per bucket, balanced by bytes.
 
-The node's store holds every tensor once (server/node_store.py); its workers are the
+The node's store holds every tensor once (server/store/node_store.py); its workers are the
 node's receivers, not replicas, so each bucket of a plan is received by exactly one of
 them, its owner, which writes it into the store. The owners are a pure function of the
 plan's bucket sizes and the node's worker count (docs/data-plane.md spells it out for

@@ -22,7 +22,7 @@ Every push uses the SDK's defaults: delta="auto". The --steps steps at the high 
 3/4 of the bf16 weights, so auto sends them dense; the --fine-steps after them
 (lr x FINE_LR_FACTOR) change about 0.4%. Over SHM auto sends those dense too: on
 this machine SHM's copy into shared memory is faster than the comparison a patch
-needs (client/delta_policy.py). With --transport inline --fine-steps 3 the first fine
+needs (client/delta/policy.py). With --transport inline --fine-steps 3 the first fine
 step goes dense (the trainer copies the weights it had stopped keeping) and the
 next ones go as patches, under 1% of the bytes.
 

@@ -24,7 +24,7 @@ send_weights (every trainer rank), one version:
   1. push: the source's tensors go through the SDK to every server and are committed. One
      trainer (trainer_ranks 1): rank 0 pushes the whole model; the other ranks iterate the
      source alongside (iterating is a collective for FSDP's full_tensor()), as vLLM's contract
-     says. A sharded trainer (trainer_ranks N): every rank is a part (client/parts.py) and
+     says. A sharded trainer (trainer_ranks N): every rank is a part (client/parts/part.py) and
      pushes what it holds (its WeightSource's held names; DTensors as their local boxes).
   2. rank 0 has vLLM load the committed version: start_weight_update, then update_weights
      {"phase": "prepare"} (each vLLM rank pins it and stages it beside the live model while
@@ -102,14 +102,14 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     """How the bytes travel: "inline" (any network), "shm" (the trainer on the server's host),
     "collective" (a Gloo/NCCL group; one trainer only: trainer_init creates it)."""
     delta: bool | str = "auto"
-    """Send only what changed since the last commit (client/delta.py): "auto", True or False."""
+    """Send only what changed since the last commit (client/delta/base.py): "auto", True or False."""
     mode: str = "in_place"
     """"in_place" or "staged" (an aborted push leaves the committed weights untouched)."""
     trainer_ranks: int = 1
     """1: rank 0 alone pushes the whole model. N > 1: the trainer is sharded in N ranks and each
-    pushes its part (client/parts.py); every rank calls trainer_init and send_weights."""
+    pushes its part (client/parts/part.py); every rank calls trainer_init and send_weights."""
     part_group: Any = None
-    """With trainer_ranks > 1: a torch.distributed group of exactly those ranks (client/parts.py's
+    """With trainer_ranks > 1: a torch.distributed group of exactly those ranks (client/parts/part.py's
     Part.group), or None (the parts then agree through the servers alone)."""
     engine_name: str = "vllm"
     """The name vLLM's ranks attach as (NAME, NAME:tp1, ...: GetServerInfo.engines). prepare needs one."""

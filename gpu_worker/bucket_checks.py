@@ -14,7 +14,7 @@ complement (a relaying rank forwards its whole buffer, end included).
 
 A broadcast longer than the buffer cannot be caught this way: Gloo aborts the
 receiving process, and the node keeps its weights because the store lives in
-memory the server keeps (server/node_store.py).
+memory the server keeps (server/store/node_store.py).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def verify_bucket(
 def verify_in_store(sequence: int, checks: Sequence[wpb.TensorCheck], pieces: Sequence[tuple[int, torch.Tensor]],
                     size_bytes: int, bucket_checksum: tensor_pb2.Checksum) -> None:
     """verify_bucket for a bucket that lies in the store in pieces (the SHM trainer wrote it there:
-    server/store_writes.py): `pieces` are (where it starts in the bucket, a multiple of 8; its bytes),
+    server/store/writes.py): `pieces` are (where it starts in the bucket, a multiple of 8; its bytes),
     the bytes between them zeros. The bucket's WS64 is its length plus each piece's terms
     (common/ws64_host.py); a tensor's check reads the piece that holds it."""
     if bucket_checksum.algorithm != tensor_pb2.CHECKSUM_ALGORITHM_WS64:

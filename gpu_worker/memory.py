@@ -1,6 +1,6 @@
 """A worker's memory: its mappings of the node store, its staging buffers, and the device helpers.
 
-The node store is the server's (server/arenas.py): memfd arenas it creates and keeps. A
+The node store is the server's (server/store/arenas.py): memfd arenas it creates and keeps. A
 worker maps every arena read-write (the descriptors come over its fd channel) and writes
 the buckets it owns into them; the memory outlives the worker, so its death loses nothing.
 A mapping's pages are faulted in when it is made, so the first bucket received into it

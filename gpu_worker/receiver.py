@@ -7,7 +7,7 @@
     RECEIVING --commit--> (idle): STAGED patches scattered into the live bytes, device copies done
     any --abort--> (idle)
 
-The server decided everything before a byte moved (server/node_store.py): which buckets this
+The server decided everything before a byte moved (server/store/node_store.py): which buckets this
 worker owns, and for each the places in the store its bytes go (straight into a segment or a
 split tensor's place, or into staging and then one copy per tensor, and one strided copy per
 sub-box of a box: a view of the whole tensor in the store, narrowed to the sub-box), the checks and
@@ -326,14 +326,14 @@ class Receiver:
 
     def receive_in_store(self, receive: wpb.ReceiveBucketCommand) -> Applied | None:
         """SHM store writes: the trainer wrote the bucket at its places in the store (its receive_into, or its
-        copies' destinations: server/store_writes.py); check it there, copy nothing. None when it is dropped on
+        copies' destinations: server/store/writes.py); check it there, copy nothing. None when it is dropped on
         purpose (the update is failing)."""
         update = self.current(receive.update_id)
         self.touched = False
         if receive.discard or update.phase is Phase.FAILED:
             return None
         try:
-            owned = self._expected(update, receive)  # never one with patches or boxes (server/store_writes.py)
+            owned = self._expected(update, receive)  # never one with patches or boxes (server/store/writes.py)
             self.touched = True  # the trainer may have written its places whatever comes of the check
             if owned.HasField("receive_into"):
                 pieces = [(0, self.maps.bytes_at(owned.receive_into, owned.size_bytes))]

@@ -18,11 +18,11 @@ from weightsync.common.address import parse_address
 from weightsync.common.logging import get_logger, log_loop_exception
 from weightsync.server.config import ServerConfig
 from weightsync.server.credentials import Credentials
-from weightsync.server.interceptors import EdgeInterceptor
 from weightsync.server.metrics import Metrics
 from weightsync.server.node import SERVICE_NAME, FleetFactory, Node
-from weightsync.server.reflection import enable_reflection
-from weightsync.server.service import WeightSyncServicer
+from weightsync.server.rpc.interceptors import EdgeInterceptor
+from weightsync.server.rpc.reflection import enable_reflection
+from weightsync.server.rpc.service import WeightSyncServicer
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
 

@@ -303,3 +303,8 @@ def check_devices(devices: tuple[str, ...]) -> None:
             raise ValueError(
                 f"device {device} does not exist: this host has {have}; on a CPU host use --workers N --device cpu"
             )
+
+
+def max_chunk_bytes(config: ServerConfig) -> int:
+    """Largest BucketChunk payload: a message's limit minus room for its other fields."""
+    return max(1, config.max_message_bytes - (64 << 10))

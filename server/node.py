@@ -1,10 +1,10 @@
 """The inference node's parts, built and wired in one place.
 
-A Node owns the store (node_store.py: every tensor once, in host memory the server keeps),
+A Node owns the store (server/store/node_store.py: every tensor once, in host memory the server keeps),
 the supervisor (worker processes: the node's receivers), the publisher (version and
 watchers), the groups, the plan cache, memory admission, the leases, the ingress, the local
 socket, the engine drivers, the metrics, the credentials and the update gate. It reacts to
-the workers' lives (died, started, unresponsive). The servicer (service.py) only serves
+the workers' lives (died, started, unresponsive). The servicer (server/rpc/service.py) only serves
 RPCs over it, and an update session sees only SessionServices.
 """
 
@@ -23,25 +23,24 @@ from grpc_health.v1 import health_pb2
 from weightsync.common.data_plane import DATA_PLANE_REVISION
 from weightsync.common.errors import Unavailable
 from weightsync.common.logging import get_logger
-from weightsync.server.admission import MemoryAdmission
-from weightsync.server.config import ServerConfig
+from weightsync.server.config import ServerConfig, max_chunk_bytes
 from weightsync.server.credentials import Credentials
-from weightsync.server.engine_driver import build_driver
-from weightsync.server.engines import EngineRegistry
-from weightsync.server.group_registry import GroupRegistry
-from weightsync.server.ingress import Ingress
-from weightsync.server.leases import LeaseTable
-from weightsync.server.local_socket import LocalHandoff
+from weightsync.server.engines.drivers import build_driver
+from weightsync.server.engines.local_socket import LocalHandoff
+from weightsync.server.groups import GroupRecord, GroupRegistry
 from weightsync.server.metrics import Metrics, StateCollector
-from weightsync.server.node_store import NodeStore
-from weightsync.server.publisher import Publisher
-from weightsync.server.request_checks import available_backends_for, max_chunk_bytes
-from weightsync.server.state import GroupRecord
-from weightsync.server.supervisor import Supervisor, WorkerHandle
+from weightsync.server.published.engine_registry import EngineRegistry
+from weightsync.server.published.publisher import Publisher
+from weightsync.server.store.ingress import Ingress
+from weightsync.server.store.leases import LeaseTable
+from weightsync.server.store.node_store import NodeStore
 from weightsync.server.tasks import TaskSet
-from weightsync.server.update_gate import UpdateGate
-from weightsync.server.update_session import SessionServices
-from weightsync.server.validated_plans import ValidatedPlans
+from weightsync.server.update.admission import MemoryAdmission
+from weightsync.server.update.gate import UpdateGate
+from weightsync.server.update.plans import ValidatedPlans
+from weightsync.server.update.session import SessionServices
+from weightsync.server.workers.backends import available_backends_for
+from weightsync.server.workers.supervisor import Supervisor, WorkerHandle
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -224,7 +223,7 @@ class Node:
             transports=self.transports(),
             bucket_compressions=[pb.BUCKET_COMPRESSION_ZSTD],  # every worker decompresses (gpu_worker/frames.py)
             deferred_buckets=True,
-            parts=self.ingress is not None,  # parts run over INLINE, whole tensors and boxes (service.py)
+            parts=self.ingress is not None,  # parts run over INLINE, whole tensors and boxes (server/rpc/service.py)
             data_plane_revision=DATA_PLANE_REVISION,
             store_state=store.state,
             current_version=self.publisher.version.to_proto(),

@@ -1,4 +1,4 @@
-"""An in-process fleet for the asyncio core of an update (server/fleet.py, WorkerFleet).
+"""An in-process fleet for the asyncio core of an update (server/workers/worker_fleet.py, WorkerFleet).
 
 Each fake worker is the real receiver (gpu_worker/receiver.py) run in this process on
 the node store's real arenas and the server's real ingress: the session, its intake,
@@ -20,9 +20,9 @@ import torch
 from weightsync.common.errors import Unavailable, WeightSyncError, code_number
 from weightsync.gpu_worker.memory import map_arena
 from weightsync.gpu_worker.receiver import Receiver
-from weightsync.server.arenas import HostArena
-from weightsync.server.fleet import FanOut
-from weightsync.server.ingress import Ingress
+from weightsync.server.store.arenas import HostArena
+from weightsync.server.store.ingress import Ingress
+from weightsync.server.workers.worker_fleet import FanOut
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 
@@ -194,14 +194,14 @@ def command_failed(error: WeightSyncError) -> int:
 def fake_session_services(fleet: FakeFleet, ingress: Ingress):
     """The SessionServices of an update run in-process over `fleet` and `ingress` (a fresh store, no engines),
     and what closes them: for tests that drive UpdateSession without a server."""
-    from weightsync.server.admission import MemoryAdmission
-    from weightsync.server.engines import EngineRegistry
-    from weightsync.server.group_registry import GroupRegistry
-    from weightsync.server.leases import LeaseTable
+    from weightsync.server.groups import GroupRegistry
     from weightsync.server.metrics import Metrics
-    from weightsync.server.node_store import NodeStore
-    from weightsync.server.publisher import Publisher
-    from weightsync.server.update_session import SessionServices
+    from weightsync.server.published.engine_registry import EngineRegistry
+    from weightsync.server.published.publisher import Publisher
+    from weightsync.server.store.leases import LeaseTable
+    from weightsync.server.store.node_store import NodeStore
+    from weightsync.server.update.admission import MemoryAdmission
+    from weightsync.server.update.session import SessionServices
 
     async def group_gone(record) -> None:
         pass

@@ -1,6 +1,6 @@
 """A stand-in for SGLang's HTTP routes, for the server's --engine sglang-http driver.
 
-It answers the routes the driver calls (server/sglang_driver.py) the way SGLang 0.5.23 with
+It answers the routes the driver calls (server/engines/sglang.py) the way SGLang 0.5.23 with
 weightsync's loader does, and really reads the node's store: /update_weights_from_tensor decodes
 the weightsync request (engine/sglang/request.py) of each TP rank's entry, acquires that
 generation over the local socket and copies every tensor written since into each rank's

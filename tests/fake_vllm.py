@@ -1,6 +1,6 @@
 """A stand-in for vLLM's weight-transfer HTTP routes, for the server's --engine vllm-http driver.
 
-It answers the routes the driver calls (server/engine_driver.py) the way vLLM with the weightsync
+It answers the routes the driver calls (server/engines/driver.py) the way vLLM with the weightsync
 backend does, and really reads the node's store: /init_weight_transfer_engine attaches an
 EngineClient to the local socket with the token it was given, /update_weights acquires
 that generation and copies every tensor written since into `weights`, releasing the lease as

@@ -27,7 +27,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from weightsync.common.numba_cache import COMPILE_AHEAD_SECONDS
 from weightsync.server.config import ServerConfig
-from weightsync.server.supervisor import STARTUP_TIMEOUT_SECONDS, STOP_TIMEOUT_SECONDS
+from weightsync.server.workers.supervisor import STARTUP_TIMEOUT_SECONDS, STOP_TIMEOUT_SECONDS
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.v1 import weight_sync_service_pb2_grpc as pb_grpc
@@ -95,7 +95,7 @@ INTERPRETER_EXIT_SECONDS = 120.0
 logged server_stopped, at load 60)."""
 SERVER_STOP_SECONDS = ServerConfig().shutdown_grace_seconds + STOP_TIMEOUT_SECONDS + INTERPRETER_EXIT_SECONDS
 """stop()'s default: a running update's grace (the default --shutdown-grace-seconds; a test that raises it passes
-its own bound, server_stop_seconds), the workers' stop (server/supervisor.py), the interpreter's exit."""
+its own bound, server_stop_seconds), the workers' stop (server/workers/supervisor.py), the interpreter's exit."""
 
 
 def server_stop_seconds(grace: float) -> float:
@@ -107,7 +107,7 @@ INTERPRETER_START_SECONDS = 120.0
 """A loaded host's allowance for a fresh interpreter importing torch and weightsync (seen: over 100 s at load 70)."""
 SERVER_START_SECONDS = INTERPRETER_START_SECONDS + max(STARTUP_TIMEOUT_SECONDS, COMPILE_AHEAD_SECONDS)
 """start_server's backstop: the server itself serves, or exits, within its own bounds on its workers' start and
-the kernels' compile (server/supervisor.py), once its interpreter started."""
+the kernels' compile (server/workers/supervisor.py), once its interpreter started."""
 
 
 def start_server(tmp_path: Path, *extra: str, workers: int = 2, env: dict | None = None,

@@ -89,7 +89,7 @@ def corrupt(client, rank: int, seeds: list[int], out_dir: Path) -> dict:
     parts fail, nothing changes), twice: then at once ("corrupt"), and again holding its streams open after
     that bucket (in its progress callback) until rank 0's push ended ("held"): rank 0 can learn of that
     failure only from the servers' abort fan-out (UpdateAborting). Then seeds[2], pushed and verified."""
-    import weightsync.client.push as push_module
+    import weightsync.client.push.run as push_module
 
     before, bad, after = seeds
     out: dict = {"v1": generations(client.push(own(rank, before), version=f"v{before}", **PUSH))}

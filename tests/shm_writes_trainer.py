@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from test_shm_writes import BUCKET_BYTES, model  # noqa: E402
 
-from weightsync.client import WeightSyncClient, store_writes  # noqa: E402
+from weightsync.client import WeightSyncClient  # noqa: E402
+from weightsync.client.transports import store_writes  # noqa: E402
 
 
 def main() -> None:

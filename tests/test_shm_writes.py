@@ -23,23 +23,24 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync.client import UpdateFailed, WeightSyncClient, store_writes
-from weightsync.client.packing import TensorSource
-from weightsync.client.planning import build_plan
-from weightsync.client.push import PushRun
-from weightsync.client.store_writes import SMALL_TENSOR_BYTES, Region, gaps
+from weightsync.client import UpdateFailed, WeightSyncClient
+from weightsync.client.buckets.packing import TensorSource
+from weightsync.client.buckets.planning import build_plan
+from weightsync.client.push.run import PushRun
+from weightsync.client.transports import store_writes
 from weightsync.client.transports.shm import IN_FLIGHT, ShmSink
+from weightsync.client.transports.store_writes import SMALL_TENSOR_BYTES, Region, gaps
 from weightsync.common import byte_passes, ws64_host
 from weightsync.common.checksum import ws64_reference, ws64_terms, ws64_terms_torch
 from weightsync.common.ws64_host import copy_ws64_terms
-from weightsync.server.store_writes import ClientRegion, client_regions
-from weightsync.server.update_plan import (
+from weightsync.server.store.update_plan import (
     BoxCopy,
     BucketRoute,
     DirectTarget,
     PatchTarget,
     TensorCopy,
 )
+from weightsync.server.store.writes import ClientRegion, client_regions
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 

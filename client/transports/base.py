@@ -3,10 +3,10 @@ BucketStart announcement they all send.
 
 A sink does two things for bucket k: gives the bytes a place (`fill`: pack the
 bucket, or use the caller's own memory) and sends them (`send`: announce, then
-broadcast / chunk / nothing). PushRun (client/push.py) drives it and owns the rules
+broadcast / chunk / nothing). PushRun (client/push/run.py) drives it and owns the rules
 common to all three; `finish` completes whatever is still in flight. Every
 sink reads a bucket's bytes through `Payload.read()` only, so no read can
-overtake the copies into them (client/read_order.py). One module per transport:
+overtake the copies into them (client/buckets/read_order.py). One module per transport:
 
   COLLECTIVE  (collective.py) pack into pack buffer k % 2 while bucket k-1 is on
               the wire; bucket k is announced and started before k-1 is waited for
@@ -18,7 +18,7 @@ overtake the copies into them (client/read_order.py). One module per transport:
               (common/receive_order.py).
   INLINE      (inline.py) pack, then cut into BucketChunks queued on every stream
               (gRPC flow control holds the trainer back when the server is slower;
-              a server that stops taking chunks fails its stream, client/streams.py).
+              a server that stops taking chunks fails its stream, client/channels/streams.py).
   SHM         (shm.py) pack straight into the server's ingress slot k % slots, once
               the server applied the bucket that used it last.
 """
@@ -27,17 +27,17 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from weightsync.client._loop import LoopThread
-from weightsync.client.compression import Frames
-from weightsync.client.packing import PackBuffers, Payload, TensorSource
-from weightsync.client.planning import PlannedBucket
-from weightsync.client.streams import UpdateStream
+from weightsync.client.buckets.packing import PackBuffers, Payload, TensorSource
+from weightsync.client.buckets.planning import PlannedBucket
+from weightsync.client.channels.loop import LoopThread
+from weightsync.client.channels.streams import UpdateStream
+from weightsync.client.transports.compression import Frames
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 
 class Sink(Protocol):
-    """What a push (client/push.py, client/push_job.py, client/sdk.py) uses of a transport's sink: nothing else."""
+    """What a push (client/push/run.py, client/push/job.py, client/sdk.py) uses of a transport's sink: nothing else."""
 
     transport: int
     """The BeginUpdate.transport this sink speaks."""

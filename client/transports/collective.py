@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from weightsync.client._loop import LoopThread
-from weightsync.client.compression import Frames
-from weightsync.client.packing import PackBuffers, Payload, TensorSource, fill_bucket
-from weightsync.client.planning import PlannedBucket
-from weightsync.client.streams import UpdateStream
+from weightsync.client.buckets.packing import PackBuffers, Payload, TensorSource, fill_bucket
+from weightsync.client.buckets.planning import PlannedBucket
+from weightsync.client.channels.loop import LoopThread
+from weightsync.client.channels.streams import UpdateStream
 from weightsync.client.transports.base import announce
+from weightsync.client.transports.compression import Frames
 from weightsync.common.collective import CollectiveError, CollectiveGroup, bucket_tag, bucket_tail
 from weightsync.common.transfer_waits import TransferStopped
 from weightsync.v1 import tensor_pb2
@@ -37,7 +37,7 @@ class CollectiveSink:
         self._sent_point_to_point_over_nccl = False
         """This push sent some bucket point-to-point over NCCL (a part of several)."""
         self.frames = Frames()
-        """Buckets of patches as zstd frames (Gloo only; client/compression.py)."""
+        """Buckets of patches as zstd frames (Gloo only; client/transports/compression.py)."""
         self._streams: list[UpdateStream] = []
         """The push's streams (a part's waits stop once a server says the update is aborting)."""
 
@@ -104,7 +104,7 @@ class CollectiveSink:
         NCCL's is closed at once (its other transfers end with it, never waited for again: a second
         group timeout), Gloo's remaining sends are waited for until their own deadline only (a Gloo
         send ends, with an error, as soon as its receiver leaves the group, which the servers' workers do
-        once the update is aborted: client/push.py aborts it as soon as a server reports a failure; a receiver
+        once the update is aborted: client/push/run.py aborts it as soon as a server reports a failure; a receiver
         still in the group that never receives holds it to its deadline: test_collective_parts_units,
         test_a_gloo_send_ends_when_its_receiver_leaves_the_group). A part stops waiting as soon as a
         server says the update is aborting (_wait)."""

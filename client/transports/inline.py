@@ -10,13 +10,13 @@ from typing import Any, Protocol
 
 import torch
 
-from weightsync.client._loop import LoopThread
-from weightsync.client.compression import Frames, holds_patches
-from weightsync.client.packing import PackBuffers, Payload, TensorSource, fill_bucket
-from weightsync.client.planning import PlannedBucket
-from weightsync.client.streams import UpdateStream
+from weightsync.client.buckets.packing import PackBuffers, Payload, TensorSource, fill_bucket
+from weightsync.client.buckets.planning import PlannedBucket
+from weightsync.client.channels.loop import LoopThread
+from weightsync.client.channels.streams import UpdateStream
+from weightsync.client.channels.wire import encode_bucket_chunk_of
 from weightsync.client.transports.base import announce
-from weightsync.client.wire import encode_bucket_chunk_of
+from weightsync.client.transports.compression import Frames, holds_patches
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -33,7 +33,7 @@ class InlineSink:
         self.buffers = buffers
         self._chunk = max_chunk_bytes
         self.frames = Frames()
-        """Buckets of patches as zstd frames (client/compression.py)."""
+        """Buckets of patches as zstd frames (client/transports/compression.py)."""
 
     def fill(self, index: int, bucket: PlannedBucket, source: TensorSource, streams: list[UpdateStream]) -> Payload:
         self.frames.planned(index, bucket.spec)

@@ -1,5 +1,5 @@
 """SHM: each bucket written straight into its place in the node store where the server placed it there,
-else into the server's ingress slot (same host), in one copy with its checksum (client/store_writes.py),
+else into the server's ingress slot (same host), in one copy with its checksum (client/transports/store_writes.py),
 then announced (see base.py).
 
 Announcements leave in plan order from one queue: a bucket is announced once its bytes are where the server
@@ -17,11 +17,13 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from weightsync.client._loop import LoopThread
+from weightsync.client.buckets.packing import PackBuffers, Payload, TensorSource
+from weightsync.client.buckets.planning import PlannedBucket
+from weightsync.client.channels.loop import LoopThread
+from weightsync.client.channels.streams import UpdateStream
 from weightsync.client.errors import WeightSyncClientError, WeightSyncRpcError
-from weightsync.client.packing import PackBuffers, Payload, TensorSource
-from weightsync.client.planning import PlannedBucket
-from weightsync.client.store_writes import (
+from weightsync.client.transports.base import announce
+from weightsync.client.transports.store_writes import (
     INGRESS,
     ArenaOpener,
     BucketWrite,
@@ -30,8 +32,6 @@ from weightsync.client.store_writes import (
     StoreWriter,
     places_of,
 )
-from weightsync.client.streams import UpdateStream
-from weightsync.client.transports.base import announce
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 

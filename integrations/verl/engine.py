@@ -62,7 +62,7 @@ from weightsync.client import (
     WeightSyncClient,
     WeightSyncClientError,
 )
-from weightsync.client.parts import is_dtensor
+from weightsync.client.parts.part import is_dtensor
 from weightsync.common.logging import get_logger
 from weightsync.integrations.shares import share_out
 from weightsync.integrations.verl.config import VerlSyncConfig

@@ -1,7 +1,7 @@
 """Driver mode's rollout side: waiting, bounded, until the node's engine serves a version.
 
 With `receive: served` the node's weightsync server drives the inference engine itself (--engine
-vllm-http=URL / sglang-http=URL: server/engine_driver.py) after each commit; verl's rollout worker
+vllm-http=URL / sglang-http=URL: server/engines/driver.py) after each commit; verl's rollout worker
 only waits until that engine serves the step the actor ranks pushed. It watches the node's
 WatchWeights stream (the current state at once, then every change in order: a commit, the engine
 starting to apply, the engine serving or failing) and decides on each event (`ServedWatch.see`),

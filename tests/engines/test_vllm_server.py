@@ -1,4 +1,4 @@
-"""The weightsync server drives a real vLLM API server (--engine vllm-http=URL, server/engine_driver.py).
+"""The weightsync server drives a real vLLM API server (--engine vllm-http=URL, server/engines/driver.py).
 
 Real processes: vLLM's OpenAI-compatible server (launcher module, VLLM_SERVER_DEV_MODE=1,
 --weight-transfer-config '{"backend": "weightsync"}', --skip-tokenizer-init: prompts are

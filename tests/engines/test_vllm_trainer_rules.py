@@ -137,7 +137,7 @@ def test_a_rank_that_does_not_raise_ends_vllms_session_on_its_worker():
 def test_the_driver_waits_for_the_first_of_each_ranks_two_leases(leases, readings):
     from types import SimpleNamespace
 
-    from weightsync.server.engine_driver import reading_leases
+    from weightsync.server.engines.vllm import reading_leases
 
     table = {i: SimpleNamespace(generation=g, owner=o) for i, (g, o) in leases.items()}
     assert reading_leases(table, 7) == readings

@@ -1,4 +1,4 @@
-"""delta's kept copy of CUDA tensors (client/delta.py): in pinned host memory by default, nothing of
+"""delta's kept copy of CUDA tensors (client/delta/base.py): in pinned host memory by default, nothing of
 it on the trainer's GPU; compared against a copy brought over a piece at a time (never the whole
 tensor on the device); patches exact; its copies out of the device waited for before the host reads
 them. An expand() view keeps only the storage it reads, there too."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from weightsync.client import WeightSyncClient
-from weightsync.client import delta as delta_module
-from weightsync.client.delta import DeltaBase
+from weightsync.client.delta import base as delta_module
+from weightsync.client.delta.base import DeltaBase
 from weightsync.common.checksum import ws64
 from weightsync.common.patches import XOR, bits_of, decode_patch
 

@@ -313,7 +313,7 @@ def test_device_ws64_equals_the_cpu_reference(proto_dtype):
 def test_the_kept_delta_copy_waits_for_the_callers_stream():
     """The kept copy (delta) is refreshed in a thread of its own: its copies must wait for the
     writes the caller's stream queued, or it keeps stale bytes and the next patch is wrong."""
-    from weightsync.client.delta import DeltaBase
+    from weightsync.client.delta.base import DeltaBase
 
     base = DeltaBase()
     first = gpu_model(1)
@@ -361,7 +361,8 @@ def test_deferred_buckets_reach_a_cuda_worker(cuda_server, transport, monkeypatc
     """Host tensors compared while their patches travel (deferred buckets; the link declared slow):
     the CUDA worker takes each bucket's route from its receive command, not from the prepare, and
     writes the patches into the host store bit for bit."""
-    from weightsync.client import deferred, delta_policy
+    from weightsync.client.delta import deferred
+    from weightsync.client.delta import policy as delta_policy
 
     monkeypatch.setattr(delta_policy, "DEFER_BELOW_BYTES_PER_SECOND", float("inf"))
     monkeypatch.setattr(deferred, "MIN_GROUP_BYTES", 64 << 10)

@@ -1,7 +1,7 @@
 """Host memory a GPU pins (issue 44: L2, L4, P4), measured where only a GPU can: the kept delta copy of CUDA tensors
 pins its own size and gives it back; a read-only mapping (an engine's view of the store) faulted in before it is
 registered, against cudaHostRegister faulting it itself; several processes pre-faulting and pinning the same arena
-at once, each above the server's floor (server/arenas.py). The rates are recorded (gpukit.record), not asserted
+at once, each above the server's floor (server/store/arenas.py). The rates are recorded (gpukit.record), not asserted
 beyond that floor: speed is the bench's (bench/gpu.py)."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import warnings
 import pytest
 import torch
 
-from weightsync.client.delta import DeltaBase
+from weightsync.client.delta.base import DeltaBase
 from weightsync.common import host_pinning
-from weightsync.server.arenas import MAP_FLOOR_BYTES_PER_SECOND
+from weightsync.server.store.arenas import MAP_FLOOR_BYTES_PER_SECOND
 
 from gpukit import record
 

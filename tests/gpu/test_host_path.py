@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync.client import WeightSyncClient, store_writes
-from weightsync.client.packing import TensorSource
+from weightsync.client import WeightSyncClient
+from weightsync.client.buckets.packing import TensorSource
+from weightsync.client.transports import store_writes
 from weightsync.common.checksum import ws64_reference, ws64_terms_torch
 from weightsync.v1 import tensor_pb2
 

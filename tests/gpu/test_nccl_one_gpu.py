@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from weightsync.client import WeightSyncClient, WeightSyncClientError
-from weightsync.client.rendezvous import Rendezvous
-from weightsync.client.transfer_group import gpu_uuid
+from weightsync.client.transports.rendezvous import Rendezvous
+from weightsync.client.transports.transfer_group import gpu_uuid
 from weightsync.common.collective import (
     CLOSE_JOIN_SECONDS,
     CollectiveError,

@@ -115,7 +115,7 @@ class GpuSglang:
         return out
 
     def load(self, generation: int, since_generation: int, label: str) -> dict:
-        """One update as the driver runs it (server/sglang_driver.py)."""
+        """One update as the driver runs it (server/engines/sglang.py)."""
         self.post("/pause_generation", {"mode": "retract"})
         try:
             assert self.post("/begin_weight_update", {})["success"]

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 
 from weightsync.client.errors import WeightSyncClientError
-from weightsync.client.transfer_group import ServerDevices, choose_backend, normalize_uuid
+from weightsync.client.transports.transfer_group import (
+    ServerDevices,
+    choose_backend,
+    normalize_uuid,
+)
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 GLOO, NCCL = pb.BACKEND_GLOO, pb.BACKEND_NCCL
@@ -63,11 +67,11 @@ def test_a_server_with_cuda_workers_offers_gloo_so_auto_on_a_shared_gpu_works(mo
     so auto picked Gloo and then failed with "does not offer BACKEND_GLOO")."""
     from types import SimpleNamespace
 
-    from weightsync.server import request_checks
+    from weightsync.server.workers import backends
 
-    monkeypatch.setattr(request_checks, "available_backends", lambda: [GLOO, NCCL])  # a CUDA build
+    monkeypatch.setattr(backends, "available_backends", lambda: [GLOO, NCCL])  # a CUDA build
     workers = [SimpleNamespace(device="cuda:0"), SimpleNamespace(device="cuda:1")]
-    offered = request_checks.available_backends_for(workers)
+    offered = backends.available_backends_for(workers)
     assert offered == [GLOO, NCCL]
     server = ServerDevices("a:1", frozenset(offered), (OTHER, MINE))
     assert choose_backend("auto", trainer_gpu_uuid=MINE, servers=[server]) == GLOO
@@ -114,7 +118,7 @@ def test_workers_sharing_a_gpu_never_get_nccl(requested, trainer, servers, chose
 def test_the_trainers_gpu_is_asked_for_only_when_this_process_already_uses_cuda(monkeypatch):
     import torch
 
-    from weightsync.client.transfer_group import trainer_cuda_device
+    from weightsync.client.transports.transfer_group import trainer_cuda_device
 
     asked = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append(1) or 3)

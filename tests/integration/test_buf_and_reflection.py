@@ -20,7 +20,7 @@ from google.protobuf import descriptor_pb2
 from google.rpc import error_details_pb2
 
 from tests.helpers import ServerProcess, start_server
-from weightsync.server.reflection import V1_SERVICE, v1_file_descriptor
+from weightsync.server.rpc.reflection import V1_SERVICE, v1_file_descriptor
 
 REPO = Path(__file__).resolve().parents[2]
 BUF = REPO / "tools" / "node_modules" / ".bin" / "buf"

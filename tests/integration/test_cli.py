@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weightsync.client.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "weightsync.client.cli.main", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_a_scheme_in_the_address_says_drop_it(server):
 
 def test_a_reader_that_goes_away_gets_no_traceback(server):
     # `true` exits without reading: every write of the CLI meets a closed pipe.
-    result = subprocess.run(f"{sys.executable} -m weightsync.client.cli info --server {server.address} | true",
+    result = subprocess.run(f"{sys.executable} -m weightsync.client.cli.main info --server {server.address} | true",
                             shell=True, capture_output=True, text=True, timeout=60)
     assert result.stderr == ""
 

@@ -16,8 +16,8 @@ import grpc
 import pytest
 import torch
 
+from weightsync.client.buckets.packing import PackBuffers, Payload
 from weightsync.client.errors import WeightSyncRpcError
-from weightsync.client.packing import PackBuffers, Payload
 from weightsync.client.transports.collective import CollectiveSink
 from weightsync.common.collective import CollectiveGroup
 from weightsync.gpu_worker.receive_update import ReceiveUpdate
@@ -115,7 +115,7 @@ def test_a_part_that_sent_over_nccl_breaks_its_group_if_its_push_fails(backend, 
     """NCCL completes a send that fits the connection's buffer before its receiver posts the receive: if the update
     then fails, an owner whose receive was never forwarded would take those bytes at its next receive on the same
     group (the next update's), every later bucket of that pair shifted by one. So a part that sent over NCCL reads
-    as broken (client/push_job.py closes the group and refuses to push on it when the push fails); Gloo sends wait
+    as broken (client/push/job.py closes the group and refuses to push on it when the push fails); Gloo sends wait
     for their receiver, and one trainer broadcasts (every worker joins every broadcast)."""
     sink = CollectiveSink(Loop(), Collective(backend, trainer_ranks), PackBuffers(torch.device("cpu")))
     assert not sink.broken  # nothing sent yet

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from weightsync.client import WeightSyncClient, WeightSyncClientError
-from weightsync.client.revision import DataPlaneRevisionUnsupported
+from weightsync.client.channels.revision import DataPlaneRevisionUnsupported
 from weightsync.common import dtypes
 from weightsync.common.data_plane import DATA_PLANE_REVISION
 from weightsync.common.errors import InvalidArgument

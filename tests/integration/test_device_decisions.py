@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from weightsync.client import rendezvous as rendezvous_module
+from weightsync.client.transports import rendezvous as rendezvous_module
 from weightsync.common import nccl_env
 from weightsync.common.collective import (
     CollectiveError,

@@ -12,7 +12,7 @@ from raw_updates import generation, push_whole
 from test_part_updates import OWNS, model, push_parts
 
 from weightsync.common.errors import FailedPrecondition, InvalidArgument
-from weightsync.server.update_streams import Stream, attributed
+from weightsync.server.update.streams import Stream, attributed
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""The parts of an update join on a real server (server/part_joins.py, over gRPC): keepalives while they
+"""The parts of an update join on a real server (server/parts/joins.py, over gRPC): keepalives while they
 wait, a rank twice refused to that part alone, a part refused before it joins (other terms, its begin)
 failing its key at once for every part with its own reason, the union refused to every part, a part
 that never comes fails every joined part naming it (and a later one too), a part that fails or leaves

@@ -1,4 +1,4 @@
-"""A part's dense push times the link by what the nodes measured of the whole update (client/link_timings.py
+"""A part's dense push times the link by what the nodes measured of the whole update (client/delta/link_timings.py
 node_timed): every part's bytes (UpdateCommitted.size_bytes) over the node's seconds (its duration), the
 slowest node's figure, and only into stores that held the part's last commit (a first push allocates).
 A part's own bytes over those seconds would understate the link by the number of parts.
@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from weightsync.client import Part, WeightSyncClient, link_timings
-from weightsync.client.link_timings import LinkTimings
+from weightsync.client import Part, WeightSyncClient
+from weightsync.client.delta import link_timings
+from weightsync.client.delta.link_timings import LinkTimings
 from weightsync.client.types import PushResult, ServerOutcome
 
 from helpers import start_server

@@ -1,4 +1,4 @@
-"""Two parts of one version over real gRPC (server/part_updates.py, the session fed by two streams): each
+"""Two parts of one version over real gRPC (server/update/gathering.py, the session fed by two streams): each
 part a raw UpdateWeights stream (no SDK), INLINE, whole tensors, disjoint halves. They commit once, with
 one generation, after both asked; GetTensorChecksums shows both halves. A part failing mid-way aborts
 both (the other learns PART_FAILED naming it; the failing part hears its own bucket index and `part`), a

@@ -127,7 +127,7 @@ def _push_and_verify(client: WeightSyncClient, version: str) -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "weightsync.client.cli", *args],
+        [sys.executable, "-m", "weightsync.client.cli.main", *args],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
 

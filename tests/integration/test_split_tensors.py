@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from weightsync.client import WeightSyncClient
-from weightsync.client.planning import build_plan
+from weightsync.client.buckets.planning import build_plan
 from weightsync.common.errors import InvalidArgument
 from weightsync.common.plan_validation import PlanLimits, validate_plan
 from weightsync.engine import EngineClient

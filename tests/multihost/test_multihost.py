@@ -405,7 +405,7 @@ CUT_FAILURE = {
 }
 INLINE_CUT_LOST = ("UNAVAILABLE", "SERVER_UNREACHABLE")
 """INLINE, the other of two equal timers: the kernel gives up on the unacknowledged bytes after the
-channel's keepalive timeout (gRPC sets TCP_USER_TIMEOUT to it; client/servers.py makes it the client
+channel's keepalive timeout (gRPC sets TCP_USER_TIMEOUT to it; client/channels/server_set.py makes it the client
 timeout), the same moment the SDK's own give-up comes due. Under load either fires first (a fresh-clone
 CI run saw this one); both name node-b, at the same bound."""
 
@@ -507,7 +507,7 @@ def test_inline_cut_names_the_silent_node(cluster, impaired):
 
     # node-b named, as the SDK names a node it gave up on (its own wait), or one cut off mid-broadcast.
     assert named in {("DEADLINE_EXCEEDED", "SERVER_UNRESPONSIVE", node_b), ("UNAVAILABLE", "SERVER_UNREACHABLE", node_b)}, (
-        f"client/streams.py update_failed/_root_cause: node-b's link was cut, yet the push "
+        f"client/channels/streams.py update_failed/_root_cause: node-b's link was cut, yet the push "
         f"failed naming {named[2]} with {named[0]} {named[1]}: {failed.get('message')}. The healthy node's "
         f"CLIENT_IDLE is a symptom of the SDK waiting on the silent node-b (stream.unresponsive) and must not be "
         f"taken for the cause.")

@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from weightsync.client.cli import build_parser as client_parser
+from weightsync.client.cli.main import build_parser as client_parser
 from weightsync.server.config import ENV_PREFIX
 from weightsync.server.config import build_parser as server_parser
 from weightsync.v1 import weight_sync_service_pb2 as pb

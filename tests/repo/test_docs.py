@@ -83,7 +83,7 @@ INTERNAL_ONLY = {
 # Met only by engines (acquire_version / release_version): in the doc's Engines table instead.
 ENGINE_ONLY = {"LEASE_NOT_FOUND", "VERSION_GONE", "VERSION_NOT_COMMITTED", "STORE_INCONSISTENT", "ENGINE_ANSWER_MALFORMED", "ENGINE_CALL_FAILED", "ENGINE_REFUSED",
                "ENGINE_UNREACHABLE"}
-# Reasons an engine answers with that the server only reads (server/engine_driver.py retries a vLLM apply
+# Reasons an engine answers with that the server only reads (server/engines/driver.py retries a vLLM apply
 # on NOT_PREPARED): documented with the engine that raises them, in the doc's vLLM backend table.
 READ_FROM_ENGINES = {"NOT_PREPARED"}
 # UPPER_SNAKE_CASE string literals in the source that are no ErrorInfo reason.

@@ -1,7 +1,7 @@
 """Every file a docstring or comment of the package names exists.
 
 The package's folders are the ones pyproject.toml maps into the weightsync namespace. A name
-with a folder (`server/node_store.py`, `docs/data-plane.md`, `weightsync/v1/local.proto`) is
+with a folder (`server/store/node_store.py`, `docs/data-plane.md`, `weightsync/v1/local.proto`) is
 read from the repository root (a .proto also from protos/); a bare name (`receiver.py`) from
 the folder of the file that names it, or the root (`README.md`); a bare .proto from
 protos/weightsync/v1. A file renamed or removed without its mentions fails here, naming them.

@@ -1,4 +1,4 @@
-"""The weightsync server drives a real SGLang (CPU, TP 2): --engine sglang-http=URL (server/sglang_driver.py).
+"""The weightsync server drives a real SGLang (CPU, TP 2): --engine sglang-http=URL (server/engines/sglang.py).
 
 The weightsync server starts first, pointed at the port SGLang will listen on, and a version is
 pushed before SGLang exists (the driver reports it UNREACHABLE). SGLang then starts with

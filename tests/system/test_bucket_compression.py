@@ -292,7 +292,7 @@ def test_the_sdk_compresses_buckets_of_patches_and_every_step_lands_bit_exact(tw
 
 
 def test_the_sdk_compresses_only_what_shrinks_and_only_on_a_slow_link():
-    from weightsync.client.compression import compressed_frame, worth_compressing
+    from weightsync.client.transports.compression import compressed_frame, worth_compressing
 
     noise = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     assert compressed_frame(noise) is None  # sent as it is

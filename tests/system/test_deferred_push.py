@@ -1,4 +1,4 @@
-"""The SDK compares while it sends (client/deferred.py): on a slow link the kept host tensors go in
+"""The SDK compares while it sends (client/delta/deferred.py): on a slow link the kept host tensors go in
 deferred buckets, each laid out once compared. Here the link is declared slow (the SDK decides on
 its measured throughput: delta_policy.defers_comparison) so that loopback servers exercise it, on
 every transport, with two workers a server; every push is verified bit for bit, and every
@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.client import WeightSyncClient, deferred, delta_policy
+from weightsync.client import WeightSyncClient
+from weightsync.client.delta import deferred
+from weightsync.client.delta import policy as delta_policy
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import local_checksums, server_checksums, start_servers
@@ -139,7 +141,7 @@ def test_a_server_that_refuses_the_base_gets_it_dense_the_other_the_same_patches
 
 def test_a_comparison_that_fails_half_way_fails_the_push_and_the_next_goes_dense(servers, slow_link, planned,
                                                                                     monkeypatch):
-    from weightsync.client.delta import DeltaBase
+    from weightsync.client.delta.base import DeltaBase
 
     with WeightSyncClient([s.address for s in servers], timeout=60) as client:
         client.create_group(timeout=60)

@@ -37,7 +37,7 @@ def model(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def sparse_step(named: dict[str, torch.Tensor], seed: int, fraction: float = 0.002) -> dict[str, torch.Tensor]:
     """A new model: `fraction` of the elements of the weight matrices changed, the rest bit-identical
-    (well below where delta="auto" stops comparing host tensors: client/delta_policy.py)."""
+    (well below where delta="auto" stops comparing host tensors: client/delta/policy.py)."""
     g = torch.Generator().manual_seed(seed)
     new = {n: t.clone() for n, t in named.items()}
     for name in ("embed", "layers.0.w"):
@@ -368,9 +368,9 @@ def test_the_comparison_updates_the_copy_which_claims_the_base_only_once_committ
     """Host tensors: the comparison itself writes the changes into the kept copy (no pass of its
     own: the refresh started once every server is ready XORs nothing in), and from then on the
     copy claims no server's base until the commit; the push after it patches against it, exactly."""
-    from weightsync.client import delta as delta_module
-    from weightsync.client import push as push_module
-    from weightsync.client.delta import DeltaBase
+    from weightsync.client.delta import base as delta_module
+    from weightsync.client.delta.base import DeltaBase
+    from weightsync.client.push import run as push_module
 
     a, b = two_servers
     events: list[str] = []
@@ -464,9 +464,9 @@ def test_a_view_that_repeats_elements_is_sent_in_pieces_each_copied_on_its_own()
     """A dense push made a split view contiguous whole before cutting its pieces: one view of 12 GB over
     a few bytes needed 12 GB on the trainer even with delta=False. Each piece is now its own elements
     (a copy of the piece's size), bit for bit the row-major bytes; other tensors are cut as before."""
-    from weightsync.client import packing
-    from weightsync.client.packing import TensorSource
-    from weightsync.client.planning import piece_ranges
+    from weightsync.client.buckets import packing
+    from weightsync.client.buckets.packing import TensorSource
+    from weightsync.client.buckets.planning import piece_ranges
     from weightsync.v1 import tensor_pb2
 
     g = torch.Generator().manual_seed(32)

@@ -81,7 +81,7 @@ def test_an_engine_whose_last_connection_closes_is_unreachable_until_it_attaches
 
 
 def test_a_reading_connection_that_closes_beside_another_leaves_the_engine_failed_not_applying():
-    from weightsync.server.engines import EngineRegistry
+    from weightsync.server.published.engine_registry import EngineRegistry
 
     registry = EngineRegistry()
     registry.attached("e", "local", "node-store")

@@ -23,10 +23,12 @@ import torch
 from fake_vllm import FakeVllm
 
 from weightsync.engine.client import StoreSnapshot, devices_to_synchronize
-from weightsync.server import engine_driver
-from weightsync.server.engine_driver import EngineAnswerMalformed, parse_answer
-from weightsync.server.engines import EngineRegistry
-from weightsync.server.state import PublishedVersion, Watchers
+from weightsync.server.engines import driver as engine_driver
+from weightsync.server.engines.driver import EngineAnswerMalformed, parse_answer
+from weightsync.server.engines.vllm import VllmHttpDriver
+from weightsync.server.published.engine_registry import EngineRegistry
+from weightsync.server.published.publisher import Watchers
+from weightsync.server.store.version import PublishedVersion
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import sdk_client, start_server, wait_for
@@ -234,11 +236,11 @@ def test_every_answer_but_a_json_object_is_malformed(raw, message):
     assert parse_answer("POST", "/resume", b"") == {}
 
 
-def started_driver() -> tuple[EngineRegistry, SimpleNamespace, engine_driver.VllmHttpDriver]:
+def started_driver() -> tuple[EngineRegistry, SimpleNamespace, VllmHttpDriver]:
     """A vLLM driver on a stand-in publisher at generation 7, started (call inside the event loop)."""
     registry = EngineRegistry()
     publisher = SimpleNamespace(watchers=Watchers(), version=PublishedVersion(7))
-    driver = engine_driver.VllmHttpDriver("vllm-http", "http://127.0.0.1:9", publisher, registry, "/x.sock",
+    driver = VllmHttpDriver("vllm-http", "http://127.0.0.1:9", publisher, registry, "/x.sock",
                                           SimpleNamespace(token="", reloads=0))
     driver.start()
     return registry, publisher, driver
@@ -255,7 +257,7 @@ def test_the_driver_loop_survives_an_unexpected_error_and_stops_cleanly(monkeypa
             raise KeyError("a bug in the driver")
         return self.publisher.version.generation
 
-    monkeypatch.setattr(engine_driver.VllmHttpDriver, "_converge", converge)
+    monkeypatch.setattr(VllmHttpDriver, "_converge", converge)
 
     async def scenario() -> None:
         registry, publisher, driver = started_driver()
@@ -313,7 +315,7 @@ def test_a_commit_while_vllm_applies_is_driven_at_once(monkeypatch, answer):
     async def call(self, method: str, path: str, body: dict | None = None) -> dict:
         return await vllm.call(method, path, body)
 
-    monkeypatch.setattr(engine_driver.VllmHttpDriver, "_call", call)
+    monkeypatch.setattr(VllmHttpDriver, "_call", call)
 
     async def scenario() -> None:
         registry, publisher, driver = started_driver()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from weightsync.client import WeightSyncClient
-from weightsync.client.planning import build_plan
+from weightsync.client.buckets.planning import build_plan
 from weightsync.engine import EngineClient
 from weightsync.v1 import weight_sync_service_pb2 as pb
 

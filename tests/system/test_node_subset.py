@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from weightsync.client import UpdateFailed, WeightSyncClient
-from weightsync.client.planning import build_plan
+from weightsync.client.buckets.planning import build_plan
 from weightsync.common.ownership import NO_OWNER, bucket_owners
 from weightsync.engine import EngineClient, EngineError, ModuleFollower
 from weightsync.server.config import config_from_args
-from weightsync.server.update_plan import derive_update_plan
+from weightsync.server.store.update_plan import derive_update_plan
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -110,7 +110,7 @@ def test_checksums_name_what_a_node_does_not_store_and_refuse_what_it_lacks(stag
     with pytest.raises(grpc.RpcError) as missing:
         a.stub().GetTensorChecksums(pb.GetTensorChecksumsRequest(names=["embed", "layers.0.gone"]))
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
-    described = subprocess.run([sys.executable, "-m", "weightsync.client.cli", "info", "--server", a.address],
+    described = subprocess.run([sys.executable, "-m", "weightsync.client.cli.main", "info", "--server", a.address],
                                capture_output=True, text=True, timeout=60)
     assert f"subset       only tensors matching {FIRST!r} (--tensors)" in described.stdout.splitlines()
 

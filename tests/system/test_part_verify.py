@@ -1,5 +1,5 @@
-"""verify per part: GetTensorChecksumsRequest.boxes (server/box_checksums.py) and verify() of DTensors
-(client/part_verify.py).
+"""verify per part: GetTensorChecksumsRequest.boxes (server/store/box_checksums.py) and verify() of DTensors
+(client/parts/verify.py).
 
 - The box checksum rule against tensors built by hand (ws64 of a literal tensor, and ws64_reference of its
   bytes), and checked_boxes' refusals as a table.
@@ -24,7 +24,7 @@ from sdk_part_verify_trainer import full_model
 from weightsync.client import WeightSyncClient
 from weightsync.common.checksum import ws64, ws64_reference
 from weightsync.common.errors import WeightSyncError
-from weightsync.server.box_checksums import AskedBox, box_checksum, checked_boxes
+from weightsync.server.store.box_checksums import AskedBox, box_checksum, checked_boxes
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from sdk_part_verify_subset_trainer import SUBSET, full_model
 
-from weightsync.client.part_verify import Checked, part_mismatches
-from weightsync.client.parts import Box
-from weightsync.client.store_checksums import not_its_to_hold
+from weightsync.client.parts.part import Box
+from weightsync.client.parts.verify import Checked, part_mismatches
+from weightsync.client.servers.checksums import not_its_to_hold
 from weightsync.client.types import TensorMismatch
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb

@@ -172,7 +172,7 @@ def test_push_without_group_and_bad_arguments(tmp_path):
 
 
 def test_plan_is_reused_while_the_layout_holds(server, monkeypatch):
-    import weightsync.client.plan_choice as plan_choice
+    import weightsync.client.push.plans as plan_choice
 
     calls = []
     real = plan_choice.build_plan

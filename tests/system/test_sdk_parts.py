@@ -171,7 +171,7 @@ def test_a_part_waits_for_committed_as_a_whole_push_does(servers, monkeypatch):
     """Committed's bound (a quiet stretch after the server's last message, client/streams.committed_within) is the
     client's timeout + 30 s for a part as for a whole push: the parts' join is over once Ready came (before, the
     part added Ready's own bound, the client's timeout + join_timeout, counting the client's timeout twice)."""
-    from weightsync.client import push_job
+    from weightsync.client.push import job as push_job
 
     bounds: list[tuple[float, float]] = []
     real = push_job.PushRun

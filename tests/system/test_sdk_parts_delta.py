@@ -1,4 +1,4 @@
-"""Delta per part (client/part_push.py): each part compares its own whole tensors and boxes (DTensor shards: a
+"""Delta per part (client/parts/push.py): each part compares its own whole tensors and boxes (DTensor shards: a
 row box, a box in dimension 1) with its own kept copy and sends patches of them; every part names the update's
 base; a refused base makes every part
 send the whole version dense, under a key each derives alone (parts.dense_key); a failed push makes every
@@ -19,12 +19,19 @@ import pytest
 import torch
 from sdk_parts_delta_trainer import BOXED, OWNS, full
 
-from weightsync.client.delta import DeltaBase
-from weightsync.client.part_push import _boxed, _compared
-from weightsync.client.parts import KEY_PATTERN, Box, Declared, base_refused, check_key, dense_key
-from weightsync.client.patched_push import plan_patches
-from weightsync.client.server_state import ServerState
-from weightsync.client.servers import Server
+from weightsync.client.channels.server_set import Server
+from weightsync.client.delta.base import DeltaBase
+from weightsync.client.parts.part import (
+    KEY_PATTERN,
+    Box,
+    Declared,
+    base_refused,
+    check_key,
+    dense_key,
+)
+from weightsync.client.parts.push import _boxed, _compared
+from weightsync.client.push.patched import plan_patches
+from weightsync.client.servers.records import ServerState
 from weightsync.client.types import StoreGeneration
 from weightsync.common.checksum import ws64
 from weightsync.common.patches import is_patch
@@ -160,9 +167,9 @@ def test_a_parts_patched_plan_patches_its_boxes_as_their_local_shards_and_defers
 
     delta = DeltaBase()
     delta.committed(items, None)
-    client = SimpleNamespace(_delta=delta, _links=SimpleNamespace(cannot_pay=lambda items, transport: False))
+    context = SimpleNamespace(delta=delta, links=SimpleNamespace(cannot_pay=lambda items, transport: False))
     now = [Declared(d.name, t, d.shape, d.box) for d, (_, t) in zip(declared, changed, strict=True)]
-    compared = _compared(client, dict(changed), now, True, "inline")  # type: ignore[arg-type]
+    compared = _compared(context, dict(changed), now, True, "inline")  # type: ignore[arg-type]
     assert [name for name, _ in compared or []] == ["w", "v", "cols"]  # the box compared as its local shard
     patched = plan_patches(delta, compared, True, servers=servers, link=slow, collective=True, boxes=[], **sizes)
     assert patched is not None and patched.compare is None

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from weightsync.client import UpdateFailed, WeightSyncClient, WeightSyncRpcError
-from weightsync.client.push import ABORT_GRACE_SECONDS
+from weightsync.client.push.run import ABORT_GRACE_SECONDS
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import ServerProcess, local_checksums, server_checksums, start_server

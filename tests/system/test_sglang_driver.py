@@ -1,4 +1,4 @@
-"""The server drives SGLang after each commit: --engine sglang-http=URL (server/sglang_driver.py).
+"""The server drives SGLang after each commit: --engine sglang-http=URL (server/engines/sglang.py).
 
 A real weightsync server drives a fake SGLang (tests/fake_sglang.py) that records every call and
 really loads the node's store the way weightsync's SGLang loader does. After each commit: pause,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from weightsync.client import WeightSyncClient
-from weightsync.client.ingress import IngressLease, open_ingress
+from weightsync.client.transports.shm_lease import IngressLease, open_ingress
 from weightsync.common.checksum import tensor_checksum
 from weightsync.v1 import weight_sync_service_pb2 as pb
 

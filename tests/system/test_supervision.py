@@ -14,8 +14,8 @@ import subprocess
 
 import pytest
 
-from weightsync.server.supervisor import Supervisor
 from weightsync.server.tasks import finish_despite_cancel, supervised
+from weightsync.server.workers.supervisor import Supervisor
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -140,6 +140,6 @@ def test_finish_despite_cancel_survives_two_cancels():
     (87, 1, 30.0),    # the device is gone: a restart cannot help soon, never a loop
 ])
 def test_restart_delay(exit_code, quick_failures, seconds):
-    from weightsync.server.supervisor import restart_delay
+    from weightsync.server.workers.supervisor import restart_delay
 
     assert restart_delay(exit_code, quick_failures) == seconds

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightsync.client import PushProgress, UpdateFailed, WeightSyncClient
-from weightsync.server.supervisor import UNRESPONSIVE_AFTER_SECONDS, WATCH_INTERVAL_SECONDS
+from weightsync.server.workers.supervisor import UNRESPONSIVE_AFTER_SECONDS, WATCH_INTERVAL_SECONDS
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import local_checksums, server_checksums, start_server, wait_for

@@ -20,7 +20,7 @@ import pytest
 
 from weightsync.common.fd_passing import send_fds
 from weightsync.common.shm_queue import OwnedQueue
-from weightsync.server.supervisor import UNRESPONSIVE_AFTER_SECONDS
+from weightsync.server.workers.supervisor import UNRESPONSIVE_AFTER_SECONDS
 from weightsync.worker.v1 import worker_pb2 as wpb
 
 pytestmark = pytest.mark.timeout(180)

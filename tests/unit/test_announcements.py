@@ -1,4 +1,4 @@
-"""The announcement rules (server/announcements.py) by table: each row a message and what the stream said
+"""The announcement rules (server/intake/announcements.py) by table: each row a message and what the stream said
 before, and the exact decision written out by hand (sizes accepted, or the refusal's code, ErrorInfo reason
 and metadata). The real-process suites (test_bad_input, test_bucket_compression, test_deferred_buckets,
 test_shm_integrity, ...) check that a refused message changes nothing and the next push commits."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.server.announcements import (
+from weightsync.server.intake.announcements import (
     Accepted,
     Filling,
     Link,

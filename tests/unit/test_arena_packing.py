@@ -1,4 +1,4 @@
-"""No store arena is larger than one cudaHostRegister call takes (server/arenas.py): an update's segments
+"""No store arena is larger than one cudaHostRegister call takes (server/store/arenas.py): an update's segments
 are packed, in order and never split, into arenas of at most ARENA_MAX_BYTES (256 GiB; a few pages here),
 for new segments and for STAGED shadows alike, and an aborted update gives every arena it made back."""
 
@@ -12,7 +12,7 @@ from test_update_core import expected, held, model, node, push  # noqa: F401 - n
 
 from weightsync.common import host_pinning
 from weightsync.common.errors import WeightSyncError
-from weightsync.server import arenas, node_store
+from weightsync.server.store import arenas, node_store
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 PACKS = [  # aligned segment sizes, limit -> arenas (indexes)

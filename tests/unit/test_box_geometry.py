@@ -1,4 +1,4 @@
-"""server/box_geometry.py: a contiguous range of a box's row-major elements as sub-boxes of the whole tensor,
+"""server/store/boxes.py: a contiguous range of a box's row-major elements as sub-boxes of the whole tensor,
 by literal tables and against a brute-force index mask over generated boxes and ranges."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from weightsync.server.box_geometry import SubBox, inside, max_sub_boxes, sub_boxes
+from weightsync.server.store.boxes import SubBox, inside, max_sub_boxes, sub_boxes
 
 
 @pytest.mark.parametrize(("offsets", "sizes", "first", "count", "expected"), [

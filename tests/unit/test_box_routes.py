@@ -1,4 +1,4 @@
-"""server/update_plan.py routes a box (TensorSpec.box) through staging into strided copies of its sub-boxes:
+"""server/store/update_plan.py routes a box (TensorSpec.box) through staging into strided copies of its sub-boxes:
 never straight into the store; a boxed tensor new to the store gets a segment of its own at its first box;
 STAGED shadows count the bytes a box writes; IN_PLACE overwrites name it; a subset node routes only its own.
 Plan validation (common/plan_validation.py) checks a spec with a box as the box."""
@@ -10,7 +10,12 @@ import torch
 
 from weightsync.common.errors import InvalidArgument
 from weightsync.common.plan_validation import PlanLimits, validate_plan
-from weightsync.server.update_plan import BoxCopy, PatchTarget, StoredTensor, derive_update_plan
+from weightsync.server.store.update_plan import (
+    BoxCopy,
+    PatchTarget,
+    StoredTensor,
+    derive_update_plan,
+)
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 

@@ -26,7 +26,7 @@ from weightsync.common.nccl_connect import connect
 from weightsync.common.transfer_waits import completed_failure, gloo_wait_seconds
 from weightsync.gpu_worker.device_faults import DeviceFault, DeviceLeftBusy, classify
 from weightsync.gpu_worker.group_table import GroupTable, abort_overdue
-from weightsync.server.update_session import BUCKET_MARGIN_SECONDS
+from weightsync.server.update.session import BUCKET_MARGIN_SECONDS
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from weightsync.client.streams import UpdateStream
+from weightsync.client.channels.streams import UpdateStream
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 QUIET_S = 1.0

@@ -1,4 +1,4 @@
-"""The trainer's kept copy (client/delta.py): when auto compares and patches, and how the
+"""The trainer's kept copy (client/delta/base.py): when auto compares and patches, and how the
 copy is refreshed in the background while a push's bytes move, claiming nothing until committed."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.client import delta as delta_module
-from weightsync.client import delta_policy
-from weightsync.client.delta import DeltaBase
-from weightsync.client.link_timings import LinkTimings
+from weightsync.client.delta import base as delta_module
+from weightsync.client.delta import policy as delta_policy
+from weightsync.client.delta.base import DeltaBase
+from weightsync.client.delta.link_timings import LinkTimings
 from weightsync.common import patch_format
 from weightsync.common.checksum import ws64
 from weightsync.common.patches import XOR

@@ -12,15 +12,17 @@ from types import SimpleNamespace
 import pytest
 from fake_vllm import FakeVllm
 
-from weightsync.server import engine_driver
-from weightsync.server.engine_driver import (
+from weightsync.server.engines import driver as engine_driver
+from weightsync.server.engines.driver import (
     ERROR_ANSWER_MAX_BYTES,
     ERROR_DETAIL_MAX_CHARS,
     EngineRefused,
 )
-from weightsync.server.engines import EngineRegistry
-from weightsync.server.sglang_driver import SglangHttpDriver
-from weightsync.server.state import PublishedVersion, Watchers
+from weightsync.server.engines.sglang import SglangHttpDriver
+from weightsync.server.engines.vllm import VllmHttpDriver
+from weightsync.server.published.engine_registry import EngineRegistry
+from weightsync.server.published.publisher import Watchers
+from weightsync.server.store.version import PublishedVersion
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,8 +43,8 @@ def fake():
     engine.close()
 
 
-def vllm_driver(url: str) -> engine_driver.VllmHttpDriver:
-    return engine_driver.VllmHttpDriver("vllm-http", url, SimpleNamespace(), EngineRegistry(), "/x.sock",
+def vllm_driver(url: str) -> VllmHttpDriver:
+    return VllmHttpDriver("vllm-http", url, SimpleNamespace(), EngineRegistry(), "/x.sock",
                                         SimpleNamespace(token="", reloads=0), timeout_s=10.0)
 
 
@@ -113,10 +115,10 @@ def test_a_version_gone_past_the_first_kilobyte_goes_on_to_the_newer_commit(fake
 
     registry = Registry()
     publisher = SimpleNamespace(watchers=Watchers(), version=PublishedVersion(7))
-    driver = engine_driver.VllmHttpDriver("vllm-http", fake.url, publisher, registry, "/x.sock",
+    driver = VllmHttpDriver("vllm-http", fake.url, publisher, registry, "/x.sock",
                                           SimpleNamespace(token="", reloads=0), timeout_s=10.0)
     updates: list[int] = []
-    real_call = engine_driver.VllmHttpDriver._call
+    real_call = VllmHttpDriver._call
 
     async def call(self, method: str, path: str, body: dict | None = None) -> dict:
         if path == "/init_weight_transfer_engine":
@@ -129,7 +131,7 @@ def test_a_version_gone_past_the_first_kilobyte_goes_on_to_the_newer_commit(fake
             return {}
         return await real_call(self, method, path, body)
 
-    monkeypatch.setattr(engine_driver.VllmHttpDriver, "_call", call)
+    monkeypatch.setattr(VllmHttpDriver, "_call", call)
 
     async def scenario() -> None:
         driver.start()

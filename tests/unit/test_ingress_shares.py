@@ -19,10 +19,10 @@ from fake_fleet import FakeFleet, FakeWorker, fake_session_services
 from weightsync.common.checksum import tensor_checksum, ws64
 from weightsync.common.errors import WeightSyncError
 from weightsync.common.plan_id import plan_id_of
-from weightsync.server.ingress import Ingress
-from weightsync.server.node_store import NodeStore
-from weightsync.server.update_session import SessionServices, UpdateSession
-from weightsync.server.update_streams import ingress_shares, store_plan
+from weightsync.server.store.ingress import Ingress
+from weightsync.server.store.node_store import NodeStore
+from weightsync.server.update.session import SessionServices, UpdateSession
+from weightsync.server.update.streams import ingress_shares, store_plan
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
 

@@ -15,10 +15,10 @@ import asyncio
 import pytest
 import torch
 
-from weightsync.client._loop import LoopThread
-from weightsync.client.packing import PackBuffers, Payload
+from weightsync.client.buckets.packing import PackBuffers, Payload
+from weightsync.client.channels.loop import LoopThread
+from weightsync.client.channels.wire import encode_bucket_chunk
 from weightsync.client.transports.inline import InlineSink
-from weightsync.client.wire import encode_bucket_chunk
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
@@ -88,8 +88,8 @@ def test_a_bucket_of_cpu_tensors_is_encoded_from_the_tensors_in_one_copy(monkeyp
     """INLINE does not pack a bucket of contiguous CPU tensors: each chunk is encoded from the tensors where they
     lie, the padding between them zeros: the same messages as from the packed bucket, one copy per byte
     (counted: common/byte_passes.py), none into a pack buffer."""
-    from weightsync.client.packing import TensorSource, fill_bucket
-    from weightsync.client.planning import build_plan
+    from weightsync.client.buckets.packing import TensorSource, fill_bucket
+    from weightsync.client.buckets.planning import build_plan
     from weightsync.common import byte_passes
 
     monkeypatch.setattr(byte_passes, "_folder", str(tmp_path))

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from weightsync.common.errors import Unavailable
-from weightsync.server.leases import LeaseTable
-from weightsync.server.state import PublishedVersion
+from weightsync.server.store.leases import LeaseTable
+from weightsync.server.store.version import PublishedVersion
 
 
 @pytest.mark.parametrize("steps", range(6))

@@ -1,12 +1,12 @@
 """How long a worker may take to map new arenas of the node store grows with their bytes
-(server/arenas.py map_timeout): a fixed bound killed the workers of a large model at every map,
+(server/store/arenas.py map_timeout): a fixed bound killed the workers of a large model at every map,
 and each restarted worker mapped everything again."""
 
 from __future__ import annotations
 
 import pytest
 
-from weightsync.server.arenas import map_timeout
+from weightsync.server.store.arenas import map_timeout
 
 GIB = 1 << 30
 

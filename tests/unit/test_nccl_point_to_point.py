@@ -19,8 +19,8 @@ import pytest
 import torch
 from test_collective_parts_units import Loop, Stream
 
+from weightsync.client.buckets.packing import PackBuffers, Payload
 from weightsync.client.errors import WeightSyncRpcError
-from weightsync.client.packing import PackBuffers, Payload
 from weightsync.client.transports.collective import CollectiveSink
 from weightsync.common import nccl_env, nccl_groups
 from weightsync.common.collective import CollectiveGroup, RendezvousTimeout, open_group

@@ -17,11 +17,18 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from weightsync.client import packing, push
-from weightsync.client.packing import PackBuffers, TensorSource
-from weightsync.client.planning import build_plan, plan_proto
-from weightsync.client.push import PushRun
-from weightsync.client.read_order import BufferFence, ReadOrder, Wait, read_order, wants_checksum
+from weightsync.client.buckets import packing
+from weightsync.client.buckets.packing import PackBuffers, TensorSource
+from weightsync.client.buckets.planning import build_plan, plan_proto
+from weightsync.client.buckets.read_order import (
+    BufferFence,
+    ReadOrder,
+    Wait,
+    read_order,
+    wants_checksum,
+)
+from weightsync.client.push import run as push
+from weightsync.client.push.run import PushRun
 from weightsync.client.transports.collective import CollectiveSink
 from weightsync.client.transports.inline import InlineSink
 from weightsync.v1 import tensor_pb2

@@ -1,4 +1,4 @@
-"""The rules of parts (server/parts.py) by table: a part's identity, its join, the union of the parts'
+"""The rules of parts (server/parts/rules.py) by table: a part's identity, its join, the union of the parts'
 declarations and the join's outcomes, each row with the exact decision written out by hand (the owners,
 or the refusal's code, ErrorInfo reason and metadata). The union's box rules are also checked against
 a brute-force coverage mask over generated tilings with overlaps and gaps injected. The join on a real
@@ -17,7 +17,7 @@ from google.protobuf import duration_pb2
 
 from weightsync.common.errors import InvalidArgument, Unimplemented
 from weightsync.common.plan_id import plan_id_of
-from weightsync.server.parts import (
+from weightsync.server.parts.rules import (
     Box,
     Declaration,
     Owners,
@@ -106,7 +106,7 @@ INLINE = pb.TRANSPORT_INLINE
     (pb.BeginUpdate(version="v"), None),  # no part, no box: the whole update, as always
     (pb.BeginUpdate(version="v", plan=tensor_pb2.WeightPlan(buckets=[tensor_pb2.BucketSpec(
         size_bytes=64, tensors=[tensor_pb2.TensorSpec(name="w", shape=[4])])])), None),
-    (pb.BeginUpdate(part=part(rank=1)), None),  # a part joins (server/part_joins.py)
+    (pb.BeginUpdate(part=part(rank=1)), None),  # a part joins (server/parts/joins.py)
     (pb.BeginUpdate(part=part(rank=1), transport=INLINE, plan=_boxed_plan()), None),  # a part's box over INLINE
     (pb.BeginUpdate(transport=INLINE, plan=_boxed_plan()),
      ("INVALID_ARGUMENT", "BOX_WITHOUT_PART", {"bucket": "1", "tensor": "c"})),

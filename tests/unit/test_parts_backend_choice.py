@@ -10,8 +10,8 @@ import re
 import pytest
 
 from weightsync.client.errors import WeightSyncClientError
-from weightsync.client.part_group import parts_backend
-from weightsync.client.transfer_group import ServerDevices
+from weightsync.client.parts.group import parts_backend
+from weightsync.client.transports.transfer_group import ServerDevices
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 GLOO, NCCL = pb.BACKEND_GLOO, pb.BACKEND_NCCL

@@ -38,7 +38,7 @@ def test_pinned_host_memory_is_its_exact_size_and_goes_back_when_its_last_tensor
 
 
 def test_a_cuda_tensors_kept_copy_is_pinned_at_its_own_size(monkeypatch):
-    from weightsync.client.delta import _Home
+    from weightsync.client.delta.base import _Home
 
     cuda = FakeCudaRuntime()
     monkeypatch.setattr(host_pinning, "cuda_runtime", cuda.runtime)
@@ -125,8 +125,8 @@ def test_a_background_take_given_up_on_keeps_the_tensors_it_copies_into_until_it
     import threading
     import weakref
 
-    from weightsync.client import delta as delta_module
-    from weightsync.client.delta import DeltaBase
+    from weightsync.client.delta import base as delta_module
+    from weightsync.client.delta.base import DeltaBase
 
     base = DeltaBase()
     named = [("a", torch.arange(4096, dtype=torch.float32))]

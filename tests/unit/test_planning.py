@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.client.planning import build_plan
+from weightsync.client.buckets.planning import build_plan
 
 MiB = 1 << 20
 
@@ -84,7 +84,7 @@ def test_duplicate_names_and_unsupported_dtypes_are_refused():
 def test_patches_are_shared_out_one_bucket_per_worker(sizes, buckets, expected):
     """client.plan_choice.share_out: exactly `buckets` shares where the bytes allow, balanced by bytes
     (largest first, each to the share holding least), each share in the patches' order."""
-    from weightsync.client.plan_choice import share_out
+    from weightsync.client.push.plans import share_out
 
     patches = [(f"p{i}", torch.empty(size, dtype=torch.uint8)) for i, size in enumerate(sizes)]
     assert [[name for name, _ in share] for share in share_out(patches, buckets)] == expected

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from weightsync.client import rendezvous as rendezvous_module
+from weightsync.client.transports import rendezvous as rendezvous_module
 from weightsync.common import nccl_env
 from weightsync.v1 import weight_sync_service_pb2 as pb
 

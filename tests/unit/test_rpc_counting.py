@@ -12,8 +12,8 @@ import grpc.aio
 import pytest
 
 from weightsync.common.errors import InvalidArgument
-from weightsync.server.interceptors import _mapped_errors
 from weightsync.server.metrics import Metrics
+from weightsync.server.rpc.interceptors import _mapped_errors
 
 METHOD = "/weightsync.v1.WeightSyncService/UpdateWeights"
 

@@ -1,4 +1,4 @@
-"""The rules of what one part sends (client/parts.py) and how the parts agree (client/part_agreement.py), by
+"""The rules of what one part sends (client/parts/part.py) and how the parts agree (client/parts/agreement.py), by
 table: placements, mesh coordinates and the global shape -> the box this rank sends; the key rules; the
 agreement records -> rank 0's key or every failing rank named; a backend's error -> the peer it names and the
 typed PartGroupFailed."""
@@ -13,8 +13,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from weightsync.client.errors import PartGroupFailed, PartInputsRefused, WeightSyncClientError
-from weightsync.client.part_agreement import decide, encode, group_failed, named_peer
-from weightsync.client.parts import (
+from weightsync.client.parts.agreement import decide, encode, group_failed, named_peer
+from weightsync.client.parts.part import (
     KEY_PATTERN,
     WHOLE,
     Box,

@@ -1,8 +1,8 @@
-"""What the SDK knows of each server (client/server_state.py), and the rules over those records.
+"""What the SDK knows of each server (client/servers/records.py), and the rules over those records.
 
 Literal tables: each row names a record's fields before, one transition, and every field after
 (a transition that touches a field it should not fails its row too). The rules that span servers
-(the stale rule of client/fleet.py, which servers take patches, what a failed run teaches) and the
+(the stale rule of client/servers/fleet.py, which servers take patches, what a failed run teaches) and the
 group's rank offsets are tables of the same kind. In-process, no server: fakes stand for channels,
 leases and sinks.
 """
@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from weightsync.client.channels.revision import SPOKEN_REVISIONS
 from weightsync.client.errors import UpdateFailed, WeightSyncRpcError
-from weightsync.client.fleet import Fleet
-from weightsync.client.patched_push import patch_targets
-from weightsync.client.push_job import PushJob
-from weightsync.client.revision import SPOKEN_REVISIONS
-from weightsync.client.server_state import PLAN_IDS_KEPT, ServerState, ShmIngress
-from weightsync.client.transfer_group import rank_offsets
+from weightsync.client.push.job import PushJob
+from weightsync.client.push.patched import patch_targets
+from weightsync.client.servers.fleet import Fleet
+from weightsync.client.servers.records import PLAN_IDS_KEPT, ServerState, ShmIngress
+from weightsync.client.transports.transfer_group import rank_offsets
 from weightsync.client.types import StoreGeneration
 from weightsync.common.collective import CollectiveError
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -143,7 +143,7 @@ def test_hung_up_only_with_a_mapped_ingress_whose_socket_closed(mapped, hung_up,
     assert state.hung_up() is expected
 
 
-# -- the stale rule over every server (client/fleet.py) -------------------------------------------
+# -- the stale rule over every server (client/servers/fleet.py) -------------------------------------------
 class FakeServerSet:
     def __init__(self, addresses: list[str], answers: list[pb.GetServerInfoResponse] | Exception) -> None:
         self.servers = [FakeServer(a) for a in addresses]
@@ -204,7 +204,7 @@ def test_infos_are_asked_once_until_a_server_went_stale():
     assert servers.asked == 2 and not any(s.stale for s in fleet.states)
 
 
-# -- which servers take patches (client/patched_push.py) ------------------------------------------
+# -- which servers take patches (client/push/patched.py) ------------------------------------------
 PATCH_TARGETS = [
     # (row, claims, each server's generation, collective, the servers that take patches)
     ("the copy claims nothing", False, [G4, G4], False, []),
@@ -222,7 +222,7 @@ def test_patches_go_where_the_store_is_at_our_claimed_commit(claims, generations
     assert [s.address for s in patch_targets(states, claims=claims, collective=collective)] == expected
 
 
-# -- what a failed run teaches (client/push_job.py) ---------------------------------------------
+# -- what a failed run teaches (client/push/job.py) ---------------------------------------------
 @dataclass
 class Delta:
     forgot: int = 0
@@ -284,7 +284,7 @@ def test_a_failed_run_marks_its_servers_stale_and_forgets_the_copy_unless_only_i
         assert (group.broken, group.collective.closed) == (broke, int(broke))
 
 
-# -- the group's ranks (client/transfer_group.py) -----------------------------------------------
+# -- the group's ranks (client/transports/transfer_group.py) -----------------------------------------------
 @pytest.mark.parametrize(("workers", "offsets"), [
     ([], []),
     ([1], [1]),

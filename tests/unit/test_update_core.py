@@ -19,17 +19,16 @@ from weightsync.common.errors import (
     WeightSyncError,
 )
 from weightsync.common.plan_id import plan_id_of
-from weightsync.server.admission import MemoryAdmission, StagingNeed
-from weightsync.server.engines import EngineRegistry
-from weightsync.server.group_registry import GroupRegistry
-from weightsync.server.ingress import Ingress
-from weightsync.server.leases import LeaseTable
+from weightsync.server.groups import GroupRecord, GroupRegistry
 from weightsync.server.metrics import Metrics
-from weightsync.server.node_store import NodeStore
-from weightsync.server.publisher import Publisher
-from weightsync.server.state import GroupRecord
-from weightsync.server.update_gate import UpdateGate
-from weightsync.server.update_session import SessionServices, UpdateSession
+from weightsync.server.published.engine_registry import EngineRegistry
+from weightsync.server.published.publisher import Publisher
+from weightsync.server.store.ingress import Ingress
+from weightsync.server.store.leases import LeaseTable
+from weightsync.server.store.node_store import NodeStore
+from weightsync.server.update.admission import MemoryAdmission, StagingNeed
+from weightsync.server.update.gate import UpdateGate
+from weightsync.server.update.session import SessionServices, UpdateSession
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import pack, plan_buckets

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from weightsync.client.wire import encode_bucket_chunk
-from weightsync.server.wire import ChunkRequest, parse_update_request
+from weightsync.client.channels.wire import encode_bucket_chunk
+from weightsync.server.intake.wire import ChunkRequest, parse_update_request
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from weightsync.gpu_worker.receive_update import ReceiveUpdate
-from weightsync.server.admission import StagingNeed
+from weightsync.server.update.admission import StagingNeed
 from weightsync.worker.v1 import worker_pb2 as wpb
 
 

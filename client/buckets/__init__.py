@@ -1,0 +1,1 @@
+"""Tensors into buckets: the plan, the packing, the read order, the plan cache."""

@@ -1,0 +1,1 @@
+"""The `weightsync` command line: info, groups, push, verify, serve, the demo."""

@@ -1,0 +1,1 @@
+"""What changed since the last commit, and whether patches pay."""

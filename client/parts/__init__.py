@@ -1,0 +1,1 @@
+"""One version from many trainer ranks: a Part, its agreement, group, push and verify."""

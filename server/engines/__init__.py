@@ -1,0 +1,1 @@
+"""What reads the store from outside: the local socket and the engine drivers."""

@@ -1,0 +1,1 @@
+"""What an update stream may say, and where its bytes go."""

@@ -1,0 +1,1 @@
+"""The parts' join, before an update exists: the rules and the joins."""

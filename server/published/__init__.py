@@ -1,0 +1,1 @@
+"""What the node tells the world: the published version, watchers, engines."""

@@ -1,0 +1,1 @@
+"""The gRPC edge: the servicer, its checks, interceptors and reflection; no node state."""

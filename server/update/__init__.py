@@ -1,0 +1,1 @@
+"""One update, Begin to Committed: the session and its steps."""

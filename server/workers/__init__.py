@@ -1,0 +1,1 @@
+"""The worker processes: the supervisor and what an update sees of them."""

@@ -275,8 +275,6 @@ def config_from_args(argv: Sequence[str] | None, env: Mapping[str, str] | None =
         values["engines"] = tuple(e.strip() for e in env[ENV_PREFIX + "ENGINE"].split(",") if e.strip())
     token_file = pick("token_file")
     if token_file:
-        from weightsync.server.credentials import read_token
-
         values["token"] = read_token(token_file)
         values["token_file"] = token_file
     for name in ("health_listen", "metrics_listen"):
@@ -286,6 +284,15 @@ def config_from_args(argv: Sequence[str] | None, env: Mapping[str, str] | None =
         if (raw := pick(name)) is not None:
             values[name] = raw
     return ServerConfig(**values)  # type: ignore[arg-type]
+
+
+def read_token(path: str) -> str:
+    """The bearer token in a token file (--token-file; read again at each SIGHUP reload)."""
+    with open(path, encoding="utf-8") as handle:
+        token = handle.read().strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
 
 
 def check_devices(devices: tuple[str, ...]) -> None:

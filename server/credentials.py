@@ -14,7 +14,7 @@ import threading
 import grpc
 
 from weightsync.common.logging import get_logger
-from weightsync.server.config import ServerConfig
+from weightsync.server.config import ServerConfig, read_token
 
 log = get_logger("weightsync.credentials")
 
@@ -24,12 +24,6 @@ def _read(path: str) -> bytes:
         return handle.read()
 
 
-def read_token(path: str) -> str:
-    with open(path, encoding="utf-8") as handle:
-        token = handle.read().strip()
-    if not token:
-        raise ValueError(f"token file {path} is empty")
-    return token
 
 
 class Credentials:

@@ -178,7 +178,7 @@ class WeightSyncClient:
         rank = part rank) and then the workers; part 0 hosts the store, chooses the backend and the id
         and creates the group on the servers, and the parts learn them through Part.group (needed:
         ValueError without it); each part then pushes over transport="collective", sending its
-        buckets point-to-point to their owners (part_group.create_for_part).
+        buckets point-to-point to their owners (parts.group.create_for_part).
         """
         if self._group is not None:
             raise WeightSyncClientError(f"group {self._group.group_id} exists; delete_group() first")
@@ -278,7 +278,7 @@ class WeightSyncClient:
                 larger buckets.
             progress: called after each bucket with a PushProgress (buckets and bytes sent so far).
             show_progress: a tqdm bar on stderr; None (default): when stderr is a terminal and the
-                push moves at least push_job.PROGRESS_BAR_MIN_BYTES (256 MiB).
+                push moves at least push.job.PROGRESS_BAR_MIN_BYTES (256 MiB).
             delta: send only what changed since this client's last commit (tensors unchanged bit
                 for bit are left out, sparse changes go as patches; see client/delta/base.py). "auto"
                 (default): where it pays on the measured costs, dense otherwise (the first push, a
@@ -472,7 +472,7 @@ class WeightSyncClient:
         pattern that matches none of them) vouches for nothing, and fails the check: each is
         reported missing there (TensorMismatch.remote None). With a part, what is asked is this
         rank's share, which may lie wholly outside a node's subset: that node then vouches for
-        nothing only if it holds nothing at all (store_checksums.not_its_to_hold).
+        nothing only if it holds nothing at all (servers.checksums.not_its_to_hold).
 
         A DTensor (FSDP2, DTensor TP) is checked as this rank's local shard: the box of the whole
         tensor that its push declares, against the server's checksum of that box, with no

@@ -38,7 +38,7 @@ from weightsync.server.tasks import TaskSet
 from weightsync.server.update.admission import MemoryAdmission
 from weightsync.server.update.gate import UpdateGate
 from weightsync.server.update.plans import ValidatedPlans
-from weightsync.server.update.session import SessionServices
+from weightsync.server.update.view import SessionServices
 from weightsync.server.workers.backends import available_backends_for
 from weightsync.server.workers.supervisor import Supervisor, WorkerHandle
 from weightsync.v1 import weight_sync_service_pb2 as pb

@@ -201,7 +201,7 @@ def fake_session_services(fleet: FakeFleet, ingress: Ingress):
     from weightsync.server.store.leases import LeaseTable
     from weightsync.server.store.node_store import NodeStore
     from weightsync.server.update.admission import MemoryAdmission
-    from weightsync.server.update.session import SessionServices
+    from weightsync.server.update.view import SessionServices
 
     async def group_gone(record) -> None:
         pass

@@ -88,7 +88,7 @@ class CachedPlan:
 
 @dataclass(slots=True)
 class PlanCache:
-    """The last committed plan (which servers hold which plan ids: server_state.ServerState.plan_ids)."""
+    """The last committed plan (which servers hold which plan ids: servers.records.ServerState.plan_ids)."""
 
     last: CachedPlan | None = None
 

@@ -34,7 +34,7 @@ def channel_options(max_message_bytes: int, timeout: float) -> list[tuple[str, i
 
 @dataclass(slots=True)
 class Server:
-    """One server's channel and stubs (what the SDK knows of it: server_state.ServerState)."""
+    """One server's channel and stubs (what the SDK knows of it: servers.records.ServerState)."""
 
     address: str
     channel: grpc.aio.Channel

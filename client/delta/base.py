@@ -5,7 +5,7 @@ The SDK keeps, per WeightSyncClient, one copy of every tensor it last committed,
 each: memory equal to the pushed tensors' size, in host memory (CUDA tensors' in pinned host
 memory: none on the trainer's GPU unless WeightSyncClient(delta_host_copy=False) asks for it
 there), except that a view which reads some elements more than once (expand(), a stride of 0)
-costs only the storage it reads (delta_policy.kept_copy; DeltaBase.memory_bytes says what the
+costs only the storage it reads (policy.kept_copy; DeltaBase.memory_bytes says what the
 copy holds). The next push compares raw bits against that copy, per tensor:
   - a sample of its elements first: a tensor whose patch would plainly not pay goes dense without
     paying for a full comparison (so a push where most of the model changed costs about what
@@ -149,7 +149,7 @@ def _changes_across(base: torch.Tensor, new: torch.Tensor) -> Changes:
 
 @dataclass(frozen=True, slots=True)
 class _Home:
-    """Where one kept copy is allocated (delta_policy.kept_copy). Pinned host memory of the copy's own size,
+    """Where one kept copy is allocated (policy.kept_copy). Pinned host memory of the copy's own size,
     given back when the copy goes (common/host_pinning.pinned_host_empty), not torch's pin_memory=True, which
     rounds every allocation up to a power of two and keeps it for the process's life."""
 
@@ -183,7 +183,7 @@ class DeltaBase:
         """Keep device tensors' copy in host memory (pinned for CUDA; the default: a second copy of
         the model on the trainer's GPU left it short for its optimizer and activations a few steps
         later); comparing then reads the kept copy across the bus. False: on the tensors' device
-        (delta_policy.kept_copy)."""
+        (policy.kept_copy)."""
         self.tensors: dict[str, torch.Tensor] = {}
         """The whole copy of each kept tensor (contiguous)."""
         self.views: dict[str, torch.Tensor] = {}

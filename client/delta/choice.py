@@ -21,7 +21,7 @@ def read_span(tensor: torch.Tensor) -> int:
 
 def repeats_elements(tensor: torch.Tensor) -> bool:
     """Whether the tensor is a view whose storage is smaller than its logical size (its copy keeps
-    only that storage: delta_policy.kept_copy)."""
+    only that storage: policy.kept_copy)."""
     return read_span(tensor) < tensor.numel()
 
 

@@ -5,7 +5,7 @@ One LinkTimings per WeightSyncClient. A push reads the figure of its own transpo
 push into stores that existed, `link_timed` for a patched one that spent most of its time waiting
 on the transport, `node_timed` for a dense push of a part: what the nodes measured of the whole
 update, every part's bytes). Until a transport is timed, the benchmark machine's figure is assumed
-(delta_policy.ASSUMED_BYTES_PER_SECOND).
+(policy.ASSUMED_BYTES_PER_SECOND).
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def create_for_part(servers: ServerSet, *, rank: int, world: int, part_group: ob
                     group_id: str | None, store_host: str | None, store_port: int) -> TransferGroup:
     """One group of every part's rank (0..world-1) and every server's workers (module docstring); called on
     every part's rank. Part 0 hosts the store, chooses, and creates the group on the servers. A part gone before
-    or during the parts' all-gathers is PartGroupFailed on the others (part_agreement.gather); a refusal on part 0
+    or during the parts' all-gathers is PartGroupFailed on the others (agreement.gather); a refusal on part 0
     closes its store, which ends every part's rendezvous at once."""
     delta = datetime.timedelta(seconds=timeout)
     trainer_device = trainer_cuda_device(available=torch.cuda.is_available(), initialized=torch.cuda.is_initialized())

@@ -168,7 +168,7 @@ def declare(items: Sequence[tuple[str, torch.Tensor]]) -> list[Declared]:
 
 BoxRule = Callable[[Sequence[object], Sequence[int], Sequence[int], Sequence[int]], "Box | str | None"]
 """What a rank holds of a DTensor from its placements, mesh coordinate, mesh shape and shape: local_box (what
-it sends), or part_verify.held_box (what it checks)."""
+it sends), or verify.held_box (what it checks)."""
 
 
 def shard_of(name: str, tensor: torch.Tensor, rule: BoxRule) -> tuple[Box | None, torch.Tensor] | None:

@@ -1,7 +1,7 @@
 """One push of this process's part (WeightSyncClient(part=...)): checked, agreed, planned, run.
 
   1. check: the transport (INLINE, or SHM on the server's host: the servers run parts over those), the tensors,
-     what this part declares of each (parts.declare), and every server's GetServerInfo.parts;
+     what this part declares of each (part.declare), and every server's GetServerInfo.parts;
   2. agree (Part.group set): one all-gather: every rank learns rank 0's update key, or every rank
      raises PartInputsRefused naming the ranks whose checks failed (agreement.py). Without a
      group, the caller's part_key is the key and a failed check raises as it is, on this rank only;
@@ -27,8 +27,8 @@ generation that server committed last (BeginUpdate.base_generation/base_store_ep
 whether it sends patches or not; every commit gives every part the same generation, so the parts name
 the same base (the server requires it: PART_MISMATCH). A server that refuses the base at Begin
 (BASE_MISMATCH: restarted, or its store moved on) refuses it to every part, each hearing it as its own
-refusal or as PART_FAILED with part_reason BASE_MISMATCH (parts.base_refused); each part then sends the
-whole version dense, naming no base, to every server, under parts.dense_key(key), which every part
+refusal or as PART_FAILED with part_reason BASE_MISMATCH (part.base_refused); each part then sends the
+whole version dense, naming no base, to every server, under part.dense_key(key), which every part
 derives alone: no collective. (A part reads the failure of the first server, in the client's order,
 that failed its Begin: give every rank its servers in one order.) A part whose push fails, for any reason, forgets every server's
 generation (the next push names no base: the parts that failed agree again); the copy is taken again

@@ -5,7 +5,7 @@
 What a rank checks of each tensor (checked_here):
   - a plain torch.Tensor: the whole tensor (as verify() of a client without DTensors);
   - a DTensor: its local shard, as the box of the whole tensor that a push of this rank declares
-    (parts.local_box: Shard(d) is torch.chunk's split, uneven and empty shards included; Partial and
+    (part.local_box: Shard(d) is torch.chunk's split, uneven and empty shards included; Partial and
     strided shards are refused with ValueError naming the tensor). A Replicate placement is checked by
     EVERY rank that holds the replica, not only by the one at mesh coordinate 0 that pushes it: each
     rank's copy is compared with what the servers hold, so a replica that drifted on one rank shows
@@ -16,7 +16,7 @@ The server answers a box with the WS64 of the box's elements in row-major order
 (GetTensorChecksumsRequest.boxes), the checksum of the local shard's contiguous bytes here.
 A box's mismatch names the tensor followed by the box as Python slices (`w[2:4, 0:8]`). A tensor the
 server should hold and does not is reported with remote None. What a `--tensors` subset node should hold
-is decided as for a whole process's verify() (store_checksums.not_its_to_hold, share=True): a name
+is decided as for a whole process's verify() (servers.checksums.not_its_to_hold, share=True): a name
 outside its subset is not its to hold, neither missing nor mismatched there, even when ALL of a rank's
 checks lie outside it (a pipeline stage's rank and the node of another stage: nothing to check there);
 only a node whose store holds nothing at all vouches for nothing (every check reported missing there).
@@ -115,7 +115,7 @@ async def fetch_part_checksums(servers: ServerSet, server: ServerState,
 def part_mismatches(address: str, answer: pb.GetTensorChecksumsResponse, checked: Sequence[Checked],
                     missing: frozenset[str], *, share: bool) -> list[TensorMismatch]:
     """Each check the server's answer does not confirm (remote None where it holds no answer for it),
-    leaving out what is not its to hold (store_checksums.not_its_to_hold; `share`: `checked` is a part
+    leaving out what is not its to hold (servers.checksums.not_its_to_hold; `share`: `checked` is a part
     rank's share, not what a whole process holds)."""
     outside = not_its_to_hold(answer, {c.name for c in checked}, share=share)
     not_stored = set(answer.not_stored)

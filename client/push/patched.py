@@ -3,7 +3,7 @@ server refuses the base or the patches do not fit.
 
     plan_patches   the servers holding this client's last commit (COLLECTIVE: all or none), the
                    choice per tensor (client/delta/base.py), the patched plan (client/push/plans.py);
-                   on a slow link (delta_policy.defers_comparison), where every server takes
+                   on a slow link (delta.policy.defers_comparison), where every server takes
                    deferred buckets, the kept host tensors are compared while the buckets travel
                    (client/delta/deferred.py), from before Begin on
     send_patches   the run; a server that refuses the base at Begin gets the update dense and the

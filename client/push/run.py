@@ -80,7 +80,7 @@ class PushRun:
     mode: int
     allow_new_tensors: bool
     checksums: bool | None
-    """As asked; None: per bucket, on where its bytes came from or through CUDA (read_order.wants_checksum)."""
+    """As asked; None: per bucket, on where its bytes came from or through CUDA (buckets.read_order.wants_checksum)."""
     progress: Callable[[PushProgress], None] | None
     bar: object | None
     started: float

@@ -23,7 +23,7 @@ the client's kept copy is that commit (DeltaBase.claims): the copy, not the serv
 has changed since.
 
 The group's ranks are not here: a server's rank offset is its place in one transfer group
-(transfer_group.TransferGroup.rank_offsets).
+(transports.transfer_group.TransferGroup.rank_offsets).
 """
 
 from __future__ import annotations

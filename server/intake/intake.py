@@ -122,7 +122,7 @@ class IngressSlots(Protocol):
 
 class IntakeSession(Protocol):
     """What an intake needs from its update session, and all it may change there (fail it). It is its
-    stream's side of the session (update_streams.StreamSide): the stream's own plan, counters and
+    stream's side of the session (server/update/stream_side.py): the stream's own plan, counters and
     sequences (bucket k of the stream's plan); what it puts in the inbox is tagged with the stream."""
 
     update_id: str

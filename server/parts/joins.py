@@ -2,11 +2,11 @@
 gathered within a join deadline, and their declarations checked together, before anything is
 allocated or the update gate is asked for.
 
-    ticket = joins.enter(begin)          this part alone refused: its identity (parts.check_identity),
+    ticket = joins.enter(begin)          this part alone refused: its identity (rules.check_identity),
                                          a rank twice (PART_DUPLICATE), other terms than the first
                                          part's (PART_MISMATCH), a key whose update ended (its outcome)
     joins.declare(ticket, plan, ...)     its plan checked and declared; the last part to declare checks
-                                         the union (parts.check_union) for every part
+                                         the union (rules.check_union) for every part
     async for keepalive in joins.wait(ticket): ...
                                          PartsWaiting at once and every KEEPALIVE_SECONDS until the
                                          outcome; then the owners, or every part's refusal
@@ -15,7 +15,7 @@ allocated or the update gate is asked for.
     joins.committed(key, generation)     a later part under the key gets PART_KEY_USED
     joins.refused(part, error)           this part was refused before it joined (its begin, its identity,
                                          its terms): every part under its key gets that refusal's reason
-                                         at once (parts.key_refused), and so does a later one
+                                         at once (rules.key_refused), and so does a later one
 
 When the join deadline passes first, every part that entered gets PARTS_MISSING naming the ranks that
 did not (nothing was allocated), and so does a part that comes later under that key. Everything runs

@@ -197,7 +197,7 @@ def parts_not_run(update_key: str, world: int, why: str = "") -> Refusal:
 
 PART_TRANSPORTS = frozenset({pb.TRANSPORT_INLINE, pb.TRANSPORT_SHM, pb.TRANSPORT_COLLECTIVE})
 """The transports this server runs parts over: INLINE and SHM through its ingress, where each part gets a run
-of slots of its own (update_streams.ingress_shares); COLLECTIVE over a group holding every part's rank, each
+of slots of its own (update.streams.ingress_shares); COLLECTIVE over a group holding every part's rank, each
 part sending point-to-point to each owner (common/receive_order.py)."""
 
 

@@ -301,7 +301,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
 
     def _runs_parts(self, begin: pb.BeginUpdate, world: int) -> str | None:
         """None: this server runs an update of `world` parts as `begin` (the first part's) sends it: INLINE, any
-        world (more parts than ingress slots take turns: update_streams.SlotPool); SHM, each part with a run of
+        world (more parts than ingress slots take turns: update.streams.SlotPool); SHM, each part with a run of
         slots of its own; COLLECTIVE, over a group whose trainer ranks are the parts (part rank = group rank,
         each part sending point-to-point, common/receive_order.py). Else why not."""
         transport = begin.transport

@@ -25,7 +25,7 @@ class Ingress:
     """The server's side: owns the memfd, writes INLINE chunks."""
 
     first_slot = 0
-    """Sequence 0's slot: the whole ingress is one run of slots (update_streams.IngressShare: a part's)."""
+    """Sequence 0's slot: the whole ingress is one run of slots (update.streams.IngressShare: a part's)."""
 
     def __init__(self, slot_bytes: int, slot_count: int) -> None:
         if slot_bytes <= 0 or slot_count < 2:

@@ -12,7 +12,7 @@ decides, for each bucket, where its bytes go:
   - into the staging buffer, then one strided copy per sub-box, for a box of a tensor (TensorSpec.box,
     sent by a part): the box's elements (or a piece's range of them) land at their place in the whole
     stored tensor (boxes.py); a boxed tensor new to the store gets a segment of its own at its
-    first box, which the other boxes (every one of them sent: parts.check_union) fill; a patch of a box
+    first box, which the other boxes (every one of them sent: parts.rules.check_union) fill; a patch of a box
     (of a stored tensor) is scattered from staging as a whole tensor's patch is, its positions mapped from
     the box into the whole tensor by the receiver (PatchTarget.box);
   - nowhere, when the node stores none of its tensors (a server started with
@@ -85,7 +85,7 @@ class TensorCopy:
 class BoxCopy:
     """A box (TensorSpec.box), from staging: bucket bytes [src_offset, +size_bytes) are the row-major
     elements of the sub-box (offsets, sizes) of tensor `name`, whose whole bytes (dtype, shape) start at
-    segment bytes tensor_offset (box_geometry.sub_boxes cut the box, or a piece of it, into such)."""
+    segment bytes tensor_offset (boxes.sub_boxes cut the box, or a piece of it, into such)."""
 
     name: str
     src_offset: int

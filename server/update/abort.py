@@ -9,21 +9,18 @@ did not finish.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from weightsync.common.errors import WeightSyncError
 from weightsync.common.logging import get_logger
 from weightsync.server.tasks import retrieve_quietly
+from weightsync.server.update.view import SessionView
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
-
-if TYPE_CHECKING:
-    from weightsync.server.update.session import UpdateSession
 
 log = get_logger("weightsync.update")
 
 
-async def finish(session: UpdateSession) -> None:
+async def finish(session: SessionView) -> None:
     """The end of every update: its readers stopped, its metrics recorded, the workers' update aborted
     unless it committed, the engines' leases and the group's idle mark given back."""
     for reading in session.reading:
@@ -40,7 +37,7 @@ async def finish(session: UpdateSession) -> None:
             services.groups.update_ended(session.group)
 
 
-async def abort_workers(session: UpdateSession) -> None:
+async def abort_workers(session: SessionView) -> None:
     """Every worker aborts the update, the store releases it (marking what a dead IN_PLACE owner may
     have written), and a broken group is left by every worker."""
     session.finished = True
@@ -72,7 +69,7 @@ async def abort_workers(session: UpdateSession) -> None:
     services.publisher.publish_state()
 
 
-async def settle_receives(session: UpdateSession) -> None:
+async def settle_receives(session: SessionView) -> None:
     """Await the announced buckets' results that nobody awaited.
 
     When the stream is cancelled (the trainer died) while workers sit in a

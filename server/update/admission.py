@@ -35,7 +35,7 @@ class StagingNeed:
     size_bytes: int
     on_device: bool
     lane_bytes: int = 0
-    """Staging for the other lanes of an update fed by several streams (update_prepare.staging_needs):
+    """Staging for the other lanes of an update fed by several streams (prepare.staging_needs):
     allocated for this update alone, on top of the staging the worker keeps."""
 
     @property

@@ -8,21 +8,18 @@ tensors may be torn.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from google.protobuf import duration_pb2
 
 from weightsync.common.logging import get_logger
+from weightsync.server.update.view import SessionView
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
-
-if TYPE_CHECKING:
-    from weightsync.server.update.session import UpdateSession
 
 log = get_logger("weightsync.update")
 
 
-async def commit(session: UpdateSession) -> pb.UpdateWeightsResponse:
+async def commit(session: SessionView) -> pb.UpdateWeightsResponse:
     """Every worker commits, then the store's new layout and the new version are published in one step:
     the clients' UpdateCommitted. A worker's failure raises (the session aborts: abort.py)."""
     services = session.services

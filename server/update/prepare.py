@@ -9,17 +9,14 @@ Once `prepare` set `session.store_update`, an abort is owed to the store and the
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from weightsync.server.store.node_store import StoreUpdate
 from weightsync.server.update.admission import StagingNeed
+from weightsync.server.update.view import SessionView
 from weightsync.worker.v1 import worker_pb2 as wpb
 
-if TYPE_CHECKING:
-    from weightsync.server.update.session import UpdateSession
 
-
-async def prepare(session: UpdateSession) -> None:
+async def prepare(session: SessionView) -> None:
     services = session.services
     fleet, store = services.fleet, services.store
     # Engines reading the bytes this update would write finish first (see server/store/leases.py).
@@ -50,7 +47,7 @@ async def prepare(session: UpdateSession) -> None:
     prepared.raise_first()
 
 
-def staging_needs(session: UpdateSession, update: StoreUpdate) -> list[StagingNeed]:
+def staging_needs(session: SessionView, update: StoreUpdate) -> list[StagingNeed]:
     """What each worker's staging must hold for this update (admission counts what it adds): the largest
     general-path bucket it owns, per stream when several feed the update (each stream is a lane of its own
     on the worker: their buckets interleave)."""

@@ -14,7 +14,7 @@ Two kinds of task cooperate:
     their handlers (`follow`).
 The session sees a reader only as a StreamReader (read, forwarded_to,
 take_pending), and a reader sees the session only as its stream's side
-(update_streams.StreamSide, an IntakeSession): each stream has its own plan,
+(StreamSide, an IntakeSession: stream_side.py): each stream has its own plan,
 sequences and counters (streams.py).
 
 The node's store (server/store/node_store.py) decides where every byte goes before any
@@ -48,7 +48,7 @@ from weightsync.common.errors import (
 )
 from weightsync.common.logging import get_logger
 from weightsync.common.ownership import NO_OWNER
-from weightsync.server.groups import GroupRecord, GroupRegistry
+from weightsync.server.groups import GroupRecord
 from weightsync.server.intake.announcements import check_commit
 from weightsync.server.intake.intake import (
     Abort,
@@ -61,19 +61,15 @@ from weightsync.server.intake.intake import (
     StreamReader,
 )
 from weightsync.server.intake.transports import open_intake
-from weightsync.server.metrics import Metrics
 from weightsync.server.parts.rules import client_idle, part_failed
-from weightsync.server.published.publisher import Publisher
-from weightsync.server.store.ingress import Ingress
-from weightsync.server.store.leases import LeaseTable
-from weightsync.server.store.node_store import NodeStore, StoreUpdate
+from weightsync.server.store.node_store import StoreUpdate
 from weightsync.server.tasks import finish_despite_cancel, retrieve_quietly
 from weightsync.server.update.abort import finish
-from weightsync.server.update.admission import MemoryAdmission
 from weightsync.server.update.commit import commit
 from weightsync.server.update.prepare import prepare
-from weightsync.server.update.streams import END, Stream, StreamSide, attributed, ingress_shares
-from weightsync.server.workers.worker_fleet import WorkerFleet
+from weightsync.server.update.stream_side import StreamSide
+from weightsync.server.update.streams import END, Stream, attributed, ingress_shares
+from weightsync.server.update.view import SessionServices
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
 from weightsync.worker.v1 import worker_pb2 as wpb
@@ -82,31 +78,10 @@ log = get_logger("weightsync.update")
 
 KEEPALIVE_SECONDS = 10.0
 """A part that asked to commit hears PartsWaiting{sending} at once and at least this often until the others
-have (as a joining part does: part_joins.KEEPALIVE_SECONDS)."""
+have (as a joining part does: parts.joins.KEEPALIVE_SECONDS)."""
 BUCKET_MARGIN_SECONDS = 2.0
 """Slack on top of the group timeout for a worker to report a bucket (it reports a collective
 timeout itself at the group timeout; a worker that stays silent longer is killed)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SessionServices:
-    """What an update session needs from the server, and nothing more."""
-
-    fleet: WorkerFleet
-    store: NodeStore
-    publisher: Publisher
-    groups: GroupRegistry
-    admission: MemoryAdmission
-    leases: LeaseTable
-    ingress: Ingress | None
-    command_timeout: float
-    """Longest a non-collective worker command may take."""
-    transfer_timeout: float
-    """INLINE/SHM: longest wait for the client's next bytes, or for workers to apply a bucket."""
-    lease_timeout: float
-    """Longest an update waits for engines to release the bytes it would write."""
-    max_chunk_bytes: int
-    metrics: Metrics
 
 
 @dataclass(slots=True)
@@ -428,7 +403,7 @@ class UpdateSession:
         failing.cancel()
         if not waiting.done():
             # The update failed meanwhile (the reader refused a message): say so now; the abort
-            # path settles this bucket's receives (update_abort.settle_receives).
+            # path settles this bucket's receives (abort.settle_receives).
             waiting.cancel()
             retrieve_quietly(waiting)
             return None

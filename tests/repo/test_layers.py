@@ -9,6 +9,7 @@ the top floor first.
 from __future__ import annotations
 
 import ast
+import graphlib
 import tomllib
 from pathlib import Path
 
@@ -128,6 +129,19 @@ def test_the_floors_are_what_the_imports_need():
     used = {(package, unit) for (package, unit), _ in edges()} | {target for _, target in edges()}
     listed = {(package, unit) for package, floors in FLOORS.items() for floor in floors for unit in floor}
     assert listed - used == set()
+
+
+def test_no_circle_inside_a_folder():
+    """Inside one folder too the modules import each other one way (the update's steps see the session
+    through a Protocol, server/update/view.py, instead of importing it)."""
+    for package in FLOORS:
+        for folder in [ROOT / package, *(p.parent for p in (ROOT / package).glob("*/__init__.py"))]:
+            prefix = tuple(folder.relative_to(ROOT / package).parts)
+            graph = {path.stem: {parts[len(prefix)] for target, parts in imports(path)
+                                 if target == package and parts[:len(prefix)] == prefix and len(parts) > len(prefix)
+                                 and (folder / f"{parts[len(prefix)]}.py").is_file()} - {path.stem}
+                     for path in folder.glob("*.py")}
+            list(graphlib.TopologicalSorter(graph).static_order())  # CycleError names the circle
 
 
 def test_a_few_modules_directly_in_client_and_server():

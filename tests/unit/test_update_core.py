@@ -28,7 +28,8 @@ from weightsync.server.store.leases import LeaseTable
 from weightsync.server.store.node_store import NodeStore
 from weightsync.server.update.admission import MemoryAdmission, StagingNeed
 from weightsync.server.update.gate import UpdateGate
-from weightsync.server.update.session import SessionServices, UpdateSession
+from weightsync.server.update.session import UpdateSession
+from weightsync.server.update.view import SessionServices
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import pack, plan_buckets

@@ -21,8 +21,9 @@ from weightsync.common.errors import WeightSyncError
 from weightsync.common.plan_id import plan_id_of
 from weightsync.server.store.ingress import Ingress
 from weightsync.server.store.node_store import NodeStore
-from weightsync.server.update.session import SessionServices, UpdateSession
+from weightsync.server.update.session import UpdateSession
 from weightsync.server.update.streams import store_plan
+from weightsync.server.update.view import SessionServices
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import pack, plan_buckets

@@ -44,7 +44,7 @@ import torch
 
 from weightsync.common.logging import get_logger
 from weightsync.engine.client import EngineClient, EngineError, StoreSnapshot
-from weightsync.engine.sglang.request import UpdateRequest
+from weightsync.engine.request import UpdateRequest
 
 ENGINE_NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")

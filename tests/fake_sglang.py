@@ -25,7 +25,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from weightsync.engine import EngineClient, EngineError
-from weightsync.engine.sglang.request import LOAD_FORMAT, RequestError, UpdateRequest
+from weightsync.engine.request import RequestError, UpdateRequest
+from weightsync.engine.sglang.request import LOAD_FORMAT
 
 Answer = tuple[int, bytes] | tuple[int, bytes, threading.Event]
 

@@ -26,7 +26,7 @@ changed since its own version, and releases the lease saying whether it applied.
 import os
 
 from weightsync.engine.lmdeploy.loader import AttachConfig, LoadError, RankLoader, RankPlace
-from weightsync.engine.sglang.request import REQUEST_NAME, UpdateRequest
+from weightsync.engine.request import REQUEST_NAME, UpdateRequest
 
 MODULE_MAP_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "module_map.py")
 """The file to give LMDeploy as custom_module_map."""

@@ -4,7 +4,7 @@ LMDeploy loads these in place of its own when its engine is built with weightsyn
 map (module_map.py): `PytorchEngineConfig(custom_module_map=MODULE_MAP_PATH)`, LMDeploy 0.18's Python
 API only (its CLI has no flag for it). Each is LMDeploy's own class, unchanged, except that
 `load_weights` also takes one pair ("weightsync.update", int64 tensor [format, generation,
-since_generation, wait_ms, strict]) (weightsync.engine.sglang.request's format): on it the rank
+since_generation, wait_ms, strict]) (engine/request.py's format): on it the rank
 loads that version from the node's store (loader.py), every other pair going to LMDeploy's own
 `load_weights` as before, and LMDeploy's own finalisation (`process_weights_after_loading`, graph
 reset) runs after it as after any bucket. Nothing is unpickled by weightsync.
@@ -31,7 +31,7 @@ from lmdeploy.pytorch.models.qwen2 import Qwen2ForCausalLM as _Qwen2
 from lmdeploy.pytorch.models.qwen3 import Qwen3ForCausalLM as _Qwen3
 
 from weightsync.engine.lmdeploy.loader import LoadError, rank_loader, request_of
-from weightsync.engine.sglang.request import REQUEST_NAME
+from weightsync.engine.request import REQUEST_NAME
 
 
 class WeightsyncLoading:

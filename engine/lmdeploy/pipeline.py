@@ -23,7 +23,7 @@ from weightsync.engine.lmdeploy.loader import (
     RankLoader,
     lmdeploy_rank_place,
 )
-from weightsync.engine.sglang.request import UpdateRequest
+from weightsync.engine.request import UpdateRequest
 
 _LOADERS: dict[int, RankLoader] = {}
 

@@ -14,12 +14,7 @@ the `sglang.srt.plugins` entry point) answers a refused version with `success: f
 letting SGLang stop.
 """
 
-from weightsync.engine.sglang.request import (
-    LOAD_FORMAT,
-    REQUEST_NAME,
-    RequestError,
-    UpdateRequest,
-    update_body,
-)
+from weightsync.engine.request import REQUEST_NAME, RequestError, UpdateRequest
+from weightsync.engine.sglang.request import LOAD_FORMAT, update_body
 
 __all__ = ["LOAD_FORMAT", "REQUEST_NAME", "RequestError", "UpdateRequest", "update_body"]

@@ -58,7 +58,7 @@ from weightsync.engine.rank_load import (
     LoadError,
     counted,
 )
-from weightsync.engine.sglang.request import RequestError, UpdateRequest
+from weightsync.engine.request import RequestError, UpdateRequest
 
 logger = get_logger("weightsync.engine.sglang")
 

@@ -128,7 +128,7 @@ def _custom_loaders(updater: Any) -> Any:
 def carries_request(named_tensors: Any) -> bool:
     """Whether a rank's entry holds weightsync's request: a list of (name, tensor), or flattened_bucket's
     {"flattened_tensor", "metadata"} with named metadata."""
-    from weightsync.engine.sglang.request import REQUEST_NAME
+    from weightsync.engine.request import REQUEST_NAME
 
     if isinstance(named_tensors, dict):
         return any(getattr(meta, "name", None) == REQUEST_NAME for meta in named_tensors.get("metadata", None) or ())

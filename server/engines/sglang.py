@@ -39,7 +39,8 @@ import json
 from dataclasses import dataclass, field
 
 from weightsync.common.logging import get_logger
-from weightsync.engine.sglang.request import UpdateRequest, update_body
+from weightsync.engine.request import UpdateRequest
+from weightsync.engine.sglang.request import update_body
 from weightsync.server.engines.driver import (
     EngineAnswerMalformed,
     EngineCallFailed,

@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from weightsync.engine.request import REQUEST_NAME, RequestError
 from weightsync.engine.sglang import UpdateRequest, update_body
 from weightsync.engine.sglang.loader import AttachConfig, LoadError, RankLoader, RankPlace
-from weightsync.engine.sglang.request import REQUEST_NAME, RequestError
 from weightsync.v1 import weight_sync_service_pb2 as pb
 
 from helpers import running_server, sdk_client

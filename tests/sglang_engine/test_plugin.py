@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from weightsync.engine.request import REQUEST_NAME
 from weightsync.engine.sglang import LOAD_FORMAT, UpdateRequest, update_body
 from weightsync.engine.sglang.plugin import body_problem, carries_request, guarded_update
-from weightsync.engine.sglang.request import REQUEST_NAME, encode
+from weightsync.engine.sglang.request import encode
 
 
 def unpickle(entry: str) -> object:

@@ -32,8 +32,9 @@ if problem := sglang_server.sglang_problem():
 
 import torch  # noqa: E402
 
+from weightsync.engine.request import REQUEST_NAME  # noqa: E402
 from weightsync.engine.sglang import LOAD_FORMAT, UpdateRequest, update_body  # noqa: E402
-from weightsync.engine.sglang.request import REQUEST_NAME, encode  # noqa: E402
+from weightsync.engine.sglang.request import encode  # noqa: E402
 from weightsync.v1 import weight_sync_service_pb2 as pb  # noqa: E402
 
 from helpers import sdk_client, start_server  # noqa: E402

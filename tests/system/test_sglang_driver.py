@@ -19,7 +19,8 @@ import pytest
 import torch
 from fake_sglang import FakeSglang
 
-from weightsync.engine.sglang.request import LOAD_FORMAT, UpdateRequest
+from weightsync.engine.request import UpdateRequest
+from weightsync.engine.sglang.request import LOAD_FORMAT
 from weightsync.server.config import EngineSpec, config_from_args, parse_engine_spec
 from weightsync.v1 import weight_sync_service_pb2 as pb
 

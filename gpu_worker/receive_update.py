@@ -19,7 +19,7 @@ from weightsync.gpu_worker.patch_apply import CheckedPatch
 from weightsync.worker.v1 import worker_pb2 as wpb
 
 
-class Phase(enum.Enum):
+class ReceivePhase(enum.Enum):
     RECEIVING = "receiving"
     FAILED = "failed"
 
@@ -34,7 +34,7 @@ class Applied:
 
 @dataclass(slots=True)
 class ReceiveUpdate:
-    """This worker's part of the update in flight."""
+    """This worker's assignment in the update in flight."""
 
     command: wpb.PrepareUpdateCommand
     owned: dict[int, wpb.OwnedBucket]
@@ -45,7 +45,7 @@ class ReceiveUpdate:
     waiting: list[collections.deque[int]] = field(default_factory=list)
     """Per lane, the owned sequences not yet in, in the order they arrive."""
     received: int = 0
-    phase: Phase = Phase.RECEIVING
+    phase: ReceivePhase = ReceivePhase.RECEIVING
     kept: list[tuple[torch.Tensor, CheckedPatch]] = field(default_factory=list)
     """STAGED: checked patches, scattered at commit."""
     lane_buffers: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)

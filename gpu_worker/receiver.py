@@ -1,4 +1,4 @@
-"""A worker's part of one update: receive the buckets it owns and write them into the node store.
+"""A worker's assignment in one update: receive the buckets it owns and write them into the node store.
 
     (idle) --prepare--> RECEIVING: staging ready, this worker's shadow copies done
     RECEIVING --receive (owned buckets, in plan order within each lane)--> RECEIVING, or FAILED when a bucket
@@ -55,7 +55,7 @@ from weightsync.gpu_worker.bucket_checks import (
 from weightsync.gpu_worker.device_lane import DeviceLane
 from weightsync.gpu_worker.frames import decompress_bucket
 from weightsync.gpu_worker.patch_apply import CheckedPatch, FusedPatch, check_patch
-from weightsync.gpu_worker.receive_update import Applied, Phase, ReceiveUpdate
+from weightsync.gpu_worker.receive_update import Applied, ReceivePhase, ReceiveUpdate
 from weightsync.gpu_worker.store_maps import StoreMaps
 from weightsync.v1 import tensor_pb2
 from weightsync.v1 import weight_sync_service_pb2 as pb
@@ -90,7 +90,7 @@ class Receiver:
 
     # -- the update's lifecycle -----------------------------------------------------------------
     def prepare(self, command: wpb.PrepareUpdateCommand, *, device_lane: bool) -> ReceiveUpdate:
-        """Take this worker's part in: staging sized, shadow copies done (STAGED)."""
+        """Take this worker's assignment in: staging sized, shadow copies done (STAGED)."""
         if self.update is not None:
             raise FailedPrecondition("UPDATE_IN_PROGRESS", f"update {self.update.update_id} is still running",
                                      update_id=self.update.update_id)
@@ -126,7 +126,7 @@ class Receiver:
     def commit(self, update_id: str) -> None:
         """Every owned bucket is in: scatter STAGED patches (the server holds engines off), wait for every copy."""
         update = self.current(update_id)
-        if update.phase is not Phase.RECEIVING or update.received != len(update.order):
+        if update.phase is not ReceivePhase.RECEIVING or update.received != len(update.order):
             raise FailedPrecondition("BUCKETS_MISSING", f"commit after {update.received} of this worker's "
                                      f"{len(update.order)} buckets", received=update.received,
                                      expected=len(update.order))
@@ -180,7 +180,7 @@ class Receiver:
         never hangs; None when it was dropped on purpose (not owned, or after a failure)."""
         update = self.current(receive.update_id)
         self.touched = False
-        if receive.discard or update.phase is Phase.FAILED:
+        if receive.discard or update.phase is ReceivePhase.FAILED:
             transfer(self.scratch(receive.size_bytes))
             return None
         compressed = receive.compression != pb.BUCKET_COMPRESSION_UNSPECIFIED
@@ -192,7 +192,7 @@ class Receiver:
             check_tail_announced(receive.sequence, receive.size_bytes if compressed else owned.size_bytes,
                                  receive.tail)
         except WeightSyncError:
-            update.phase = Phase.FAILED
+            update.phase = ReceivePhase.FAILED
             if 0 <= receive.size_bytes <= update.command.largest_bucket_bytes:
                 transfer(self.scratch(receive.size_bytes))
             raise
@@ -213,7 +213,7 @@ class Receiver:
                 return self._apply_from_device(update, owned, slot, buffer, receive.checksum)
             return self._apply(update, owned, buffer, receive.checksum)
         except WeightSyncError:
-            update.phase = Phase.FAILED
+            update.phase = ReceivePhase.FAILED
             raise
 
     def _receive_frame(self, update: ReceiveUpdate, owned: wpb.OwnedBucket, receive: wpb.ReceiveBucketCommand,
@@ -223,7 +223,7 @@ class Receiver:
         try:
             frame = self._wire(receive.size_bytes)
         except WeightSyncError:  # over this worker's memory limit: still drained, so the sender never hangs
-            update.phase = Phase.FAILED
+            update.phase = ReceivePhase.FAILED
             transfer(self.scratch(receive.size_bytes))
             raise
         arm_tail(frame, receive.tail)
@@ -232,7 +232,7 @@ class Receiver:
             check_tail(receive.sequence, frame, receive.tail)
             return self._decompress_and_apply(update, owned, frame, receive.checksum)
         except WeightSyncError:
-            update.phase = Phase.FAILED
+            update.phase = ReceivePhase.FAILED
             raise
 
     def _decompress_and_apply(self, update: ReceiveUpdate, owned: wpb.OwnedBucket, frame: torch.Tensor,
@@ -283,7 +283,7 @@ class Receiver:
         None while the bucket is not complete (a piece), or when it is dropped on purpose."""
         update = self.current(receive.update_id)
         self.touched = False
-        if receive.discard or update.phase is Phase.FAILED:
+        if receive.discard or update.phase is ReceivePhase.FAILED:
             return None
         if ingress is None:
             raise FailedPrecondition("INGRESS_MISSING", "this worker has no ingress mapped")
@@ -321,7 +321,7 @@ class Receiver:
                 return None
             return self._apply(update, owned, received, receive.checksum)
         except WeightSyncError:
-            update.phase = Phase.FAILED
+            update.phase = ReceivePhase.FAILED
             raise
 
     def receive_in_store(self, receive: wpb.ReceiveBucketCommand) -> Applied | None:
@@ -330,7 +330,7 @@ class Receiver:
         purpose (the update is failing)."""
         update = self.current(receive.update_id)
         self.touched = False
-        if receive.discard or update.phase is Phase.FAILED:
+        if receive.discard or update.phase is ReceivePhase.FAILED:
             return None
         try:
             owned = self._expected(update, receive)  # never one with patches or boxes (server/store/writes.py)
@@ -342,7 +342,7 @@ class Receiver:
             verify_in_store(owned.sequence, owned.checks, pieces, owned.size_bytes, receive.checksum)
             return self._done(update, owned)
         except WeightSyncError:
-            update.phase = Phase.FAILED
+            update.phase = ReceivePhase.FAILED
             raise
 
     # -- putting a bucket in place ----------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""The worker's command loop: one device, its groups, its part of the node's updates.
+"""The worker's command loop: one device, its groups, its assignments in the node's updates.
 
     map_arenas       map arenas of the node store (descriptors on the fd channel)
     unmap_arenas     drop the mappings of arenas the store no longer uses
-    prepare_update   take this worker's part of an update in: its buckets and their places
+    prepare_update   take this worker's assignment in an update: its buckets and their places
     receive_bucket   one bucket, from a Gloo receive, an NCCL broadcast or the ingress
     commit_update    STAGED patches scattered, every copy done
     abort_update, leave_group of the update's group, shutdown: the update is dropped

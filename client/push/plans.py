@@ -63,7 +63,7 @@ MIN_PATCH_BUCKET_BYTES = 256 << 10
 """patched_plan does not cut the patches into buckets smaller than this (each costs an announcement)."""
 
 
-def share_out(patches: list[tuple[str, torch.Tensor]], buckets: int) -> list[list[tuple[str, torch.Tensor]]]:
+def split_patches(patches: list[tuple[str, torch.Tensor]], buckets: int) -> list[list[tuple[str, torch.Tensor]]]:
     """The patches in `buckets` shares of about equal bytes (fewer where that would leave a share under
     MIN_PATCH_BUCKET_BYTES): largest first, each to the share holding the fewest bytes so far; each
     share keeps the patches' order."""
@@ -87,7 +87,7 @@ def patched_plan(items: list[tuple[str, torch.Tensor]], delta: DeltaChoice, *, b
 
     The tensors sent whole come first, planned as a dense push would plan them; then the patches,
     shared out into `patch_buckets` buckets of about equal bytes where they are large enough
-    (share_out; a patch is never split): the owners are balanced by bytes (common/ownership.py),
+    (split_patches; a patch is never split): the owners are balanced by bytes (common/ownership.py),
     so with one bucket per worker every worker of a node checks and applies its share at once. At
     1% changed a model's patches fit one bucket many times over, and one worker applied all of
     them while the others waited. Exactly one per worker, not more: a worker receives its next
@@ -101,7 +101,7 @@ def patched_plan(items: list[tuple[str, torch.Tensor]], delta: DeltaChoice, *, b
              if name not in delta.unchanged and name not in delta.patches and name not in later]
     patches = [(name, delta.patches[name].data) for name, _ in items if name in delta.patches]
     planned = build_plan(whole, bucket_size_bytes, zero_copy_min_bytes) if whole else []
-    for share in share_out(patches, patch_buckets):
+    for share in split_patches(patches, patch_buckets):
         planned += build_plan(share, bucket_size_bytes, zero_copy_min_bytes=0)  # packed: one bucket a share
     first_deferred = len(planned)
     if deferred is not None:

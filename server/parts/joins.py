@@ -35,9 +35,9 @@ from weightsync.common.logging import get_logger
 from weightsync.server.parts.rules import (
     UPDATE_KEY_PATTERN,
     Declaration,
+    DtypeShape,
     Owners,
     Sent,
-    TensorMeta,
     Terms,
     check_identity,
     check_join,
@@ -126,7 +126,7 @@ class PartJoins:
         return Ticket(rendezvous, part.rank)
 
     def declare(self, ticket: Ticket, part: pb.UpdatePart, plan: tensor_pb2.WeightPlan, *,
-                stored: Callable[[], Mapping[str, TensorMeta]], stores: Callable[[str], bool]) -> None:
+                stored: Callable[[], Mapping[str, DtypeShape]], stores: Callable[[str], bool]) -> None:
         """The part's checked plan and its declaration; the last one checks the union for every part."""
         rendezvous = ticket.rendezvous
         if rendezvous.outcome.done():

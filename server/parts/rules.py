@@ -102,7 +102,7 @@ class Declaration:
 
 
 @dataclass(frozen=True, slots=True)
-class TensorMeta:
+class DtypeShape:
     """A tensor's dtype (tensor_pb2.Dtype) and shape: as a plan sends it, or as the store holds it."""
 
     dtype: int
@@ -119,7 +119,7 @@ class Sent:
 
     name: str
     box: Box | None
-    meta: TensorMeta
+    meta: DtypeShape
     bucket: int
     """The first bucket that holds it."""
 
@@ -302,13 +302,13 @@ def sent_by(plan: tensor_pb2.WeightPlan) -> tuple[Sent, ...]:
     for index, bucket in enumerate(plan.buckets):
         for spec in bucket.tensors:
             box = Box.of(spec.box) if spec.HasField("box") else None
-            seen.setdefault((spec.name, box), Sent(spec.name, box, TensorMeta(spec.dtype, tuple(spec.shape)), index))
+            seen.setdefault((spec.name, box), Sent(spec.name, box, DtypeShape(spec.dtype, tuple(spec.shape)), index))
     return tuple(seen.values())
 
 
 # -- the union --------------------------------------------------------------------------------------
 def check_union(declarations: Sequence[Declaration], sent: Mapping[int, Sequence[Sent]],
-                stored: Mapping[str, TensorMeta], stores: Callable[[str], bool] = lambda name: True) -> Owners | Refusal:
+                stored: Mapping[str, DtypeShape], stores: Callable[[str], bool] = lambda name: True) -> Owners | Refusal:
     """The declarations of every part of an update (one per rank) and what each part's plan sends
     (`sent`, by rank), checked together before anything is allocated: the owners, or the refusal
     every part gets. `stored` is what the store holds; a tensor this server does not store
@@ -355,7 +355,7 @@ def check_union(declarations: Sequence[Declaration], sent: Mapping[int, Sequence
 
 
 def _check_new_boxes_sent(boxed: Mapping[str, Sequence[tuple[int, Box]]], sent: Mapping[int, Sequence[Sent]],
-                          stored: Mapping[str, TensorMeta], stores: Callable[[str], bool]) -> Refusal | None:
+                          stored: Mapping[str, DtypeShape], stores: Callable[[str], bool]) -> Refusal | None:
     """A boxed tensor the store does not hold arrives whole: every box of it is sent, by its part."""
     sent_boxes = {(rank, item.name, item.box) for rank, items in sent.items() for item in items}
     for name, owners in boxed.items():
@@ -391,9 +391,9 @@ def _check_sends(declarations: Sequence[Declaration], sent: Mapping[int, Sequenc
     return None
 
 
-def _metas(sent: Mapping[int, Sequence[Sent]], stored: Mapping[str, TensorMeta]) -> dict[str, TensorMeta] | Refusal:
+def _metas(sent: Mapping[int, Sequence[Sent]], stored: Mapping[str, DtypeShape]) -> dict[str, DtypeShape] | Refusal:
     """Each tensor's dtype and shape: as the plans send it (they agree), else as the store holds it."""
-    metas: dict[str, tuple[TensorMeta, int]] = {}
+    metas: dict[str, tuple[DtypeShape, int]] = {}
     for rank in sorted(sent):
         for item in sent[rank]:
             known = metas.setdefault(item.name, (item.meta, rank))

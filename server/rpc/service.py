@@ -29,7 +29,7 @@ from weightsync.common.logging import get_logger
 from weightsync.common.plan_id import plan_id_of
 from weightsync.server.node import SERVICE_NAME, Node
 from weightsync.server.parts.joins import PartJoins, Ticket
-from weightsync.server.parts.rules import PART_TRANSPORTS, TensorMeta, boxes_refused, parts_not_run
+from weightsync.server.parts.rules import PART_TRANSPORTS, DtypeShape, boxes_refused, parts_not_run
 from weightsync.server.rpc.checks import (
     check_begin,
     group_for,
@@ -322,9 +322,9 @@ class WeightSyncServicer(pb_grpc.WeightSyncServiceServicer):
             return f"over SHM it runs at most as many parts as its {ingress.slot_count} ingress slots"
         return None
 
-    def _stored(self) -> dict[str, TensorMeta]:
+    def _stored(self) -> dict[str, DtypeShape]:
         """The dtype and shape of every tensor the store holds (what a part may declare unchanged)."""
-        return {name: TensorMeta(dtypes.from_torch(t.dtype), t.shape) for name, t in self.node.store.tensors.items()}
+        return {name: DtypeShape(dtypes.from_torch(t.dtype), t.shape) for name, t in self.node.store.tensors.items()}
 
 
 __all__ = ["WeightSyncServicer", "SERVICE_NAME"]

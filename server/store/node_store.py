@@ -65,7 +65,7 @@ class Segment:
     """Fingerprint of the bucket this segment mirrors (the fast path); b"" if packed otherwise."""
 
 
-class Phase(enum.Enum):
+class StorePhase(enum.Enum):
     SIZED = "sized"
     """Derived and sized: nothing allocated, the store untouched (waits for the server's admission)."""
     ALLOCATED = "allocated"
@@ -83,7 +83,7 @@ class StoreUpdate:
     workers: int
     needed_bytes: int
     """What allocate adds to the store: new segments and missing shadows."""
-    phase: Phase = Phase.SIZED
+    phase: StorePhase = StorePhase.SIZED
     new_arenas: list[int] = field(default_factory=list)
     """The arenas of the update's new segments (released by an abort)."""
     touched: set[int] = field(default_factory=set)
@@ -137,7 +137,7 @@ class NodeStore:
     # -- reading -------------------------------------------------------------------------
     @property
     def state(self) -> int:
-        if self.update is not None and self.update.phase is Phase.ALLOCATED:
+        if self.update is not None and self.update.phase is StorePhase.ALLOCATED:
             return pb.STORE_STATE_UPDATING
         if not self.tensors:
             return pb.STORE_STATE_EMPTY
@@ -155,7 +155,7 @@ class NodeStore:
     @property
     def _committed_segments(self) -> int:
         update = self.update
-        if update is not None and update.phase is Phase.ALLOCATED:
+        if update is not None and update.phase is StorePhase.ALLOCATED:
             return update.plan.first_new_segment
         return len(self.segments)
 
@@ -288,7 +288,7 @@ class NodeStore:
         if new_arenas:
             update.new_arenas = [arena.arena_id for arena, _ in new_arenas]
             self.layout_version += 1
-        update.phase = Phase.ALLOCATED
+        update.phase = StorePhase.ALLOCATED
         return created
 
     async def _arenas_for(self, sizes: list[int], created: list[HostArena]) -> list[tuple[HostArena, list[int]]]:
@@ -395,7 +395,7 @@ class NodeStore:
     def commit(self, update: StoreUpdate, generation: int) -> None:
         """Publish: flip the shadows (STAGED), add the new tensors, clear what was rewritten. Synchronous:
         the caller publishes the version in the same step, so no lease sees one without the other."""
-        assert update is self.update and update.phase is Phase.ALLOCATED
+        assert update is self.update and update.phase is StorePhase.ALLOCATED
         plan = update.plan
         for index in plan.shadowed_segments:
             segment = self.segments[index]
@@ -419,7 +419,7 @@ class NodeStore:
         may have been written, and `torn` (a commit that failed half-way), stay dirty."""
         assert update is self.update
         self.update = None
-        if update.phase is Phase.SIZED:
+        if update.phase is StorePhase.SIZED:
             return []
         dirtied = set(torn)
         if not update.staged:
@@ -458,4 +458,4 @@ def owned_sequences(update: StoreUpdate, worker: int) -> list[int]:
     return [k for k, owner in enumerate(update.owners) if owner == worker]
 
 
-__all__ = ["NodeStore", "StoreUpdate", "Phase", "owned_sequences", "patches"]
+__all__ = ["NodeStore", "StoreUpdate", "StorePhase", "owned_sequences", "patches"]

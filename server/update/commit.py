@@ -1,5 +1,5 @@
 """How an update commits, once every stream asked to and every bucket was applied (session.py):
-engines reading what a STAGED patch rewrites finish first, every worker commits its part, and the
+engines reading what a STAGED patch rewrites finish first, every worker commits its assignment, and the
 store's new layout and the new version are published in one step (no lease sees one without the
 other). If a worker fails its commit, the session aborts (abort.py), knowing which patched
 tensors may be torn.

@@ -1,6 +1,6 @@
 """The start of an update, before the client hears `ready`: the engines' leases on the bytes it
 would write, the store's update derived, its memory admitted and allocated, the arenas mapped
-in every worker, and each worker handed its part (prepare_update).
+in every worker, and each worker handed its assignment (prepare_update).
 
 Once `prepare` set `session.store_update`, an abort is owed to the store and the workers
 (abort.py), whatever fails after.

@@ -19,7 +19,7 @@ sequences and counters (streams.py).
 
 The node's store (server/store/node_store.py) decides where every byte goes before any
 moves: the session derives the update there (one plan: the streams' plans one
-after another), admits its memory, allocates and hands each worker its part
+after another), admits its memory, allocates and hands each worker its assignment
 (prepare.py), and at the end commits the store and publishes the
 version in one step (no lease sees one without the other; commit.py),
 or aborts it (abort.py). It commits once every stream asked to commit, each having

@@ -20,9 +20,9 @@ from weightsync.common.plan_id import plan_id_of
 from weightsync.server.parts.rules import (
     Box,
     Declaration,
+    DtypeShape,
     Owners,
     Sent,
-    TensorMeta,
     Terms,
     boxes_refused,
     check_identity,
@@ -252,22 +252,22 @@ def test_what_a_plan_sends_once_each():
                                             piece=tensor_pb2.TensorPiece(offset_bytes=32))]),
         tensor_pb2.BucketSpec(tensors=[spec("b", [3], BF16)], deferred=True),
     ])
-    w = TensorMeta(F32, (8, 4))
+    w = DtypeShape(F32, (8, 4))
     assert sent_by(plan) == (
-        Sent("a", None, TensorMeta(F32, (2,)), 0),
+        Sent("a", None, DtypeShape(F32, (2,)), 0),
         Sent("w", box((0, 4), (0, 4)), w, 0),
         Sent("w", box((4, 8), (0, 4)), w, 1),  # its two pieces: one box, first seen in bucket 1
-        Sent("b", None, TensorMeta(BF16, (3,)), 3),  # a deferred bucket's candidate
+        Sent("b", None, DtypeShape(BF16, (3,)), 3),  # a deferred bucket's candidate
     )
 
 
 # -- the union --------------------------------------------------------------------------------------
-W = TensorMeta(F32, (8, 4))
-STORED = {"w": W, "b": TensorMeta(F32, (4,)), "s": TensorMeta(F32, ())}
+W = DtypeShape(F32, (8, 4))
+STORED = {"w": W, "b": DtypeShape(F32, (4,)), "s": DtypeShape(F32, ())}
 ROWS = (box((0, 4), (0, 4)), box((4, 8), (0, 4)))
 
 
-def sends(rank: int, name: str, b: Box | None = None, meta: TensorMeta = W, bucket: int = 0) -> Sent:
+def sends(rank: int, name: str, b: Box | None = None, meta: DtypeShape = W, bucket: int = 0) -> Sent:
     return Sent(name, b, meta, bucket)
 
 
@@ -278,7 +278,7 @@ def sends(rank: int, name: str, b: Box | None = None, meta: TensorMeta = W, buck
     # each sends its half, part 1 in two boxes of columns; a new tensor n known from the plan that sends it
     ([Declaration(0, ("n",), (("w", (ROWS[0],)),)),
       Declaration(1, (), (("w", (box((4, 8), (0, 1)), box((4, 8), (1, 4)))),))],
-     {0: [sends(0, "w", ROWS[0]), sends(0, "n", None, TensorMeta(BF16, (5,)))],
+     {0: [sends(0, "w", ROWS[0]), sends(0, "n", None, DtypeShape(BF16, (5,)))],
       1: [sends(1, "w", box((4, 8), (1, 4)), bucket=2)]},
      Owners({"n": 0}, {"w": ((0, ROWS[0]), (1, box((4, 8), (0, 1))), (1, box((4, 8), (1, 4))))})),
     # a 0-d tensor's one box is the whole of it
@@ -306,7 +306,7 @@ def sends(rank: int, name: str, b: Box | None = None, meta: TensorMeta = W, buck
      ("INVALID_ARGUMENT", "PART_SENDS_UNOWNED", {"tensor": "w", "part": "0", "bucket": "0", "box": "[0:4, 0:4]"})),
     # the plans agree on dtype and shape; a declared tensor is sent or stored
     ([Declaration(0, (), (("w", (ROWS[0],)),)), Declaration(1, (), (("w", (ROWS[1],)),))],
-     {0: [sends(0, "w", ROWS[0])], 1: [sends(1, "w", ROWS[1], TensorMeta(BF16, (8, 4)))]},
+     {0: [sends(0, "w", ROWS[0])], 1: [sends(1, "w", ROWS[1], DtypeShape(BF16, (8, 4)))]},
      ("INVALID_ARGUMENT", "PART_TENSOR_MISMATCH", {"tensor": "w", "parts": "0,1"})),
     ([Declaration(0, ("new",))], {},
      ("INVALID_ARGUMENT", "PART_TENSOR_UNKNOWN", {"tensor": "new", "part": "0"})),
@@ -340,7 +340,7 @@ def sends(rank: int, name: str, b: Box | None = None, meta: TensorMeta = W, buck
      {0: [sends(0, "nw", ROWS[0])], 1: [sends(1, "nw", ROWS[1])]},
      Owners({}, {"nw": ((0, ROWS[0]), (1, ROWS[1]))})),
     # a plan's shape wins over the store's for the tiling (the store check refuses the difference later)
-    ([Declaration(0, (), (("w", (box((0, 2), (0, 4)),)),))], {0: [sends(0, "w", box((0, 2), (0, 4)), TensorMeta(F32, (2, 4)))]},
+    ([Declaration(0, (), (("w", (box((0, 2), (0, 4)),)),))], {0: [sends(0, "w", box((0, 2), (0, 4)), DtypeShape(F32, (2, 4)))]},
      Owners({}, {"w": ((0, box((0, 2), (0, 4))),)})),
 ])
 def test_the_union_of_the_parts(declared, sent, expected):

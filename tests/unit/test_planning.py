@@ -82,9 +82,9 @@ def test_duplicate_names_and_unsupported_dtypes_are_refused():
     ([], 2, []),
 ])
 def test_patches_are_shared_out_one_bucket_per_worker(sizes, buckets, expected):
-    """client.plan_choice.share_out: exactly `buckets` shares where the bytes allow, balanced by bytes
+    """client/push/plans.py split_patches: exactly `buckets` shares where the bytes allow, balanced by bytes
     (largest first, each to the share holding least), each share in the patches' order."""
-    from weightsync.client.push.plans import share_out
+    from weightsync.client.push.plans import split_patches
 
     patches = [(f"p{i}", torch.empty(size, dtype=torch.uint8)) for i, size in enumerate(sizes)]
-    assert [[name for name, _ in share] for share in share_out(patches, buckets)] == expected
+    assert [[name for name, _ in share] for share in split_patches(patches, buckets)] == expected

@@ -382,7 +382,7 @@ def test_auth_and_tls_flags_fail_closed(tmp_path):
 
 # -- 3. constant-time compare ----------------------------------------------------------
 def test_interceptor_uses_constant_time_compare():
-    source = (REPO / "server" / "interceptors.py").read_text()
+    source = (REPO / "server" / "rpc" / "interceptors.py").read_text()
     assert "hmac.compare_digest" in source
     calls = [
         node for node in ast.walk(ast.parse(source))

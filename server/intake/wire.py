@@ -34,7 +34,7 @@ class ChunkView:
 
 @dataclass(frozen=True, slots=True)
 class ChunkRequest:
-    """An UpdateWeightsRequest holding a bucket_chunk, read the way update_intake reads a message."""
+    """An UpdateWeightsRequest holding a bucket_chunk, read the way the intake (intake.py) reads a message."""
 
     bucket_chunk: ChunkView
 

@@ -1,5 +1,5 @@
 """A trainer process on the server's host for tests/test_store_writes_guarantees.py: its buckets are written
-straight into the node store (client/store_writes.py).
+straight into the node store (client/transports/store_writes.py).
 
     python tests/store_writes_trainer.py stall ADDRESS MODE SEED BUCKET
         Pushes model(SEED) over SHM in MODE (in_place or staged). Halfway through the first tensor it writes
@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from weightsync.client import UpdateFailed, WeightSyncClient, store_writes  # noqa: E402
+from weightsync.client import UpdateFailed, WeightSyncClient  # noqa: E402
+from weightsync.client.transports import store_writes  # noqa: E402
 
 from models import mixed_model  # noqa: E402
 

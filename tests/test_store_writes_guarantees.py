@@ -1,5 +1,5 @@
 """SHM at the copy limit (issue 45) keeps every guarantee the slots gave: a trainer on the server's host writes
-its buckets straight into the node store (client/store_writes.py), and
+its buckets straight into the node store (client/transports/store_writes.py), and
 
 - a trainer process SIGKILLed halfway through writing a tensor into the store leaves the committed version
   bit for bit under STAGED (it wrote the shadows), and under IN_PLACE the store INCONSISTENT, as
@@ -32,9 +32,10 @@ import pytest
 import torch
 from store_writes_trainer import BUCKET_BYTES, model
 
-from weightsync.client import UpdateFailed, WeightSyncClient, store_writes
-from weightsync.client.planning import build_plan
-from weightsync.client.store_writes import SMALL_TENSOR_BYTES, gaps
+from weightsync.client import UpdateFailed, WeightSyncClient
+from weightsync.client.buckets.planning import build_plan
+from weightsync.client.transports import store_writes
+from weightsync.client.transports.store_writes import SMALL_TENSOR_BYTES, gaps
 from weightsync.common import ws64_host
 from weightsync.common.checksum import to_proto
 from weightsync.common.errors import DataLoss

@@ -3,7 +3,7 @@ first copies a device tensor into it, so that the copies are DMAs; an arena it o
 and the ingress, are never pinned; a refused registration is not asked again; closing unpins what was pinned.
 
 The device copies are faked here (meta-device sources, the side stream's work replaced by a completed event):
-tests/gpu/test_host_path.py runs them on a GPU (client/store_writes.py)."""
+tests/gpu/test_host_path.py runs them on a GPU (client/transports/store_writes.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
-from weightsync.client import store_writes
-from weightsync.client.packing import TensorSource
-from weightsync.client.store_writes import INGRESS, Region, StoreMappings, StoreWriter
+from weightsync.client.buckets.packing import TensorSource
+from weightsync.client.transports import store_writes
+from weightsync.client.transports.store_writes import INGRESS, Region, StoreMappings, StoreWriter
 from weightsync.v1 import tensor_pb2
 
 ARENA_BYTES = 1 << 20

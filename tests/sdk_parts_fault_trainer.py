@@ -34,9 +34,11 @@ KILL_AFTER = 1
 the update runs on every server (Ready came: both parts joined), and buckets of rank 1 are still to come."""
 CORRUPT = 1
 """Rank 1 of "corrupt" announces bucket 1 with the checksum of other bytes (its bucket 0 goes through)."""
-HOLD_TIMEOUT = datetime.timedelta(seconds=30)
-"""How long rank 1 of "corrupt_hold" holds its streams open for rank 0's push to end (the servers' idle bound,
---transfer-timeout-seconds, is 60 s: only the abort fan-out ends it sooner)."""
+HOLD_TIMEOUT = datetime.timedelta(seconds=90)
+"""How long rank 1 of "corrupt_hold" may hold its streams open for rank 0's push to end: longer than the servers'
+idle bound (--transfer-timeout-seconds, 60 s), which ends rank 0's push whatever the load, so the hold never
+gives up first (a 30 s hold did, on a loaded CI). Only the abort fan-out ends rank 0's push sooner, and the
+test checks that it did (PART_FAILED naming part 1; the idle bound would say otherwise)."""
 PUSH = dict(mode="staged", transport="inline", allow_new_tensors=True, bucket_size_bytes=BUCKET, checksums=True)
 
 

@@ -36,10 +36,11 @@ from helpers import (
     start_server,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(420)
 
 TRAINER = Path(__file__).resolve().parents[1] / "sdk_parts_fault_trainer.py"
-TRAINERS_TIMEOUT = 150
+TRAINERS_TIMEOUT = 300
+"""Every scenario's ranks, a hold of up to HOLD_TIMEOUT (90 s) included."""
 FAILED_WITHIN = 30.0
 """Seconds from rank 1's death to rank 0's PartUpdateFailed: the server learns it from the stream's end,
 well before any idle bound (--transfer-timeout-seconds, 60 s by default)."""

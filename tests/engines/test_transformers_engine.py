@@ -101,7 +101,9 @@ def served_by_server(node) -> pb.EngineStatus:
 
 def test_hot_updates_give_the_trainers_logits_bit_for_bit(node, trainer, engine):
     never_pushed = expected_digest(tiny_model.weights(transformers_engine.SEED_NEVER_PUSHED))
-    assert engine.steps()[0]["digest"] == never_pushed  # the engine's own weights before any push
+    # The engine says READY before its first step is written: wait for that step (bounded as wait_serving is).
+    first = wait_for(lambda: next(iter(engine.steps()), None), 60.0)
+    assert first["digest"] == never_pushed  # the engine's own weights before any push
     state = {}
     for seed, label in ((1, "v1"), (2, "v2"), (3, "v3")):
         state = tiny_model.weights(seed)

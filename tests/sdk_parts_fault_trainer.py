@@ -35,10 +35,13 @@ the update runs on every server (Ready came: both parts joined), and buckets of 
 CORRUPT = 1
 """Rank 1 of "corrupt" announces bucket 1 with the checksum of other bytes (its bucket 0 goes through)."""
 HOLD_TIMEOUT = datetime.timedelta(seconds=90)
-"""How long rank 1 of "corrupt_hold" may hold its streams open for rank 0's push to end: longer than the servers'
-idle bound (--transfer-timeout-seconds, 60 s), which ends rank 0's push whatever the load, so the hold never
-gives up first (a 30 s hold did, on a loaded CI). Only the abort fan-out ends rank 0's push sooner, and the
-test checks that it did (PART_FAILED naming part 1; the idle bound would say otherwise)."""
+"""How long rank 0 waits at the barrier that ends rank 1's hold ("held": rank 1 holds its streams open in its
+progress callback until rank 0's push ended). Rank 1's side of a monitored_barrier is bounded by the group's
+timeout (GLOO_TIMEOUT, 60 s) whatever this says, and the servers' idle bound is 60 s too: only the abort
+fan-out (UpdateAborting) ends rank 0's push well before either, and the test checks that it did (PART_FAILED
+naming part 1). Rank 0 may hear it while sending or after it asked to commit (a loaded machine: it had sent
+every bucket before rank 1's bad one failed); a commit wait that looked only for Committed and the stream's
+end sat out the 60 s, and rank 1's barrier gave up first."""
 PUSH = dict(mode="staged", transport="inline", allow_new_tensors=True, bucket_size_bytes=BUCKET, checksums=True)
 
 

@@ -127,6 +127,11 @@ class UpdateStream:
                 elif kind == "aborting":
                     self.aborting = response.aborting
                     self._wake()
+                    if not self.committed.done():
+                        # The update will not commit: a part that already asked to commit learns it now, not
+                        # when every other part's stream ended (one may hold its stream open a long while).
+                        self.committed.set_exception(self.reported_error)
+                        self.committed.exception()  # retrieved: the commit wait may not be running
                 elif kind == "committed":
                     self.committed.set_result(response.committed)
             error: WeightSyncRpcError | None = None
@@ -154,7 +159,8 @@ class UpdateStream:
         """Committed, waited for while the server keeps talking: the bound counts from the later of this call
         and the server's last message, so a part whose server says the other parts still send (PartsWaiting)
         waits for them, however long they take, and one whose server went quiet gives up after
-        `quiet_timeout` (TimeoutError)."""
+        `quiet_timeout` (TimeoutError). The server's UpdateAborting ends the wait at once (its error: the
+        reason, and the ErrorInfo metadata that names a failed part)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         while True:

@@ -8,6 +8,7 @@ one part, or not COLLECTIVE, takes them as they come)."""
 from __future__ import annotations
 
 import datetime
+import re
 import threading
 import time
 from concurrent.futures import Future
@@ -287,8 +288,10 @@ def test_a_gloo_send_ends_when_its_receiver_leaves_the_group(size):
                 sender.wait(work, started + deadline_s)
             waited = time.monotonic() - started
             if leave:
-                assert waited < 5.0 and not failed.value.timed_out
-                assert "closed by peer" in str(failed.value)
+                # Ended by the peer's leaving, not at its deadline (30 s); Gloo says so as "Connection closed by
+                # peer" or, when the socket is reset under a pending read, "Connection reset by peer".
+                assert not failed.value.timed_out
+                assert re.search(r"Connection (closed|reset) by peer", str(failed.value)), str(failed.value)
             else:
                 assert waited >= 0.9 and failed.value.timed_out
         finally:

@@ -192,7 +192,12 @@ def test_every_failure_is_typed_cleaned_up_and_the_next_commit_is_served(tmp_pat
                 wait_for(lambda state=failed_state: driven(server).state == state, timeout=60)
                 error = driven(server).last_error
                 assert error.startswith(error_start) and contains in error, (step, error)
-                assert fake.routes()[before:] == (["GET /server_info"] if tp_unknown and attempt else []) + attempt, step
+                calls = (["GET /server_info"] if tp_unknown and attempt else []) + attempt
+                # The entry says the failure before the driver's cleanup (/end_weight_update, /continue_generation)
+                # has run: a stuck SGLang is shown at once. The cleanup's calls follow; then exactly these calls.
+                expected = before + len(calls)
+                wait_for(lambda expected=expected: len(fake.routes()) >= expected, timeout=60)
+                assert fake.routes()[before:] == calls, step
                 tp_unknown = failed_state == pb.ENGINE_STATE_UNREACHABLE or (tp_unknown and not attempt)
                 hold.set()
                 if route == "POST /update_weight_version":

@@ -125,6 +125,22 @@ def test_each_commit_pauses_updates_labels_and_continues_sglang(tmp_path, fake, 
     assert "Traceback" not in server.log()
 
 
+def _wait_for_final_error(server, state: int, start: str, contains: str, step: int) -> None:
+    """Until the driven entry is in `state` and its last_error says what the step expects (the failure, and
+    what the cleanup added); the test fails with the entry as it stands if it never does within 60 s."""
+    seen: list = []
+
+    def settled() -> bool:
+        status = driven(server)
+        seen[:] = [pb.EngineState.Name(status.state), status.last_error]
+        return status.state == state and status.last_error.startswith(start) and contains in status.last_error
+
+    try:
+        wait_for(settled, timeout=60)
+    except AssertionError:
+        raise AssertionError((step, *seen)) from None
+
+
 def _until_cancelled(stream):
     try:
         yield from stream
@@ -189,14 +205,13 @@ def test_every_failure_is_typed_cleaned_up_and_the_next_commit_is_served(tmp_pat
                 before = len(fake.routes())
                 bad = weights(10 + step)
                 trainer.push(bad, version=f"bad{step}", transport="inline", allow_new_tensors=step == 0)
-                wait_for(lambda state=failed_state: driven(server).state == state, timeout=60)
-                error = driven(server).last_error
-                assert error.startswith(error_start) and contains in error, (step, error)
-                calls = (["GET /server_info"] if tp_unknown and attempt else []) + attempt
                 # The entry says the failure before the driver's cleanup (/end_weight_update, /continue_generation)
-                # has run: a stuck SGLang is shown at once. The cleanup's calls follow; then exactly these calls.
+                # has run: a stuck SGLang is shown at once. The cleanup's calls follow, and its own failures are
+                # then added to last_error: wait for the calls, then for the entry the driver leaves at the end.
+                calls = (["GET /server_info"] if tp_unknown and attempt else []) + attempt
                 expected = before + len(calls)
                 wait_for(lambda expected=expected: len(fake.routes()) >= expected, timeout=60)
+                _wait_for_final_error(server, failed_state, error_start, contains, step)
                 assert fake.routes()[before:] == calls, step
                 tp_unknown = failed_state == pb.ENGINE_STATE_UNREACHABLE or (tp_unknown and not attempt)
                 hold.set()
